@@ -1,0 +1,3 @@
+"""recsz: distributed DLRM training with an error-bounded compressed embedding all-to-all."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,19 @@
+"""Codecs for the embedding all-to-all: ``get_codec(name).encode(x, eb)`` -> uint8 payload.
+
+See :mod:`recsz.codecs.base` for the contract every codec keeps.
+"""
+
+from recsz.codecs import baselines as _baselines  # noqa: F401  (registers the baselines)
+from recsz.codecs import hybrid as _hybrid  # noqa: F401  (registers hybrid and its stages)
+from recsz.codecs.base import Codec, PayloadError, parse_payload
+from recsz.codecs.registry import available_codecs, decode_payload, get_codec, register_codec
+
+__all__ = [
+    "Codec",
+    "PayloadError",
+    "available_codecs",
+    "decode_payload",
+    "get_codec",
+    "parse_payload",
+    "register_codec",
+]

@@ -1,0 +1,255 @@
+"""Baselines behind the same interface: what a practitioner would use instead.
+
+- ``none``: raw bytes (the uncompressed all-to-all).
+- ``fp16``, ``bf16``, ``fp8`` (e4m3, row-wise scale), ``int8`` (row-wise scale and offset):
+  the precisions TorchRec's quantized comms offer. Their error is relative to the values
+  and unbounded in absolute terms, so they are not ``error_bounded``.
+- ``lz4``, ``zstd``: lossless general-purpose compressors.
+- ``sz3`` (PyPI ``pysz``) and ``zfp`` (PyPI ``zfpy``): general error-bounded compressors,
+  optional extras (``pip install 'recsz[baselines]'``). Their output is checked against
+  the bound and any miss is carried exactly (``verify_bound``), so the guarantee is ours.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import lz4.frame
+import numpy as np
+import torch
+import zstandard
+
+from recsz.codecs.base import Codec, PayloadError
+from recsz.codecs.registry import register_codec
+
+_NP_DTYPE = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}
+
+
+def _raw(x: torch.Tensor) -> bytes:
+    """The tensor's bytes (bf16 viewed as int16, which numpy lacks as a float)."""
+    t = x.cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _from_raw(b: bytes, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    n = int(np.prod(shape))
+    if len(b) != n * itemsize:
+        raise PayloadError(f"body holds {len(b)} bytes, {n} x {dtype} needs {n * itemsize}")
+    t = torch.frombuffer(bytearray(b), dtype=dtype) if n else torch.empty(0, dtype=dtype)
+    return t.view(shape).to(device)
+
+
+@register_codec
+class NoneCodec(Codec):
+    """No compression: the payload body is the tensor's bytes."""
+
+    codec_id = "none"
+    lossless = True
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        return _raw(x)
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        return _from_raw(body.tobytes(), shape, dtype, device)
+
+
+class _CastCodec(Codec):
+    target: torch.dtype
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        return _raw(x.to(self.target))
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        return _from_raw(body.tobytes(), shape, self.target, device).to(dtype)
+
+
+@register_codec
+class FP16Codec(_CastCodec):
+    """Cast to IEEE half precision (TorchRec's FP16 comms)."""
+
+    codec_id = "fp16"
+    target = torch.float16
+
+
+@register_codec
+class BF16Codec(_CastCodec):
+    """Cast to bfloat16 (TorchRec's BF16 comms)."""
+
+    codec_id = "bf16"
+    target = torch.bfloat16
+
+
+@register_codec
+class FP8Codec(Codec):
+    """float8 e4m3 with one float32 scale per row (amax / 448)."""
+
+    codec_id = "fp8"
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        xf = x.float()
+        amax = xf.abs().amax(1, keepdim=True)
+        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        q = (xf / scale).to(torch.float8_e4m3fn)
+        return scale.cpu().numpy().astype("<f4").tobytes() + q.cpu().view(torch.uint8).numpy().tobytes()
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        n, d = shape
+        if body.size != 4 * n + n * d:
+            raise PayloadError(f"fp8 body of {body.size} bytes does not fit {shape}")
+        scale = torch.from_numpy(body[: 4 * n].copy().view("<f4")).view(n, 1)
+        q = torch.from_numpy(body[4 * n :].copy()).view(torch.float8_e4m3fn).view(n, d)
+        return (q.float() * scale).to(dtype).to(device)
+
+
+@register_codec
+class Int8Codec(Codec):
+    """uint8 codes with a float32 offset (row min) and scale ((max - min) / 255) per row."""
+
+    codec_id = "int8"
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        xf = x.float()
+        lo = xf.amin(1, keepdim=True)
+        span = xf.amax(1, keepdim=True) - lo
+        scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
+        q = torch.round((xf - lo) / scale).clamp(0, 255).to(torch.uint8)
+        head = torch.cat([lo, scale], 1).cpu().numpy().astype("<f4").tobytes()
+        return head + q.cpu().numpy().tobytes()
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        n, d = shape
+        if body.size != 8 * n + n * d:
+            raise PayloadError(f"int8 body of {body.size} bytes does not fit {shape}")
+        head = torch.from_numpy(body[: 8 * n].copy().view("<f4")).view(n, 2)
+        q = torch.from_numpy(body[8 * n :].copy()).view(n, d).float()
+        return (q * head[:, 1:2] + head[:, 0:1]).to(dtype).to(device)
+
+
+@register_codec
+class LZ4Codec(Codec):
+    """Lossless LZ4 frame of the raw bytes."""
+
+    codec_id = "lz4"
+    lossless = True
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        return lz4.frame.compress(_raw(x))
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        try:
+            raw = lz4.frame.decompress(body.tobytes())
+        except RuntimeError as e:
+            raise PayloadError(f"lz4 frame does not decode: {e}") from None
+        return _from_raw(raw, shape, dtype, device)
+
+
+@register_codec
+class ZstdCodec(Codec):
+    """Lossless zstd of the raw bytes."""
+
+    codec_id = "zstd"
+    lossless = True
+
+    def __init__(self, level: int = 3) -> None:
+        if not -7 <= level <= 22:
+            raise ValueError(f"zstd level must be in [-7, 22], got {level}")
+        self.level = int(level)
+
+    def get_config(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        return zstandard.ZstdCompressor(level=self.level).compress(_raw(x))
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(
+                body.tobytes(), max_output_size=int(np.prod(shape)) * itemsize)
+        except zstandard.ZstdError as e:
+            raise PayloadError(f"zstd frame does not decode: {e}") from None
+        return _from_raw(raw, shape, dtype, device)
+
+
+def _optional(module: str, package: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(
+            f"this codec needs the optional package {package!r}: "
+            f"pip install {package}  (or pip install 'recsz[baselines]')"
+        ) from None
+
+
+def _wide(x: torch.Tensor) -> np.ndarray:
+    """float32/float64 numpy copy of x (the external libraries take nothing narrower)."""
+    t = x.cpu()
+    return (t.double() if t.dtype == torch.float64 else t.float()).numpy()
+
+
+@register_codec
+class SZ3Codec(Codec):
+    """SZ3 in absolute-error mode (NOPRED measured best on embedding rows)."""
+
+    codec_id = "sz3"
+    error_bounded = True
+    verify_bound = True
+
+    def __init__(self, algorithm: str = "NOPRED") -> None:
+        if algorithm not in ("NOPRED", "INTERP_LORENZO", "LORENZO_REG", "INTERP"):
+            raise ValueError(f"unknown SZ3 algorithm {algorithm!r}")
+        self.algorithm = algorithm
+
+    def get_config(self) -> dict[str, Any]:
+        return {"algorithm": self.algorithm}
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        pysz = _optional("pysz", "pysz")
+        a = _wide(x)
+        cfg = pysz.szConfig(a.shape)
+        cfg.errorBoundMode = pysz.szErrorBoundMode.ABS
+        cfg.absErrorBound = eb
+        cfg.cmprAlgo = getattr(pysz.szAlgorithm, self.algorithm)
+        comp, _ = pysz.sz.compress(a, cfg)
+        return np.uint8(a.dtype == np.float64).tobytes() + np.asarray(comp, np.uint8).tobytes()
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        pysz = _optional("pysz", "pysz")
+        if body.size < 2:
+            raise PayloadError("sz3 body too short")
+        npdt = np.float64 if body[0] else np.float32
+        out, _ = pysz.sz.decompress(np.ascontiguousarray(body[1:]), npdt, shape)
+        return torch.from_numpy(np.array(out, copy=True)).view(shape).to(dtype).to(device)
+
+
+@register_codec
+class ZFPCodec(Codec):
+    """ZFP in fixed-accuracy mode (tolerance = eb)."""
+
+    codec_id = "zfp"
+    error_bounded = True
+    verify_bound = True
+
+    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+        zfpy = _optional("zfpy", "zfpy==1.0.1")
+        return bytes(zfpy.compress_numpy(np.ascontiguousarray(_wide(x)), tolerance=eb))
+
+    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
+                eb: float, device: torch.device) -> torch.Tensor:
+        zfpy = _optional("zfpy", "zfpy==1.0.1")
+        out = zfpy.decompress_numpy(body.tobytes())
+        if tuple(out.shape) != tuple(shape):
+            raise PayloadError(f"zfp stream holds shape {out.shape}, header says {shape}")
+        return torch.from_numpy(np.array(out, copy=True)).to(dtype).to(device)

@@ -1,0 +1,270 @@
+"""Reader for the Criteo Display Advertising Challenge layout, and its binary form.
+
+One sample per line, tab separated, 40 fields: label (0/1), 13 integer counts I1..I13
+(may be empty or negative), 26 categorical features C1..C26 (32-bit hexadecimal hashes,
+may be empty). The Terabyte ``day_N`` files share the layout.
+
+Conventions (as in facebookresearch/dlrm and MLPerf):
+- a missing count is 0, a negative count is clamped to 0, dense = log(1 + x);
+- a categorical hex string is hashed into its table's size; id 0 of every table is
+  reserved for "missing", so a present value maps to ``1 + h % (size - 1)``;
+- lines whose trailing empty fields were stripped are padded, never rejected;
+- anything else that does not parse raises :class:`CriteoFormatError` naming the file,
+  the line and the field, unless ``skip_bad_lines`` is set, in which case the line is
+  counted and reported.
+
+The binary form written by :func:`preprocess` is three raw little-endian arrays
+(``dense.f32`` (N, 13), ``cats.i32`` (N, 26), ``labels.f32`` (N,)) plus ``meta.json``;
+:func:`load` memory-maps them, so a 45-million-line file never has to fit in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+N_DENSE = 13
+N_CAT = 26
+N_FIELDS = 1 + N_DENSE + N_CAT
+FORMAT_VERSION = 1
+
+
+class CriteoFormatError(ValueError):
+    """A line of a Criteo file could not be parsed; the message names file:line:field."""
+
+
+@dataclass
+class Arrays:
+    """A block of samples: dense (N, 13) float32, cats (N, 26) int64, labels (N,) float32."""
+
+    dense: np.ndarray
+    cats: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _mix32(h: int) -> int:
+    """A 32-bit finalizer (murmur3 fmix32): spreads the raw hash before the modulo."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def hash_category(value: int, size: int) -> int:
+    """Map a raw 32-bit category to an id in [1, size) (0 means missing)."""
+    return 1 + _mix32(value) % (size - 1)
+
+
+@dataclass
+class ParseStats:
+    """Counters a reader keeps so that skipped lines are reported, never hidden."""
+
+    lines: int = 0
+    padded: int = 0
+    skipped: int = 0
+    bytes: int = 0
+    first_error: str = ""
+
+
+def parse_line(
+    line: str, table_sizes: Sequence[int], where: str = "<input>"
+) -> tuple[float, list[float], list[int], bool]:
+    """Parse one line into (label, dense[13], ids[26], padded).
+
+    Raises CriteoFormatError naming ``where`` (file:line) and the field at fault.
+    """
+    fields = line.rstrip("\r\n").split("\t")
+    if len(fields) > N_FIELDS:
+        raise CriteoFormatError(f"{where}: {len(fields)} fields, expected at most {N_FIELDS}")
+    padded = len(fields) < N_FIELDS
+    if padded:
+        if len(fields) < 1 + N_DENSE and line.strip() == "":
+            raise CriteoFormatError(f"{where}: empty line")
+        fields = fields + [""] * (N_FIELDS - len(fields))
+    lab = fields[0]
+    if lab not in ("0", "1"):
+        raise CriteoFormatError(f"{where}: field 1 (label): {lab!r} is not 0 or 1")
+    dense: list[float] = []
+    for j in range(N_DENSE):
+        s = fields[1 + j]
+        if s == "":
+            v = 0
+        else:
+            try:
+                v = int(s)
+            except ValueError:
+                raise CriteoFormatError(
+                    f"{where}: field {2 + j} (I{j + 1}): {s!r} is not an integer"
+                ) from None
+        dense.append(math.log1p(v) if v > 0 else 0.0)
+    ids: list[int] = []
+    for j in range(N_CAT):
+        s = fields[1 + N_DENSE + j]
+        if s == "":
+            ids.append(0)
+            continue
+        if len(s) > 8:
+            raise CriteoFormatError(
+                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {s!r} is longer than 8 hex digits"
+            )
+        try:
+            raw = int(s, 16)
+        except ValueError:
+            raise CriteoFormatError(
+                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {s!r} is not hexadecimal"
+            ) from None
+        ids.append(hash_category(raw, table_sizes[j]))
+    return float(lab), dense, ids, padded
+
+
+def iter_blocks(
+    path: str | os.PathLike[str],
+    table_sizes: Sequence[int],
+    block_rows: int = 65536,
+    skip_bad_lines: bool = False,
+    stats: ParseStats | None = None,
+) -> Iterator[Arrays]:
+    """Stream a raw Criteo file as blocks of at most ``block_rows`` samples.
+
+    Only one block is held at a time, so any file size streams in bounded memory.
+    """
+    if len(table_sizes) != N_CAT:
+        raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
+    stats = stats if stats is not None else ParseStats()
+    labels: list[float] = []
+    dense: list[list[float]] = []
+    cats: list[list[int]] = []
+
+    def flush() -> Arrays:
+        blk = Arrays(
+            np.asarray(dense, dtype=np.float32).reshape(-1, N_DENSE),
+            np.asarray(cats, dtype=np.int64).reshape(-1, N_CAT),
+            np.asarray(labels, dtype=np.float32),
+        )
+        labels.clear()
+        dense.clear()
+        cats.clear()
+        return blk
+
+    with open(path, encoding="ascii", errors="strict", newline="") as f:
+        lineno = 0
+        while True:
+            try:
+                line = f.readline()
+            except UnicodeDecodeError as e:
+                raise CriteoFormatError(f"{path}:{lineno + 1}: not ASCII text ({e})") from None
+            if not line:
+                break
+            lineno += 1
+            stats.bytes += len(line)
+            if line in ("\n", "\r\n"):
+                continue  # blank line (e.g. at the end): nothing to read
+            try:
+                y, d, c, padded = parse_line(line, table_sizes, f"{path}:{lineno}")
+            except CriteoFormatError as e:
+                if not skip_bad_lines:
+                    raise
+                stats.skipped += 1
+                stats.first_error = stats.first_error or str(e)
+                continue
+            stats.lines += 1
+            stats.padded += int(padded)
+            labels.append(y)
+            dense.append(d)
+            cats.append(c)
+            if len(labels) >= block_rows:
+                yield flush()
+    if labels:
+        yield flush()
+
+
+def read(
+    path: str | os.PathLike[str],
+    table_sizes: Sequence[int],
+    skip_bad_lines: bool = False,
+    stats: ParseStats | None = None,
+) -> Arrays:
+    """Read a whole raw file into arrays (the text itself is never held)."""
+    blocks = list(iter_blocks(path, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats))
+    if not blocks:
+        raise CriteoFormatError(f"{path}: no samples")
+    return Arrays(
+        np.concatenate([b.dense for b in blocks]),
+        np.concatenate([b.cats for b in blocks]),
+        np.concatenate([b.labels for b in blocks]),
+    )
+
+
+def preprocess(
+    raw: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    table_sizes: Sequence[int],
+    skip_bad_lines: bool = False,
+    progress: bool = True,
+) -> ParseStats:
+    """Convert a raw file to the memory-mappable binary form, streaming block by block."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stats = ParseStats()
+    total = os.path.getsize(raw)
+    tmp = {k: out / f"{k}.tmp" for k in ("dense", "cats", "labels")}
+    with (
+        open(tmp["dense"], "wb") as fd,
+        open(tmp["cats"], "wb") as fc,
+        open(tmp["labels"], "wb") as fl,
+        tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess") as bar,
+    ):
+        for blk in iter_blocks(raw, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
+            fd.write(blk.dense.astype("<f4").tobytes())
+            fc.write(blk.cats.astype("<i4").tobytes())
+            fl.write(blk.labels.astype("<f4").tobytes())
+            bar.update(stats.bytes - bar.n)
+    os.replace(tmp["dense"], out / "dense.f32")
+    os.replace(tmp["cats"], out / "cats.i32")
+    os.replace(tmp["labels"], out / "labels.f32")
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "rows": stats.lines,
+        "table_sizes": list(table_sizes),
+        "skipped_lines": stats.skipped,
+        "padded_lines": stats.padded,
+        "source": str(raw),
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return stats
+
+
+def load(
+    out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = None
+) -> Arrays:
+    """Memory-map a preprocessed directory; refuse one hashed into other table sizes."""
+    d = Path(out_dir)
+    meta_path = d / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{d}: no meta.json; run `recsz preprocess RAW.tsv {d}` first")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {meta.get('format_version')} unsupported")
+    if table_sizes is not None and list(table_sizes) != list(meta["table_sizes"]):
+        raise ValueError(
+            f"{d} was hashed into table sizes {meta['table_sizes']}, the model has "
+            f"{list(table_sizes)}; preprocess again with this preset"
+        )
+    n = int(meta["rows"])
+    dense = np.memmap(d / "dense.f32", dtype="<f4", mode="r", shape=(n, N_DENSE))
+    cats = np.memmap(d / "cats.i32", dtype="<i4", mode="r", shape=(n, N_CAT))
+    labels = np.memmap(d / "labels.f32", dtype="<f4", mode="r", shape=(n,))
+    return Arrays(dense, cats, labels)  # type: ignore[arg-type]

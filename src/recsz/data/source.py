@@ -1,0 +1,148 @@
+"""Where batches come from: the synthetic generator, a raw Criteo file or a preprocessed one.
+
+Every batch is a pure function of (seed, step), so each rank of a distributed job can read
+the same global batch (the table owners need every sample's ids) and a resumed run sees
+exactly the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recsz.data import criteo
+from recsz.data.synthetic import SyntheticCriteo
+
+
+@dataclass
+class Batch:
+    """dense (B, 13) float32, ids (B, 26) int64, labels (B,) float32."""
+
+    dense: torch.Tensor
+    ids: torch.Tensor
+    labels: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slice(self, start: int, stop: int) -> Batch:
+        return Batch(self.dense[start:stop], self.ids[start:stop], self.labels[start:stop])
+
+
+def _to_batch(a: criteo.Arrays) -> Batch:
+    return Batch(
+        torch.from_numpy(np.ascontiguousarray(a.dense, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(a.cats, dtype=np.int64)),
+        torch.from_numpy(np.ascontiguousarray(a.labels, dtype=np.float32)),
+    )
+
+
+class DataSource:
+    """Training batches by step, and a fixed evaluation set."""
+
+    name: str
+    n_train: int | None  # None: an endless stream
+
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        raise NotImplementedError
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def steps_per_epoch(self, batch_size: int) -> int | None:
+        if self.n_train is None:
+            return None
+        return max(1, self.n_train // batch_size)
+
+
+class SyntheticSource(DataSource):
+    """The built-in generator: an endless training stream and a fixed eval set."""
+
+    def __init__(
+        self, table_sizes: Sequence[int], seed: int, n_eval: int = 20_000, **kw: object
+    ) -> None:
+        self.gen = SyntheticCriteo(table_sizes, seed=seed, **kw)  # type: ignore[arg-type]
+        self.name = "synthetic"
+        self.n_train = None
+        self.n_eval = n_eval
+
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        return _to_batch(self.gen.block(0, step, batch_size))
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        for i, start in enumerate(range(0, self.n_eval, batch_size)):
+            yield _to_batch(self.gen.block(1, i, min(batch_size, self.n_eval - start)))
+
+
+class ArraySource(DataSource):
+    """Rows of a file: the first (1 - eval_frac) train, the rest evaluate.
+
+    Training order is a fresh permutation each epoch, drawn from (seed, epoch); the
+    remainder of an epoch that does not fill a batch is dropped.
+    """
+
+    def __init__(
+        self, arrays: criteo.Arrays, seed: int, eval_frac: float = 0.2, name: str = "file"
+    ) -> None:
+        if not 0.0 < eval_frac < 1.0:
+            raise ValueError(f"eval_frac must be in (0, 1), got {eval_frac}")
+        n = len(arrays)
+        n_eval = max(1, int(round(n * eval_frac)))
+        if n - n_eval < 1:
+            raise ValueError(f"{name}: {n} rows are too few to split into train and eval")
+        self.arrays = arrays
+        self.seed = seed
+        self.name = name
+        self.n_train = n - n_eval
+        self._perm_epoch = -1
+        self._perm = np.arange(0)
+
+    def _rows(self, idx: np.ndarray) -> Batch:
+        a = self.arrays
+        idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
+        return _to_batch(criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx]))
+
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        assert self.n_train is not None
+        if batch_size > self.n_train:
+            raise ValueError(
+                f"{self.name}: batch size {batch_size} exceeds the {self.n_train} training rows"
+            )
+        spe = self.n_train // batch_size
+        epoch, pos = divmod(step, spe)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, 3, epoch]).permutation(self.n_train)
+            self._perm_epoch = epoch
+        return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size])
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+        assert self.n_train is not None
+        n = len(self.arrays)
+        for start in range(self.n_train, n, batch_size):
+            yield self._rows(np.arange(start, min(n, start + batch_size)))
+
+
+def make_source(
+    data: str,
+    table_sizes: Sequence[int],
+    seed: int,
+    skip_bad_lines: bool = False,
+    eval_frac: float = 0.2,
+) -> DataSource:
+    """``synthetic``, a raw Criteo TSV file, or a directory made by ``recsz preprocess``."""
+    if data == "synthetic":
+        return SyntheticSource(table_sizes, seed)
+    p = Path(data)
+    if p.is_dir():
+        return ArraySource(criteo.load(p, table_sizes), seed, eval_frac, name=str(p))
+    if not p.exists():
+        raise FileNotFoundError(f"--data {data}: no such file or directory")
+    stats = criteo.ParseStats()
+    arrays = criteo.read(p, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats)
+    if stats.skipped:
+        print(f"{p}: skipped {stats.skipped} bad lines (first: {stats.first_error})")
+    return ArraySource(arrays, seed, eval_frac, name=str(p))

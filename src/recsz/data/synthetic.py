@@ -1,0 +1,149 @@
+"""Built-in synthetic data with Criteo's shape, so the main job needs no files.
+
+13 dense features (log(1 + count) of geometric counts) and 26 categorical features whose
+ids follow a power law (Zipf, exponent ``alpha``) over each table's size, like real
+click logs where a few ids are looked up in almost every batch. Labels come from a
+fixed hidden "teacher": a logistic model with one weight per (table, id), a linear term
+in the dense features and a few pairwise factor interactions (what DLRM's dot-product
+interaction can represent), with a bias giving Criteo's click rate of about 0.25.
+
+The teacher's parameters are derived by hashing (seed, table, id), never stored, so a
+table of ten million ids costs nothing. Every batch is a pure function of
+(seed, step), which makes every rank of a distributed job read the same global batch
+and makes resumed runs see the data they would have seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from recsz.data.criteo import N_CAT, N_DENSE, Arrays
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """Vectorised splitmix64 finalizer: a good 64-bit hash of uint64 arrays."""
+    z = x.astype(np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def _hash_normal(key: np.ndarray) -> np.ndarray:
+    """Standard normal values that are a deterministic function of uint64 keys."""
+    a = _splitmix64(key)
+    b = _splitmix64(a ^ np.uint64(0x5851F42D4C957F2D))
+    u1 = ((a >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+    u2 = (b >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
+
+
+class SyntheticCriteo:
+    """Criteo-shaped samples with a learnable hidden teacher; deterministic per seed.
+
+    Args:
+        table_sizes: rows of each of the 26 tables (id 0 stays "missing", never drawn).
+        seed: selects the teacher and the sample stream.
+        alpha: Zipf exponent of id frequencies (about 1.05-1.2 on real click logs).
+        shuffle_labels: draw labels independently of the features (a control whose AUC
+            must stay at 0.5).
+    """
+
+    n_pairs = 8  # pairwise factor interactions in the teacher
+    factor_dim = 4
+
+    def __init__(
+        self,
+        table_sizes: Sequence[int],
+        seed: int = 0,
+        alpha: float = 1.1,
+        shuffle_labels: bool = False,
+    ) -> None:
+        if len(table_sizes) != N_CAT:
+            raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
+        if min(table_sizes) < 2:
+            raise ValueError("every table needs at least 2 rows (row 0 means missing)")
+        self.table_sizes = [int(n) for n in table_sizes]
+        self.seed = int(seed)
+        self.alpha = float(alpha)
+        self.shuffle_labels = shuffle_labels
+        rng = np.random.default_rng([self.seed, 7])
+        self.dense_w = rng.normal(0.0, 0.25, N_DENSE)
+        self.dense_p = rng.uniform(0.05, 0.6, N_DENSE)  # geometric count parameters
+        pairs = rng.choice(N_CAT, size=(self.n_pairs, 2), replace=True)
+        self.pairs = [(int(a), int(b)) for a, b in pairs if a != b]
+        # Per-table weight scale: small tables (frequent ids) carry more signal, as in
+        # real logs where e.g. the device type matters and rare ids barely do.
+        self.table_scale = np.array([0.6 if n < 2000 else 0.35 for n in self.table_sizes])
+        self.bias = self._calibrate_bias()
+
+    # ---- ids ------------------------------------------------------------------------
+    def _draw_ids(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """(n, 26) int64 ids in [1, size) with power-law frequencies."""
+        out = np.empty((n, N_CAT), dtype=np.int64)
+        a = self.alpha
+        for t, size in enumerate(self.table_sizes):
+            m = size - 1  # distinct ids available
+            u = rng.random(n)
+            # Inverse CDF of the continuous power law on [1, m + 1), floored to a rank.
+            k = ((((m + 1.0) ** (1.0 - a) - 1.0) * u + 1.0) ** (1.0 / (1.0 - a))).astype(np.int64)
+            k = np.clip(k, 1, m)
+            # Scatter popular ranks over the table so hot rows are not all at the top.
+            out[:, t] = 1 + ((k - 1) * 2654435761 + t * 97) % m
+        return out
+
+    # ---- teacher --------------------------------------------------------------------
+    def _table_key(self, t: int, ids: np.ndarray, k: int) -> np.ndarray:
+        base = (self.seed * 1_000_003 + t * 131 + k) & 0xFFFFFFFF
+        return ids.astype(np.uint64) * np.uint64(0x100000001B3) ^ np.uint64(base << 20)
+
+    def logits(self, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The teacher's logit for each sample (without the label noise)."""
+        z = np.full(ids.shape[0], self.bias)
+        z += (dense.astype(np.float64) - 0.7) @ self.dense_w
+        for t in range(N_CAT):
+            z += self.table_scale[t] * _hash_normal(self._table_key(t, ids[:, t], 0))
+        for a, b in self.pairs:
+            fa = np.stack(
+                [_hash_normal(self._table_key(a, ids[:, a], 1 + k)) for k in range(self.factor_dim)]
+            )
+            fb = np.stack(
+                [_hash_normal(self._table_key(b, ids[:, b], 1 + k)) for k in range(self.factor_dim)]
+            )
+            z += 0.35 * (fa * fb).sum(0) / np.sqrt(self.factor_dim)
+        return z
+
+    def _calibrate_bias(self) -> float:
+        """Pick the bias so that about a quarter of the samples are clicks (as in Criteo)."""
+        self.bias = 0.0
+        rng = np.random.default_rng([self.seed, 11])
+        dense, ids = self._draw_features(rng, 4096)
+        z = self.logits(dense, ids)
+        lo, hi = -10.0, 10.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            p = 1.0 / (1.0 + np.exp(-(z + mid)))
+            lo, hi = (mid, hi) if p.mean() < 0.25 else (lo, mid)
+        return (lo + hi) / 2
+
+    def _draw_features(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+        counts = rng.geometric(self.dense_p, size=(n, N_DENSE)) - 1
+        dense = np.log1p(counts).astype(np.float32)
+        return dense, self._draw_ids(rng, n)
+
+    # ---- public ---------------------------------------------------------------------
+    def block(self, stream: int, index: int, n: int) -> Arrays:
+        """Samples of block ``index`` of ``stream`` (0 = train, 1 = eval); pure function."""
+        rng = np.random.default_rng([self.seed, stream, index])
+        dense, ids = self._draw_features(rng, n)
+        if self.shuffle_labels:
+            p = np.full(n, 0.25)
+        else:
+            p = 1.0 / (1.0 + np.exp(-self.logits(dense, ids)))
+        labels = (rng.random(n) < p).astype(np.float32)
+        return Arrays(dense, ids, labels)

@@ -1,0 +1,139 @@
+"""Model configuration and the named presets.
+
+The ``kaggle`` preset is the configuration of the published compression study
+(arXiv 2407.04272, after facebookresearch/dlrm's Kaggle benchmark); ``terabyte`` follows
+the MLPerf DLRM reference; ``tiny`` is small enough for CI and the 2-core demo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Distinct values of C1..C26 in the full Criteo Kaggle data (facebookresearch/dlrm).
+KAGGLE_COUNTS = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)  # fmt: skip
+# Distinct values in Criteo Terabyte (MLPerf DLRM), before the index-range cap.
+TERABYTE_COUNTS = (
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346,
+    10, 2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+)  # fmt: skip
+
+
+def table_sizes_for(counts: tuple[int, ...], max_index_range: int, oversize: int = 1) -> tuple[int, ...]:
+    """Rows per table: ``oversize`` x the distinct count (fewer hash collisions), capped,
+    plus row 0 for "missing"."""
+    return tuple(min(c * oversize, max_index_range) + 1 for c in counts)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DLRM shape. Units: rows, vector dims and layer widths."""
+
+    table_sizes: tuple[int, ...]  # rows per embedding table (26 for Criteo)
+    emb_dim: int  # D: every table's vector length; the bottom MLP ends in D too
+    bottom_mlp: tuple[int, ...]  # hidden widths after the 13 dense inputs, last == emb_dim
+    top_mlp: tuple[int, ...]  # widths after the interaction, last == 1 (the logit)
+    n_dense: int = 13
+
+    def __post_init__(self) -> None:
+        if not self.table_sizes or min(self.table_sizes) < 2:
+            raise ValueError("every table needs at least 2 rows (row 0 means missing)")
+        if self.emb_dim < 1:
+            raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
+        if not self.bottom_mlp or self.bottom_mlp[-1] != self.emb_dim:
+            raise ValueError(
+                f"bottom MLP must end in emb_dim={self.emb_dim} for the dot interaction, "
+                f"got {self.bottom_mlp}"
+            )
+        if not self.top_mlp or self.top_mlp[-1] != 1:
+            raise ValueError(f"top MLP must end in 1 (the logit), got {self.top_mlp}")
+
+    @property
+    def n_tables(self) -> int:
+        return len(self.table_sizes)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model plus the training defaults that were measured to suit it."""
+
+    model: ModelConfig
+    batch_size: int  # global batch, samples per step across all ranks
+    lr: float  # MLP learning rate (SGD)
+    emb_lr: float  # embedding learning rate
+    emb_optimizer: str  # "sgd" or "adagrad" (sparse rows either way)
+    notes: str = field(default="", compare=False)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def _preset(name: str) -> Preset:
+    if name == "tiny":
+        return Preset(
+            ModelConfig(
+                table_sizes=table_sizes_for(KAGGLE_COUNTS, 20_000, oversize=4),
+                emb_dim=16,
+                bottom_mlp=(64, 32, 16),
+                top_mlp=(64, 32, 1),
+            ),
+            batch_size=32,
+            lr=0.1,
+            emb_lr=0.05,
+            emb_optimizer="adagrad",
+            notes="CI and demo size; defaults measured on the real 10k Criteo sample",
+        )
+    if name == "kaggle":
+        return Preset(
+            ModelConfig(
+                table_sizes=table_sizes_for(KAGGLE_COUNTS, 10**9),
+                emb_dim=32,
+                bottom_mlp=(512, 256, 64, 32),
+                top_mlp=(512, 256, 1),
+            ),
+            batch_size=128,
+            lr=0.1,
+            emb_lr=0.1,
+            emb_optimizer="sgd",
+            notes="the published compression study's Kaggle configuration",
+        )
+    if name == "terabyte":
+        return Preset(
+            ModelConfig(
+                table_sizes=table_sizes_for(TERABYTE_COUNTS, 10_000_000),
+                emb_dim=64,
+                bottom_mlp=(512, 256, 64),
+                top_mlp=(512, 512, 256, 1),
+            ),
+            batch_size=2048,
+            lr=0.1,
+            emb_lr=0.1,
+            emb_optimizer="sgd",
+            notes="MLPerf-style Terabyte model, max index range 10M",
+        )
+    if name == "bench":
+        # Terabyte dims on small hashed tables: link-bound rather than memory-bound on CPU.
+        return Preset(
+            ModelConfig(
+                table_sizes=table_sizes_for(TERABYTE_COUNTS, 50_000),
+                emb_dim=64,
+                bottom_mlp=(512, 256, 64),
+                top_mlp=(512, 512, 256, 1),
+            ),
+            batch_size=2048,
+            lr=0.1,
+            emb_lr=0.05,
+            emb_optimizer="adagrad",
+            notes="terabyte dims with tables hashed to 50k rows, for the link benchmarks",
+        )
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+
+
+PRESETS = ("tiny", "kaggle", "terabyte", "bench")
+
+
+def get_preset(name: str) -> Preset:
+    """The preset of that name (``tiny``, ``kaggle``, ``terabyte``, ``bench``)."""
+    return _preset(name)
