@@ -82,8 +82,14 @@ class Codec(ABC):
         """Code a finite, contiguous 2-D tensor (N > 0 elements) into body bytes."""
 
     @abstractmethod
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         """Rebuild the tensor from body bytes; raise PayloadError on malformed bodies."""
 
     # ---- public API -----------------------------------------------------------------
@@ -97,12 +103,11 @@ class Codec(ABC):
                 f"got {x.dtype}"
             )
         if x.dim() != 2:
-            raise ValueError(f"{self.codec_id}: expected a 2-D tensor (rows, dim), got shape "
-                             f"{tuple(x.shape)}")
-        if self.error_bounded:
-            if eb is None or not (eb > 0) or not np.isfinite(eb):
-                raise ValueError(f"{self.codec_id}: error bound must be positive and finite, "
-                                 f"got {eb}")
+            raise ValueError(
+                f"{self.codec_id}: expected a 2-D tensor (rows, dim), got shape {tuple(x.shape)}"
+            )
+        if self.error_bounded and (eb is None or not (eb > 0) or not np.isfinite(eb)):
+            raise ValueError(f"{self.codec_id}: error bound must be positive and finite, got {eb}")
         eb_f = float(eb) if (self.error_bounded and eb is not None) else 0.0
         device = x.device
         x = x.detach().contiguous()
@@ -136,8 +141,9 @@ class Codec(ABC):
         return self._decode_body(hdr, body, payload.device)
 
     # ---- internals ------------------------------------------------------------------
-    def _decode_body(self, hdr: dict[str, Any], body: np.ndarray,
-                     device: torch.device) -> torch.Tensor:
+    def _decode_body(
+        self, hdr: dict[str, Any], body: np.ndarray, device: torch.device
+    ) -> torch.Tensor:
         shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
         core, pidx, pval, nidx, nval = split_sections(body, 5)
         n = int(np.prod(shape)) if shape else 0
@@ -150,8 +156,10 @@ class Codec(ABC):
         except Exception as e:  # a malformed body must never escape as another error
             raise PayloadError(f"{self.codec_id}: corrupt body ({type(e).__name__}: {e})") from e
         if tuple(y.shape) != shape or y.dtype != dtype:
-            raise PayloadError(f"{self.codec_id}: body decodes to {tuple(y.shape)} {y.dtype}, "
-                               f"header says {shape} {dtype}")
+            raise PayloadError(
+                f"{self.codec_id}: body decodes to {tuple(y.shape)} {y.dtype}, "
+                f"header says {shape} {dtype}"
+            )
         y = y.contiguous()
         for idx_b, val_b in ((pidx, pval), (nidx, nval)):  # bound patches, then NaN/Inf
             if idx_b.size or val_b.size:
@@ -162,12 +170,17 @@ class Codec(ABC):
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
         cid = self.codec_id.encode("ascii")
         cfg = json.dumps(self.get_config(), sort_keys=True).encode()
-        h = b"".join([
-            struct.pack("<B", len(cid)), cid, struct.pack("<BH", self.version, len(cfg)), cfg,
-            struct.pack("<BB", _DTYPES[dtype], len(shape)),
-            struct.pack(f"<{len(shape)}Q", *shape),
-            struct.pack("<dQI", eb, len(body), zlib.crc32(body)),
-        ])
+        h = b"".join(
+            [
+                struct.pack("<B", len(cid)),
+                cid,
+                struct.pack("<BH", self.version, len(cfg)),
+                cfg,
+                struct.pack("<BB", _DTYPES[dtype], len(shape)),
+                struct.pack(f"<{len(shape)}Q", *shape),
+                struct.pack("<dQI", eb, len(body), zlib.crc32(body)),
+            ]
+        )
         return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(h), zlib.crc32(h)) + h
 
 
@@ -210,12 +223,19 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
         raise PayloadError(f"unknown dtype code {dcode}")
     body = buf[start + hlen :]
     if body.size != blen:
-        raise PayloadError(f"body is {body.size} bytes, header says {blen}: payload truncated "
-                           "or padded")
+        raise PayloadError(
+            f"body is {body.size} bytes, header says {blen}: payload truncated or padded"
+        )
     if zlib.crc32(body) != bcrc:
         raise PayloadError("body checksum mismatch: payload corrupted")
-    return {"codec": codec, "codec_version": cver, "config": config,
-            "dtype": _DTYPE_BY_CODE[dcode], "shape": tuple(shape), "eb": eb}, body
+    return {
+        "codec": codec,
+        "codec_version": cver,
+        "config": config,
+        "dtype": _DTYPE_BY_CODE[dcode],
+        "shape": tuple(shape),
+        "eb": eb,
+    }, body
 
 
 # ---- helpers shared by codecs -------------------------------------------------------
@@ -258,14 +278,14 @@ def _pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
     """Positions (u32 when they fit, else u64) and exact values (float64 keeps any dtype)."""
     i = idx.cpu().numpy()
     wide = i.size and i.max() >= 2**32
-    ib = (np.uint8(8 if wide else 4).tobytes()
-          + i.astype("<u8" if wide else "<u4").tobytes())
+    ib = np.uint8(8 if wide else 4).tobytes() + i.astype("<u8" if wide else "<u4").tobytes()
     vb = val.detach().cpu().double().numpy().astype("<f8").tobytes()
     return [ib, vb]
 
 
-def _unpack_outliers(ib: np.ndarray, vb: np.ndarray, dtype: torch.dtype,
-                     n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _unpack_outliers(
+    ib: np.ndarray, vb: np.ndarray, dtype: torch.dtype, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     if ib.size == 0:
         raise PayloadError("malformed outlier section")
     w = int(ib[0])

@@ -34,8 +34,9 @@ def _raw(x: torch.Tensor) -> bytes:
     return t.numpy().tobytes()
 
 
-def _from_raw(b: bytes, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+def _from_raw(
+    b: bytes, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     itemsize = torch.empty(0, dtype=dtype).element_size()
     n = int(np.prod(shape))
     if len(b) != n * itemsize:
@@ -54,8 +55,14 @@ class NoneCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return _raw(x)
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         return _from_raw(body.tobytes(), shape, dtype, device)
 
 
@@ -65,8 +72,14 @@ class _CastCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return _raw(x.to(self.target))
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         return _from_raw(body.tobytes(), shape, self.target, device).to(dtype)
 
 
@@ -97,10 +110,19 @@ class FP8Codec(Codec):
         amax = xf.abs().amax(1, keepdim=True)
         scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
         q = (xf / scale).to(torch.float8_e4m3fn)
-        return scale.cpu().numpy().astype("<f4").tobytes() + q.cpu().view(torch.uint8).numpy().tobytes()
+        return (
+            scale.cpu().numpy().astype("<f4").tobytes()
+            + q.cpu().view(torch.uint8).numpy().tobytes()
+        )
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         n, d = shape
         if body.size != 4 * n + n * d:
             raise PayloadError(f"fp8 body of {body.size} bytes does not fit {shape}")
@@ -124,8 +146,14 @@ class Int8Codec(Codec):
         head = torch.cat([lo, scale], 1).cpu().numpy().astype("<f4").tobytes()
         return head + q.cpu().numpy().tobytes()
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         n, d = shape
         if body.size != 8 * n + n * d:
             raise PayloadError(f"int8 body of {body.size} bytes does not fit {shape}")
@@ -144,8 +172,14 @@ class LZ4Codec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return lz4.frame.compress(_raw(x))
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         try:
             raw = lz4.frame.decompress(body.tobytes())
         except RuntimeError as e:
@@ -171,12 +205,19 @@ class ZstdCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return zstandard.ZstdCompressor(level=self.level).compress(_raw(x))
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         try:
             raw = zstandard.ZstdDecompressor().decompress(
-                body.tobytes(), max_output_size=int(np.prod(shape)) * itemsize)
+                body.tobytes(), max_output_size=int(np.prod(shape)) * itemsize
+            )
         except zstandard.ZstdError as e:
             raise PayloadError(f"zstd frame does not decode: {e}") from None
         return _from_raw(raw, shape, dtype, device)
@@ -224,8 +265,14 @@ class SZ3Codec(Codec):
         comp, _ = pysz.sz.compress(a, cfg)
         return np.uint8(a.dtype == np.float64).tobytes() + np.asarray(comp, np.uint8).tobytes()
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         pysz = _optional("pysz", "pysz")
         if body.size < 2:
             raise PayloadError("sz3 body too short")
@@ -246,8 +293,14 @@ class ZFPCodec(Codec):
         zfpy = _optional("zfpy", "zfpy==1.0.1")
         return bytes(zfpy.compress_numpy(np.ascontiguousarray(_wide(x)), tolerance=eb))
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         zfpy = _optional("zfpy", "zfpy==1.0.1")
         out = zfpy.decompress_numpy(body.tobytes())
         if tuple(out.shape) != tuple(shape):

@@ -62,8 +62,9 @@ class _QuantPipeline(Codec):
         else:
             lit, ref_b = codes, b""
         z = zigzag(lit).reshape(-1).cpu().numpy()
-        return join_sections([_META.pack(int(dedup)), ref_b,
-                              pack_uints(z, self.entropy, self.level)])
+        return join_sections(
+            [_META.pack(int(dedup)), ref_b, pack_uints(z, self.entropy, self.level)]
+        )
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         codes, out_idx = quantize(x, eb)
@@ -81,8 +82,14 @@ class _QuantPipeline(Codec):
         vals = x.reshape(-1)[out_idx].double().cpu().numpy().astype("<f8")
         return join_sections([body, idx.tobytes(), vals.tobytes()])
 
-    def _decode(self, body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype,
-                eb: float, device: torch.device) -> torch.Tensor:
+    def _decode(
+        self,
+        body: np.ndarray,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        eb: float,
+        device: torch.device,
+    ) -> torch.Tensor:
         inner, idx_b, val_b = split_sections(body, 3)
         meta, ref_b, code_b = split_sections(inner, 3)
         if meta.size != 1 or int(meta[0]) > 1:

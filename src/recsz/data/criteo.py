@@ -225,7 +225,9 @@ def preprocess(
         open(tmp["dense"], "wb") as fd,
         open(tmp["cats"], "wb") as fc,
         open(tmp["labels"], "wb") as fl,
-        tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess") as bar,
+        tqdm(
+            total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess"
+        ) as bar,
     ):
         for blk in iter_blocks(raw, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
             fd.write(blk.dense.astype("<f4").tobytes())
@@ -247,9 +249,7 @@ def preprocess(
     return stats
 
 
-def load(
-    out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = None
-) -> Arrays:
+def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = None) -> Arrays:
     """Memory-map a preprocessed directory; refuse one hashed into other table sizes."""
     d = Path(out_dir)
     meta_path = d / "meta.json"

@@ -91,7 +91,7 @@ class ArraySource(DataSource):
         if not 0.0 < eval_frac < 1.0:
             raise ValueError(f"eval_frac must be in (0, 1), got {eval_frac}")
         n = len(arrays)
-        n_eval = max(1, int(round(n * eval_frac)))
+        n_eval = max(1, round(n * eval_frac))
         if n - n_eval < 1:
             raise ValueError(f"{name}: {n} rows are too few to split into train and eval")
         self.arrays = arrays

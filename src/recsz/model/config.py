@@ -21,7 +21,9 @@ TERABYTE_COUNTS = (
 )  # fmt: skip
 
 
-def table_sizes_for(counts: tuple[int, ...], max_index_range: int, oversize: int = 1) -> tuple[int, ...]:
+def table_sizes_for(
+    counts: tuple[int, ...], max_index_range: int, oversize: int = 1
+) -> tuple[int, ...]:
     """Rows per table: ``oversize`` x the distinct count (fewer hash collisions), capped,
     plus row 0 for "missing"."""
     return tuple(min(c * oversize, max_index_range) + 1 for c in counts)

@@ -14,11 +14,18 @@ an all-to-all between them without the model knowing about communication.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from recsz.model.config import ModelConfig
+
+
+class Awaitable(Protocol):
+    """Something that yields the pooled embeddings (B, T, D) when waited on."""
+
+    def wait(self) -> torch.Tensor: ...
 
 
 def create_mlp(n_in: int, widths: Sequence[int], last_activation: bool) -> nn.Sequential:
@@ -100,12 +107,15 @@ class DenseArch(nn.Module):
         n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
         self.top = create_mlp(n_int, cfg.top_mlp, last_activation=False)
 
-    def forward(self, dense: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """dense (B, 13), emb (B, T, D) -> logits (B,)."""
-        return self.top(interact_features(self.bottom(dense), emb)).squeeze(1)
+    def forward(self, dense: torch.Tensor, emb: torch.Tensor | Awaitable) -> torch.Tensor:
+        """dense (B, 13), emb (B, T, D) or an object whose ``wait()`` gives it -> logits (B,).
 
-    def forward_top(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-        """Top half only, from a bottom output computed earlier (to overlap the a2a)."""
+        Taking an awaitable lets the bottom MLP run while the embeddings are still in
+        flight (the all-to-all overlap of facebookresearch/dlrm), inside DDP's forward.
+        """
+        x = self.bottom(dense)  # (B, D)
+        if not isinstance(emb, torch.Tensor):
+            emb = emb.wait()
         return self.top(interact_features(x, emb)).squeeze(1)
 
 

@@ -1,0 +1,63 @@
+"""The one command line: ``recsz train | preprocess | plot``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: recsz {train,preprocess,plot} ...\n\n"
+            "  train       train DLRM (recsz train --help)\n"
+            "  preprocess  convert a raw Criteo TSV to memory-mappable arrays\n"
+            "  plot        plot a run directory's metrics to PNG files"
+        )
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from recsz.train import main as train_main
+
+        return train_main(rest)
+    if cmd == "preprocess":
+        return _preprocess(rest)
+    if cmd == "plot":
+        from recsz.plot import main as plot_main
+
+        return plot_main(rest)
+    print(f"recsz: unknown command {cmd!r} (train, preprocess, plot)", file=sys.stderr)
+    return 2
+
+
+def _preprocess(argv: list[str]) -> int:
+    from recsz.data import criteo
+    from recsz.model import PRESETS, get_preset
+
+    p = argparse.ArgumentParser(
+        prog="recsz preprocess", description="Raw Criteo TSV -> binary arrays (memory-mapped)."
+    )
+    p.add_argument("raw", help="raw Criteo file (Kaggle train.txt or a Terabyte day_N)")
+    p.add_argument("out_dir")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=PRESETS,
+        help="hash categories into this preset's table sizes",
+    )
+    p.add_argument("--skip-bad-lines", action="store_true")
+    a = p.parse_args(argv)
+    stats = criteo.preprocess(
+        a.raw, a.out_dir, get_preset(a.preset).model.table_sizes, skip_bad_lines=a.skip_bad_lines
+    )
+    print(
+        f"{a.out_dir}: {stats.lines} rows ({stats.padded} padded, {stats.skipped} skipped"
+        + (f"; first bad line: {stats.first_error}" if stats.skipped else "")
+        + ")"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The embedding all-to-all of hybrid-parallel DLRM, compressed in both directions.
+
+Forward: the owner of tables T_r looked them up for the whole global batch,
+pooled (B, |T_r|, D). Sample owner s needs rows [s*b, (s+1)*b) of every table. Each
+(table, destination) chunk (b, D) is encoded on its own, so every table keeps its own
+bound and codebook; the chunks for one destination are framed into one byte buffer.
+
+Backward: sample owner s holds d(loss)/d(emb) (b, T, D) and sends each table's chunk back
+to its owner, which stacks the chunks of all sample owners into (B, |T_r|, D).
+
+The loss on each rank is a mean over its b samples and DDP averages dense gradients
+over W ranks; the single-process loss is a mean over B = W b. So the gradient for the
+tables is divided by W before it is encoded: the bound then applies to the gradient the
+owner actually uses, and a lossless run equals the single-process one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from recsz.codecs import Codec, decode_payload
+from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
+from recsz.policy import BoundPolicy
+
+
+@dataclass
+class CommStats:
+    """Counters of one rank; ratios are raw fp32 bytes over payload bytes."""
+
+    raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    table_raw: dict[str, dict[int, int]] = field(
+        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
+    )
+    table_sent: dict[str, dict[int, int]] = field(
+        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
+    )
+    last_eb: dict[str, dict[int, float]] = field(default_factory=lambda: {"fwd": {}, "bwd": {}})
+    a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    codec_s: float = 0.0
+    max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+    def ratio(self, direction: str) -> float:
+        s = self.sent[direction]
+        return self.raw[direction] / s if s else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "fwd_ratio": self.ratio("fwd"),
+            "bwd_ratio": self.ratio("bwd"),
+            "bytes_raw": self.raw["fwd"] + self.raw["bwd"],
+            "bytes_payload": self.sent["fwd"] + self.sent["bwd"],
+            "bytes_sent": self.wire["fwd"] + self.wire["bwd"],
+            "a2a_fwd_s": self.a2a_s["fwd"],
+            "a2a_bwd_s": self.a2a_s["bwd"],
+            "codec_s": self.codec_s,
+        }
+
+    def per_table(self) -> dict[str, dict[int, dict[str, float]]]:
+        out: dict[str, dict[int, dict[str, float]]] = {}
+        for d in ("fwd", "bwd"):
+            out[d] = {
+                t: {
+                    "ratio": self.table_raw[d][t] / max(1, self.table_sent[d][t]),
+                    "eb": self.last_eb[d].get(t, 0.0),
+                }
+                for t in sorted(self.table_raw[d])
+            }
+        return out
+
+
+@dataclass
+class ShardPlan:
+    """Which rank owns each table (table-wise sharding)."""
+
+    owners: list[int]
+    world: int
+
+    def tables_of(self, rank: int) -> list[int]:
+        return [t for t, r in enumerate(self.owners) if r == rank]
+
+
+class EmbeddingExchange:
+    """Sends pooled embeddings to sample owners and their gradients back, compressed.
+
+    Args:
+        plan: table ownership.
+        rank: this process's rank.
+        fwd_codec, bwd_codec: codecs for each direction.
+        fwd_policy, bwd_policy: bound per (table, step) for each direction.
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        rank: int,
+        fwd_codec: Codec,
+        bwd_codec: Codec,
+        fwd_policy: BoundPolicy,
+        bwd_policy: BoundPolicy,
+        check_bounds: bool = False,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world = plan.world
+        self.codecs = {"fwd": fwd_codec, "bwd": bwd_codec}
+        self.policies = {"fwd": fwd_policy, "bwd": bwd_policy}
+        self.mine = plan.tables_of(rank)
+        self.stats = CommStats()
+        self.check_bounds = check_bounds  # decode own payloads to verify (tests, debugging)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What must survive a checkpoint (the codecs are stateless)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    # ---- encoding and decoding of one direction ------------------------------------
+    def _encode_for(
+        self,
+        direction: str,
+        step: int,
+        plan: list[list[tuple[int, torch.Tensor]]],
+        bound_src: dict[int, torch.Tensor],
+        record: bool,
+    ) -> list[torch.Tensor]:
+        """Encode plan[dest] = [(table, chunk)] per destination; one framed buffer each.
+
+        The bound of a table is set once per step from ``bound_src[table]`` (all the
+        values of that table this rank sends), so every destination gets the same bound.
+        """
+        codec, policy = self.codecs[direction], self.policies[direction]
+        t0 = time.perf_counter()
+        ebs: dict[int, float | None] = {}
+        for t, x in bound_src.items():
+            policy.observe(t, step, x)
+            ebs[t] = policy.bound(t, step, x)
+            if codec.error_bounded and ebs[t] is None:
+                raise ValueError(
+                    f"{direction} codec {codec.codec_id!r} needs an error bound "
+                    "policy (--eb-policy)"
+                )
+        framed = []
+        for dest, items in enumerate(plan):
+            parts = []
+            for t, c in items:
+                c = c.contiguous()
+                eb = ebs[t]
+                p = codec.encode(c, eb)
+                parts.append(p)
+                if record:
+                    n_raw = c.numel() * 4
+                    st = self.stats
+                    st.raw[direction] += n_raw
+                    st.sent[direction] += p.numel()
+                    st.table_raw[direction][t] += n_raw
+                    st.table_sent[direction][t] += p.numel()
+                    if dest != self.rank:
+                        st.wire[direction] += p.numel()
+                    if eb is not None:
+                        st.last_eb[direction][t] = eb
+                if self.check_bounds and eb is not None and c.numel():
+                    err = float((decode_payload(p).double() - c.double()).abs().max())
+                    if err > eb:
+                        raise AssertionError(f"table {t} {direction}: error {err} > bound {eb}")
+                    self.stats.max_err[direction] = max(self.stats.max_err[direction], err / eb)
+            framed.append(frame(parts))
+        if record:
+            self.stats.codec_s += time.perf_counter() - t0
+        return framed
+
+    def _decode_from(
+        self, direction: str, buf: torch.Tensor, src: int, n: int, record: bool
+    ) -> list[torch.Tensor]:
+        t0 = time.perf_counter()
+        parts = unframe(buf, n, f"rank {src} ({direction} all-to-all)")
+        out = []
+        for p in parts:
+            try:
+                out.append(decode_payload(p))
+            except ValueError as e:
+                raise ValueError(
+                    f"rank {self.rank}: payload from rank {src} ({direction}): {e}"
+                ) from e
+        if record:
+            self.stats.codec_s += time.perf_counter() - t0
+        return out
+
+    # ---- forward ------------------------------------------------------------------
+    def start_forward(
+        self, pooled: torch.Tensor, step: int, record: bool = True
+    ) -> PendingEmbeddings:
+        """pooled (B, |T_r|, D) -> pending (b, T, D); the bytes fly while you compute."""
+        with record_function("recsz.a2a_fwd.encode"):
+            data = pooled.detach()
+            b = data.shape[0] // self.world
+            plan = [
+                [(t, data[dest * b : (dest + 1) * b, j]) for j, t in enumerate(self.mine)]
+                for dest in range(self.world)
+            ]
+            send = self._encode_for(
+                "fwd", step, plan, {t: data[:, j] for j, t in enumerate(self.mine)}, record
+            )
+        pending = start_all_to_all_bytes(send, self.world)
+        return PendingEmbeddings(self, pooled, pending, step, record)
+
+    def finish_forward(
+        self, pending: PendingBytes, batch_rows: int, dim: int, record: bool
+    ) -> torch.Tensor:
+        with record_function("recsz.a2a_fwd.wait"):
+            bufs = pending.wait()
+        if record:
+            self.stats.a2a_s["fwd"] += pending.waited_s
+        b = batch_rows // self.world
+        out = torch.empty(b, len(self.plan.owners), dim)
+        with record_function("recsz.a2a_fwd.decode"):
+            for src, buf in enumerate(bufs):
+                tables = self.plan.tables_of(src)
+                for t, y in zip(
+                    tables, self._decode_from("fwd", buf, src, len(tables), record), strict=True
+                ):
+                    if tuple(y.shape) != (b, dim):
+                        raise ValueError(
+                            f"rank {src} sent table {t} as {tuple(y.shape)}, expected {(b, dim)}"
+                        )
+                    out[:, t, :] = y
+        return out
+
+    # ---- backward -----------------------------------------------------------------
+    def backward(self, grad: torch.Tensor, step: int) -> torch.Tensor:
+        """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners."""
+        grad = grad / self.world
+        b, _, d = grad.shape
+        with record_function("recsz.a2a_bwd.encode"):
+            plan = [
+                [(t, grad[:, t]) for t in self.plan.tables_of(dest)] for dest in range(self.world)
+            ]
+            send_parts = self._encode_for(
+                "bwd", step, plan, {t: grad[:, t] for t in range(grad.shape[1])}, True
+            )
+        pending = start_all_to_all_bytes(send_parts, self.world)
+        with record_function("recsz.a2a_bwd.wait"):
+            bufs = pending.wait()
+        self.stats.a2a_s["bwd"] += pending.waited_s
+        out = torch.empty(b * self.world, len(self.mine), d)
+        with record_function("recsz.a2a_bwd.decode"):
+            for src, buf in enumerate(bufs):
+                for j, y in enumerate(self._decode_from("bwd", buf, src, len(self.mine), True)):
+                    if tuple(y.shape) != (b, d):
+                        raise ValueError(
+                            f"rank {src} sent a gradient of shape {tuple(y.shape)}, "
+                            f"expected {(b, d)}"
+                        )
+                    out[src * b : (src + 1) * b, j, :] = y
+        return out
+
+
+class PendingEmbeddings:
+    """Forward all-to-all in flight; ``wait()`` gives (b, T, D) tied into autograd."""
+
+    def __init__(
+        self,
+        ex: EmbeddingExchange,
+        pooled: torch.Tensor,
+        pending: PendingBytes,
+        step: int,
+        record: bool,
+    ) -> None:
+        self.ex, self.pooled, self.pending, self.step, self.record = (
+            ex,
+            pooled,
+            pending,
+            step,
+            record,
+        )
+
+    def wait(self) -> torch.Tensor:
+        received = self.ex.finish_forward(
+            self.pending, self.pooled.shape[0], self.pooled.shape[2], self.record
+        )
+        return _ExchangeGrad.apply(self.pooled, received, self.ex, self.step)
+
+
+class _ExchangeGrad(torch.autograd.Function):
+    """Identity on the received embeddings forward; sends their gradient back in backward."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pooled: torch.Tensor, received: torch.Tensor, ex: EmbeddingExchange, step: int
+    ) -> torch.Tensor:
+        ctx.ex, ctx.step = ex, step
+        return received.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return ctx.ex.backward(grad.contiguous(), ctx.step), None, None, None

@@ -1,0 +1,85 @@
+"""Moving bytes between ranks: sizes first, then the payloads, as one all-to-all each.
+
+This layer knows nothing of codecs: it takes one uint8 tensor per destination rank and
+returns one per source rank. Payload sizes depend on the data (entropy coding), so the
+receiver cannot predict them: a small int64 all-to-all of the sizes goes first, then
+``all_to_all_single`` with split sizes moves the bytes (uint8; gloo rejects int16).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_COUNT = struct.Struct("<I")
+
+
+def frame(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate byte tensors with a table of their lengths, so they can be split again."""
+    lens = [int(p.numel()) for p in parts]
+    head = _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *lens)
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return torch.cat([head_t, *[p.view(-1).cpu() for p in parts]])
+
+
+def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]:
+    """Split a framed buffer; ``source`` names the sender in any error."""
+    raw = buf.numpy() if buf.device.type == "cpu" else buf.cpu().numpy()
+    if raw.size < _COUNT.size:
+        raise ValueError(f"{source}: framed buffer of {raw.size} bytes is truncated")
+    (n,) = _COUNT.unpack_from(raw, 0)
+    if n != expected:
+        raise ValueError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
+    lens = struct.unpack_from(f"<{n}Q", raw, _COUNT.size)
+    o = _COUNT.size + 8 * n
+    if o + sum(lens) != raw.size:
+        raise ValueError(f"{source}: chunk lengths do not add up to the {raw.size} bytes received")
+    out = []
+    for ln in lens:
+        out.append(buf[o : o + ln])
+        o += ln
+    return out
+
+
+@dataclass
+class PendingBytes:
+    """Bytes in flight; ``wait()`` returns one tensor per source rank."""
+
+    out: torch.Tensor
+    recv_sizes: list[int]
+    work: object | None = None
+    started: float = field(default_factory=time.perf_counter)
+    waited_s: float = 0.0
+
+    def wait(self) -> list[torch.Tensor]:
+        t = time.perf_counter()
+        if self.work is not None:
+            self.work.wait()  # type: ignore[attr-defined]
+        self.waited_s += time.perf_counter() - t
+        return list(torch.split(self.out, self.recv_sizes))
+
+
+def start_all_to_all_bytes(send: list[torch.Tensor], world: int) -> PendingBytes:
+    """Exchange sizes (blocking), then start the byte all-to-all (async).
+
+    With ``world == 1`` and no process group, the only destination is this rank, and
+    the bytes are handed back as they are: the same code path runs in one process.
+    """
+    if len(send) != world:
+        raise ValueError(f"need one buffer per rank ({world}), got {len(send)}")
+    if world == 1 and not dist.is_initialized():
+        return PendingBytes(send[0].view(-1), [int(send[0].numel())])
+    sizes = torch.tensor([int(s.numel()) for s in send], dtype=torch.int64)
+    recv = torch.empty(world, dtype=torch.int64)
+    t = time.perf_counter()
+    dist.all_to_all_single(recv, sizes)
+    size_s = time.perf_counter() - t
+    recv_sizes = recv.tolist()
+    inp = torch.cat([s.view(-1) for s in send])
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    work = dist.all_to_all_single(out, inp, recv_sizes, sizes.tolist(), async_op=True)
+    return PendingBytes(out, recv_sizes, work, waited_s=size_s)

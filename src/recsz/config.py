@@ -1,0 +1,163 @@
+"""Training configuration: one typed dataclass, validated on construction, surfaced by the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from recsz.codecs import available_codecs
+from recsz.model.config import PRESETS, get_preset
+
+EB_POLICIES = ("none", "fixed", "table", "dual")
+CONFIG_VERSION = 1
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on. ``None`` means "the preset's default"."""
+
+    preset: str = "tiny"  # model shape and training defaults (tiny, kaggle, terabyte, bench)
+    data: str = "synthetic"  # "synthetic", a raw Criteo TSV, or a `recsz preprocess` dir
+    steps: int | None = None  # optimizer steps; file data: one pass; synthetic: 1000
+    batch_size: int | None = None  # global batch (all ranks together), samples
+    lr: float | None = None  # MLP learning rate (SGD)
+    emb_lr: float | None = None  # embedding learning rate
+    emb_optimizer: str | None = None  # "sgd" or "adagrad"
+    seed: int = 0  # model init, data order, synthetic teacher
+    eval_every: int = 0  # steps between evaluations; 0: only at the end
+    eval_batch_size: int = 4096  # evaluation batch (rounded up to a multiple of the ranks)
+    synthetic_eval: int = 20_000  # size of the synthetic evaluation set, samples
+    log_every: int = 20  # steps between metrics.jsonl rows
+    out: str | None = None  # run directory: config.json, metrics.jsonl, summary.json
+    skip_bad_lines: bool = False  # count and report malformed lines instead of failing
+    nproc: int = 1  # local ranks to launch (torchrun); under torchrun the env decides
+    fwd_codec: str = "none"  # codec of the forward (embedding) all-to-all
+    bwd_codec: str = "none"  # codec of the backward (gradient) all-to-all
+    eb_policy: str = "fixed"  # error-bound policy for bounded codecs (both directions)
+    fwd_eb: float = 0.03  # forward bound (relative to the slice's range in rel mode)
+    bwd_eb: float = 0.03  # backward bound
+    eb_mode: str = "rel"  # "rel" (x range of the table's slice) or "abs"
+    dist_timeout: float = 120.0  # seconds before a stuck collective fails the job
+    checkpoint_every: int = 0  # steps between checkpoints in the run dir; 0: none
+    resume: str | None = None  # run dir to continue from its last complete checkpoint
+    check_bounds: bool = False  # decode every payload on the sender and assert the bound
+    progress: bool = True  # show a progress bar
+    config_version: int = CONFIG_VERSION
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+        for name in ("steps", "batch_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        for name in ("lr", "emb_lr"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {v}")
+        if self.emb_optimizer not in (None, "sgd", "adagrad"):
+            raise ValueError(f"--emb-optimizer must be sgd or adagrad, got {self.emb_optimizer!r}")
+        for name in ("fwd_codec", "bwd_codec"):
+            if getattr(self, name) not in available_codecs():
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)!r} is not a codec; "
+                    f"available: {', '.join(available_codecs())}"
+                )
+        if self.eb_policy not in EB_POLICIES:
+            raise ValueError(f"--eb-policy must be one of {', '.join(EB_POLICIES)}")
+        if self.eb_mode not in ("rel", "abs"):
+            raise ValueError(f"--eb-mode must be rel or abs, got {self.eb_mode!r}")
+        if not (self.fwd_eb > 0 and self.bwd_eb > 0):
+            raise ValueError("error bounds must be positive")
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.dist_timeout <= 0:
+            raise ValueError("--dist-timeout must be positive")
+        for name in ("eval_every", "log_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.log_every == 0:
+            self.log_every = 1
+
+    # Resolved values (preset defaults filled in).
+    @property
+    def resolved_batch_size(self) -> int:
+        return self.batch_size or get_preset(self.preset).batch_size
+
+    @property
+    def resolved_lr(self) -> float:
+        return self.lr or get_preset(self.preset).lr
+
+    @property
+    def resolved_emb_lr(self) -> float:
+        return self.emb_lr or get_preset(self.preset).emb_lr
+
+    @property
+    def resolved_emb_optimizer(self) -> str:
+        return self.emb_optimizer or get_preset(self.preset).emb_optimizer
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config keys: {', '.join(sorted(unknown))}")
+        return cls(**d)
+
+
+_HELP = {f.name: f.name for f in fields(TrainConfig)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `recsz train` flags, one per TrainConfig field."""
+    p = argparse.ArgumentParser(
+        prog="recsz train",
+        description="Train DLRM with a compressed embedding all-to-all.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--preset", default="tiny", choices=PRESETS, help="model size and training defaults")
+    a("--data", default="synthetic", help="synthetic | raw Criteo TSV | preprocessed dir")
+    a("--steps", type=int, help="optimizer steps (default: one pass over a file, 1000 synthetic)")
+    a("--batch-size", type=int, help="global batch size, all ranks together (default: preset)")
+    a("--lr", type=float, help="MLP learning rate (default: preset)")
+    a("--emb-lr", type=float, help="embedding learning rate (default: preset)")
+    a("--emb-optimizer", choices=("sgd", "adagrad"), help="embedding optimizer")
+    a("--seed", type=int, default=0)
+    a("--eval-every", type=int, default=0, help="steps between evaluations (0: at the end)")
+    a("--eval-batch-size", type=int, default=4096)
+    a("--synthetic-eval", type=int, default=20_000, help="synthetic evaluation samples")
+    a("--log-every", type=int, default=20)
+    a("--out", help="run directory for config.json, metrics.jsonl, summary.json")
+    a("--skip-bad-lines", action="store_true", help="count malformed lines instead of failing")
+    a("--nproc", type=int, default=1, help="local ranks to launch with torchrun")
+    a("--fwd-codec", default="none", help=f"one of {', '.join(available_codecs())}")
+    a("--bwd-codec", default="none", help="codec of the gradient all-to-all")
+    a("--eb-policy", default="fixed", choices=EB_POLICIES)
+    a("--fwd-eb", type=float, default=0.03, help="forward error bound")
+    a("--bwd-eb", type=float, default=0.03, help="backward error bound")
+    a(
+        "--eb-mode",
+        default="rel",
+        choices=("rel", "abs"),
+        help="bound relative to range or absolute",
+    )
+    a("--dist-timeout", type=float, default=120.0, help="collective timeout, seconds")
+    a("--checkpoint-every", type=int, default=0)
+    a("--resume", help="run directory to resume from")
+    a("--check-bounds", action="store_true", help="verify every payload's bound on the sender")
+    a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    return p
+
+
+def parse_train_args(argv: list[str] | None) -> TrainConfig:
+    ns = build_parser().parse_args(argv)
+    return TrainConfig(**vars(ns))

@@ -1,0 +1,74 @@
+"""Error-bound policies: map (table, step, the values about to be sent) to a bound.
+
+A policy holds state (classes, schedules); the codec it feeds is stateless, and neither
+knows about ranks. Bounds are absolute when handed to a codec; in ``rel`` mode the
+policy turns a relative bound into an absolute one with the value range of the table's
+slice, as the paper does (eb_abs = eb_rel x (max - min)).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+#: Smallest absolute bound handed out (a constant slice has range 0).
+MIN_ABS_BOUND = 1e-30
+
+
+def value_range(x: torch.Tensor) -> float:
+    """max - min over the finite values of x (0.0 if none)."""
+    f = x[torch.isfinite(x)]
+    if f.numel() == 0:
+        return 0.0
+    return float(f.max() - f.min())
+
+
+def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
+    """An absolute bound from ``eb`` read in ``mode`` ("abs" or "rel" to x's range)."""
+    if mode == "abs":
+        return eb
+    r = value_range(x)
+    if r == 0.0:  # constant slice: any bound is exact; keep codes small
+        f = x[torch.isfinite(x)]
+        r = float(f.abs().max()) if f.numel() else 0.0
+    return max(eb * r, MIN_ABS_BOUND)
+
+
+class BoundPolicy:
+    """Base: no bound (lossless or casting codecs)."""
+
+    name = "none"
+
+    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
+        return None
+
+    def observe(self, table: int, step: int, x: torch.Tensor) -> None:
+        """Feed the values of a chunk; adaptive policies learn from it."""
+
+    def describe(self) -> dict[str, Any]:
+        """Per-table state for the logs."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class FixedBound(BoundPolicy):
+    """One bound for every table and step (absolute, or relative to each slice's range)."""
+
+    name = "fixed"
+
+    def __init__(self, eb: float, mode: str = "rel") -> None:
+        if not eb > 0:
+            raise ValueError(f"error bound must be positive, got {eb}")
+        if mode not in ("abs", "rel"):
+            raise ValueError(f"eb mode must be 'abs' or 'rel', got {mode!r}")
+        self.eb = float(eb)
+        self.mode = mode
+
+    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
+        return to_absolute(self.eb, self.mode, x)
