@@ -44,6 +44,7 @@ class TrainConfig:
     resume: str | None = None  # run dir to continue from its last complete checkpoint
     check_bounds: bool = False  # decode every payload on the sender and assert the bound
     progress: bool = True  # show a progress bar
+    inject_failure: str | None = None  # "RANK:STEP": raise there (tests of fail-fast)
     config_version: int = CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -154,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--checkpoint-every", type=int, default=0)
     a("--resume", help="run directory to resume from")
     a("--check-bounds", action="store_true", help="verify every payload's bound on the sender")
+    a("--inject-failure", metavar="RANK:STEP", help="raise on RANK at STEP (fail-fast tests)")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     return p
 

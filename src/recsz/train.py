@@ -229,10 +229,8 @@ def evaluate(
         preds.append(p[:n].double().numpy())
         labels.append(batch.labels[:n].double().numpy())
     y, p_all = np.concatenate(labels), np.concatenate(preds)
-    if len(np.unique(y)) < 2:
-        auc = float("nan")  # AUC is undefined with one class; say so rather than invent it
-    else:
-        auc = float(roc_auc_score(y, p_all))
+    # AUC is undefined with one class: say so (NaN) rather than invent a number.
+    auc = float(roc_auc_score(y, p_all)) if len(np.unique(y)) == 2 else float("nan")
     p_clip = np.clip(p_all, 1e-7, 1 - 1e-7)
     return {
         "auc": auc,
@@ -292,7 +290,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         losses: list[float] = []
         train_s = 0.0
         ev: dict[str, float] = {}
+        fail_at = _parse_failure(cfg.inject_failure)
         for step in range(start, steps):
+            if fail_at == (ranks.rank, step):
+                raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
             t0 = time.perf_counter()
             losses.append(train_step(parts, source, step, bsz, ranks))
             train_s += time.perf_counter() - t0
@@ -332,6 +333,16 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         ranks.close()
 
 
+def _parse_failure(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    try:
+        r, s = spec.split(":")
+        return int(r), int(s)
+    except ValueError:
+        raise ValueError(f"--inject-failure wants RANK:STEP, got {spec!r}") from None
+
+
 def _comm_row(parts: Parts, ranks: Ranks, train_s: float, n_steps: int, bsz: int) -> dict[str, Any]:
     """Communication and speed numbers, summed over steps and averaged over ranks."""
     st = parts.exchange.stats.summary()
@@ -346,7 +357,7 @@ def _comm_row(parts: Parts, ranks: Ranks, train_s: float, n_steps: int, bsz: int
     )
     row["samples_per_s"] = n_steps * bsz / total if total > 0 else float("nan")
     for k in ("bytes_raw", "bytes_payload", "bytes_sent"):
-        row[k] = int(round(ranks.all_mean(float(st[k])) * ranks.world))
+        row[k] = round(ranks.all_mean(float(st[k])) * ranks.world)
     raw = _sum_over_ranks(
         ranks,
         [
