@@ -1,0 +1,25 @@
+"""Shared fixtures: where the real Criteo samples live (../shared/data beside the repo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture
+def criteo_10k() -> Path:
+    p = SHARED_DATA / "criteo_kaggle_head10k.tsv"
+    if not p.exists():
+        pytest.skip(f"real Criteo sample not found at {p} (shared/data beside the checkout)")
+    return p
+
+
+@pytest.fixture
+def criteo_ragged() -> Path:
+    p = SHARED_DATA / "criteo_kaggle_head1k_ragged.tsv"
+    if not p.exists():
+        pytest.skip(f"real Criteo sample not found at {p} (shared/data beside the checkout)")
+    return p

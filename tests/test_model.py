@@ -1,0 +1,68 @@
+"""DLRM shapes, the interaction against a hand computation, config validation, sharding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsz.model import DLRM, ModelConfig, get_preset, interact_features
+from recsz.model.sharding import plan_tables
+
+
+def test_interaction_matches_hand_computation() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, generator=g)
+    emb = torch.randn(2, 2, 3, generator=g)
+    out = interact_features(x, emb)
+    f = [x, emb[:, 0], emb[:, 1]]
+    dots = [(f[i] * f[j]).sum(1) for i in range(3) for j in range(i)]  # i > j, row order
+    expect = torch.cat([x, torch.stack(dots, 1)], 1)
+    torch.testing.assert_close(out, expect)
+    assert out.shape == (2, 3 + 3)
+
+
+@pytest.mark.parametrize("preset", ["tiny"])
+def test_output_shape(preset: str) -> None:
+    cfg = get_preset(preset).model
+    m = DLRM(cfg, seed=0)
+    dense = torch.rand(5, 13)
+    ids = torch.zeros(5, 26, dtype=torch.long)
+    assert m(dense, ids).shape == (5,)
+    assert m.sparse(ids).shape == (5, 26, cfg.emb_dim)
+
+
+def test_presets_have_published_shapes() -> None:
+    k = get_preset("kaggle")
+    assert k.model.emb_dim == 32 and k.model.bottom_mlp == (512, 256, 64, 32)
+    assert k.model.top_mlp == (512, 256, 1) and k.batch_size == 128 and k.lr == 0.1
+    t = get_preset("terabyte")
+    assert t.model.emb_dim == 64 and t.model.top_mlp == (512, 512, 256, 1)
+    assert max(t.model.table_sizes) == 10_000_001 and t.batch_size == 2048
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="end in emb_dim"):
+        ModelConfig((10,) * 3, 8, (16, 4), (4, 1))
+    with pytest.raises(ValueError, match="end in 1"):
+        ModelConfig((10,) * 3, 8, (16, 8), (4, 2))
+    with pytest.raises(ValueError, match="unknown preset"):
+        get_preset("huge")
+
+
+def test_out_of_range_id_names_table() -> None:
+    m = DLRM(get_preset("tiny").model)
+    ids = torch.zeros(2, 26, dtype=torch.long)
+    ids[1, 4] = 10**9
+    with pytest.raises(IndexError, match="table 4"):
+        m(torch.rand(2, 13), ids)
+
+
+def test_planner_balances_and_is_deterministic() -> None:
+    sizes = get_preset("tiny").model.table_sizes
+    owners = plan_tables(sizes, 16, 2)
+    assert owners == plan_tables(sizes, 16, 2)
+    counts = [owners.count(r) for r in range(2)]
+    assert abs(counts[0] - counts[1]) <= 4
+    mem = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(2)]
+    assert max(mem) / sum(mem) < 0.65
+    assert plan_tables(sizes, 16, 1) == [0] * 26
