@@ -24,8 +24,21 @@ BOUNDED = [c for c in CODECS if get_codec(c).error_bounded]
 
 
 def test_registry_names_the_required_codecs() -> None:
-    need = {"none", "fp16", "bf16", "fp8", "int8", "lz4", "zstd", "sz3", "zfp", "hybrid",
-            "quant", "quant+lz", "quant+zstd"}
+    need = {
+        "none",
+        "fp16",
+        "bf16",
+        "fp8",
+        "int8",
+        "lz4",
+        "zstd",
+        "sz3",
+        "zfp",
+        "hybrid",
+        "quant",
+        "quant+lz",
+        "quant+zstd",
+    }
     assert need <= set(CODECS)
 
 
@@ -100,12 +113,25 @@ def test_golden_payloads_still_decode(name: str) -> None:
 finite32 = st.floats(-1e6, 1e6, allow_nan=False, width=32)
 special32 = st.one_of(
     finite32,
-    st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.4e38, -3.4e38, float("nan"),
-                     float("inf"), float("-inf")]),
+    st.sampled_from(
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            1e-38,
+            3.4e38,
+            -3.4e38,
+            float("nan"),
+            float("inf"),
+            float("-inf"),
+        ]
+    ),
 )
 shapes = st.tuples(st.integers(0, 40), st.integers(1, 40))
-bounds = st.one_of(st.sampled_from([1e-7, 1e-4, 1e-3, 0.0125, 0.5, 3.0]),
-                   st.floats(1e-9, 10.0, allow_nan=False))
+bounds = st.one_of(
+    st.sampled_from([1e-7, 1e-4, 1e-3, 0.0125, 0.5, 3.0]), st.floats(1e-9, 10.0, allow_nan=False)
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

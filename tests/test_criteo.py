@@ -15,7 +15,9 @@ from recsz.model import get_preset
 SIZES = get_preset("tiny").model.table_sizes
 
 
-def _expected_from_text(path: Path, n: int) -> tuple[list[float], list[list[float]], list[list[int]]]:
+def _expected_from_text(
+    path: Path, n: int
+) -> tuple[list[float], list[list[float]], list[list[int]]]:
     """An independent, obvious reading of the first n lines."""
     labels, dense, ids = [], [], []
     with open(path) as f:
@@ -24,8 +26,9 @@ def _expected_from_text(path: Path, n: int) -> tuple[list[float], list[list[floa
             fs += [""] * (40 - len(fs))
             labels.append(float(fs[0]))
             dense.append([math.log1p(max(0, int(v))) if v else 0.0 for v in fs[1:14]])
-            ids.append([hash_category(int(v, 16), SIZES[j]) if v else 0
-                        for j, v in enumerate(fs[14:40])])
+            ids.append(
+                [hash_category(int(v, 16), SIZES[j]) if v else 0 for j, v in enumerate(fs[14:40])]
+            )
     return labels, dense, ids
 
 
@@ -45,8 +48,34 @@ def test_reads_real_sample(criteo_10k: Path) -> None:
 
 def test_distinct_values_match_readme(criteo_10k: Path) -> None:
     """Per-column distinct categories equal the README's counts (wide tables: no collisions)."""
-    readme = [175, 386, 5520, 4033, 56, 8, 3184, 93, 3, 2986, 2084, 5283, 1725, 24, 2035,
-              4723, 9, 1149, 547, 4, 5036, 8, 12, 2525, 40, 1939]
+    readme = [
+        175,
+        386,
+        5520,
+        4033,
+        56,
+        8,
+        3184,
+        93,
+        3,
+        2986,
+        2084,
+        5283,
+        1725,
+        24,
+        2035,
+        4723,
+        9,
+        1149,
+        547,
+        4,
+        5036,
+        8,
+        12,
+        2525,
+        40,
+        1939,
+    ]
     a = criteo.read(criteo_10k, [2**40] * 26)
     got = [len(np.unique(a.cats[:, j])) for j in range(26)]  # "missing" counts as a value
     assert got == readme

@@ -38,8 +38,20 @@ def test_ids_follow_a_power_law() -> None:
 def _auc(tmp, extra: list[str]) -> float:
     import json
 
-    main(["--steps", "250", "--batch-size", "128", "--no-progress", "--synthetic-eval", "5000",
-          "--out", str(tmp), *extra])
+    main(
+        [
+            "--steps",
+            "250",
+            "--batch-size",
+            "128",
+            "--no-progress",
+            "--synthetic-eval",
+            "5000",
+            "--out",
+            str(tmp),
+            *extra,
+        ]
+    )
     return json.loads((tmp / "summary.json").read_text())["auc"]
 
 

@@ -78,8 +78,12 @@ class Ranks:
         if self.world > 1:
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
+        """Leave the group; on success wait for everyone first, so that no rank tears
+        down its connections while a peer is still using them (gloo aborts then)."""
         if self.world > 1 and dist.is_initialized():
+            if ok:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -249,6 +253,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     # rather than have torch warn on every step.
     torch.sparse.check_sparse_tensor_invariants.disable()
     ranks = Ranks.from_env(cfg.dist_timeout)
+    ok = False
     try:
         _check_same_config(cfg, ranks)
         preset = get_preset(cfg.preset)
@@ -328,9 +333,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             log.metrics({"step": steps, **{f"eval_{k}": v for k, v in ev.items()}})
         if ranks.rank == 0:
             log.line(format_summary(summary))
+        ok = True
         return summary
     finally:
-        ranks.close()
+        ranks.close(ok)
 
 
 def _parse_failure(spec: str | None) -> tuple[int, int] | None:

@@ -1,0 +1,147 @@
+"""Two gloo ranks on CPU, launched by `recsz train --nproc 2` (torchrun underneath).
+
+Each test compares a distributed run with a single-process run of the same seed and
+global batch, through the files the runs write (metrics.jsonl, checkpoints).
+Embeddings use SGD here: Adagrad divides each row's gradient by its own magnitude, which
+turns float-rounding differences in near-zero gradients into visible updates, so it
+can only match to ~1e-3 (measured), not to float tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsz.train import main
+
+pytestmark = pytest.mark.slow
+
+BASE = ["--steps", "20", "--batch-size", "64", "--log-every", "1", "--synthetic-eval", "512",
+        "--no-progress", "--checkpoint-every", "20", "--seed", "5", "--emb-optimizer", "sgd"]
+
+
+def run(out: Path, *extra: str, nproc: int = 1) -> dict:
+    rc = main([*BASE, "--out", str(out), "--nproc", str(nproc), *extra])
+    assert rc == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def tables(out: Path, step: int = 20) -> dict[int, torch.Tensor]:
+    """Every table's final weights, gathered from all ranks' checkpoint files."""
+    d = out / "checkpoints" / f"step-{step:09d}"
+    got: dict[int, torch.Tensor] = {}
+    for f in sorted(d.glob("rank-*.pt")):
+        s = torch.load(f, weights_only=False)
+        for j, t in enumerate(s["tables"]):
+            got[t] = s["sparse"][f"bags.{j}.weight"]
+    return got
+
+
+def dense(out: Path, step: int = 20) -> dict[str, torch.Tensor]:
+    d = out / "checkpoints" / f"step-{step:09d}"
+    return torch.load(d / "rank-0.pt", weights_only=False)["dense"]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    run(out)
+    return out
+
+
+def assert_same_model(a: Path, b: Path, tol: float) -> None:
+    ta, tb = tables(a), tables(b)
+    assert sorted(ta) == sorted(tb) == list(range(26))
+    for t in ta:
+        torch.testing.assert_close(ta[t], tb[t], rtol=0, atol=tol, msg=f"table {t}")
+    da, db = dense(a), dense(b)
+    for k in da:
+        torch.testing.assert_close(da[k], db[k], rtol=0, atol=tol, msg=k)
+
+
+def test_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
+    s = run(tmp_path, nproc=2)
+    assert s["world_size"] == 2
+    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(single)),
+                               rtol=0, atol=1e-5)
+    assert len(losses(tmp_path)) == 20
+    assert_same_model(single, tmp_path, 1e-5)
+
+
+def test_lossless_codec_is_exact_and_smaller(single: Path, tmp_path: Path) -> None:
+    none = json.loads((single / "summary.json").read_text())
+    s = run(tmp_path, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
+    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(single)),
+                               rtol=0, atol=1e-5)
+    assert_same_model(single, tmp_path, 1e-5)
+    assert s["bytes_sent"] > 0
+    assert s["bytes_payload"] < none["bytes_payload"]
+    assert s["fwd_ratio"] > 1  # repeated rows; raw float gradients barely compress losslessly
+
+
+def test_hybrid_bounds_hold_on_every_chunk(tmp_path: Path) -> None:
+    """--check-bounds decodes each payload on the sender and fails the run on a miss."""
+    s = run(tmp_path, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--check-bounds",
+            "--eb-mode", "abs", "--fwd-eb", "1e-4", "--bwd-eb", "1e-6", nproc=2)
+    assert s["fwd_ratio"] > 2 and s["bwd_ratio"] > 2
+    assert 0.4 < s["auc"] < 1.0
+
+
+def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "recsz.cli", "train", *BASE, "--steps", "50", "--nproc", "2",
+           "--inject-failure", "1:3", "--dist-timeout", "30", "--out", str(tmp_path)]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    took = time.perf_counter() - t
+    assert p.returncode != 0
+    assert "injected failure on rank 1 at step 3" in p.stdout + p.stderr
+    assert took < 60, f"job took {took:.0f}s to fail"
+
+
+def test_resume_equals_straight_run(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    run(straight, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", nproc=2)
+    split = tmp_path / "split"
+    main([*BASE, "--steps", "10", "--checkpoint-every", "10", "--out", str(split), "--nproc",
+          "2", "--fwd-codec", "hybrid", "--bwd-codec", "hybrid"])
+    rc = main([*BASE, "--resume", str(split), "--nproc", "2", "--fwd-codec", "hybrid",
+               "--bwd-codec", "hybrid"])
+    assert rc == 0
+    assert_same_model(straight, split, 1e-6)
+    torch.testing.assert_close(torch.tensor(losses(split)[-10:]),
+                               torch.tensor(losses(straight)[-10:]), rtol=0, atol=1e-6)
+
+
+def test_resume_refuses_other_world_size(tmp_path: Path) -> None:
+    run(tmp_path, "--steps", "2", "--checkpoint-every", "2")
+    meta = next((tmp_path / "checkpoints").glob("step-*/meta.json"))
+    m = json.loads(meta.read_text())
+    m["world_size"] = 2  # as if 2 ranks had written it
+    meta.write_text(json.dumps(m))
+    with pytest.raises(ValueError, match="written by 2 ranks, this job has 1"):
+        main([*BASE, "--resume", str(tmp_path)])
+
+
+def test_resume_refuses_other_config(tmp_path: Path) -> None:
+    run(tmp_path, "--steps", "2", "--checkpoint-every", "2")
+    with pytest.raises(ValueError, match=r"another configuration \(lr"):
+        main([*BASE, "--resume", str(tmp_path), "--lr", "0.5"])
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path: Path) -> None:
+    run(tmp_path, "--steps", "4", "--checkpoint-every", "2")
+    (tmp_path / "checkpoints" / "step-000000004" / "meta.json").unlink()  # crash mid-write
+    from recsz import checkpoint
+
+    assert checkpoint.latest(tmp_path).name == "step-000000002"
