@@ -17,9 +17,11 @@ Payload layout (little endian)::
     header = codec id (u8 len + ascii) | codec version u8 | config json (u16 len + utf8)
            | dtype u8 | ndim u8 | shape (ndim x u64) | eb f64 | body length u64 | body crc32 u32
 
-Non-finite values are taken out by this base class before a codec sees the tensor and
-put back after it decodes, so every codec handles NaN/Inf the same way, and an external
-compressor whose bound is not exact (ZFP) is checked and patched here too.
+Body = sections (u8 count, u32 lengths): the codec's own bytes, then the positions and
+exact values of "outliers". Non-finite values are taken out by this base class before a
+codec sees the tensor; a codec may name elements it cannot represent within the bound;
+an external compressor whose bound is not exact by construction (ZFP) is decoded and
+checked here. All of them travel exactly, so every codec treats them the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ _DTYPES: dict[torch.dtype, int] = {
     torch.float64: 3,
 }
 _DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
+
+
+Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
 
 
 class PayloadError(ValueError):
@@ -78,8 +83,12 @@ class Codec(ABC):
 
     # ---- what subclasses implement --------------------------------------------------
     @abstractmethod
-    def _encode(self, x: torch.Tensor, eb: float) -> bytes | np.ndarray:
-        """Code a finite, contiguous 2-D tensor (N > 0 elements) into body bytes."""
+    def _encode(self, x: torch.Tensor, eb: float) -> Body:
+        """Code a finite, contiguous 2-D tensor (N > 0 elements) into body bytes.
+
+        May return ``(bytes, positions)``: flat positions of elements the codec could not
+        represent within the bound; the base class then carries them exactly.
+        """
 
     @abstractmethod
     def _decode(
@@ -91,6 +100,10 @@ class Codec(ABC):
         device: torch.device,
     ) -> torch.Tensor:
         """Rebuild the tensor from body bytes; raise PayloadError on malformed bodies."""
+
+    #: Subclasses whose bound is not exact by construction set this: the encoder then
+    #: decodes, and carries every element that misses the bound exactly.
+    verify_bound: ClassVar[bool] = False
 
     # ---- public API -----------------------------------------------------------------
     def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:
@@ -112,26 +125,30 @@ class Codec(ABC):
         device = x.device
         x = x.detach().contiguous()
         flat = x.view(-1)
-        nonfinite = [b"", b""]
-        nf_idx = torch.nonzero(~torch.isfinite(flat)).view(-1)
-        if nf_idx.numel():
-            nonfinite = _pack_outliers(nf_idx, flat[nf_idx])
-            x = x.clone()
-            x.view(-1)[nf_idx] = 0
-        core = _as_bytes(self._encode(x, eb_f)) if x.numel() else b""
-        patch = [b"", b""]
-        if self.error_bounded and self.verify_bound and x.numel():
-            y = self._decode(np.frombuffer(core, np.uint8), tuple(x.shape), x.dtype, eb_f, device)
-            bad = torch.nonzero((y.double() - x.double()).abs().view(-1) > eb_f).view(-1)
-            if bad.numel():
-                patch = _pack_outliers(bad, x.view(-1)[bad])
-        body = join_sections([core, *patch, *nonfinite])
+        exact: list[torch.Tensor] = []  # flat positions carried exactly
+        orig = x
+        finite = torch.isfinite(flat)
+        if not bool(finite.all()):
+            exact.append(torch.nonzero(~finite).view(-1))
+            x = x.masked_fill(~finite.view(x.shape), 0)
+        core: bytes = b""
+        if x.numel():
+            out = self._encode(x, eb_f)
+            if isinstance(out, tuple):
+                out, missed = out
+                if missed.numel():
+                    exact.append(missed)
+            core = _as_bytes(out)
+            if self.error_bounded and self.verify_bound:
+                y = self._decode(
+                    np.frombuffer(core, np.uint8), tuple(x.shape), x.dtype, eb_f, device
+                )
+                bad = (y.double() - x.double()).abs().view(-1) > eb_f
+                exact.append(torch.nonzero(bad).view(-1))
+        idx = torch.unique(torch.cat(exact)) if exact else torch.zeros(0, dtype=torch.int64)
+        body = join_sections([core, *_pack_outliers(idx, orig.view(-1)[idx])])
         payload = self._header(x.shape, x.dtype, eb_f, body) + body
         return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-
-    #: Subclasses whose bound is not exact by construction set this: the encoder then
-    #: decodes, and carries every element that misses the bound exactly.
-    verify_bound: ClassVar[bool] = False
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
@@ -145,9 +162,11 @@ class Codec(ABC):
         self, hdr: dict[str, Any], body: np.ndarray, device: torch.device
     ) -> torch.Tensor:
         shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
-        core, pidx, pval, nidx, nval = split_sections(body, 5)
+        core, oidx, oval = split_sections(body, 3)
         n = int(np.prod(shape)) if shape else 0
         if n == 0:
+            if core.size or oidx.size > 1 or oval.size:
+                raise PayloadError("an empty tensor's payload carries data")
             return torch.empty(shape, dtype=dtype, device=device)
         try:
             y = self._decode(core, shape, dtype, eb, device)
@@ -161,15 +180,14 @@ class Codec(ABC):
                 f"header says {shape} {dtype}"
             )
         y = y.contiguous()
-        for idx_b, val_b in ((pidx, pval), (nidx, nval)):  # bound patches, then NaN/Inf
-            if idx_b.size or val_b.size:
-                idx, val = _unpack_outliers(idx_b, val_b, dtype, n)
-                y.view(-1)[idx.to(y.device)] = val.to(y.device)
+        idx, val = _unpack_outliers(oidx, oval, dtype, n)
+        if idx.numel():
+            y.view(-1)[idx.to(y.device)] = val.to(y.device)
         return y
 
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
         cid = self.codec_id.encode("ascii")
-        cfg = json.dumps(self.get_config(), sort_keys=True).encode()
+        cfg = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":")).encode()
         h = b"".join(
             [
                 struct.pack("<B", len(cid)),
@@ -244,27 +262,17 @@ def _as_bytes(b: bytes | np.ndarray) -> bytes:
 
 
 def join_sections(parts: list[bytes]) -> bytes:
-    """Length-prefixed concatenation: u32 count, u64 lengths, bytes."""
-    head = struct.pack(f"<I{len(parts)}Q", len(parts), *(len(p) for p in parts))
+    """Length-prefixed concatenation: u8 count, u32 lengths, then the bytes."""
+    head = struct.pack(f"<B{len(parts)}I", len(parts), *(len(p) for p in parts))
     return head + b"".join(parts)
 
 
 def split_sections(buf: np.ndarray, n: int) -> list[np.ndarray]:
     """Split a body made by join_sections into exactly ``n`` parts, or raise PayloadError."""
-    parts = _split_sections_exact(buf)
-    if len(parts) != n:
-        raise PayloadError(f"expected {n} sections, found {len(parts)}")
-    return parts
-
-
-def _split_sections_exact(buf: np.ndarray) -> list[np.ndarray]:
-    if buf.size < 4:
-        raise PayloadError("truncated section table")
-    (n,) = struct.unpack_from("<I", buf, 0)
-    if n > 64 or buf.size < 4 + 8 * n:
-        raise PayloadError("malformed section table")
-    lens = struct.unpack_from(f"<{n}Q", buf, 4)
-    o = 4 + 8 * n
+    if buf.size < 1 + 4 * n or int(buf[0]) != n:
+        raise PayloadError(f"malformed section table (expected {n} sections)")
+    lens = struct.unpack_from(f"<{n}I", buf, 1)
+    o = 1 + 4 * n
     if o + sum(lens) != buf.size:
         raise PayloadError("section lengths do not add up to the body")
     out = []
@@ -275,9 +283,11 @@ def _split_sections_exact(buf: np.ndarray) -> list[np.ndarray]:
 
 
 def _pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
-    """Positions (u32 when they fit, else u64) and exact values (float64 keeps any dtype)."""
+    """Positions (u32 when they fit, else u64, after a width byte) and exact values (f64)."""
+    if idx.numel() == 0:
+        return [b"", b""]
     i = idx.cpu().numpy()
-    wide = i.size and i.max() >= 2**32
+    wide = bool(i.max() >= 2**32)
     ib = np.uint8(8 if wide else 4).tobytes() + i.astype("<u8" if wide else "<u4").tobytes()
     vb = val.detach().cpu().double().numpy().astype("<f8").tobytes()
     return [ib, vb]
@@ -286,13 +296,13 @@ def _pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
 def _unpack_outliers(
     ib: np.ndarray, vb: np.ndarray, dtype: torch.dtype, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if ib.size == 0:
-        raise PayloadError("malformed outlier section")
-    w = int(ib[0])
+    if ib.size == 0 and vb.size == 0:
+        return torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype)
+    w = int(ib[0]) if ib.size else 0
     if w not in (4, 8) or (ib.size - 1) % w or vb.size % 8 or (ib.size - 1) // w != vb.size // 8:
         raise PayloadError("malformed outlier section")
     idx = np.frombuffer(ib[1:].tobytes(), dtype="<u4" if w == 4 else "<u8").astype(np.int64)
-    if idx.size and (idx.max() >= n):
+    if idx.size and idx.max() >= n:
         raise PayloadError("outlier position outside the tensor")
     val = torch.from_numpy(np.frombuffer(vb.tobytes(), dtype="<f8").copy()).to(dtype)
     return torch.from_numpy(idx), val

@@ -21,42 +21,84 @@ QMAX = 2**30
 
 
 # ---- quantization -------------------------------------------------------------------
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bound_below(eb: float, wd: torch.dtype) -> torch.Tensor:
+    """The largest value of dtype ``wd`` that is <= eb (comparisons against it are safe)."""
+    t = torch.tensor(eb, dtype=wd)
+    if float(t) > eb:
+        t = torch.nextafter(t, torch.zeros_like(t))
+    return t
+
+
 def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes q = round(x / (2 eb)) and the flat positions that must travel exactly.
 
-    Computed in float64, where x / (2 eb) and q * 2 eb are exact enough; the only way
-    the reconstruction can still miss the bound is the final rounding to x's dtype (by an
-    ulp), and those elements are found by checking and returned as outliers, so the bound
-    holds for every element without exception.
+    Computed in float32 (float64 for float64 input) for speed. Whatever that can get
+    wrong — a code off by one near a rounding boundary, a reconstruction that rounds an
+    ulp beyond eb, a code too large to be exact — shows in the check of every
+    reconstruction: ``|x' - x| >= eb_w`` with eb_w the largest working value <= eb. A
+    true error above eb can never compute below eb_w (rounding is monotonic), so every
+    element that would miss the bound is caught; such elements (rare: the check is
+    conservative by at most an ulp) are returned as outliers and travel exactly.
 
     Args:
         x: finite (N, D) float tensor.
         eb: absolute error bound, > 0.
     Returns:
-        codes (N, D) int64 (0 at outliers), outlier positions (K,) int64 into x.view(-1).
+        codes (N, D) int32 (0 at outliers), outlier positions (K,) int64 into x.view(-1).
     """
-    step = 2.0 * eb
-    xd = x.double()
-    q = torch.round(xd / step)
-    big = ~(q.abs() <= QMAX)  # also catches inf from a denormal step
-    q = torch.where(big, torch.zeros_like(q), q)
-    y = dequantize(q, eb, x.dtype)
-    bad = big | ((y.double() - xd).abs() > eb)
-    q = torch.where(bad, torch.zeros_like(q), q)
-    return q.to(torch.int64), torch.nonzero(bad.view(-1)).view(-1)
+    wd = _work_dtype(x.dtype)
+    qmax = QMAX if wd == torch.float64 else 2**24  # float32 holds integers exactly to 2^24
+    xs = x if x.dtype == wd else x.to(wd)
+    q = torch.mul(xs, 1.0 / (2.0 * eb)).round_().clamp_(-qmax, qmax)
+    y = _dequantize_float(q, eb, x.dtype)
+    if y.dtype != wd:
+        y = y.to(wd)
+    bad = y.sub_(xs).abs_().ge_(_bound_below(eb, wd)).view(-1)
+    codes = q.to(torch.int32)
+    if bool(bad.any()):
+        pos = torch.nonzero(bad).view(-1)
+        codes.view(-1)[pos] = 0
+        return codes, pos
+    return codes, torch.zeros(0, dtype=torch.int64, device=x.device)
+
+
+def _dequantize_float(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
+    wd = _work_dtype(dtype)
+    y = torch.mul(q if q.dtype == wd else q.to(wd), torch.tensor(2.0 * eb, dtype=wd))
+    return y if dtype == wd else y.to(dtype)
 
 
 def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
-    """x' = q * 2 eb, computed in float64 and rounded once to ``dtype`` (as the encoder did)."""
-    return (q.double() * (2.0 * eb)).to(dtype)
+    """x' = q * 2 eb in the working precision, rounded once to ``dtype``.
+
+    Encoder and decoder run this same computation (an integral float times the same
+    rounded step; IEEE multiplication is exactly rounded on every device), so the
+    encoder's check of every reconstruction is a check of what the decoder produces.
+    """
+    return _dequantize_float(q, eb, dtype)
 
 
 # ---- vector deduplication ("vector LZ") -----------------------------------------------
 def _row_hash(codes: torch.Tensor) -> torch.Tensor:
-    d = codes.shape[1]
+    """A hash of each code row; equal rows always get equal hashes.
+
+    Fast path: a float64 matrix-vector product with random integer weights small enough
+    that every partial sum is an exact integer below 2^53, so the result does not depend
+    on the order in which BLAS adds the terms. Otherwise a wrapping int64 dot product.
+    """
+    _n, d = codes.shape
+    top = int(codes.abs().max()) if codes.numel() else 0
+    wmax = 2**53 // max(1, d * max(top, 1))
     g = torch.Generator().manual_seed(d)
+    if wmax >= 2**12:  # enough distinct weights to make collisions rare
+        w = torch.randint(1, min(wmax, 2**40), (d,), generator=g, dtype=torch.int64)
+        return codes.to(torch.float64) @ w.to(torch.float64).to(codes.device)
     mult = (torch.randint(1, 2**62, (d,), generator=g, dtype=torch.int64) | 1).to(codes.device)
-    return (codes * mult).sum(1)  # int64 arithmetic wraps: a 64-bit polynomial hash
+    return (codes.to(torch.int64) * mult).sum(1)
 
 
 def dedup_rows(codes: torch.Tensor) -> torch.Tensor:
@@ -75,8 +117,12 @@ def dedup_rows(codes: torch.Tensor) -> torch.Tensor:
     first = torch.full((int(inv.max()) + 1,), n, dtype=torch.int64, device=codes.device)
     first.scatter_reduce_(0, inv, ar, reduce="amin")
     rep = first[inv]
-    same = (codes == codes[rep]).all(1)
-    rep = torch.where(same, rep, ar)
+    # Verify every match element by element (flat compare + nonzero is much faster on
+    # CPU than a per-row all()); a row whose hash collided is sent literally.
+    diff = torch.nonzero(codes.view(-1) != codes.index_select(0, rep).view(-1)).view(-1)
+    if diff.numel():
+        bad_rows = torch.unique(diff // codes.shape[1])
+        rep[bad_rows] = ar[bad_rows]
     literal = rep == ar
     ordinal = torch.cumsum(literal, 0) - 1
     return torch.where(literal, torch.zeros_like(rep), ordinal[rep] + 1)
@@ -100,49 +146,78 @@ def undedup_rows(literals: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
 # ---- integer packing and entropy coding ------------------------------------------------
 def zigzag(q: torch.Tensor) -> torch.Tensor:
     """Signed -> unsigned with small magnitudes staying small: 0,-1,1,-2 -> 0,1,2,3."""
-    return torch.where(q >= 0, q * 2, -q * 2 - 1)
+    return (q << 1) ^ (q >> (q.element_size() * 8 - 1))
 
 
 def unzigzag(z: torch.Tensor) -> torch.Tensor:
-    return torch.where(z % 2 == 0, z // 2, -(z + 1) // 2)
+    return (z >> 1) ^ -(z & 1)
 
 
-_PACK = struct.Struct("<BBQ")  # byte width, entropy mode, element count
+_STREAM = struct.Struct("<BI")  # byte width, element count
 
 
-def pack_uints(z: np.ndarray, entropy: bool, level: int = 3) -> bytes:
-    """Non-negative ints -> narrowest width, split into byte planes, optionally zstd.
+def _width(top: int) -> int:
+    return 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
+
+
+def pack_streams(streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | None) -> bytes:
+    """Non-negative int arrays -> narrowest width each, byte planes, one optional zstd frame.
 
     Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
-    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The plane layout
-    is kept raw whenever zstd would not make it smaller.
+    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The planes stay
+    raw whenever zstd would not make them smaller. Layout: u8 count, (u8 width, u32 n)
+    per stream, u8 mode (0 raw, 1 zstd), data.
     """
-    n = int(z.size)
-    top = int(z.max()) if n else 0
-    width = 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
-    planes = z.astype(f"<u{width}").view(np.uint8).reshape(n, width).T.tobytes()
+    head = [struct.pack("<B", len(streams))]
+    planes = []
+    for z in streams:
+        n = int(z.size)
+        w = _width(int(z.max()) if n else 0)
+        head.append(_STREAM.pack(w, n))
+        planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
+    data = b"".join(planes)
     mode = 0
-    if entropy and n:
-        comp = zstandard.ZstdCompressor(level=level).compress(planes)
-        if len(comp) < len(planes):
-            planes, mode = comp, 1
-    return _PACK.pack(width, mode, n) + planes
+    if cctx is not None and data:
+        comp = cctx.compress(data)
+        if len(comp) < len(data):
+            data, mode = comp, 1
+    return b"".join(head) + struct.pack("<B", mode) + data
 
 
-def unpack_uints(buf: np.ndarray) -> np.ndarray:
-    """Inverse of pack_uints; (n,) int64."""
-    if buf.size < _PACK.size:
-        raise PayloadError("truncated integer block")
-    width, mode, n = _PACK.unpack_from(buf, 0)
-    if width not in (1, 2, 4, 8) or mode not in (0, 1):
-        raise PayloadError(f"bad integer block header (width {width}, mode {mode})")
-    data = buf[_PACK.size :].tobytes()
+def unpack_streams(
+    buf: np.ndarray, dctx: zstandard.ZstdDecompressor, max_elems: int
+) -> list[np.ndarray]:
+    """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
+    if buf.size < 1:
+        raise PayloadError("truncated integer streams")
+    count = int(buf[0])
+    o = 1
+    if buf.size < o + _STREAM.size * count + 1:
+        raise PayloadError("truncated integer stream table")
+    dims = []
+    for _ in range(count):
+        w, n = _STREAM.unpack_from(buf, o)
+        o += _STREAM.size
+        if w not in (1, 2, 4, 8) or n > max_elems:
+            raise PayloadError(f"bad integer stream header (width {w}, count {n})")
+        dims.append((w, n))
+    mode = int(buf[o])
+    o += 1
+    total = sum(w * n for w, n in dims)
+    data = buf[o:].tobytes()
     if mode == 1:
         try:
-            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=n * width)
+            data = dctx.decompress(data, max_output_size=max(total, 1))
         except zstandard.ZstdError as e:
             raise PayloadError(f"entropy-coded block does not decode: {e}") from None
-    if len(data) != n * width:
-        raise PayloadError(f"integer block holds {len(data)} bytes, expected {n * width}")
-    planes = np.frombuffer(data, np.uint8).reshape(width, n).T
-    return np.ascontiguousarray(planes).view(f"<u{width}").reshape(n).astype(np.int64)
+    elif mode != 0:
+        raise PayloadError(f"unknown integer stream mode {mode}")
+    if len(data) != total:
+        raise PayloadError(f"integer streams hold {len(data)} bytes, expected {total}")
+    raw = np.frombuffer(data, np.uint8)
+    out, p = [], 0
+    for w, n in dims:
+        planes = raw[p : p + w * n].reshape(w, n).T
+        out.append(np.ascontiguousarray(planes).view(f"<u{w}").reshape(n).astype(np.int64))
+        p += w * n
+    return out
