@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(BIN)/recsz train --preset tiny --nproc 2 --steps 300 --batch-size 256 \
-		--fwd-codec hybrid --bwd-codec hybrid --eb-policy fixed --out runs/demo
+		--fwd-codec hybrid --bwd-codec hybrid --eb-policy dual --out runs/demo
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -39,6 +39,14 @@ class TrainConfig:
     fwd_eb: float = 0.03  # forward bound (relative to the slice's range in rel mode)
     bwd_eb: float = 0.03  # backward bound
     eb_mode: str = "rel"  # "rel" (x range of the table's slice) or "abs"
+    fwd_class_eb: str = "0.01,0.03,0.05"  # table/dual: tight,base,loose forward bounds
+    bwd_class_eb: str = "0.01,0.03,0.05"  # table/dual: tight,base,loose backward bounds
+    table_class: str | None = None  # manual classes, e.g. "3=tight,8=loose"
+    hindex_probe_steps: int = 10  # iterations of traffic behind each homogenization index
+    hindex_every: int = 1000  # iterations between re-classifications (0: classify once)
+    decay_schedule: str = "step"  # dual: step | linear | log | constant
+    decay_c: float = 2.0  # dual: bound multiplier at iteration 0
+    decay_t: int = 65_536  # dual: iteration where the multiplier reaches 1
     dist_timeout: float = 120.0  # seconds before a stuck collective fails the job
     checkpoint_every: int = 0  # steps between checkpoints in the run dir; 0: none
     resume: str | None = None  # run dir to continue from its last complete checkpoint
@@ -151,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("rel", "abs"),
         help="bound relative to range or absolute",
     )
+    a("--fwd-class-eb", default="0.01,0.03,0.05", help="table/dual: tight,base,loose forward")
+    a("--bwd-class-eb", default="0.01,0.03,0.05", help="table/dual: tight,base,loose backward")
+    a("--table-class", help="manual table classes, e.g. 3=tight,8=loose")
+    a("--hindex-probe-steps", type=int, default=10, help="iterations per homogenization index")
+    a("--hindex-every", type=int, default=1000, help="iterations between re-classifications")
+    a("--decay-schedule", default="step", choices=("step", "linear", "log", "constant"))
+    a("--decay-c", type=float, default=2.0, help="dual: multiplier at iteration 0")
+    a("--decay-t", type=int, default=65_536, help="dual: iteration where the multiplier is 1")
     a("--dist-timeout", type=float, default=120.0, help="collective timeout, seconds")
     a("--checkpoint-every", type=int, default=0)
     a("--resume", help="run directory to resume from")

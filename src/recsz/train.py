@@ -309,6 +309,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 row = {"step": done, "loss": ranks.all_mean(float(np.mean(losses)))}
                 losses.clear()
                 row.update(_comm_row(parts, ranks, train_s, done - start, bsz))
+                row["tables"] = table_report(parts, ranks)
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
                 row = row or {"step": done}
@@ -325,7 +326,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "steps": steps,
             "world_size": ranks.world,
             **_comm_row(parts, ranks, train_s, max(1, steps - start), bsz),
-            "per_table": parts.exchange.stats.per_table(),
+            "per_table": table_report(parts, ranks),
+            "policy_events": _policy_events(parts, ranks),
             "config": cfg.to_dict(),
         }
         if out and ranks.rank == 0:
@@ -337,6 +339,71 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         return summary
     finally:
         ranks.close(ok)
+
+
+def table_report(parts: Parts, ranks: Ranks) -> dict[str, dict[str, Any]]:
+    """Per table: class, current bound and cumulative ratio of each direction.
+
+    Forward numbers come from the table's owner; backward bytes are summed over all
+    sample owners, and the backward class and bound are rank 0's.
+    """
+    ex = parts.exchange
+    st = ex.stats
+    local = {
+        "fwd": {
+            t: (
+                st.table_raw["fwd"][t],
+                st.table_sent["fwd"][t],
+                st.last_eb["fwd"].get(t),
+                ex.policies["fwd"].describe().get(t, {}).get("class"),
+            )
+            for t in ex.mine
+        },
+        "bwd": {
+            t: (
+                st.table_raw["bwd"][t],
+                st.table_sent["bwd"][t],
+                st.last_eb["bwd"].get(t),
+                ex.policies["bwd"].describe().get(t, {}).get("class"),
+            )
+            for t in st.table_raw["bwd"]
+        },
+    }
+    views: list[Any] = [local]
+    if ranks.world > 1:
+        views = [None] * ranks.world
+        dist.all_gather_object(views, local)
+    out: dict[str, dict[str, Any]] = {}
+    for r, v in enumerate(views):
+        for t, (raw, sent, eb, cls) in v["fwd"].items():
+            out.setdefault(str(t), {}).update(
+                {"fwd_ratio": raw / sent if sent else None, "fwd_eb": eb, "fwd_class": cls}
+            )
+        for t, (raw, sent, eb, cls) in v["bwd"].items():
+            row = out.setdefault(str(t), {})
+            row["_bwd_raw"] = row.get("_bwd_raw", 0) + raw
+            row["_bwd_sent"] = row.get("_bwd_sent", 0) + sent
+            if r == 0:
+                row.update({"bwd_eb": eb, "bwd_class": cls})
+    for row in out.values():
+        raw, sent = row.pop("_bwd_raw", 0), row.pop("_bwd_sent", 0)
+        row["bwd_ratio"] = raw / sent if sent else None
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _policy_events(parts: Parts, ranks: Ranks) -> list[dict[str, Any]]:
+    """Class changes of every rank's policies (forward: each table's owner)."""
+    mine = [
+        {**e, "direction": d, "rank": ranks.rank}
+        for d, p in parts.exchange.policies.items()
+        for e in getattr(p, "events", [])
+        if d == "fwd" or ranks.rank == 0
+    ]
+    if ranks.world == 1:
+        return mine
+    views: list[Any] = [None] * ranks.world
+    dist.all_gather_object(views, mine)
+    return [e for v in views for e in v]
 
 
 def _parse_failure(spec: str | None) -> tuple[int, int] | None:

@@ -22,8 +22,23 @@ from recsz.train import main
 
 pytestmark = pytest.mark.slow
 
-BASE = ["--steps", "20", "--batch-size", "64", "--log-every", "1", "--synthetic-eval", "512",
-        "--no-progress", "--checkpoint-every", "20", "--seed", "5", "--emb-optimizer", "sgd"]
+BASE = [
+    "--steps",
+    "20",
+    "--batch-size",
+    "64",
+    "--log-every",
+    "1",
+    "--synthetic-eval",
+    "512",
+    "--no-progress",
+    "--checkpoint-every",
+    "20",
+    "--seed",
+    "5",
+    "--emb-optimizer",
+    "sgd",
+]
 
 
 def run(out: Path, *extra: str, nproc: int = 1) -> dict:
@@ -73,8 +88,9 @@ def assert_same_model(a: Path, b: Path, tol: float) -> None:
 def test_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
     s = run(tmp_path, nproc=2)
     assert s["world_size"] == 2
-    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(single)),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+    )
     assert len(losses(tmp_path)) == 20
     assert_same_model(single, tmp_path, 1e-5)
 
@@ -82,8 +98,9 @@ def test_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
 def test_lossless_codec_is_exact_and_smaller(single: Path, tmp_path: Path) -> None:
     none = json.loads((single / "summary.json").read_text())
     s = run(tmp_path, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
-    torch.testing.assert_close(torch.tensor(losses(tmp_path)), torch.tensor(losses(single)),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+    )
     assert_same_model(single, tmp_path, 1e-5)
     assert s["bytes_sent"] > 0
     assert s["bytes_payload"] < none["bytes_payload"]
@@ -92,15 +109,43 @@ def test_lossless_codec_is_exact_and_smaller(single: Path, tmp_path: Path) -> No
 
 def test_hybrid_bounds_hold_on_every_chunk(tmp_path: Path) -> None:
     """--check-bounds decodes each payload on the sender and fails the run on a miss."""
-    s = run(tmp_path, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--check-bounds",
-            "--eb-mode", "abs", "--fwd-eb", "1e-4", "--bwd-eb", "1e-6", nproc=2)
+    s = run(
+        tmp_path,
+        "--fwd-codec",
+        "hybrid",
+        "--bwd-codec",
+        "hybrid",
+        "--check-bounds",
+        "--eb-mode",
+        "abs",
+        "--fwd-eb",
+        "1e-4",
+        "--bwd-eb",
+        "1e-6",
+        nproc=2,
+    )
     assert s["fwd_ratio"] > 2 and s["bwd_ratio"] > 2
     assert 0.4 < s["auc"] < 1.0
 
 
 def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "recsz.cli", "train", *BASE, "--steps", "50", "--nproc", "2",
-           "--inject-failure", "1:3", "--dist-timeout", "30", "--out", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recsz.cli",
+        "train",
+        *BASE,
+        "--steps",
+        "50",
+        "--nproc",
+        "2",
+        "--inject-failure",
+        "1:3",
+        "--dist-timeout",
+        "30",
+        "--out",
+        str(tmp_path),
+    ]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     took = time.perf_counter() - t
@@ -113,14 +158,41 @@ def test_resume_equals_straight_run(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
     run(straight, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", nproc=2)
     split = tmp_path / "split"
-    main([*BASE, "--steps", "10", "--checkpoint-every", "10", "--out", str(split), "--nproc",
-          "2", "--fwd-codec", "hybrid", "--bwd-codec", "hybrid"])
-    rc = main([*BASE, "--resume", str(split), "--nproc", "2", "--fwd-codec", "hybrid",
-               "--bwd-codec", "hybrid"])
+    main(
+        [
+            *BASE,
+            "--steps",
+            "10",
+            "--checkpoint-every",
+            "10",
+            "--out",
+            str(split),
+            "--nproc",
+            "2",
+            "--fwd-codec",
+            "hybrid",
+            "--bwd-codec",
+            "hybrid",
+        ]
+    )
+    rc = main(
+        [
+            *BASE,
+            "--resume",
+            str(split),
+            "--nproc",
+            "2",
+            "--fwd-codec",
+            "hybrid",
+            "--bwd-codec",
+            "hybrid",
+        ]
+    )
     assert rc == 0
     assert_same_model(straight, split, 1e-6)
-    torch.testing.assert_close(torch.tensor(losses(split)[-10:]),
-                               torch.tensor(losses(straight)[-10:]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(losses(split)[-10:]), torch.tensor(losses(straight)[-10:]), rtol=0, atol=1e-6
+    )
 
 
 def test_resume_refuses_other_world_size(tmp_path: Path) -> None:

@@ -1,0 +1,157 @@
+"""Error-bound policies without any communication."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from recsz.config import TrainConfig
+from recsz.policy import FixedBound, to_absolute
+from recsz.policy.adaptive import DualBound, decay_multiplier, parse_overrides
+from recsz.policy.factory import make_policy
+
+CLS = {"tight": 0.01, "base": 0.03, "loose": 0.05}
+
+
+@pytest.mark.parametrize(
+    ("schedule", "t", "expect"),
+    [
+        ("step", 0, 2.0),
+        ("step", 6553, 2.0),  # still in the first of 10 steps
+        ("step", 6554, 1.9),
+        ("step", 65535, 1.1),
+        ("step", 65536, 1.0),
+        ("linear", 32768, 1.5),
+        ("linear", 0, 2.0),
+        ("log", 0, 2.0),
+        ("log", 65536, 1.0),
+        ("log", 32768, 2.0 * ((1 - math.log(1 + 0.5 * (math.e - 1))) * 0.5 + 0.5)),
+        ("constant", 0, 1.0),
+        ("step", 10**7, 1.0),
+    ],
+)
+def test_schedules_match_formulas(schedule: str, t: int, expect: float) -> None:
+    assert decay_multiplier(t, 65536, 2.0, schedule) == pytest.approx(expect, abs=1e-12)
+
+
+def test_log_schedule_is_monotone() -> None:
+    ms = [decay_multiplier(t, 1000, 3.0, "log") for t in range(0, 1001, 50)]
+    assert all(a >= b for a, b in itertools.pairwise(ms)) and ms[0] == 3.0
+
+
+def _collapsing(g: torch.Generator) -> torch.Tensor:
+    """Values that quantization merges: tiny noise around 0 plus a few large entries."""
+    x = torch.randn(256, 16, generator=g) * 1e-4
+    x[0] = 1.0
+    x[1] = -1.0
+    return x
+
+
+def _spread(g: torch.Generator) -> torch.Tensor:
+    """Few distinct rows, far apart: quantization keeps every value distinct."""
+    rows = torch.rand(4, 16, generator=g) * 2 - 1
+    return rows[torch.randint(0, 4, (256,), generator=g)]
+
+
+def test_index_separates_collapsing_from_distinct_tables() -> None:
+    g = torch.Generator().manual_seed(0)
+    p = DualBound(n_tables=3, class_eb=CLS, probe_steps=2, every=0, decay_schedule="constant")
+    mid = torch.randn(256, 16, generator=g) * 0.3
+    for step in range(2):
+        p.observe(0, step, _collapsing(g))
+        p.observe(1, step, _spread(g))
+        p.observe(2, step, mid)
+    assert p.class_of(0) == "base"  # nothing classified before the window ends
+    x = torch.ones(4, 4)
+    p.bound(0, 2, x)
+    assert p.index[0] < 0.035 < p.index[2] < 0.5 <= p.index[1]
+    assert [p.class_of(t) for t in range(3)] == ["tight", "loose", "base"]
+    assert {e["table"] for e in p.events} == {0, 1}
+    rng = torch.tensor([[0.0, 2.0]])
+    assert p.bound(0, 5, rng) == pytest.approx(0.02)
+    assert p.bound(1, 5, rng) == pytest.approx(0.10)
+
+
+def test_reclassification_every_k_steps() -> None:
+    g = torch.Generator().manual_seed(1)
+    p = DualBound(n_tables=1, class_eb=CLS, probe_steps=1, every=10, decay_schedule="constant")
+    p.observe(0, 0, _collapsing(g))
+    p.bound(0, 1, torch.ones(2, 2))
+    assert p.class_of(0) == "tight"
+    p.observe(0, 5, _spread(g))  # outside a window: ignored
+    p.bound(0, 6, torch.ones(2, 2))
+    assert p.class_of(0) == "tight"
+    p.observe(0, 10, _spread(g))  # window [10, 11)
+    p.bound(0, 11, torch.ones(2, 2))
+    assert p.class_of(0) == "loose" and len(p.events) == 2
+
+
+def test_overrides_win() -> None:
+    g = torch.Generator().manual_seed(2)
+    ov = parse_overrides("0=loose", 2)
+    p = DualBound(
+        n_tables=2, class_eb=CLS, probe_steps=1, every=0, overrides=ov, decay_schedule="constant"
+    )
+    p.observe(0, 0, _collapsing(g))
+    p.observe(1, 0, _collapsing(g))
+    p.bound(0, 1, torch.ones(2, 2))
+    assert p.class_of(0) == "loose" and p.class_of(1) == "tight"
+    with pytest.raises(ValueError, match="table 9"):
+        parse_overrides("9=tight", 3)
+    with pytest.raises(ValueError, match="class 'huge'"):
+        parse_overrides("1=huge", 3)
+
+
+def test_dual_multiplies_class_bound_by_decay() -> None:
+    p = DualBound(
+        n_tables=1,
+        class_eb=CLS,
+        mode="abs",
+        probe_steps=0,
+        every=0,
+        decay_schedule="linear",
+        decay_c=2.0,
+        decay_t=100,
+    )
+    x = torch.zeros(2, 2)
+    assert p.bound(0, 0, x) == pytest.approx(0.06)
+    assert p.bound(0, 50, x) == pytest.approx(0.045)
+    assert p.bound(0, 100, x) == pytest.approx(0.03)
+
+
+def test_state_survives_checkpoint_roundtrip() -> None:
+    g = torch.Generator().manual_seed(3)
+    a = DualBound(n_tables=2, class_eb=CLS, probe_steps=2, every=0)
+    a.observe(0, 0, _collapsing(g))
+    a.observe(1, 0, _spread(g))
+    b = DualBound(n_tables=2, class_eb=CLS, probe_steps=2, every=0)
+    b.load_state_dict(a.state_dict())  # mid-window: counts carried over
+    for p in (a, b):
+        p.observe(0, 1, _collapsing(torch.Generator().manual_seed(9)))
+        p.bound(0, 2, torch.ones(2, 2))
+    assert a.classes == b.classes and a.index == b.index and a.events == b.events
+
+
+def test_fixed_and_relative_bounds() -> None:
+    x = torch.tensor([[-1.0, 3.0]])
+    assert FixedBound(0.03, "rel").bound(0, 0, x) == pytest.approx(0.12)
+    assert FixedBound(1e-3, "abs").bound(0, 0, x) == 1e-3
+    assert to_absolute(0.1, "rel", torch.full((2, 2), 5.0)) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        FixedBound(0.0)
+
+
+def test_factory_wiring() -> None:
+    cfg = TrainConfig(fwd_codec="hybrid", bwd_codec="none", eb_policy="dual")
+    assert isinstance(make_policy(cfg, "fwd", 26), DualBound)
+    assert make_policy(cfg, "bwd", 26).bound(0, 0, torch.ones(2, 2)) is None
+    cfg = TrainConfig(fwd_codec="hybrid", eb_policy="table")
+    p = make_policy(cfg, "fwd", 26)
+    assert isinstance(p, DualBound) and p.decay_schedule == "constant"
+    with pytest.raises(ValueError, match="three numbers"):
+        make_policy(
+            TrainConfig(fwd_codec="hybrid", eb_policy="dual", fwd_class_eb="0.1"), "fwd", 26
+        )
