@@ -1,0 +1,158 @@
+"""Accuracy study: the same model and data under each error-bound policy.
+
+    python benchmarks/bench_accuracy.py [--quick] [--json-out PATH]
+
+Trains the ``tiny`` DLRM in one process (the codec runs on the same all-to-all path as in
+distributed runs, looping back to itself) with:
+- ``none``: uncompressed;
+- ``fixed``: hybrid codec, one relative bound 0.03 for every table;
+- ``table``: hybrid, table classes from the homogenization index (0.01 / 0.03 / 0.05);
+- ``dual``: table classes times the iteration decay (the published method);
+each forward only (``fwd``, the published setting) and forward + backward (``fwd+bwd``).
+
+Data: (a) the synthetic generator, >= 1,000,000 training samples (100,000 with --quick);
+(b) the real 10k Criteo sample, one pass, 3 seeds. Prints one table, writes JSON rows
+with ``data, policy, direction, seed, auc, logloss, auc_delta, fwd_ratio, bwd_ratio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from recsz.train import main as train_main
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Run:
+    data: str
+    policy: str
+    direction: str
+    seed: int
+    flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Result:
+    data: str
+    policy: str
+    direction: str
+    seed: int
+    auc: float
+    logloss: float
+    auc_delta: float
+    fwd_ratio: float | None
+    bwd_ratio: float | None
+    seconds: float
+
+
+POLICIES = {
+    "none": (),
+    "fixed": ("--eb-policy", "fixed", "--fwd-eb", "0.03", "--bwd-eb", "0.03"),
+    "table": ("--eb-policy", "table"),
+    "dual": ("--eb-policy", "dual"),
+}
+
+
+def plan(quick: bool, extra_policies: dict[str, tuple[str, ...]]) -> list[Run]:
+    runs = []
+    synth_steps = 100 if quick else 1000  # x batch 1024 samples
+    synth = (
+        "--data",
+        "synthetic",
+        "--batch-size",
+        "1024",
+        "--steps",
+        str(synth_steps),
+        "--synthetic-eval",
+        "20000",
+    )
+    real_file = SHARED / "criteo_kaggle_head10k.tsv"
+    datasets = [("synthetic", synth, [0])]
+    if real_file.exists():
+        datasets.append(("real10k", ("--data", str(real_file)), [0, 1, 2]))
+    else:
+        print(f"[skip] real data: {real_file} not found", file=sys.stderr)
+    policies = {**POLICIES, **extra_policies}
+    for data, dflags, seeds in datasets:
+        for seed in seeds:
+            for name, pflags in policies.items():
+                dirs = (
+                    [("-", ())]
+                    if name == "none" or name.startswith("dct")
+                    else [
+                        ("fwd", ("--fwd-codec", "hybrid")),
+                        ("fwd+bwd", ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid")),
+                    ]
+                )
+                for dname, cflags in dirs:
+                    runs.append(
+                        Run(
+                            data,
+                            name,
+                            dname,
+                            seed,
+                            (*dflags, *pflags, *cflags, "--seed", str(seed)),
+                        )
+                    )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json-out", default="bench_out/accuracy.json")
+    a = ap.parse_args(argv)
+    results: list[Result] = []
+    base: dict[tuple[str, int], float] = {}
+    for run in plan(a.quick, {}):
+        with tempfile.TemporaryDirectory() as tmp:
+            t = time.perf_counter()
+            train_main([*run.flags, "--no-progress", "--out", tmp])
+            secs = time.perf_counter() - t
+            s = json.loads((Path(tmp) / "summary.json").read_text())
+        if run.policy == "none":
+            base[(run.data, run.seed)] = s["auc"]
+        r = Result(
+            run.data,
+            run.policy,
+            run.direction,
+            run.seed,
+            s["auc"],
+            s["logloss"],
+            s["auc"] - base.get((run.data, run.seed), float("nan")),
+            _num(s["fwd_ratio"]),
+            _num(s["bwd_ratio"]),
+            secs,
+        )
+        results.append(r)
+        print(
+            f"{r.data:9s} seed {r.seed} {r.policy:6s} {r.direction:7s} AUC {r.auc:.4f} "
+            f"(delta {r.auc_delta:+.4f}) logloss {r.logloss:.4f} fwd {_fmt(r.fwd_ratio)} "
+            f"bwd {_fmt(r.bwd_ratio)}  {r.seconds:.0f}s",
+            flush=True,
+        )
+    out = Path(a.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([asdict(r) for r in results], indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def _num(x: float) -> float | None:
+    return None if x != x else x  # NaN (nothing sent) -> null in JSON
+
+
+def _fmt(x: float | None) -> str:
+    return "   -  " if x is None else f"{x:6.2f}x"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""`recsz plot`, `recsz preprocess` and the benchmark scripts keep working."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from recsz.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plot_writes_pngs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert (
+        cli_main(
+            [
+                "train",
+                "--steps",
+                "6",
+                "--batch-size",
+                "64",
+                "--log-every",
+                "2",
+                "--eval-every",
+                "4",
+                "--synthetic-eval",
+                "512",
+                "--no-progress",
+                "--fwd-codec",
+                "hybrid",
+                "--bwd-codec",
+                "hybrid",
+                "--eb-policy",
+                "dual",
+                "--out",
+                str(run),
+            ]
+        )
+        == 0
+    )
+    assert cli_main(["plot", str(run)]) == 0
+    for name in ("training.png", "tables_fwd.png", "tables_bwd.png"):
+        assert (run / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_preprocess_cli(tmp_path: Path, criteo_ragged: Path) -> None:
+    out = tmp_path / "bin"
+    assert cli_main(["preprocess", str(criteo_ragged), str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["rows"] == 1000 and meta["padded_lines"] == 498
+    run = tmp_path / "run"
+    assert (
+        cli_main(["train", "--data", str(out), "--steps", "5", "--no-progress", "--out", str(run)])
+        == 0
+    )
+    assert json.loads((run / "summary.json").read_text())["eval_samples"] == 200
+
+
+def test_bench_codecs_quick(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_codecs
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "codecs.json"
+    assert (
+        bench_codecs.main(["--quick", "--codecs", "hybrid,none,fp16", "--json-out", str(out)]) == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    need = {"codec", "data", "eb", "eb_mode", "ratio", "encode_MBps", "decode_MBps", "max_abs_err"}
+    assert rows and all(need <= set(r) for r in rows)
+    for r in rows:
+        if r["codec"] == "hybrid":
+            assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
