@@ -11,11 +11,12 @@ Contract (every codec must):
   returning a wrong tensor;
 - describe its configuration as JSON (``get_config``) from which ``from_config`` rebuilds it.
 
-Payload layout (little endian)::
+Payload layout (little endian; varint = LEB128, so small chunks pay few header bytes)::
 
-    magic "RSZ" | format version u8 | header length u16 | header crc32 u32 | header | body
-    header = codec id (u8 len + ascii) | codec version u8 | config json (u16 len + utf8)
-           | dtype u8 | ndim u8 | shape (ndim x u64) | eb f64 | body length u64 | body crc32 u32
+    magic "RSZ" | format version u8 | crc32 u32 of all that follows | header | body
+    header = codec id (u8 len + ascii) | codec version u8 | config json (varint len + utf8,
+             empty for {}) | dtype u8 | ndim u8 | shape (ndim varints) | eb f64
+           | body length varint
 
 Body = sections (u8 count, u32 lengths): the codec's own bytes, then the positions and
 exact values of "outliers". Non-finite values are taken out by this base class before a
@@ -37,7 +38,7 @@ import torch
 
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
-_PREFIX = struct.Struct("<3sBHI")  # magic, format version, header length, header crc
+_PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
 _DTYPES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.float16: 1,
@@ -188,18 +189,21 @@ class Codec(ABC):
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
         cid = self.codec_id.encode("ascii")
         cfg = json.dumps(self.get_config(), sort_keys=True, separators=(",", ":")).encode()
+        cfg = b"" if cfg == b"{}" else cfg
         h = b"".join(
             [
                 struct.pack("<B", len(cid)),
                 cid,
-                struct.pack("<BH", self.version, len(cfg)),
+                struct.pack("<B", self.version),
+                uvarint(len(cfg)),
                 cfg,
                 struct.pack("<BB", _DTYPES[dtype], len(shape)),
-                struct.pack(f"<{len(shape)}Q", *shape),
-                struct.pack("<dQI", eb, len(body), zlib.crc32(body)),
+                *(uvarint(d) for d in shape),
+                struct.pack("<d", eb),
+                uvarint(len(body)),
             ]
         )
-        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(h), zlib.crc32(h)) + h
+        return MAGIC + struct.pack("<BI", FORMAT_VERSION, zlib.crc32(body, zlib.crc32(h))) + h
 
 
 def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
@@ -209,43 +213,42 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
     buf = payload.detach().cpu().numpy()
     if buf.size < _PREFIX.size:
         raise PayloadError(f"payload of {buf.size} bytes is shorter than the fixed prefix")
-    magic, fver, hlen, hcrc = _PREFIX.unpack_from(buf, 0)
+    magic, fver, crc = _PREFIX.unpack_from(buf, 0)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}: not a recsz payload")
     if fver != FORMAT_VERSION:
         raise PayloadError(f"payload format version {fver}, this build reads {FORMAT_VERSION}")
-    start = _PREFIX.size
-    if buf.size < start + hlen:
-        raise PayloadError("payload truncated inside its header")
-    h = buf[start : start + hlen].tobytes()
-    if zlib.crc32(h) != hcrc:
-        raise PayloadError("header checksum mismatch: payload corrupted")
+    rest = buf[_PREFIX.size :]
+    if zlib.crc32(rest) != crc:
+        raise PayloadError("checksum mismatch: payload corrupted or truncated")
     try:
         o = 0
-        (clen,) = struct.unpack_from("<B", h, o)
+        clen = int(rest[o])
         o += 1
-        codec = h[o : o + clen].decode("ascii")
+        codec = rest[o : o + clen].tobytes().decode("ascii")
         o += clen
-        cver, cfglen = struct.unpack_from("<BH", h, o)
-        o += 3
-        config = json.loads(h[o : o + cfglen])
+        cver = int(rest[o])
+        cfglen, o = read_uvarint(rest, o + 1)
+        raw_cfg = rest[o : o + cfglen].tobytes()
+        config = json.loads(raw_cfg) if raw_cfg else {}
         o += cfglen
-        dcode, ndim = struct.unpack_from("<BB", h, o)
+        dcode, ndim = int(rest[o]), int(rest[o + 1])
         o += 2
-        shape = struct.unpack_from(f"<{ndim}Q", h, o)
-        o += 8 * ndim
-        eb, blen, bcrc = struct.unpack_from("<dQI", h, o)
-    except (struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        shape = []
+        for _ in range(ndim):
+            d, o = read_uvarint(rest, o)
+            shape.append(d)
+        (eb,) = struct.unpack_from("<d", rest, o)
+        blen, o = read_uvarint(rest, o + 8)
+    except (IndexError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"malformed header: {e}") from None
     if dcode not in _DTYPE_BY_CODE:
         raise PayloadError(f"unknown dtype code {dcode}")
-    body = buf[start + hlen :]
+    body = rest[o:]
     if body.size != blen:
         raise PayloadError(
             f"body is {body.size} bytes, header says {blen}: payload truncated or padded"
         )
-    if zlib.crc32(body) != bcrc:
-        raise PayloadError("body checksum mismatch: payload corrupted")
     return {
         "codec": codec,
         "codec_version": cver,
@@ -256,23 +259,52 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
     }, body
 
 
+def uvarint(n: int) -> bytes:
+    """LEB128 unsigned varint: 7 bits a byte, small numbers in one byte."""
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def read_uvarint(buf: np.ndarray, o: int) -> tuple[int, int]:
+    """Decode a varint at ``o``; returns (value, next offset). Raises PayloadError."""
+    n = shift = 0
+    while True:
+        if o >= buf.size or shift > 63:
+            raise PayloadError("truncated or oversized varint")
+        b = int(buf[o])
+        o += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, o
+
+
 # ---- helpers shared by codecs -------------------------------------------------------
 def _as_bytes(b: bytes | np.ndarray) -> bytes:
     return b if isinstance(b, bytes) else np.ascontiguousarray(b).view(np.uint8).tobytes()
 
 
 def join_sections(parts: list[bytes]) -> bytes:
-    """Length-prefixed concatenation: u8 count, u32 lengths, then the bytes."""
-    head = struct.pack(f"<B{len(parts)}I", len(parts), *(len(p) for p in parts))
-    return head + b"".join(parts)
+    """Length-prefixed concatenation: u8 count, varint lengths, then the bytes."""
+    return bytes([len(parts)]) + b"".join(uvarint(len(p)) for p in parts) + b"".join(parts)
 
 
 def split_sections(buf: np.ndarray, n: int) -> list[np.ndarray]:
     """Split a body made by join_sections into exactly ``n`` parts, or raise PayloadError."""
-    if buf.size < 1 + 4 * n or int(buf[0]) != n:
+    if buf.size < 1 or int(buf[0]) != n:
         raise PayloadError(f"malformed section table (expected {n} sections)")
-    lens = struct.unpack_from(f"<{n}I", buf, 1)
-    o = 1 + 4 * n
+    o = 1
+    lens = []
+    for _ in range(n):
+        ln, o = read_uvarint(buf, o)
+        lens.append(ln)
     if o + sum(lens) != buf.size:
         raise PayloadError("section lengths do not add up to the body")
     out = []

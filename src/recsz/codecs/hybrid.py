@@ -45,7 +45,13 @@ class _QuantPipeline(Codec):
             raise ValueError(f"zstd level must be in [-7, 22], got {level}")
         self.level = int(level)
         # Reused (de)compression contexts: creating one costs more than coding a chunk.
-        self._cctx = zstandard.ZstdCompressor(level=self.level) if self.entropy else None
+        self._cctx = (
+            zstandard.ZstdCompressor(
+                level=self.level, write_content_size=False, write_dict_id=False
+            )
+            if self.entropy
+            else None
+        )
         self._dctx = zstandard.ZstdDecompressor()
 
     def get_config(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import PayloadError
+from recsz.codecs.base import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
 QMAX = 2**30
@@ -153,9 +153,6 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
     return (z >> 1) ^ -(z & 1)
 
 
-_STREAM = struct.Struct("<BI")  # byte width, element count
-
-
 def _width(top: int) -> int:
     return 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
 
@@ -165,7 +162,7 @@ def pack_streams(streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | Non
 
     Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
     coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The planes stay
-    raw whenever zstd would not make them smaller. Layout: u8 count, (u8 width, u32 n)
+    raw whenever zstd would not make them smaller. Layout: u8 count, (u8 width, varint n)
     per stream, u8 mode (0 raw, 1 zstd), data.
     """
     head = [struct.pack("<B", len(streams))]
@@ -173,7 +170,7 @@ def pack_streams(streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | Non
     for z in streams:
         n = int(z.size)
         w = _width(int(z.max()) if n else 0)
-        head.append(_STREAM.pack(w, n))
+        head.append(struct.pack("<B", w) + uvarint(n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
     data = b"".join(planes)
     mode = 0
@@ -192,15 +189,17 @@ def unpack_streams(
         raise PayloadError("truncated integer streams")
     count = int(buf[0])
     o = 1
-    if buf.size < o + _STREAM.size * count + 1:
-        raise PayloadError("truncated integer stream table")
     dims = []
     for _ in range(count):
-        w, n = _STREAM.unpack_from(buf, o)
-        o += _STREAM.size
+        if o >= buf.size:
+            raise PayloadError("truncated integer stream table")
+        w = int(buf[o])
+        n, o = read_uvarint(buf, o + 1)
         if w not in (1, 2, 4, 8) or n > max_elems:
             raise PayloadError(f"bad integer stream header (width {w}, count {n})")
         dims.append((w, n))
+    if o >= buf.size:
+        raise PayloadError("truncated integer stream table")
     mode = int(buf[o])
     o += 1
     total = sum(w * n for w, n in dims)

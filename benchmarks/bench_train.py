@@ -1,0 +1,311 @@
+"""End-to-end training speed on a bandwidth-limited link, every configuration side by side.
+
+    python benchmarks/bench_train.py [--quick] [--json-out PATH] [--rates ...] [--worlds 2,4]
+
+Each rate runs inside a fresh network namespace whose loopback is shaped with
+``tc qdisc add dev lo root tbf rate RATE burst 128kb latency 100ms``; the ranks talk over
+that loopback only, and the namespace is deleted afterwards (also on failure or Ctrl-C).
+Without root or without ``ip``/``tc`` it says so and runs unshaped only.
+
+Same model (``bench`` preset: Terabyte dims, tables hashed to 50k rows), data (synthetic),
+seed, global batch and step count for every configuration. Speedup is samples/s over the
+``none`` run of the same rate and world size, measured in the same invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RATES = {"unshaped": None, "10gbit": "10gbit", "1gbit": "1gbit", "200mbit": "200mbit"}
+
+# name -> train flags. TorchRec's precisions are our codecs of the same formats.
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "fp16": ("--fwd-codec", "fp16", "--bwd-codec", "fp16"),
+    "bf16": ("--fwd-codec", "bf16", "--bwd-codec", "bf16"),
+    "fp8": ("--fwd-codec", "fp8", "--bwd-codec", "fp8"),
+    "int8": ("--fwd-codec", "int8", "--bwd-codec", "int8"),
+    "zstd": ("--fwd-codec", "zstd", "--bwd-codec", "zstd"),
+    "hybrid-fixed-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "fixed"),
+    "hybrid-dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual"),
+    "hybrid-dual-fwd+bwd": (
+        "--fwd-codec",
+        "hybrid",
+        "--bwd-codec",
+        "hybrid",
+        "--eb-policy",
+        "dual",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    rate: str
+    config: str
+    world_size: int
+    steps: int
+    samples_per_s: float
+    speedup: float
+    auc: float
+    auc_delta: float
+    bytes_sent: int
+    fwd_ratio: float | None
+    bwd_ratio: float | None
+    a2a_fwd_s: float
+    a2a_bwd_s: float
+    allreduce_s: float
+    codec_s: float
+    compute_s: float
+    wall_s: float
+
+
+def can_shape() -> str | None:
+    """None if namespaces can be shaped here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "not root"
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return f"missing {', '.join(missing)} (apt-get install iproute2)"
+    return None
+
+
+@contextlib.contextmanager
+def shaped(rate: str | None) -> Iterator[list[str]]:
+    """A command prefix that runs inside a namespace with loopback shaped to ``rate``."""
+    if rate is None:
+        yield []
+        return
+    ns = f"recsz-bench-{os.getpid()}"
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "128kb",
+                "latency",
+                "100ms",
+            ],
+            check=True,
+        )
+        yield ["ip", "netns", "exec", ns]
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False, stderr=subprocess.DEVNULL)
+
+
+def run_one(
+    prefix: list[str], world: int, flags: tuple[str, ...], common: list[str], timeout: float
+) -> tuple[dict, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            *prefix,
+            sys.executable,
+            "-m",
+            "recsz.cli",
+            "train",
+            "--nproc",
+            str(world),
+            *common,
+            *flags,
+            "--no-progress",
+            "--out",
+            tmp,
+        ]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        wall = time.perf_counter() - t
+        if p.returncode != 0:
+            raise RuntimeError(
+                f"run failed ({' '.join(flags)}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+            )
+        return json.loads((Path(tmp) / "summary.json").read_text()), wall
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r for r in RATES if any(x.rate == r for x in rows)]
+    world = max(x.world_size for x in rows)
+    fig, ax = plt.subplots(1, 2, figsize=(14, 5))
+    for cfg in CONFIGS:
+        ys = [
+            next(
+                (
+                    x.speedup
+                    for x in rows
+                    if x.rate == r and x.config == cfg and x.world_size == world
+                ),
+                float("nan"),
+            )
+            for r in rates
+        ]
+        ax[0].plot(rates, ys, marker="o", label=cfg)
+    ax[0].set(
+        xlabel="link rate",
+        ylabel=f"speedup vs none ({world} ranks)",
+        title="samples/s relative to uncompressed",
+    )
+    ax[0].legend(fontsize=7)
+    slow = rates[-1]
+    sel = [x for x in rows if x.rate == slow and x.world_size == world]
+    parts = ["compute_s", "a2a_fwd_s", "a2a_bwd_s", "allreduce_s", "codec_s"]
+    bottom = [0.0] * len(sel)
+    for part in parts:
+        vals = [getattr(x, part) / x.steps for x in sel]
+        ax[1].bar([x.config for x in sel], vals, bottom=bottom, label=part.removesuffix("_s"))
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax[1].set(ylabel="seconds per step", title=f"time per step at {slow}, {world} ranks")
+    ax[1].tick_params(axis="x", rotation=60, labelsize=7)
+    ax[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def markdown(rows: list[Row]) -> str:
+    head = (
+        "| rate | ranks | config | samples/s | speedup | a2a fwd s | a2a bwd s | all-reduce s "
+        "| codec s | MB on wire | fwd ratio | bwd ratio | AUC | ΔAUC |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    body = "".join(
+        f"| {r.rate} | {r.world_size} | {r.config} | {r.samples_per_s:.0f} | {r.speedup:.2f}x "
+        f"| {r.a2a_fwd_s:.2f} | {r.a2a_bwd_s:.2f} | {r.allreduce_s:.2f} | {r.codec_s:.2f} "
+        f"| {r.bytes_sent / 1e6:.1f} | {_f(r.fwd_ratio)} | {_f(r.bwd_ratio)} | {r.auc:.4f} "
+        f"| {r.auc_delta:+.4f} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"
+
+
+def _num(x: float) -> float | None:
+    return None if x != x else float(x)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 3 rates, fewer steps")
+    ap.add_argument("--json-out", default="bench_out/train.json")
+    ap.add_argument("--rates", help="comma list of " + ", ".join(RATES))
+    ap.add_argument("--worlds", help="comma list of world sizes")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--configs", help="comma list of " + ", ".join(CONFIGS))
+    ap.add_argument("--preset", default="bench")
+    ap.add_argument("--batch-size", type=int, default=2048)
+    a = ap.parse_args(argv)
+    rates = (
+        a.rates.split(",")
+        if a.rates
+        else ["unshaped", "1gbit", "200mbit"]
+        if a.quick
+        else list(RATES)
+    )
+    worlds = [int(w) for w in a.worlds.split(",")] if a.worlds else [2] if a.quick else [2, 4]
+    steps = a.steps or (12 if a.quick else 40)
+    configs = a.configs.split(",") if a.configs else list(CONFIGS)
+    why = can_shape()
+    if why and any(RATES[r] for r in rates):
+        print(f"[note] cannot shape the link ({why}); running unshaped only", file=sys.stderr)
+        rates = ["unshaped"]
+    common = [
+        "--preset",
+        a.preset,
+        "--batch-size",
+        str(a.batch_size),
+        "--steps",
+        str(steps),
+        "--seed",
+        "0",
+        "--log-every",
+        str(steps),
+        "--synthetic-eval",
+        "8192",
+        "--eval-batch-size",
+        "4096",
+    ]
+    print(
+        f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "
+        f"what differs between rates)",
+        flush=True,
+    )
+    rows: list[Row] = []
+    for rate in rates:
+        with shaped(RATES[rate]) as prefix:
+            for world in worlds:
+                base: dict | None = None
+                for cfg in configs:
+                    s, wall = run_one(prefix, world, CONFIGS[cfg], common, timeout=900)
+                    if base is None or cfg == "none":
+                        base = s  # speedups are relative to "none" (else the first config)
+                    ref = base
+                    r = Row(
+                        rate,
+                        cfg,
+                        world,
+                        s["steps"],
+                        s["samples_per_s"],
+                        s["samples_per_s"] / ref["samples_per_s"],
+                        s["auc"],
+                        s["auc"] - ref["auc"],
+                        s["bytes_sent"],
+                        _num(s["fwd_ratio"]),
+                        _num(s["bwd_ratio"]),
+                        s["a2a_fwd_s"],
+                        s["a2a_bwd_s"],
+                        s["allreduce_s"],
+                        s["codec_s"],
+                        s["compute_s"],
+                        wall,
+                    )
+                    rows.append(r)
+                    print(
+                        f"{rate:9s} W={world} {cfg:20s} {r.samples_per_s:8.0f} samples/s "
+                        f"{r.speedup:5.2f}x  wire {r.bytes_sent / 1e6:8.1f} MB  "
+                        f"fwd {_f(r.fwd_ratio):>6s} bwd {_f(r.bwd_ratio):>6s}  "
+                        f"AUC {r.auc:.4f} ({r.auc_delta:+.4f})",
+                        flush=True,
+                    )
+    out = Path(a.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
+    out.with_suffix(".md").write_text(markdown(rows))
+    plot(rows, out.with_suffix(".png"))
+    print("\n" + markdown(rows))
+    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
