@@ -53,6 +53,7 @@ def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> 
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
         "exchange": parts.exchange.state_dict(),
         "torch_rng": torch.get_rng_state(),
+        "dct_dp": _dct_state(parts),
     }
     _atomic_save(state, d / f"rank-{ranks.rank}.pt")
     ranks.barrier()
@@ -63,6 +64,20 @@ def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> 
         os.replace(tmp, d / "meta.json")
     ranks.barrier()
     return d
+
+
+def _dct_state(parts: Parts) -> dict[str, Any] | None:
+    """DCT-DP residuals and thresholds: resuming without them would change the run."""
+    d = parts.dct
+    if d is None:
+        return None
+    return {
+        "step": d.step,
+        "residual": d.residual,
+        "threshold": d.threshold,
+        "refreshed_at": d.refreshed_at,
+        "refreshes": d.refreshes,
+    }
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -107,4 +122,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
         p.load_state_dict(state["policies"][k])
     parts.exchange.load_state_dict(state["exchange"])
     torch.set_rng_state(state["torch_rng"])
+    if parts.dct is not None and state.get("dct_dp"):
+        for k, v in state["dct_dp"].items():
+            setattr(parts.dct, k, v)
     return int(meta["step"])

@@ -47,6 +47,9 @@ class TrainConfig:
     decay_schedule: str = "step"  # dual: step | linear | log | constant
     decay_c: float = 2.0  # dual: bound multiplier at iteration 0
     decay_t: int = 65_536  # dual: iteration where the multiplier reaches 1
+    dp_comm: str = "allreduce"  # MLP gradients: "allreduce" (DDP) or "dct" (DCT-DP)
+    dct_keep: float = 0.01  # DCT: fraction of entries kept (top-k by magnitude)
+    dct_refresh: int = 1000  # DCT: iterations between threshold refreshes
     dist_timeout: float = 120.0  # seconds before a stuck collective fails the job
     checkpoint_every: int = 0  # steps between checkpoints in the run dir; 0: none
     resume: str | None = None  # run dir to continue from its last complete checkpoint
@@ -80,6 +83,16 @@ class TrainConfig:
             raise ValueError(f"--eb-mode must be rel or abs, got {self.eb_mode!r}")
         if not (self.fwd_eb > 0 and self.bwd_eb > 0):
             raise ValueError("error bounds must be positive")
+        if self.dp_comm not in ("allreduce", "dct"):
+            raise ValueError(f"--dp-comm must be allreduce or dct, got {self.dp_comm!r}")
+        if not 0.0 < self.dct_keep <= 1.0:
+            raise ValueError(f"--dct-keep must be in (0, 1], got {self.dct_keep}")
+        if self.dct_refresh < 1:
+            raise ValueError(f"--dct-refresh must be >= 1, got {self.dct_refresh}")
+        if self.bwd_codec == "dct-mask" and self.fwd_codec != "dct":
+            raise ValueError(
+                "--bwd-codec dct-mask sends the forward's kept entries; it needs --fwd-codec dct"
+            )
         if self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.dist_timeout <= 0:
@@ -167,6 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decay-schedule", default="step", choices=("step", "linear", "log", "constant"))
     a("--decay-c", type=float, default=2.0, help="dual: multiplier at iteration 0")
     a("--decay-t", type=int, default=65_536, help="dual: iteration where the multiplier is 1")
+    a(
+        "--dp-comm",
+        default="allreduce",
+        choices=("allreduce", "dct"),
+        help="MLP gradient exchange: DDP all-reduce or DCT-DP thresholding",
+    )
+    a("--dct-keep", type=float, default=0.01, help="DCT: fraction of entries kept")
+    a("--dct-refresh", type=int, default=1000, help="DCT: iterations between thresholds")
     a("--dist-timeout", type=float, default=120.0, help="collective timeout, seconds")
     a("--checkpoint-every", type=int, default=0)
     a("--resume", help="run directory to resume from")

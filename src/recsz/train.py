@@ -39,6 +39,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from recsz.codecs import get_codec
+from recsz.comm.dct_dp import DCTState, dct_hook
 from recsz.comm.embedding import EmbeddingExchange, ShardPlan
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import DataSource, make_source
@@ -137,6 +138,7 @@ class Parts:
     sparse_opt: torch.optim.Optimizer | None
     exchange: EmbeddingExchange
     ar_timer: AllReduceTimer = field(default_factory=AllReduceTimer)
+    dct: DCTState | None = None  # DCT-DP hook state, when --dp-comm dct
 
     @property
     def dense_module(self) -> DenseArch:
@@ -153,10 +155,15 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed)
     dense_arch = DenseArch(mcfg, cfg.seed)
     timer = AllReduceTimer(world=ranks.world)
+    dct_state: DCTState | None = None
     dense: nn.Module = dense_arch
     if ranks.world > 1:
         dense = DDP(dense_arch)
-        dense.register_comm_hook(timer, _timed_allreduce)
+        if cfg.dp_comm == "dct":
+            dct_state = DCTState(ranks.world, cfg.dct_keep, cfg.dct_refresh)
+            dense.register_comm_hook(dct_state, dct_hook)
+        else:
+            dense.register_comm_hook(timer, _timed_allreduce)
     dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved_lr)
     sparse_opt: torch.optim.Optimizer | None = None
     if len(sparse.tables):
@@ -174,8 +181,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         fwd_policy,
         bwd_policy,
         check_bounds=cfg.check_bounds,
+        mask_backward=cfg.bwd_codec == "dct-mask",
     )
-    return Parts(sparse, dense, dense_opt, sparse_opt, exchange, timer), owners
+    return Parts(sparse, dense, dense_opt, sparse_opt, exchange, timer, dct_state), owners
 
 
 # ---- one step and evaluation ------------------------------------------------------------
@@ -422,7 +430,13 @@ def _comm_row(parts: Parts, ranks: Ranks, train_s: float, n_steps: int, bsz: int
     row: dict[str, Any] = {}
     for k in ("a2a_fwd_s", "a2a_bwd_s", "codec_s"):
         row[k] = ranks.all_mean(st[k])
-    row["allreduce_s"] = ranks.all_mean(parts.ar_timer.seconds)
+    dp_s = parts.dct.seconds if parts.dct else parts.ar_timer.seconds
+    row["allreduce_s"] = ranks.all_mean(dp_s)
+    if parts.dct:
+        d = _sum_over_ranks(ranks, [parts.dct.bytes_dense, parts.dct.bytes_sent])
+        row["dp_ratio"] = d[0] / d[1] if d[1] else float("nan")
+        row["dp_bytes_sent"] = int(d[1])
+        row["dp_threshold_refreshes"] = parts.dct.refreshes
     total = ranks.all_mean(train_s)
     row["train_s"] = total
     row["compute_s"] = max(

@@ -217,3 +217,33 @@ def test_incomplete_checkpoint_is_ignored(tmp_path: Path) -> None:
     from recsz import checkpoint
 
     assert checkpoint.latest(tmp_path).name == "step-000000002"
+
+
+def test_dct_dp_keep_all_reproduces_ddp(single: Path, tmp_path: Path) -> None:
+    """DCT-DP with keep fraction 1.0 sends every entry: the run equals plain DDP's."""
+    plain = tmp_path / "plain"
+    run(plain, nproc=2)
+    dct = tmp_path / "dct"
+    s = run(dct, "--dp-comm", "dct", "--dct-keep", "1.0", nproc=2)
+    assert s["dp_threshold_refreshes"] >= 1
+    assert losses(dct) == losses(plain)
+    assert_same_model(plain, dct, 0.0)
+
+
+def test_dct_mp_and_dp_train(tmp_path: Path) -> None:
+    s = run(
+        tmp_path,
+        "--fwd-codec",
+        "dct",
+        "--bwd-codec",
+        "dct-mask",
+        "--dp-comm",
+        "dct",
+        "--dct-keep",
+        "0.05",
+        "--dct-refresh",
+        "5",
+        nproc=2,
+    )
+    assert s["fwd_ratio"] > 5 and s["bwd_ratio"] > 5 and s["dp_ratio"] > 5
+    assert 0.3 < s["auc"] < 1.0

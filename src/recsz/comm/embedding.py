@@ -106,6 +106,7 @@ class EmbeddingExchange:
         fwd_policy: BoundPolicy,
         bwd_policy: BoundPolicy,
         check_bounds: bool = False,
+        mask_backward: bool = False,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -115,6 +116,9 @@ class EmbeddingExchange:
         self.mine = plan.tables_of(rank)
         self.stats = CommStats()
         self.check_bounds = check_bounds  # decode own payloads to verify (tests, debugging)
+        # DCT-MP: gradients only for the entries the forward pass delivered (the rest
+        # were dropped, so nothing upstream depends on them).
+        self.mask_backward = mask_backward
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint (the codecs are stateless)."""
@@ -297,8 +301,13 @@ class _ExchangeGrad(torch.autograd.Function):
         ctx: Any, pooled: torch.Tensor, received: torch.Tensor, ex: EmbeddingExchange, step: int
     ) -> torch.Tensor:
         ctx.ex, ctx.step = ex, step
+        if ex.mask_backward:
+            ctx.save_for_backward(received != 0)
         return received.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        if ctx.ex.mask_backward:
+            (kept,) = ctx.saved_tensors
+            grad = grad * kept
         return ctx.ex.backward(grad.contiguous(), ctx.step), None, None, None
