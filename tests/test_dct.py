@@ -18,7 +18,7 @@ def test_error_feedback_sent_plus_residual_is_the_accumulated_gradient() -> None
     total_grad = torch.zeros(1000)
     total_sent = torch.zeros(1000)
     thr = None
-    for step in range(5):
+    for _step in range(5):
         grad = torch.randn(1000, generator=g)
         total_grad += grad
         acc = grad + residual
