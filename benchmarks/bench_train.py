@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batch-size", type=int, default=2048)
     a = ap.parse_args(argv)
+    # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rates = (
         a.rates.split(",")
         if a.rates

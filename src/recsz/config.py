@@ -47,6 +47,8 @@ class TrainConfig:
     decay_schedule: str = "step"  # dual: step | linear | log | constant
     decay_c: float = 2.0  # dual: bound multiplier at iteration 0
     decay_t: int = 65_536  # dual: iteration where the multiplier reaches 1
+    id_dedup: bool = True  # forward: one vector per distinct id of a destination's slice
+    bwd_coalesce: bool = True  # backward: sum gradients of samples sharing an id first
     dp_comm: str = "allreduce"  # MLP gradients: "allreduce" (DDP) or "dct" (DCT-DP)
     dct_keep: float = 0.01  # DCT: fraction of entries kept (top-k by magnitude)
     dct_refresh: int = 1000  # DCT: iterations between threshold refreshes
@@ -180,6 +182,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decay-schedule", default="step", choices=("step", "linear", "log", "constant"))
     a("--decay-c", type=float, default=2.0, help="dual: multiplier at iteration 0")
     a("--decay-t", type=int, default=65_536, help="dual: iteration where the multiplier is 1")
+    a(
+        "--id-dedup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="forward: send one vector per distinct id (both ends know the ids)",
+    )
+    a(
+        "--bwd-coalesce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="backward: sum the gradients of samples sharing an id before sending",
+    )
     a(
         "--dp-comm",
         default="allreduce",

@@ -182,6 +182,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         bwd_policy,
         check_bounds=cfg.check_bounds,
         mask_backward=cfg.bwd_codec == "dct-mask",
+        id_dedup=cfg.id_dedup,
+        coalesce=cfg.bwd_coalesce,
     )
     return Parts(sparse, dense, dense_opt, sparse_opt, exchange, timer, dct_state), owners
 
@@ -197,7 +199,7 @@ def forward(
 ) -> torch.Tensor:
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
     pooled = parts.sparse(ids)  # (B, |T_r|, D)
-    pending = parts.exchange.start_forward(pooled, step, record=record)
+    pending = parts.exchange.start_forward(pooled, step, ids, record=record)
     return parts.dense(batch_dense, pending)  # bottom MLP runs while the bytes fly
 
 

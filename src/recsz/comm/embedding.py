@@ -107,6 +107,8 @@ class EmbeddingExchange:
         bwd_policy: BoundPolicy,
         check_bounds: bool = False,
         mask_backward: bool = False,
+        id_dedup: bool = False,
+        coalesce: bool = False,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -119,6 +121,9 @@ class EmbeddingExchange:
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
         self.mask_backward = mask_backward
+        # Id-aware traffic: both ends know every sample's ids (see start_forward, backward).
+        self.id_dedup = id_dedup
+        self.coalesce = coalesce
 
     def state_dict(self) -> dict[str, Any]:
         """What must survive a checkpoint (the codecs are stateless)."""
@@ -132,11 +137,14 @@ class EmbeddingExchange:
         self,
         direction: str,
         step: int,
-        plan: list[list[tuple[int, torch.Tensor]]],
+        plan: list[list[tuple[int, torch.Tensor, int]]],
         bound_src: dict[int, torch.Tensor],
         record: bool,
     ) -> list[torch.Tensor]:
-        """Encode plan[dest] = [(table, chunk)] per destination; one framed buffer each.
+        """Encode plan[dest] = [(table, chunk, raw bytes)] per destination; one buffer each.
+
+        ``raw bytes`` is what the chunk stood for before any id-aware reduction (the full
+        (b, D) fp32 slice), so ratios count those savings too.
 
         The bound of a table is set once per step from ``bound_src[table]`` (all the
         values of that table this rank sends), so every destination gets the same bound.
@@ -155,13 +163,12 @@ class EmbeddingExchange:
         framed = []
         for dest, items in enumerate(plan):
             parts = []
-            for t, c in items:
+            for t, c, n_raw in items:
                 c = c.contiguous()
                 eb = ebs[t]
                 p = codec.encode(c, eb)
                 parts.append(p)
                 if record:
-                    n_raw = c.numel() * 4
                     st = self.stats
                     st.raw[direction] += n_raw
                     st.sent[direction] += p.numel()
@@ -199,31 +206,47 @@ class EmbeddingExchange:
         return out
 
     # ---- forward ------------------------------------------------------------------
+    def _slice_ids(self, ids: torch.Tensor, rank: int, table: int) -> torch.Tensor:
+        b = ids.shape[0] // self.world
+        return ids[rank * b : (rank + 1) * b, table]
+
     def start_forward(
-        self, pooled: torch.Tensor, step: int, record: bool = True
+        self, pooled: torch.Tensor, step: int, ids: torch.Tensor, record: bool = True
     ) -> PendingEmbeddings:
-        """pooled (B, |T_r|, D) -> pending (b, T, D); the bytes fly while you compute."""
+        """pooled (B, |T_r|, D) -> pending (b, T, D); the bytes fly while you compute.
+
+        ids (B, T): the global batch's ids, known on both ends. With ``id_dedup`` each
+        destination gets one vector per distinct id of its slice (in sorted id order),
+        which it expands with its own copy of the ids: exact for single-id bags.
+        """
         with record_function("recsz.a2a_fwd.encode"):
             data = pooled.detach()
-            b = data.shape[0] // self.world
-            plan = [
-                [(t, data[dest * b : (dest + 1) * b, j]) for j, t in enumerate(self.mine)]
-                for dest in range(self.world)
-            ]
+            bsz, _, d = data.shape
+            b = bsz // self.world
+            plan: list[list[tuple[int, torch.Tensor, int]]] = []
+            for dest in range(self.world):
+                items = []
+                for j, t in enumerate(self.mine):
+                    rows = data[dest * b : (dest + 1) * b, j]
+                    if self.id_dedup:
+                        _, first = unique_first(self._slice_ids(ids, dest, t))
+                        rows = rows[first]
+                    items.append((t, rows, b * d * 4))
+                plan.append(items)
             send = self._encode_for(
                 "fwd", step, plan, {t: data[:, j] for j, t in enumerate(self.mine)}, record
             )
         pending = start_all_to_all_bytes(send, self.world)
-        return PendingEmbeddings(self, pooled, pending, step, record)
+        return PendingEmbeddings(self, pooled, pending, step, ids, record)
 
     def finish_forward(
-        self, pending: PendingBytes, batch_rows: int, dim: int, record: bool
+        self, pending: PendingBytes, ids: torch.Tensor, dim: int, record: bool
     ) -> torch.Tensor:
         with record_function("recsz.a2a_fwd.wait"):
             bufs = pending.wait()
         if record:
             self.stats.a2a_s["fwd"] += pending.waited_s
-        b = batch_rows // self.world
+        b = ids.shape[0] // self.world
         out = torch.empty(b, len(self.plan.owners), dim)
         with record_function("recsz.a2a_fwd.decode"):
             for src, buf in enumerate(bufs):
@@ -231,40 +254,71 @@ class EmbeddingExchange:
                 for t, y in zip(
                     tables, self._decode_from("fwd", buf, src, len(tables), record), strict=True
                 ):
-                    if tuple(y.shape) != (b, dim):
+                    rows = b
+                    inv = None
+                    if self.id_dedup:
+                        inv, first = unique_first(self._slice_ids(ids, self.rank, t))
+                        rows = first.numel()
+                    if tuple(y.shape) != (rows, dim):
                         raise ValueError(
-                            f"rank {src} sent table {t} as {tuple(y.shape)}, expected {(b, dim)}"
+                            f"rank {src} sent table {t} as {tuple(y.shape)}, expected "
+                            f"{(rows, dim)} (do the ranks read the same batch?)"
                         )
-                    out[:, t, :] = y
+                    out[:, t, :] = y if inv is None else y[inv]
         return out
 
     # ---- backward -----------------------------------------------------------------
-    def backward(self, grad: torch.Tensor, step: int) -> torch.Tensor:
-        """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners."""
+    def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
+        """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners.
+
+        With ``coalesce`` the gradients of samples sharing an id are summed first and one
+        row per distinct id travels (sorted id order, derivable on both ends). The owner
+        puts each sum on the first sample with that id and zeros on the others: the
+        table's gradient (a sum over samples per id, for single-id bags) is unchanged.
+        """
         grad = grad / self.world
-        b, _, d = grad.shape
+        b, n_tables, d = grad.shape
         with record_function("recsz.a2a_bwd.encode"):
+            cols: dict[int, torch.Tensor] = {}
+            for t in range(n_tables):
+                g = grad[:, t]
+                if self.coalesce:
+                    inv, first = unique_first(self._slice_ids(ids, self.rank, t))
+                    g = torch.zeros(first.numel(), d, dtype=g.dtype).index_add_(0, inv, g)
+                cols[t] = g
             plan = [
-                [(t, grad[:, t]) for t in self.plan.tables_of(dest)] for dest in range(self.world)
+                [(t, cols[t], b * d * 4) for t in self.plan.tables_of(dest)]
+                for dest in range(self.world)
             ]
-            send_parts = self._encode_for(
-                "bwd", step, plan, {t: grad[:, t] for t in range(grad.shape[1])}, True
-            )
+            send_parts = self._encode_for("bwd", step, plan, cols, True)
         pending = start_all_to_all_bytes(send_parts, self.world)
         with record_function("recsz.a2a_bwd.wait"):
             bufs = pending.wait()
         self.stats.a2a_s["bwd"] += pending.waited_s
-        out = torch.empty(b * self.world, len(self.mine), d)
+        out = torch.zeros(b * self.world, len(self.mine), d)
         with record_function("recsz.a2a_bwd.decode"):
             for src, buf in enumerate(bufs):
-                for j, y in enumerate(self._decode_from("bwd", buf, src, len(self.mine), True)):
-                    if tuple(y.shape) != (b, d):
+                decoded = self._decode_from("bwd", buf, src, len(self.mine), True)
+                for j, (t, y) in enumerate(zip(self.mine, decoded, strict=True)):
+                    rows = torch.arange(b)
+                    if self.coalesce:
+                        _, rows = unique_first(self._slice_ids(ids, src, t))
+                    if tuple(y.shape) != (rows.numel(), d):
                         raise ValueError(
-                            f"rank {src} sent a gradient of shape {tuple(y.shape)}, "
-                            f"expected {(b, d)}"
+                            f"rank {src} sent a gradient of shape {tuple(y.shape)} for table "
+                            f"{t}, expected {(rows.numel(), d)}"
                         )
-                    out[src * b : (src + 1) * b, j, :] = y
+                    out[src * b + rows, j, :] = y
         return out
+
+
+def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ids (n,): inverse into the sorted distinct ids, and each one's first position."""
+    uniq, inv = torch.unique(col, sorted=True, return_inverse=True)
+    n = col.numel()
+    first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=col.device)
+    first.scatter_reduce_(0, inv, torch.arange(n, device=col.device), reduce="amin")
+    return inv, first
 
 
 class PendingEmbeddings:
@@ -276,21 +330,21 @@ class PendingEmbeddings:
         pooled: torch.Tensor,
         pending: PendingBytes,
         step: int,
+        ids: torch.Tensor,
         record: bool,
     ) -> None:
-        self.ex, self.pooled, self.pending, self.step, self.record = (
+        self.ex, self.pooled, self.pending, self.step, self.ids, self.record = (
             ex,
             pooled,
             pending,
             step,
+            ids,
             record,
         )
 
     def wait(self) -> torch.Tensor:
-        received = self.ex.finish_forward(
-            self.pending, self.pooled.shape[0], self.pooled.shape[2], self.record
-        )
-        return _ExchangeGrad.apply(self.pooled, received, self.ex, self.step)
+        received = self.ex.finish_forward(self.pending, self.ids, self.pooled.shape[2], self.record)
+        return _ExchangeGrad.apply(self.pooled, received, self.ex, self.step, self.ids)
 
 
 class _ExchangeGrad(torch.autograd.Function):
@@ -298,16 +352,21 @@ class _ExchangeGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, pooled: torch.Tensor, received: torch.Tensor, ex: EmbeddingExchange, step: int
+        ctx: Any,
+        pooled: torch.Tensor,
+        received: torch.Tensor,
+        ex: EmbeddingExchange,
+        step: int,
+        ids: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.ex, ctx.step = ex, step
+        ctx.ex, ctx.step, ctx.ids = ex, step, ids
         if ex.mask_backward:
             ctx.save_for_backward(received != 0)
         return received.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.ex.mask_backward:
             (kept,) = ctx.saved_tensors
             grad = grad * kept
-        return ctx.ex.backward(grad.contiguous(), ctx.step), None, None, None
+        return ctx.ex.backward(grad.contiguous(), ctx.step, ctx.ids), None, None, None, None
