@@ -49,6 +49,8 @@ class TrainConfig:
     decay_t: int = 65_536  # dual: iteration where the multiplier reaches 1
     id_dedup: bool = True  # forward: one vector per distinct id of a destination's slice
     bwd_coalesce: bool = True  # backward: sum gradients of samples sharing an id first
+    fwd_refs: bool = False  # forward: reference vectors the receiver holds within the bound
+    ref_cache_rows: int = 8192  # rows per table in each reference cache (LRU)
     dp_comm: str = "allreduce"  # MLP gradients: "allreduce" (DDP) or "dct" (DCT-DP)
     dct_keep: float = 0.01  # DCT: fraction of entries kept (top-k by magnitude)
     dct_refresh: int = 1000  # DCT: iterations between threshold refreshes
@@ -95,6 +97,8 @@ class TrainConfig:
             raise ValueError(
                 "--bwd-codec dct-mask sends the forward's kept entries; it needs --fwd-codec dct"
             )
+        if self.ref_cache_rows < 1:
+            raise ValueError(f"--ref-cache-rows must be >= 1, got {self.ref_cache_rows}")
         if self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
         if self.dist_timeout <= 0:
@@ -182,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--decay-schedule", default="step", choices=("step", "linear", "log", "constant"))
     a("--decay-c", type=float, default=2.0, help="dual: multiplier at iteration 0")
     a("--decay-t", type=int, default=65_536, help="dual: iteration where the multiplier is 1")
+    a(
+        "--fwd-refs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="forward: send a bit for ids the receiver holds within the bound",
+    )
+    a("--ref-cache-rows", type=int, default=8192, help="rows per table per reference cache")
     a(
         "--id-dedup",
         action=argparse.BooleanOptionalAction,

@@ -184,6 +184,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         mask_backward=cfg.bwd_codec == "dct-mask",
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
+        fwd_refs=cfg.fwd_refs,
+        ref_cache_rows=cfg.ref_cache_rows,
+        dim=mcfg.emb_dim,
     )
     return Parts(sparse, dense, dense_opt, sparse_opt, exchange, timer, dct_state), owners
 
@@ -338,6 +341,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             **_comm_row(parts, ranks, train_s, max(1, steps - start), bsz),
             "per_table": table_report(parts, ranks),
             "policy_events": _policy_events(parts, ranks),
+            **_ref_report(parts, ranks),
             "config": cfg.to_dict(),
         }
         if out and ranks.rank == 0:
@@ -399,6 +403,43 @@ def table_report(parts: Parts, ranks: Ranks) -> dict[str, dict[str, Any]]:
         raw, sent = row.pop("_bwd_raw", 0), row.pop("_bwd_sent", 0)
         row["bwd_ratio"] = raw / sent if sent else None
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _ref_report(parts: Parts, ranks: Ranks) -> dict[str, Any]:
+    """Reference-cache numbers: hit rate per table, rows held, and whether the mirrors of
+    every table owner equal the caches of every receiver (digests)."""
+    ex = parts.exchange
+    if not ex.fwd_refs:
+        return {}
+    local = {
+        "hits": dict(ex.stats.ref_hits),
+        "total": dict(ex.stats.ref_total),
+        "rows": ex.cache_rows(),
+        "digests": ex.cache_digests(),
+    }
+    views: list[Any] = [local]
+    if ranks.world > 1:
+        views = [None] * ranks.world
+        dist.all_gather_object(views, local)
+    hits: dict[int, int] = {}
+    total: dict[int, int] = {}
+    mirrors: dict[str, str] = {}
+    caches: dict[str, str] = {}
+    for v in views:
+        for t, n in v["hits"].items():
+            hits[t] = hits.get(t, 0) + n
+        for t, n in v["total"].items():
+            total[t] = total.get(t, 0) + n
+        mirrors.update(v["digests"]["mirrors"])
+        caches.update(v["digests"]["caches"])
+    return {
+        "ref_hit_rate": sum(hits.values()) / max(1, sum(total.values())),
+        "ref_hit_rate_per_table": {
+            str(t): hits.get(t, 0) / max(1, n) for t, n in sorted(total.items())
+        },
+        "ref_cache_rows": sum(v["rows"] for v in views),
+        "ref_caches_in_sync": mirrors == caches,
+    }
 
 
 def _policy_events(parts: Parts, ranks: Ranks) -> list[dict[str, Any]]:

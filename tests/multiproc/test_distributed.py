@@ -112,8 +112,9 @@ def test_id_aware_traffic_is_exact_and_smaller(single: Path, tmp_path: Path) -> 
     p = run(plain, "--no-id-dedup", "--no-bwd-coalesce", nproc=2)
     aware = tmp_path / "aware"
     a = run(aware, "--id-dedup", "--bwd-coalesce", nproc=2)
-    torch.testing.assert_close(torch.tensor(losses(aware)), torch.tensor(losses(plain)),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(losses(aware)), torch.tensor(losses(plain)), rtol=0, atol=1e-5
+    )
     assert_same_model(plain, aware, 1e-5)
     assert_same_model(single, aware, 1e-5)
     assert a["bytes_sent"] < 0.8 * p["bytes_sent"]
@@ -260,3 +261,48 @@ def test_dct_mp_and_dp_train(tmp_path: Path) -> None:
     )
     assert s["fwd_ratio"] > 5 and s["bwd_ratio"] > 5 and s["dp_ratio"] > 5
     assert 0.3 < s["auc"] < 1.0
+
+
+REFS = (
+    "--fwd-codec",
+    "hybrid",
+    "--bwd-codec",
+    "hybrid",
+    "--fwd-refs",
+    "--ref-cache-rows",
+    "64",
+    "--check-bounds",
+)
+
+
+def test_reference_caches_stay_in_sync_with_evictions(tmp_path: Path) -> None:
+    """150 steps, caches of 64 rows per table (evicting constantly), bounds checked."""
+    s = run(tmp_path, *REFS, "--steps", "150", "--checkpoint-every", "150", nproc=2)
+    assert s["ref_caches_in_sync"] is True
+    assert 0.0 < s["ref_hit_rate"] < 1.0
+    assert s["ref_cache_rows"] <= 64 * 26 * 4  # per table: 2 mirrors + 2 caches (2 ranks)
+
+
+def test_references_survive_resume_and_evaluation(tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    run(straight, *REFS, nproc=2)
+    split = tmp_path / "split"
+    main(
+        [
+            *BASE,
+            *REFS,
+            "--steps",
+            "10",
+            "--checkpoint-every",
+            "10",
+            "--eval-every",
+            "5",
+            "--out",
+            str(split),
+            "--nproc",
+            "2",
+        ]
+    )
+    assert main([*BASE, *REFS, "--eval-every", "5", "--resume", str(split), "--nproc", "2"]) == 0
+    assert json.loads((split / "summary.json").read_text())["ref_caches_in_sync"] is True
+    assert_same_model(straight, split, 1e-6)

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
 from recsz.codecs import Codec, decode_payload
 from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
+from recsz.comm.refcache import RefCache
 from recsz.policy import BoundPolicy
 
 
@@ -46,6 +49,8 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ref_hits: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    ref_total: dict[int, int] = field(default_factory=lambda: defaultdict(int))
 
     def ratio(self, direction: str) -> float:
         s = self.sent[direction]
@@ -109,6 +114,9 @@ class EmbeddingExchange:
         mask_backward: bool = False,
         id_dedup: bool = False,
         coalesce: bool = False,
+        fwd_refs: bool = False,
+        ref_cache_rows: int = 8192,
+        dim: int = 0,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -122,15 +130,49 @@ class EmbeddingExchange:
         # were dropped, so nothing upstream depends on them).
         self.mask_backward = mask_backward
         # Id-aware traffic: both ends know every sample's ids (see start_forward, backward).
-        self.id_dedup = id_dedup
+        self.id_dedup = id_dedup or fwd_refs  # references are per distinct id
         self.coalesce = coalesce
+        self.fwd_refs = fwd_refs
+        # Table owner: a mirror of what each receiver holds; sample owner: what it holds.
+        self.mirrors: dict[tuple[int, int], RefCache] = {}
+        self.caches: dict[int, RefCache] = {}
+        if fwd_refs:
+            if dim < 1:
+                raise ValueError("fwd_refs needs the embedding dim")
+            self.mirrors = {
+                (t, d): RefCache(ref_cache_rows, dim) for t in self.mine for d in range(self.world)
+            }
+            self.caches = {t: RefCache(ref_cache_rows, dim) for t in range(len(plan.owners))}
 
     def state_dict(self) -> dict[str, Any]:
-        """What must survive a checkpoint (the codecs are stateless)."""
-        return {}
+        """What must survive a checkpoint: the reference caches of both ends."""
+        return {
+            "mirrors": {k: c.state_dict() for k, c in self.mirrors.items()},
+            "caches": {k: c.state_dict() for k, c in self.caches.items()},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        for name in ("mirrors", "caches"):
+            mine = getattr(self, name)
+            saved = state.get(name, {})
+            if set(saved) != set(mine):
+                raise ValueError(
+                    f"checkpoint holds {name} for {sorted(saved)}, this run "
+                    f"expects {sorted(mine)} (--fwd-refs differs?)"
+                )
+            for k, c in mine.items():
+                c.load_state_dict(saved[k])
+
+    def cache_digests(self) -> dict[str, dict[str, str]]:
+        """Hashes of every cache, keyed "table/receiver": a mirror equals its cache."""
+        return {
+            "mirrors": {f"{t}/{d}": c.digest() for (t, d), c in self.mirrors.items()},
+            "caches": {f"{t}/{self.rank}": c.digest() for t, c in self.caches.items()},
+        }
+
+    def cache_rows(self) -> int:
+        """Vectors held in all reference caches and mirrors of this rank."""
+        return sum(c.rows for c in (*self.mirrors.values(), *self.caches.values()))
 
     # ---- encoding and decoding of one direction ------------------------------------
     def _encode_for(
@@ -140,6 +182,7 @@ class EmbeddingExchange:
         plan: list[list[tuple[int, torch.Tensor, int]]],
         bound_src: dict[int, torch.Tensor],
         record: bool,
+        encode_item: Callable[[int, int, torch.Tensor, float | None], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Encode plan[dest] = [(table, chunk, raw bytes)] per destination; one buffer each.
 
@@ -166,7 +209,7 @@ class EmbeddingExchange:
             for t, c, n_raw in items:
                 c = c.contiguous()
                 eb = ebs[t]
-                p = codec.encode(c, eb)
+                p = codec.encode(c, eb) if encode_item is None else encode_item(t, dest, c, eb)
                 parts.append(p)
                 if record:
                     st = self.stats
@@ -178,7 +221,7 @@ class EmbeddingExchange:
                         st.wire[direction] += p.numel()
                     if eb is not None:
                         st.last_eb[direction][t] = eb
-                if self.check_bounds and eb is not None and c.numel():
+                if self.check_bounds and eb is not None and c.numel() and encode_item is None:
                     err = float((decode_payload(p).double() - c.double()).abs().max())
                     if err > eb:
                         raise AssertionError(f"table {t} {direction}: error {err} > bound {eb}")
@@ -187,6 +230,12 @@ class EmbeddingExchange:
         if record:
             self.stats.codec_s += time.perf_counter() - t0
         return framed
+
+    def _decode_one(self, direction: str, p: torch.Tensor, src: int) -> torch.Tensor:
+        try:
+            return decode_payload(p)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: payload from rank {src} ({direction}): {e}") from e
 
     def _decode_from(
         self, direction: str, buf: torch.Tensor, src: int, n: int, record: bool
@@ -217,8 +266,11 @@ class EmbeddingExchange:
 
         ids (B, T): the global batch's ids, known on both ends. With ``id_dedup`` each
         destination gets one vector per distinct id of its slice (in sorted id order),
-        which it expands with its own copy of the ids: exact for single-id bags.
+        which it expands with its own copy of the ids: exact for single-id bags. With
+        ``fwd_refs`` (training steps only) an id whose current vector is within the bound
+        of what the receiver holds travels as one bit instead.
         """
+        use_refs = self.fwd_refs and record
         with record_function("recsz.a2a_fwd.encode"):
             data = pooled.detach()
             bsz, _, d = data.shape
@@ -229,12 +281,41 @@ class EmbeddingExchange:
                 for j, t in enumerate(self.mine):
                     rows = data[dest * b : (dest + 1) * b, j]
                     if self.id_dedup:
-                        _, first = unique_first(self._slice_ids(ids, dest, t))
+                        _, first, _ = unique_first(self._slice_ids(ids, dest, t))
                         rows = rows[first]
                     items.append((t, rows, b * d * 4))
                 plan.append(items)
+            bound_src = {t: data[:, j] for j, t in enumerate(self.mine)}
+
+            def with_refs(t: int, dest: int, rows: torch.Tensor, eb: float | None) -> torch.Tensor:
+                uniq = unique_first(self._slice_ids(ids, dest, t))[2]
+                u = uniq.numel()
+                mirror = self.mirrors[(t, dest)]
+                slots = mirror.lookup(uniq)
+                hit = slots >= 0
+                if eb is not None and bool(hit.any()):
+                    near = (rows[hit] - mirror.vals[slots[hit]]).abs().amax(1) <= eb
+                    hit[hit.clone()] = near
+                elif eb is None:  # lossless: only an identical vector may be referenced
+                    hit[hit.clone()] = (rows[hit] == mirror.vals[slots[hit]]).all(1)
+                codec = self.codecs["fwd"]
+                payload = codec.encode(rows[~hit].contiguous(), eb)
+                sent_vals = codec.decode(payload)  # exactly what the receiver will hold
+                if self.check_bounds and eb is not None:
+                    held = mirror.vals[slots.clamp(min=0)].clone()
+                    held[~hit] = sent_vals.to(held.dtype)
+                    err = float((held.double() - rows.double()).abs().max()) if u else 0.0
+                    if err > eb:
+                        raise AssertionError(f"table {t} fwd with references: {err} > {eb}")
+                    self.stats.max_err["fwd"] = max(self.stats.max_err["fwd"], err / eb)
+                mirror.commit(uniq, slots, hit, sent_vals)
+                self.stats.ref_hits[t] += int(hit.sum())
+                self.stats.ref_total[t] += int(hit.numel())
+                bits = torch.from_numpy(np.packbits(hit.numpy()))
+                return frame([bits, payload])
+
             send = self._encode_for(
-                "fwd", step, plan, {t: data[:, j] for j, t in enumerate(self.mine)}, record
+                "fwd", step, plan, bound_src, record, with_refs if use_refs else None
             )
         pending = start_all_to_all_bytes(send, self.world)
         return PendingEmbeddings(self, pooled, pending, step, ids, record)
@@ -246,26 +327,63 @@ class EmbeddingExchange:
             bufs = pending.wait()
         if record:
             self.stats.a2a_s["fwd"] += pending.waited_s
+        use_refs = self.fwd_refs and record
         b = ids.shape[0] // self.world
         out = torch.empty(b, len(self.plan.owners), dim)
+        t0 = time.perf_counter()
         with record_function("recsz.a2a_fwd.decode"):
             for src, buf in enumerate(bufs):
                 tables = self.plan.tables_of(src)
-                for t, y in zip(
-                    tables, self._decode_from("fwd", buf, src, len(tables), record), strict=True
-                ):
+                parts = unframe(buf, len(tables), f"rank {src} (fwd all-to-all)")
+                for t, part in zip(tables, parts, strict=True):
+                    inv = uniq = None
                     rows = b
-                    inv = None
                     if self.id_dedup:
-                        inv, first = unique_first(self._slice_ids(ids, self.rank, t))
+                        inv, first, uniq = unique_first(self._slice_ids(ids, self.rank, t))
                         rows = first.numel()
+                    if use_refs:
+                        assert uniq is not None
+                        y = self._resolve_refs(t, src, part, uniq, dim)
+                    else:
+                        y = self._decode_one("fwd", part, src)
                     if tuple(y.shape) != (rows, dim):
                         raise ValueError(
                             f"rank {src} sent table {t} as {tuple(y.shape)}, expected "
                             f"{(rows, dim)} (do the ranks read the same batch?)"
                         )
                     out[:, t, :] = y if inv is None else y[inv]
+        if record:
+            self.stats.codec_s += time.perf_counter() - t0
         return out
+
+    def _resolve_refs(
+        self, t: int, src: int, part: torch.Tensor, uniq: torch.Tensor, dim: int
+    ) -> torch.Tensor:
+        """Rebuild one table's distinct vectors from the hit bitmap, cache and payload."""
+        bits, payload = unframe(part, 2, f"rank {src} (fwd references of table {t})")
+        u = uniq.numel()
+        if bits.numel() != (u + 7) // 8:
+            raise ValueError(
+                f"rank {src}: reference bitmap of table {t} has {bits.numel()} bytes for {u} ids"
+            )
+        hit = torch.from_numpy(np.unpackbits(bits.numpy(), count=u).astype(bool))
+        cache = self.caches[t]
+        slots = cache.lookup(uniq)
+        if bool((hit & (slots < 0)).any()):
+            raise ValueError(
+                f"rank {self.rank}: rank {src} referenced ids of table {t} this "
+                "rank does not hold: reference caches out of sync"
+            )
+        misses = self._decode_one("fwd", payload, src)
+        if misses.shape[0] != int((~hit).sum()):
+            raise ValueError(
+                f"rank {src}: {misses.shape[0]} vectors for {int((~hit).sum())} misses of table {t}"
+            )
+        vals = torch.empty(u, dim)
+        vals[hit] = cache.vals[slots[hit]]
+        vals[~hit] = misses
+        cache.commit(uniq, slots, hit, misses)
+        return vals
 
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
@@ -283,7 +401,7 @@ class EmbeddingExchange:
             for t in range(n_tables):
                 g = grad[:, t]
                 if self.coalesce:
-                    inv, first = unique_first(self._slice_ids(ids, self.rank, t))
+                    inv, first, _ = unique_first(self._slice_ids(ids, self.rank, t))
                     g = torch.zeros(first.numel(), d, dtype=g.dtype).index_add_(0, inv, g)
                 cols[t] = g
             plan = [
@@ -302,7 +420,7 @@ class EmbeddingExchange:
                 for j, (t, y) in enumerate(zip(self.mine, decoded, strict=True)):
                     rows = torch.arange(b)
                     if self.coalesce:
-                        _, rows = unique_first(self._slice_ids(ids, src, t))
+                        _, rows, _ = unique_first(self._slice_ids(ids, src, t))
                     if tuple(y.shape) != (rows.numel(), d):
                         raise ValueError(
                             f"rank {src} sent a gradient of shape {tuple(y.shape)} for table "
@@ -312,13 +430,14 @@ class EmbeddingExchange:
         return out
 
 
-def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For ids (n,): inverse into the sorted distinct ids, and each one's first position."""
+def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ids (n,): inverse into the sorted distinct ids, each one's first position, and
+    the sorted distinct ids themselves."""
     uniq, inv = torch.unique(col, sorted=True, return_inverse=True)
     n = col.numel()
     first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=col.device)
     first.scatter_reduce_(0, inv, torch.arange(n, device=col.device), reduce="amin")
-    return inv, first
+    return inv, first, uniq
 
 
 class PendingEmbeddings:
