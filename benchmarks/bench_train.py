@@ -30,24 +30,34 @@ from pathlib import Path
 
 RATES = {"unshaped": None, "10gbit": "10gbit", "1gbit": "1gbit", "200mbit": "200mbit"}
 
-# name -> train flags. TorchRec's precisions are our codecs of the same formats.
+# name -> train flags. TorchRec's precisions are our codecs of the same formats; like
+# TorchRec they send every sample's vector (no id-aware traffic), and so does "none".
+_PLAIN = ("--no-id-dedup", "--no-bwd-coalesce")
+_DUAL = ("--fwd-codec", "hybrid", "--eb-policy", "dual", "--hindex-probe-steps", "2")
 CONFIGS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "fp16": ("--fwd-codec", "fp16", "--bwd-codec", "fp16"),
-    "bf16": ("--fwd-codec", "bf16", "--bwd-codec", "bf16"),
-    "fp8": ("--fwd-codec", "fp8", "--bwd-codec", "fp8"),
-    "int8": ("--fwd-codec", "int8", "--bwd-codec", "int8"),
-    "zstd": ("--fwd-codec", "zstd", "--bwd-codec", "zstd"),
-    "hybrid-fixed-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "fixed"),
-    "hybrid-dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual"),
-    "hybrid-dual-fwd+bwd": (
+    "none": _PLAIN,
+    "fp16": (*_PLAIN, "--fwd-codec", "fp16", "--bwd-codec", "fp16"),
+    "bf16": (*_PLAIN, "--fwd-codec", "bf16", "--bwd-codec", "bf16"),
+    "fp8": (*_PLAIN, "--fwd-codec", "fp8", "--bwd-codec", "fp8"),
+    "int8": (*_PLAIN, "--fwd-codec", "int8", "--bwd-codec", "int8"),
+    "zstd": (*_PLAIN, "--fwd-codec", "zstd", "--bwd-codec", "zstd"),
+    "dct": (
+        *_PLAIN,
         "--fwd-codec",
-        "hybrid",
+        "dct",
         "--bwd-codec",
-        "hybrid",
-        "--eb-policy",
-        "dual",
+        "dct-mask",
+        "--dct-keep",
+        "0.05",
+        "--dp-comm",
+        "dct",
     ),
+    "hybrid-fixed-fwd": (*_PLAIN, "--fwd-codec", "hybrid", "--eb-policy", "fixed"),
+    "hybrid-dual-fwd": (*_PLAIN, *_DUAL),
+    "hybrid-dual-fwd+bwd": (*_PLAIN, *_DUAL, "--bwd-codec", "hybrid"),
+    "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
+    "hybrid-dual+ids+refs": (*_DUAL, "--bwd-codec", "hybrid", "--fwd-refs"),
+    "hybrid-dual+ids+dctdp": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "dct"),
 }
 
 
@@ -217,7 +227,7 @@ def _num(x: float) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 ranks, 3 rates, fewer steps")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, 1gbit and 200mbit, 8 steps")
     ap.add_argument("--json-out", default="bench_out/train.json")
     ap.add_argument("--rates", help="comma list of " + ", ".join(RATES))
     ap.add_argument("--worlds", help="comma list of world sizes")
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         else list(RATES)
     )
     worlds = [int(w) for w in a.worlds.split(",")] if a.worlds else [2] if a.quick else [2, 4]
-    steps = a.steps or (12 if a.quick else 40)
+    steps = a.steps or (8 if a.quick else 30)
     configs = a.configs.split(",") if a.configs else list(CONFIGS)
     why = can_shape()
     if why and any(RATES[r] for r in rates):
