@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = (
         a.rates.split(",")
         if a.rates
-        else ["unshaped", "1gbit", "200mbit"]
+        else ["1gbit", "200mbit"]
         if a.quick
         else list(RATES)
     )

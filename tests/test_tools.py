@@ -74,3 +74,52 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
     for r in rows:
         if r["codec"] == "hybrid":
             assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
+
+
+def test_bench_train_tiny(tmp_path: Path) -> None:
+    """The end-to-end benchmark in miniature: unshaped, 2 ranks, 3 steps, two configs."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_train
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "train.json"
+    assert (
+        bench_train.main(
+            [
+                "--rates",
+                "unshaped",
+                "--worlds",
+                "2",
+                "--steps",
+                "3",
+                "--configs",
+                "none,hybrid-dual+ids",
+                "--preset",
+                "tiny",
+                "--batch-size",
+                "256",
+                "--json-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(out.read_text())
+    need = {
+        "rate",
+        "config",
+        "world_size",
+        "samples_per_s",
+        "speedup",
+        "auc",
+        "auc_delta",
+        "bytes_sent",
+        "fwd_ratio",
+        "bwd_ratio",
+    }
+    assert [r["config"] for r in rows] == ["none", "hybrid-dual+ids"]
+    assert all(need <= set(r) for r in rows)
+    assert rows[0]["speedup"] == 1.0 and rows[1]["bytes_sent"] < rows[0]["bytes_sent"] / 5
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "| unshaped | 2 | none |" in out.with_suffix(".md").read_text()

@@ -342,6 +342,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "per_table": table_report(parts, ranks),
             "policy_events": _policy_events(parts, ranks),
             **_ref_report(parts, ranks),
+            **_bound_report(parts, ranks, cfg),
             "config": cfg.to_dict(),
         }
         if out and ranks.rank == 0:
@@ -403,6 +404,17 @@ def table_report(parts: Parts, ranks: Ranks) -> dict[str, dict[str, Any]]:
         raw, sent = row.pop("_bwd_raw", 0), row.pop("_bwd_sent", 0)
         row["bwd_ratio"] = raw / sent if sent else None
     return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def _bound_report(parts: Parts, ranks: Ranks, cfg: TrainConfig) -> dict[str, Any]:
+    """With --check-bounds: the largest error seen, as a fraction of its bound (<= 1)."""
+    if not cfg.check_bounds:
+        return {}
+    m = parts.exchange.stats.max_err
+    worst = torch.tensor([m["fwd"], m["bwd"]], dtype=torch.float64)
+    if ranks.world > 1:
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {"max_err_over_eb": {"fwd": float(worst[0]), "bwd": float(worst[1])}}
 
 
 def _ref_report(parts: Parts, ranks: Ranks) -> dict[str, Any]:

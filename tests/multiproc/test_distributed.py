@@ -139,6 +139,7 @@ def test_hybrid_bounds_hold_on_every_chunk(tmp_path: Path) -> None:
         nproc=2,
     )
     assert s["fwd_ratio"] > 2 and s["bwd_ratio"] > 2
+    assert 0.0 < s["max_err_over_eb"]["fwd"] <= 1.0 and 0.0 < s["max_err_over_eb"]["bwd"] <= 1.0
     assert 0.4 < s["auc"] < 1.0
 
 

@@ -68,18 +68,6 @@ class CommStats:
             "codec_s": self.codec_s,
         }
 
-    def per_table(self) -> dict[str, dict[int, dict[str, float]]]:
-        out: dict[str, dict[int, dict[str, float]]] = {}
-        for d in ("fwd", "bwd"):
-            out[d] = {
-                t: {
-                    "ratio": self.table_raw[d][t] / max(1, self.table_sent[d][t]),
-                    "eb": self.last_eb[d].get(t, 0.0),
-                }
-                for t in sorted(self.table_raw[d])
-            }
-        return out
-
 
 @dataclass
 class ShardPlan:
@@ -242,14 +230,7 @@ class EmbeddingExchange:
     ) -> list[torch.Tensor]:
         t0 = time.perf_counter()
         parts = unframe(buf, n, f"rank {src} ({direction} all-to-all)")
-        out = []
-        for p in parts:
-            try:
-                out.append(decode_payload(p))
-            except ValueError as e:
-                raise ValueError(
-                    f"rank {self.rank}: payload from rank {src} ({direction}): {e}"
-                ) from e
+        out = [self._decode_one(direction, p, src) for p in parts]
         if record:
             self.stats.codec_s += time.perf_counter() - t0
         return out
