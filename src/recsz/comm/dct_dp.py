@@ -48,9 +48,12 @@ class DCTState:
     keep: float = 0.01
     refresh: int = 1000
     step: int = 0
+    # Keyed per parameter (by its position in the model), not per bucket: DDP rebuilds
+    # its buckets after the first iteration, so bucket indices change what they hold.
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
-    threshold: dict[int, float] = field(default_factory=dict)
-    refreshed_at: dict[int, int] = field(default_factory=dict)
+    threshold: dict[tuple[int, ...], float] = field(default_factory=dict)
+    refreshed_at: dict[tuple[int, ...], int] = field(default_factory=dict)
+    param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
     refreshes: int = 0
     bytes_dense: int = 0  # what a ring all-reduce would have sent (2 (W-1)/W n 4 bytes)
     bytes_sent: int = 0  # what this rank put on the wire
@@ -63,15 +66,30 @@ def dct_hook(state: DCTState, bucket):  # type: ignore[no-untyped-def]
     (No annotations: DDP checks them by identity, which string annotations fail.)
     """
     t0 = time.perf_counter()
-    i = bucket.index()
     grad = bucket.buffer()
-    acc = grad + state.residual.get(i, torch.zeros_like(grad))
-    due = i not in state.threshold or state.step - state.refreshed_at[i] >= state.refresh
+    params = bucket.parameters()
+    keys = tuple(state.param_index.setdefault(id(p), len(state.param_index)) for p in params)
+    sizes = [p.numel() for p in params]
+    if sum(sizes) != grad.numel():
+        raise RuntimeError(
+            f"DCT-DP: bucket of {grad.numel()} entries holds parameters of "
+            f"{sum(sizes)}; cannot map residuals"
+        )
+    residual = torch.cat(
+        [
+            state.residual[k].view(-1) if k in state.residual else torch.zeros(n, dtype=grad.dtype)
+            for k, n in zip(keys, sizes, strict=True)
+        ]
+    )
+    acc = grad + residual
+    due = keys not in state.threshold or state.step - state.refreshed_at[keys] >= state.refresh
     if due:
-        state.threshold[i] = topk_threshold(acc, state.keep) if state.keep < 1.0 else 0.0
-        state.refreshed_at[i] = state.step
+        state.threshold[keys] = topk_threshold(acc, state.keep) if state.keep < 1.0 else 0.0
+        state.refreshed_at[keys] = state.step
         state.refreshes += 1
-    idx, vals, state.residual[i] = sparsify(acc, state.threshold[i])
+    idx, vals, res = sparsify(acc, state.threshold[keys])
+    for k, part in zip(keys, torch.split(res, sizes), strict=True):
+        state.residual[k] = part
     out = torch.zeros_like(grad)
     if state.world == 1:
         out.index_add_(0, idx, vals)
