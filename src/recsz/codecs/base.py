@@ -128,10 +128,12 @@ class Codec(ABC):
         flat = x.view(-1)
         exact: list[torch.Tensor] = []  # flat positions carried exactly
         orig = x
-        finite = torch.isfinite(flat)
-        if not bool(finite.all()):
-            exact.append(torch.nonzero(~finite).view(-1))
-            x = x.masked_fill(~finite.view(x.shape), 0)
+        # A finite sum means every element is finite (NaN/Inf propagate): one cheap pass.
+        if flat.numel() and not bool(torch.isfinite(flat.sum())):
+            finite = torch.isfinite(flat)
+            if not bool(finite.all()):
+                exact.append(torch.nonzero(~finite).view(-1))
+                x = x.masked_fill(~finite.view(x.shape), 0)
         core: bytes = b""
         if x.numel():
             out = self._encode(x, eb_f)

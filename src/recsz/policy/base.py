@@ -18,6 +18,11 @@ MIN_ABS_BOUND = 1e-30
 
 def value_range(x: torch.Tensor) -> float:
     """max - min over the finite values of x (0.0 if none)."""
+    if x.numel():
+        lo, hi = torch.aminmax(x)
+        r = float(hi) - float(lo)
+        if r == r and r != float("inf"):  # common case: all finite, one pass, no copy
+            return r
     f = x[torch.isfinite(x)]
     if f.numel() == 0:
         return 0.0
