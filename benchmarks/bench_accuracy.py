@@ -8,7 +8,8 @@ distributed runs, looping back to itself) with:
 - ``fixed``: hybrid codec, one relative bound 0.03 for every table;
 - ``table``: hybrid, table classes from the homogenization index (0.01 / 0.03 / 0.05);
 - ``dual``: table classes times the iteration decay (the published method);
-each forward only (``fwd``, the published setting) and forward + backward (``fwd+bwd``).
+each forward only (``fwd``, the published setting) and forward + backward (``fwd+bwd``);
+- ``dct-mp``: DCT's hard threshold on the all-to-all (5% kept), masked gradients backward.
 
 Data: (a) the synthetic generator, >= 1,000,000 training samples (100,000 with --quick);
 (b) the real 10k Criteo sample, one pass, 3 seeds. Prints one table, writes JSON rows
@@ -58,6 +59,8 @@ POLICIES = {
     "fixed": ("--eb-policy", "fixed", "--fwd-eb", "0.03", "--bwd-eb", "0.03"),
     "table": ("--eb-policy", "table"),
     "dual": ("--eb-policy", "dual"),
+    # DCT-MP (one process: no data-parallel all-reduce to threshold), 5% of entries kept.
+    "dct-mp": ("--fwd-codec", "dct", "--bwd-codec", "dct-mask", "--dct-keep", "0.05"),
 }
 
 
