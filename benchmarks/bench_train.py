@@ -166,7 +166,7 @@ def plot(rows: list[Row], path: Path) -> None:
     rates = [r for r in RATES if any(x.rate == r for x in rows)]
     world = max(x.world_size for x in rows)
     fig, ax = plt.subplots(1, 2, figsize=(14, 5))
-    for cfg in CONFIGS:
+    for i, cfg in enumerate(CONFIGS):
         ys = [
             next(
                 (
@@ -178,7 +178,7 @@ def plot(rows: list[Row], path: Path) -> None:
             )
             for r in rates
         ]
-        ax[0].plot(rates, ys, marker="o", label=cfg)
+        ax[0].plot(rates, ys, marker="os^"[i // 10], linestyle="-" if i < 10 else "--", label=cfg)
     ax[0].set(
         xlabel="link rate",
         ylabel=f"speedup vs none ({world} ranks)",
@@ -238,13 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    rates = (
-        a.rates.split(",")
-        if a.rates
-        else ["1gbit", "200mbit"]
-        if a.quick
-        else list(RATES)
-    )
+    rates = a.rates.split(",") if a.rates else ["1gbit", "200mbit"] if a.quick else list(RATES)
     worlds = [int(w) for w in a.worlds.split(",")] if a.worlds else [2] if a.quick else [2, 4]
     steps = a.steps or (8 if a.quick else 30)
     configs = a.configs.split(",") if a.configs else list(CONFIGS)
