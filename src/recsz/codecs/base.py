@@ -77,7 +77,7 @@ class Codec(ABC):
         return f"{type(self).__name__}({cfg})"
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.get_config() == other.get_config()  # type: ignore[attr-defined]
+        return type(self) is type(other) and self.get_config() == other.get_config()
 
     def __hash__(self) -> int:
         return hash((type(self), json.dumps(self.get_config(), sort_keys=True)))
@@ -215,13 +215,13 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
     buf = payload.detach().cpu().numpy()
     if buf.size < _PREFIX.size:
         raise PayloadError(f"payload of {buf.size} bytes is shorter than the fixed prefix")
-    magic, fver, crc = _PREFIX.unpack_from(buf, 0)
+    magic, fver, crc = _PREFIX.unpack_from(buf.data, 0)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}: not a recsz payload")
     if fver != FORMAT_VERSION:
         raise PayloadError(f"payload format version {fver}, this build reads {FORMAT_VERSION}")
     rest = buf[_PREFIX.size :]
-    if zlib.crc32(rest) != crc:
+    if zlib.crc32(rest.data) != crc:
         raise PayloadError("checksum mismatch: payload corrupted or truncated")
     try:
         o = 0
@@ -240,7 +240,7 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
         for _ in range(ndim):
             d, o = read_uvarint(rest, o)
             shape.append(d)
-        (eb,) = struct.unpack_from("<d", rest, o)
+        (eb,) = struct.unpack_from("<d", rest.data, o)
         blen, o = read_uvarint(rest, o + 8)
     except (IndexError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"malformed header: {e}") from None

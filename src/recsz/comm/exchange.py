@@ -31,10 +31,10 @@ def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]
     raw = buf.numpy() if buf.device.type == "cpu" else buf.cpu().numpy()
     if raw.size < _COUNT.size:
         raise ValueError(f"{source}: framed buffer of {raw.size} bytes is truncated")
-    (n,) = _COUNT.unpack_from(raw, 0)
+    (n,) = _COUNT.unpack_from(raw.data, 0)
     if n != expected:
         raise ValueError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
-    lens = struct.unpack_from(f"<{n}Q", raw, _COUNT.size)
+    lens = struct.unpack_from(f"<{n}Q", raw.data, _COUNT.size)
     o = _COUNT.size + 8 * n
     if o + sum(lens) != raw.size:
         raise ValueError(f"{source}: chunk lengths do not add up to the {raw.size} bytes received")

@@ -267,4 +267,4 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
     dense = np.memmap(d / "dense.f32", dtype="<f4", mode="r", shape=(n, N_DENSE))
     cats = np.memmap(d / "cats.i32", dtype="<i4", mode="r", shape=(n, N_CAT))
     labels = np.memmap(d / "labels.f32", dtype="<f4", mode="r", shape=(n,))
-    return Arrays(dense, cats, labels)  # type: ignore[arg-type]
+    return Arrays(dense, cats, labels)

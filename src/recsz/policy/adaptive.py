@@ -186,7 +186,7 @@ class DualBound(BoundPolicy):
         eb = self.class_eb[self.class_of(table)] * self.multiplier(step)
         return to_absolute(eb, self.mode, x)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[int, dict[str, Any]]:
         return {
             t: {"class": self.class_of(t), "index": self.index.get(t)} for t in range(self.n_tables)
         }

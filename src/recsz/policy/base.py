@@ -51,7 +51,7 @@ class BoundPolicy:
     def observe(self, table: int, step: int, x: torch.Tensor) -> None:
         """Feed the values of a chunk; adaptive policies learn from it."""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[int, dict[str, Any]]:
         """Per-table state for the logs."""
         return {}
 
