@@ -112,7 +112,9 @@ def dedup_rows(codes: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=codes.device)
     h = _row_hash(codes)
-    _, inv = torch.unique(h, return_inverse=True)
+    uniq, inv = torch.unique(h, return_inverse=True)
+    if uniq.numel() == n:  # every row distinct (e.g. after id dedup): nothing to reference
+        return torch.zeros(n, dtype=torch.int64, device=codes.device)
     ar = torch.arange(n, device=codes.device)
     first = torch.full((int(inv.max()) + 1,), n, dtype=torch.int64, device=codes.device)
     first.scatter_reduce_(0, inv, ar, reduce="amin")

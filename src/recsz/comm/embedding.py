@@ -220,8 +220,10 @@ class EmbeddingExchange:
         return framed
 
     def _decode_one(self, direction: str, p: torch.Tensor, src: int) -> torch.Tensor:
+        # Every rank runs the same codecs (checked at start-up); the codec still checks
+        # the payload's header names it, and reusing it skips building one per payload.
         try:
-            return decode_payload(p)
+            return self.codecs[direction].decode(p)
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: payload from rank {src} ({direction}): {e}") from e
 

@@ -1,0 +1,94 @@
+"""The hybrid codec's stages, each on its own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from recsz.codecs import PayloadError
+from recsz.codecs.stages import (
+    dedup_rows,
+    dequantize,
+    pack_streams,
+    quantize,
+    undedup_rows,
+    unpack_streams,
+    unzigzag,
+    zigzag,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    a=arrays(
+        "float32",
+        st.tuples(st.integers(1, 30), st.integers(1, 20)),
+        elements=st.floats(-1e5, 1e5, width=32),
+    ),
+    eb=st.floats(1e-8, 10.0),
+)
+def test_quantize_reconstruction_within_bound_or_outlier(a: np.ndarray, eb: float) -> None:
+    x = torch.from_numpy(a.copy())
+    codes, out = quantize(x, eb)
+    y = dequantize(codes, eb, x.dtype)
+    err = (y.double() - x.double()).abs().view(-1)
+    ok = torch.ones_like(err, dtype=torch.bool)
+    ok[out] = False
+    assert bool((err[ok] <= eb).all())
+    assert bool((codes.view(-1)[out] == 0).all())
+
+
+def test_quantize_flags_codes_beyond_float32_integers() -> None:
+    x = torch.tensor([[1e9, 0.5]])
+    codes, out = quantize(x, 1e-3)  # 1e9 / 2e-3 > 2^24
+    assert out.tolist() == [0] and codes[0, 0] == 0
+
+
+def test_dedup_roundtrip_and_collision_safety() -> None:
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(-5, 5, (7, 6), generator=g)
+    codes = rows[torch.tensor([0, 1, 0, 2, 1, 1, 3, 4, 5, 6, 0])]
+    refs = dedup_rows(codes)
+    assert int((refs == 0).sum()) == 7
+    assert torch.equal(undedup_rows(codes[refs == 0], refs), codes)
+    distinct = torch.arange(12).view(4, 3)
+    assert torch.equal(dedup_rows(distinct), torch.zeros(4, dtype=torch.int64))
+
+
+def test_undedup_rejects_references_past_the_literals() -> None:
+    with pytest.raises(PayloadError):
+        undedup_rows(torch.zeros(1, 3, dtype=torch.int64), torch.tensor([0, 5]))
+
+
+@given(st.lists(st.integers(-(2**30), 2**30), max_size=50))
+def test_zigzag_roundtrip(vals: list[int]) -> None:
+    q = torch.tensor(vals, dtype=torch.int64)
+    z = zigzag(q)
+    assert bool((z >= 0).all()) and torch.equal(unzigzag(z), q)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_pack_streams_roundtrip_and_widths(entropy: bool) -> None:
+    cctx = zstandard.ZstdCompressor(level=1) if entropy else None
+    streams = [
+        np.array([0, 1, 255]),
+        np.array([70000, 3]),
+        np.zeros(0, dtype=np.int64),
+        np.array([2**33]),
+    ]
+    buf = np.frombuffer(pack_streams(streams, cctx), np.uint8)
+    back = unpack_streams(buf, zstandard.ZstdDecompressor(), max_elems=10)
+    assert [b.tolist() for b in back] == [s.tolist() for s in streams]
+
+
+def test_unpack_streams_rejects_corruption() -> None:
+    buf = np.frombuffer(pack_streams([np.arange(100)], zstandard.ZstdCompressor()), np.uint8)
+    with pytest.raises(PayloadError):
+        unpack_streams(buf[:-3], zstandard.ZstdDecompressor(), max_elems=100)
+    with pytest.raises(PayloadError, match="count"):
+        unpack_streams(buf, zstandard.ZstdDecompressor(), max_elems=10)
