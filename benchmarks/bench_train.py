@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from recsz.codecs.anchors import fbgemm_available
+
 RATES = {"unshaped": None, "10gbit": "10gbit", "1gbit": "1gbit", "200mbit": "200mbit"}
 
 # name -> train flags. TorchRec's precisions are our codecs of the same formats; like
@@ -41,6 +43,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "fp8": (*_PLAIN, "--fwd-codec", "fp8", "--bwd-codec", "fp8"),
     "int8": (*_PLAIN, "--fwd-codec", "int8", "--bwd-codec", "int8"),
     "zstd": (*_PLAIN, "--fwd-codec", "zstd", "--bwd-codec", "zstd"),
+    # fbgemm's own quantized-comm codecs, as TorchRec uses them (anchors extra).
+    "tr-fp16": (*_PLAIN, "--fwd-codec", "tr-fp16", "--bwd-codec", "tr-fp16"),
+    "tr-bf16": (*_PLAIN, "--fwd-codec", "tr-bf16", "--bwd-codec", "tr-bf16"),
+    "tr-fp8": (*_PLAIN, "--fwd-codec", "tr-fp8", "--bwd-codec", "tr-fp8"),
+    "tr-mx4": (*_PLAIN, "--fwd-codec", "tr-mx4", "--bwd-codec", "tr-mx4"),
     "dct": (
         *_PLAIN,
         "--fwd-codec",
@@ -242,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     worlds = [int(w) for w in a.worlds.split(",")] if a.worlds else [2] if a.quick else [2, 4]
     steps = a.steps or (8 if a.quick else 30)
     configs = a.configs.split(",") if a.configs else list(CONFIGS)
+    if not fbgemm_available():
+        print(
+            "[note] fbgemm-gpu-cpu not installed: skipping TorchRec's tr-* codecs "
+            "(pip install 'recsz[anchors]')",
+            file=sys.stderr,
+        )
+        configs = [c for c in configs if not c.startswith("tr-")]
     why = can_shape()
     if why and any(RATES[r] for r in rates):
         print(f"[note] cannot shape the link ({why}); running unshaped only", file=sys.stderr)

@@ -3,6 +3,7 @@
 See :mod:`recsz.codecs.base` for the contract every codec keeps.
 """
 
+from recsz.codecs import anchors as _anchors  # noqa: F401  (registers TorchRec's tr-* codecs)
 from recsz.codecs import baselines as _baselines  # noqa: F401  (registers the baselines)
 from recsz.codecs import hybrid as _hybrid  # noqa: F401  (registers hybrid and its stages)
 from recsz.codecs import sparse as _sparse  # noqa: F401  (registers dct, sparse, dct-mask)

@@ -63,6 +63,11 @@ class Codec(ABC):
     error_bounded: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
 
+    @classmethod
+    def available(cls) -> bool:
+        """False when an optional package this codec needs is missing."""
+        return True
+
     # ---- configuration --------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         """JSON-serialisable keyword arguments that rebuild this codec."""
