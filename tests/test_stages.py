@@ -92,3 +92,15 @@ def test_unpack_streams_rejects_corruption() -> None:
         unpack_streams(buf[:-3], zstandard.ZstdDecompressor(), max_elems=100)
     with pytest.raises(PayloadError, match="count"):
         unpack_streams(buf, zstandard.ZstdDecompressor(), max_elems=10)
+
+
+def test_magicless_blocks_roundtrip_and_need_their_decoder() -> None:
+    from recsz.codecs.stages import ZSTD_MAGICLESS, magicless_zstd
+
+    cctx, dctx = magicless_zstd(1)
+    data = [np.arange(500) % 7]
+    buf = np.frombuffer(pack_streams(data, cctx, ZSTD_MAGICLESS), np.uint8)
+    back = unpack_streams(buf, zstandard.ZstdDecompressor(), 500, dctx)
+    assert back[0].tolist() == data[0].tolist()
+    with pytest.raises(PayloadError, match="magicless"):
+        unpack_streams(buf, zstandard.ZstdDecompressor(), 500)

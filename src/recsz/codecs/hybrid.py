@@ -22,8 +22,10 @@ import zstandard
 from recsz.codecs.base import Codec, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
+    ZSTD_MAGICLESS,
     dedup_rows,
     dequantize,
+    magicless_zstd,
     pack_streams,
     quantize,
     undedup_rows,
@@ -45,14 +47,9 @@ class _QuantPipeline(Codec):
             raise ValueError(f"zstd level must be in [-7, 22], got {level}")
         self.level = int(level)
         # Reused (de)compression contexts: creating one costs more than coding a chunk.
-        self._cctx = (
-            zstandard.ZstdCompressor(
-                level=self.level, write_content_size=False, write_dict_id=False
-            )
-            if self.entropy
-            else None
-        )
-        self._dctx = zstandard.ZstdDecompressor()
+        cctx, self._dctx_magicless = magicless_zstd(self.level)
+        self._cctx = cctx if self.entropy else None
+        self._dctx = zstandard.ZstdDecompressor()  # blocks written with the frame magic
 
     def get_config(self) -> dict[str, Any]:
         return {"level": self.level} if self.entropy else {}
@@ -72,7 +69,7 @@ class _QuantPipeline(Codec):
             streams = [refs.cpu().numpy(), zigzag(lit).view(-1).cpu().numpy()]
         else:
             streams = [zigzag(codes).view(-1).cpu().numpy()]
-        return pack_streams(streams, self._cctx), missed
+        return pack_streams(streams, self._cctx, ZSTD_MAGICLESS), missed
 
     def _decode(
         self,
@@ -83,7 +80,7 @@ class _QuantPipeline(Codec):
         device: torch.device,
     ) -> torch.Tensor:
         n, d = shape
-        streams = unpack_streams(body, self._dctx, max_elems=n * d)
+        streams = unpack_streams(body, self._dctx, n * d, self._dctx_magicless)
         if len(streams) == 2:
             refs = torch.from_numpy(streams[0]).to(device)
             lit = unzigzag(torch.from_numpy(streams[1]).to(device))

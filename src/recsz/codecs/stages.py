@@ -159,7 +159,27 @@ def _width(top: int) -> int:
     return 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
 
 
-def pack_streams(streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | None) -> bytes:
+#: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one.
+RAW, ZSTD, ZSTD_MAGICLESS = 0, 1, 2
+
+
+def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
+    """zstd contexts without the 4-byte frame magic (the block header names the coder)."""
+    params = zstandard.ZstdCompressionParameters.from_level(
+        level,
+        format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+        write_content_size=False,
+        write_dict_id=False,
+    )
+    return (
+        zstandard.ZstdCompressor(compression_params=params),
+        zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS),
+    )
+
+
+def pack_streams(
+    streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | None, mode: int = ZSTD
+) -> bytes:
     """Non-negative int arrays -> narrowest width each, byte planes, one optional zstd frame.
 
     Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
@@ -175,16 +195,19 @@ def pack_streams(streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | Non
         head.append(struct.pack("<B", w) + uvarint(n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
     data = b"".join(planes)
-    mode = 0
+    used = RAW
     if cctx is not None and data:
         comp = cctx.compress(data)
         if len(comp) < len(data):
-            data, mode = comp, 1
-    return b"".join(head) + struct.pack("<B", mode) + data
+            data, used = comp, mode
+    return b"".join(head) + struct.pack("<B", used) + data
 
 
 def unpack_streams(
-    buf: np.ndarray, dctx: zstandard.ZstdDecompressor, max_elems: int
+    buf: np.ndarray,
+    dctx: zstandard.ZstdDecompressor,
+    max_elems: int,
+    magicless: zstandard.ZstdDecompressor | None = None,
 ) -> list[np.ndarray]:
     """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
     if buf.size < 1:
@@ -206,12 +229,15 @@ def unpack_streams(
     o += 1
     total = sum(w * n for w, n in dims)
     data = buf[o:].tobytes()
-    if mode == 1:
+    if mode in (ZSTD, ZSTD_MAGICLESS):
+        ctx = dctx if mode == ZSTD else magicless
+        if ctx is None:
+            raise PayloadError("magicless zstd block, but no decoder for it")
         try:
-            data = dctx.decompress(data, max_output_size=max(total, 1))
+            data = ctx.decompress(data, max_output_size=max(total, 1))
         except zstandard.ZstdError as e:
             raise PayloadError(f"entropy-coded block does not decode: {e}") from None
-    elif mode != 0:
+    elif mode != RAW:
         raise PayloadError(f"unknown integer stream mode {mode}")
     if len(data) != total:
         raise PayloadError(f"integer streams hold {len(data)} bytes, expected {total}")
