@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs.base import Codec, PayloadError
+from recsz.codecs.base import Codec, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
 _QDTYPE = {"FP16": torch.float16, "BF16": torch.bfloat16, "FP8": torch.uint8, "MX4": torch.uint8}
@@ -63,11 +63,7 @@ class _FbgemmCodec(Codec):
         xf = x.float()
         if dp != d:
             xf = torch.nn.functional.pad(xf, (0, dp - d))
-        q = self._codec(dp).encode(xf.contiguous())
-        t = q.detach().cpu().contiguous()
-        if t.dtype == torch.bfloat16:
-            t = t.view(torch.int16)
-        return t.numpy().tobytes()
+        return tensor_bytes(self._codec(dp).encode(xf.contiguous()))
 
     def _decode(
         self,
@@ -80,11 +76,7 @@ class _FbgemmCodec(Codec):
         n, d = shape
         dp = self._padded_dim(d)
         qd = _QDTYPE[self.sparse_type]
-        raw = torch.frombuffer(
-            bytearray(body.tobytes()), dtype=torch.int16 if qd == torch.bfloat16 else qd
-        )
-        if qd == torch.bfloat16:
-            raw = raw.view(torch.bfloat16)
+        raw = tensor_from_bytes(body, qd)
         if self.sparse_type != "MX4":
             if raw.numel() != n * dp:
                 raise PayloadError(f"{self.codec_id}: {raw.numel()} values for {n} x {dp}")

@@ -302,6 +302,28 @@ def read_uvarint(buf: np.ndarray, o: int) -> tuple[int, int]:
 
 
 # ---- helpers shared by codecs -------------------------------------------------------
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (bfloat16 through an int16 view: numpy has no bfloat16)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def tensor_from_bytes(
+    b: bytes | np.ndarray, dtype: torch.dtype, count: int | None = None
+) -> torch.Tensor:
+    """Inverse of tensor_bytes, 1-D; PayloadError if the bytes do not hold ``count`` items."""
+    raw = b.tobytes() if isinstance(b, np.ndarray) else b
+    item = torch.empty(0, dtype=dtype).element_size()
+    if len(raw) % item or (count is not None and len(raw) != count * item):
+        want = f"{count} x {dtype}" if count is not None else f"whole {dtype} items"
+        raise PayloadError(f"{len(raw)} bytes do not hold {want}")
+    if not raw:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype)
+
+
 def _as_bytes(b: bytes | np.ndarray) -> bytes:
     return b if isinstance(b, bytes) else np.ascontiguousarray(b).view(np.uint8).tobytes()
 

@@ -20,29 +20,14 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import Codec, PayloadError
+from recsz.codecs.base import Codec, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
-
-_NP_DTYPE = {torch.float32: "<f4", torch.float64: "<f8", torch.float16: "<f2"}
-
-
-def _raw(x: torch.Tensor) -> bytes:
-    """The tensor's bytes (bf16 viewed as int16, which numpy lacks as a float)."""
-    t = x.cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().tobytes()
 
 
 def _from_raw(
     b: bytes, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    n = int(np.prod(shape))
-    if len(b) != n * itemsize:
-        raise PayloadError(f"body holds {len(b)} bytes, {n} x {dtype} needs {n * itemsize}")
-    t = torch.frombuffer(bytearray(b), dtype=dtype) if n else torch.empty(0, dtype=dtype)
-    return t.view(shape).to(device)
+    return tensor_from_bytes(b, dtype, int(np.prod(shape))).view(shape).to(device)
 
 
 @register_codec
@@ -53,7 +38,7 @@ class NoneCodec(Codec):
     lossless = True
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return _raw(x)
+        return tensor_bytes(x)
 
     def _decode(
         self,
@@ -70,7 +55,7 @@ class _CastCodec(Codec):
     target: torch.dtype
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return _raw(x.to(self.target))
+        return tensor_bytes(x.to(self.target))
 
     def _decode(
         self,
@@ -170,7 +155,7 @@ class LZ4Codec(Codec):
     lossless = True
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return lz4.frame.compress(_raw(x))
+        return lz4.frame.compress(tensor_bytes(x))
 
     def _decode(
         self,
@@ -203,7 +188,7 @@ class ZstdCodec(Codec):
         return {"level": self.level}
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return zstandard.ZstdCompressor(level=self.level).compress(_raw(x))
+        return zstandard.ZstdCompressor(level=self.level).compress(tensor_bytes(x))
 
     def _decode(
         self,

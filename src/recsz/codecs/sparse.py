@@ -18,13 +18,15 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import Codec, PayloadError, join_sections, split_sections
+from recsz.codecs.base import (
+    Codec,
+    PayloadError,
+    join_sections,
+    split_sections,
+    tensor_bytes,
+    tensor_from_bytes,
+)
 from recsz.codecs.registry import register_codec
-
-
-def _dtype_bytes(v: torch.Tensor) -> bytes:
-    t = v.cpu()
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
 
 
 class _MaskCodec(Codec):
@@ -42,7 +44,7 @@ class _MaskCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         keep = self._keep(x, eb).view(-1)
         bits = np.packbits(keep.cpu().numpy())
-        return join_sections([self._cctx.compress(bits.tobytes()), _dtype_bytes(x.view(-1)[keep])])
+        return join_sections([self._cctx.compress(bits.tobytes()), tensor_bytes(x.view(-1)[keep])])
 
     def _decode(
         self,
@@ -61,18 +63,9 @@ class _MaskCodec(Codec):
         if len(bits) != (n + 7) // 8:
             raise PayloadError(f"{self.codec_id}: bitmap of {len(bits)} bytes for {n} entries")
         keep = np.unpackbits(np.frombuffer(bits, np.uint8), count=n).astype(bool)
-        item = torch.empty(0, dtype=dtype).element_size()
-        if vals.size != int(keep.sum()) * item:
-            raise PayloadError(f"{self.codec_id}: {vals.size} value bytes for {keep.sum()} kept")
-        raw = (
-            torch.frombuffer(
-                bytearray(vals.tobytes()), dtype=torch.int16 if dtype == torch.bfloat16 else dtype
-            )
-            if vals.size
-            else torch.empty(0)
-        )
+        kept = tensor_from_bytes(vals, dtype, int(keep.sum()))
         out = torch.zeros(n, dtype=dtype)
-        out[torch.from_numpy(keep)] = raw.view(dtype) if raw.numel() else raw.to(dtype)
+        out[torch.from_numpy(keep)] = kept
         return out.view(shape).to(device)
 
 
