@@ -16,19 +16,19 @@ owner actually uses, and a lossless run equals the single-process one.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch.profiler import record_function
 
 from recsz.codecs import Codec, decode_payload
 from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
-from recsz.comm.refcache import RefCache
+from recsz.comm.refcache import RefCache, decode_with_refs, encode_with_refs
 from recsz.policy import BoundPolicy
 
 
@@ -272,30 +272,17 @@ class EmbeddingExchange:
 
             def with_refs(t: int, dest: int, rows: torch.Tensor, eb: float | None) -> torch.Tensor:
                 uniq = unique_first(self._slice_ids(ids, dest, t))[2]
-                u = uniq.numel()
-                mirror = self.mirrors[(t, dest)]
-                slots = mirror.lookup(uniq)
-                hit = slots >= 0
-                if eb is not None and bool(hit.any()):
-                    near = (rows[hit] - mirror.vals[slots[hit]]).abs().amax(1) <= eb
-                    hit[hit.clone()] = near
-                elif eb is None:  # lossless: only an identical vector may be referenced
-                    hit[hit.clone()] = (rows[hit] == mirror.vals[slots[hit]]).all(1)
-                codec = self.codecs["fwd"]
-                payload = codec.encode(rows[~hit].contiguous(), eb)
-                sent_vals = codec.decode(payload)  # exactly what the receiver will hold
-                if self.check_bounds and eb is not None:
-                    held = mirror.vals[slots.clamp(min=0)].clone()
-                    held[~hit] = sent_vals.to(held.dtype)
-                    err = float((held.double() - rows.double()).abs().max()) if u else 0.0
+                sent, hit, held = encode_with_refs(
+                    self.mirrors[(t, dest)], uniq, rows, eb, self.codecs["fwd"]
+                )
+                if self.check_bounds and eb is not None and rows.numel():
+                    err = float((held.double() - rows.double()).abs().max())
                     if err > eb:
                         raise AssertionError(f"table {t} fwd with references: {err} > {eb}")
                     self.stats.max_err["fwd"] = max(self.stats.max_err["fwd"], err / eb)
-                mirror.commit(uniq, slots, hit, sent_vals)
                 self.stats.ref_hits[t] += int(hit.sum())
                 self.stats.ref_total[t] += int(hit.numel())
-                bits = torch.from_numpy(np.packbits(hit.numpy()))
-                return frame([bits, payload])
+                return sent
 
             send = self._encode_for(
                 "fwd", step, plan, bound_src, record, with_refs if use_refs else None
@@ -326,7 +313,13 @@ class EmbeddingExchange:
                         rows = first.numel()
                     if use_refs:
                         assert uniq is not None
-                        y = self._resolve_refs(t, src, part, uniq, dim)
+                        y = decode_with_refs(
+                            self.caches[t],
+                            uniq,
+                            part,
+                            functools.partial(self._decode_one, "fwd", src=src),
+                            f"rank {src} (fwd references of table {t})",
+                        )
                     else:
                         y = self._decode_one("fwd", part, src)
                     if tuple(y.shape) != (rows, dim):
@@ -338,35 +331,6 @@ class EmbeddingExchange:
         if record:
             self.stats.codec_s += time.perf_counter() - t0
         return out
-
-    def _resolve_refs(
-        self, t: int, src: int, part: torch.Tensor, uniq: torch.Tensor, dim: int
-    ) -> torch.Tensor:
-        """Rebuild one table's distinct vectors from the hit bitmap, cache and payload."""
-        bits, payload = unframe(part, 2, f"rank {src} (fwd references of table {t})")
-        u = uniq.numel()
-        if bits.numel() != (u + 7) // 8:
-            raise ValueError(
-                f"rank {src}: reference bitmap of table {t} has {bits.numel()} bytes for {u} ids"
-            )
-        hit = torch.from_numpy(np.unpackbits(bits.numpy(), count=u).astype(bool))
-        cache = self.caches[t]
-        slots = cache.lookup(uniq)
-        if bool((hit & (slots < 0)).any()):
-            raise ValueError(
-                f"rank {self.rank}: rank {src} referenced ids of table {t} this "
-                "rank does not hold: reference caches out of sync"
-            )
-        misses = self._decode_one("fwd", payload, src)
-        if misses.shape[0] != int((~hit).sum()):
-            raise ValueError(
-                f"rank {src}: {misses.shape[0]} vectors for {int((~hit).sum())} misses of table {t}"
-            )
-        vals = torch.empty(u, dim)
-        vals[hit] = cache.vals[slots[hit]]
-        vals[~hit] = misses
-        cache.commit(uniq, slots, hit, misses)
-        return vals
 
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:

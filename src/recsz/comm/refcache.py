@@ -13,9 +13,16 @@ the sequence of commits, so it is the same on both ends.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+
+from recsz.comm.exchange import frame, unframe
+
+if TYPE_CHECKING:
+    from recsz.codecs import Codec
 
 
 class RefCache:
@@ -114,3 +121,65 @@ class RefCache:
         self.keys, self.vals, self.last = s["keys"].clone(), s["vals"].clone(), s["last"].clone()
         self.clock = int(s["clock"])
         self._reindex()
+
+
+def encode_with_refs(
+    mirror: RefCache, uniq: torch.Tensor, rows: torch.Tensor, eb: float | None, codec: Codec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sender side for one (table, receiver): reference what the receiver holds within eb.
+
+    Args:
+        mirror: the sender's copy of the receiver's cache for this table.
+        uniq: (U,) the distinct ids the receiver needs, sorted.
+        rows: (U, D) their current vectors.
+        eb: the bound (None for a lossless codec: only identical vectors are referenced).
+    Returns:
+        (framed bytes: hit bitmap + codec payload of the misses, hit mask (U,),
+        the values the receiver will hold (U, D)).
+    """
+    slots = mirror.lookup(uniq)
+    hit = slots >= 0
+    if bool(hit.any()):
+        held = mirror.vals[slots[hit]]
+        ok = (
+            ((rows[hit] - held).abs().amax(1) <= eb)
+            if eb is not None
+            else (rows[hit] == held).all(1)
+        )
+        hit[hit.clone()] = ok
+    payload = codec.encode(rows[~hit].contiguous(), eb)
+    sent_vals = codec.decode(payload)  # exactly what the receiver will hold
+    held_all = mirror.vals[slots.clamp(min=0)].clone()
+    held_all[~hit] = sent_vals.to(held_all.dtype)
+    mirror.commit(uniq, slots, hit, sent_vals)
+    bits = torch.from_numpy(np.packbits(hit.numpy()))
+    return frame([bits, payload]), hit, held_all
+
+
+def decode_with_refs(
+    cache: RefCache,
+    uniq: torch.Tensor,
+    part: torch.Tensor,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    where: str,
+) -> torch.Tensor:
+    """Receiver side: rebuild the distinct vectors from bitmap, cache and the misses' payload.
+
+    Raises ValueError naming ``where`` if the bytes disagree with this cache (out of sync).
+    """
+    bits, payload = unframe(part, 2, where)
+    u = uniq.numel()
+    if bits.numel() != (u + 7) // 8:
+        raise ValueError(f"{where}: reference bitmap has {bits.numel()} bytes for {u} ids")
+    hit = torch.from_numpy(np.unpackbits(bits.numpy(), count=u).astype(bool))
+    slots = cache.lookup(uniq)
+    if bool((hit & (slots < 0)).any()):
+        raise ValueError(f"{where}: references ids this rank does not hold: caches out of sync")
+    misses = decode(payload)
+    if misses.shape[0] != int((~hit).sum()):
+        raise ValueError(f"{where}: {misses.shape[0]} vectors for {int((~hit).sum())} misses")
+    vals = torch.empty(u, cache.vals.shape[1])
+    vals[hit] = cache.vals[slots[hit]]
+    vals[~hit] = misses
+    cache.commit(uniq, slots, hit, misses)
+    return vals
