@@ -66,6 +66,8 @@ def test_bad_flags_fail_loudly() -> None:
         main(["--fwd-codec", "gzip"])
     with pytest.raises(ValueError, match="batch-size"):
         main(["--batch-size", "0"])
+    with pytest.raises(ValueError, match="not divisible by --nproc 2"):
+        main(["--nproc", "2", "--batch-size", "33"])
     with pytest.raises(FileNotFoundError, match="no such file"):
         main(["--data", "/nonexistent/file.tsv", "--no-progress"])
 

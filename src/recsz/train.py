@@ -590,6 +590,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        if cfg.resolved_batch_size % cfg.nproc:
+            # Refuse here, once, rather than in every rank after the launch.
+            raise ValueError(
+                f"--batch-size {cfg.resolved_batch_size} is not divisible by "
+                f"--nproc {cfg.nproc}; use a multiple of {cfg.nproc}"
+            )
         return launch(cfg, argv)
     rank = os.environ.get("RANK", "0")
     try:
