@@ -307,3 +307,35 @@ def test_references_survive_resume_and_evaluation(tmp_path: Path) -> None:
     assert main([*BASE, *REFS, "--eval-every", "5", "--resume", str(split), "--nproc", "2"]) == 0
     assert json.loads((split / "summary.json").read_text())["ref_caches_in_sync"] is True
     assert_same_model(straight, split, 1e-6)
+
+
+def test_ranks_with_different_configs_refuse_to_start(tmp_path: Path) -> None:
+    """Two ranks started by hand (as a multi-node launcher would) with different --lr."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, lr in ((0, "0.1"), (1, "0.2")):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "recsz.train", *BASE, "--lr", lr, "--dist-timeout", "30"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs)
+    assert any("ranks [1] were started with a configuration that differs" in o for o in outs)
