@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from recsz.codecs import available_codecs, get_codec
-from recsz.data.source import make_source
+from recsz.data.source import DataSource, make_source
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import DLRM, ModelConfig, get_preset
 from recsz.policy import to_absolute
@@ -64,8 +64,8 @@ class Row:
     max_err_over_eb: float | None
 
 
-def real_traffic(cfg: BenchConfig) -> list[torch.Tensor] | None:
-    """Pooled embeddings of a DLRM trained briefly on the real sample (None if absent)."""
+def _real_model() -> tuple[DLRM, DataSource, torch.optim.Optimizer] | None:
+    """A dim-32 DLRM (the paper's Kaggle dim), the real sample, SGD lr 0.1; None if absent."""
     path = SHARED / "criteo_kaggle_head10k.tsv"
     if not path.exists():
         print(f"[skip] real traffic: {path} not found", file=sys.stderr)
@@ -75,16 +75,21 @@ def real_traffic(cfg: BenchConfig) -> list[torch.Tensor] | None:
     torch.manual_seed(0)
     model = DLRM(mcfg, seed=0)
     src = make_source(str(path), mcfg.table_sizes, seed=0)
-    opt_d = torch.optim.SGD(model.dense.parameters(), lr=0.1)
-    opt_s = torch.optim.SGD(model.sparse.parameters(), lr=0.1)
+    return model, src, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def real_traffic(cfg: BenchConfig) -> list[torch.Tensor] | None:
+    """Pooled embeddings of a DLRM trained briefly on the real sample (None if absent)."""
+    setup = _real_model()
+    if setup is None:
+        return None
+    model, src, opt = setup
     for step in range(cfg.train_steps):
         b = src.train_batch(step, 32)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.ids), b.labels)
-        opt_d.zero_grad()
-        opt_s.zero_grad()
+        opt.zero_grad()
         loss.backward()
-        opt_d.step()
-        opt_s.step()
+        opt.step()
     chunks = []
     with torch.no_grad():
         for i in range(cfg.real_batches):
@@ -100,15 +105,10 @@ def real_sequence(cfg: BenchConfig) -> list[tuple[torch.Tensor, torch.Tensor]] |
     The published setting: SGD lr 0.1, batch 128; captured while the model trains, so a
     repeated id's vector has moved by one step's updates, as temporal references see it.
     """
-    path = SHARED / "criteo_kaggle_head10k.tsv"
-    if not path.exists():
+    setup = _real_model()
+    if setup is None:
         return None
-    tiny = get_preset("tiny").model
-    mcfg = ModelConfig(tiny.table_sizes, 32, (64, 32), (64, 32, 1))
-    torch.manual_seed(0)
-    model = DLRM(mcfg, seed=0)
-    src = make_source(str(path), mcfg.table_sizes, seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, src, opt = setup
     seq = []
     for step in range(cfg.seq_steps):
         b = src.train_batch(step, 128)

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from recsz.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str) -> ModuleType:
+    """Import a benchmark script (benchmarks/ is not a package)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
 
 
 def test_plot_writes_pngs(tmp_path: Path) -> None:
@@ -59,11 +70,7 @@ def test_preprocess_cli(tmp_path: Path, criteo_ragged: Path) -> None:
 
 
 def test_bench_codecs_quick(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_codecs
-    finally:
-        sys.path.pop(0)
+    bench_codecs = _bench("bench_codecs")
     out = tmp_path / "codecs.json"
     assert (
         bench_codecs.main(["--quick", "--codecs", "hybrid,none,fp16", "--json-out", str(out)]) == 0
@@ -78,11 +85,7 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
 
 def test_bench_train_tiny(tmp_path: Path) -> None:
     """The end-to-end benchmark in miniature: unshaped, 2 ranks, 3 steps, two configs."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_train
-    finally:
-        sys.path.pop(0)
+    bench_train = _bench("bench_train")
     out = tmp_path / "train.json"
     assert (
         bench_train.main(
