@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -50,6 +51,9 @@ _DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
 
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
+
+
+_CONFIG_BYTES: dict[tuple[type, str], bytes] = {}
 
 
 class PayloadError(ValueError):
@@ -112,6 +116,12 @@ class Codec(ABC):
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
 
+    def _takes_nonfinite(self, x: torch.Tensor) -> bool:
+        """True when ``_encode`` reports NaN/Inf elements of ``x`` among its outlier
+        positions itself, so the separate finiteness pass can be skipped (a codec whose
+        bound check rejects every non-finite element gets this for free)."""
+        return False
+
     # ---- public API -----------------------------------------------------------------
     def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:
         """Encode ``x`` (2-D float) under absolute bound ``eb`` into a uint8 payload."""
@@ -135,7 +145,7 @@ class Codec(ABC):
         exact: list[torch.Tensor] = []  # flat positions carried exactly
         orig = x
         # A finite sum means every element is finite (NaN/Inf propagate): one cheap pass.
-        if flat.numel() and not bool(torch.isfinite(flat.sum())):
+        if flat.numel() and not self._takes_nonfinite(x) and not bool(torch.isfinite(flat.sum())):
             finite = torch.isfinite(flat)
             if not bool(finite.all()):
                 exact.append(torch.nonzero(~finite).view(-1))
@@ -154,10 +164,14 @@ class Codec(ABC):
                 )
                 bad = (y.double() - x.double()).abs().view(-1) > eb_f
                 exact.append(torch.nonzero(bad).view(-1))
-        idx = torch.unique(torch.cat(exact)) if exact else torch.zeros(0, dtype=torch.int64)
-        body = join_sections([core, *_pack_outliers(idx, orig.view(-1)[idx])])
-        payload = self._header(x.shape, x.dtype, eb_f, body) + body
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        if exact:
+            idx = torch.unique(torch.cat(exact)) if len(exact) > 1 else exact[0]
+            body = join_sections([core, *_pack_outliers(idx, orig.view(-1)[idx])])
+        else:
+            body = join_sections([core, b"", b""])
+        payload = bytearray(self._header(x.shape, x.dtype, eb_f, body))
+        payload += body
+        return torch.frombuffer(payload, dtype=torch.uint8).to(device)
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
@@ -167,12 +181,31 @@ class Codec(ABC):
         return self._decode_body(hdr, body, payload.device)
 
     # ---- internals ------------------------------------------------------------------
+    def _config_bytes(self) -> bytes:
+        """The header's config: only settings that differ from the constructor's defaults
+        travel (from_config fills the rest), so small chunks pay ~10 fewer header bytes.
+        Cached per configuration: inspecting the signature costs more than a small chunk."""
+        key = json.dumps(self.get_config(), sort_keys=True)
+        cached = _CONFIG_BYTES.get((type(self), key))
+        if cached is None:
+            defaults = {
+                k: p.default
+                for k, p in inspect.signature(type(self).__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty
+            }
+            shown = {k: v for k, v in self.get_config().items() if defaults.get(k, object()) != v}
+            cached = (
+                json.dumps(shown, sort_keys=True, separators=(",", ":")).encode() if shown else b""
+            )
+            _CONFIG_BYTES[(type(self), key)] = cached
+        return cached
+
     def _decode_body(
         self, hdr: dict[str, Any], body: np.ndarray, device: torch.device
     ) -> torch.Tensor:
         shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
         core, oidx, oval = split_sections(body, 3)
-        n = int(np.prod(shape)) if shape else 0
+        n = math.prod(shape) if shape else 0
         if n == 0:
             if core.size or oidx.size > 1 or oval.size:
                 raise PayloadError("an empty tensor's payload carries data")
@@ -188,23 +221,16 @@ class Codec(ABC):
                 f"{self.codec_id}: body decodes to {tuple(y.shape)} {y.dtype}, "
                 f"header says {shape} {dtype}"
             )
-        y = y.contiguous()
-        idx, val = _unpack_outliers(oidx, oval, dtype, n)
-        if idx.numel():
-            y.view(-1)[idx.to(y.device)] = val.to(y.device)
+        if oidx.size or oval.size:
+            y = y.contiguous()
+            idx, val = _unpack_outliers(oidx, oval, dtype, n)
+            if idx.numel():
+                y.view(-1)[idx.to(y.device)] = val.to(y.device)
         return y
 
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
         cid = self.codec_id.encode("ascii")
-        # Only settings that differ from the constructor's defaults travel (from_config
-        # fills the rest): small chunks pay ~10 fewer header bytes each.
-        defaults = {
-            k: p.default
-            for k, p in inspect.signature(type(self).__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty
-        }
-        shown = {k: v for k, v in self.get_config().items() if defaults.get(k, object()) != v}
-        cfg = json.dumps(shown, sort_keys=True, separators=(",", ":")).encode() if shown else b""
+        cfg = self._config_bytes()
         h = b"".join(
             [
                 struct.pack("<B", len(cid)),

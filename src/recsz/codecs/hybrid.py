@@ -9,6 +9,10 @@ which records the stages it used, so decoding depends on the bytes alone.
 
 The entropy stage is zstd (Huffman-coded literals, FSE-coded sequences) over byte planes
 of the zig-zagged codes, one frame per chunk.
+
+Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
+for everything but zstd; other dtypes and CUDA tensors take the torch stages, which run on
+the tensor's device. Both write the same bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import torch
 import zstandard
 
+from recsz.codecs import kernels
 from recsz.codecs.base import Codec, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
@@ -26,13 +31,28 @@ from recsz.codecs.stages import (
     dedup_rows,
     dequantize,
     magicless_zstd,
+    pack_planes,
     pack_streams,
     quantize,
     undedup_rows,
+    unpack_planes,
     unpack_streams,
     unzigzag,
     zigzag,
 )
+
+_KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+_DEDUP_MODES = {"off": 0, "on": 1, "auto": 2}
+_DECODE_ERRORS = {
+    kernels.BAD_LITERAL_COUNT: "row references and literal codes do not fit the shape",
+    kernels.BAD_REFERENCE: "vector reference points past the literal rows",
+}
+
+
+def _fused(t: torch.Tensor | torch.device, dtype: torch.dtype) -> bool:
+    """Whether the numba kernels handle this device and dtype."""
+    device = t.device if isinstance(t, torch.Tensor) else t
+    return device.type == "cpu" and dtype in _KERNEL_DTYPES
 
 
 class _QuantPipeline(Codec):
@@ -54,7 +74,13 @@ class _QuantPipeline(Codec):
     def get_config(self) -> dict[str, Any]:
         return {"level": self.level} if self.entropy else {}
 
+    def _takes_nonfinite(self, x: torch.Tensor) -> bool:
+        # The kernel's bound check fails for NaN/Inf, which makes them outliers.
+        return _fused(x, x.dtype)
+
     def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
+        if _fused(x, x.dtype):
+            return self._encode_fused(x, eb)
         codes, missed = quantize(x, eb)
         n, d = codes.shape
         use_dedup = self.dedup == "on"
@@ -71,6 +97,16 @@ class _QuantPipeline(Codec):
             streams = [zigzag(codes).view(-1).cpu().numpy()]
         return pack_streams(streams, self._cctx, ZSTD_MAGICLESS), missed
 
+    def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
+        a = x.numpy()
+        qmax = kernels.QMAX32 if a.dtype == np.float32 else kernels.QMAX64
+        step = np.array([2.0 * eb], a.dtype)
+        planes, w_refs, n_refs, w_codes, n_codes, missed = kernels.encode_rows(
+            a, step, eb, _DEDUP_MODES[self.dedup], qmax
+        )
+        dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
+        return pack_planes(dims, planes, self._cctx, ZSTD_MAGICLESS), torch.from_numpy(missed)
+
     def _decode(
         self,
         body: np.ndarray,
@@ -80,6 +116,17 @@ class _QuantPipeline(Codec):
         device: torch.device,
     ) -> torch.Tensor:
         n, d = shape
+        if _fused(device, dtype):
+            dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
+            if len(dims) not in (1, 2):
+                raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
+            (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
+            out = np.empty((n, d), _KERNEL_DTYPES[dtype])
+            step = np.array([2.0 * eb], out.dtype)
+            status = kernels.decode_rows(raw, w_refs, n_refs, w_codes, n_codes, out, step)
+            if status != kernels.OK:
+                raise PayloadError(_DECODE_ERRORS[status])
+            return torch.from_numpy(out)
         streams = unpack_streams(body, self._dctx, n * d, self._dctx_magicless)
         if len(streams) == 2:
             refs = torch.from_numpy(streams[0]).to(device)

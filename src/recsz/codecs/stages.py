@@ -8,8 +8,6 @@ packing stage is where bytes are made.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 import torch
 import zstandard
@@ -17,7 +15,7 @@ import zstandard
 from recsz.codecs.base import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
-QMAX = 2**30
+QMAX = 2**30 - 1  # its zig-zag still fits 32 bits
 
 
 # ---- quantization -------------------------------------------------------------------
@@ -187,20 +185,33 @@ def pack_streams(
     raw whenever zstd would not make them smaller. Layout: u8 count, (u8 width, varint n)
     per stream, u8 mode (0 raw, 1 zstd), data.
     """
-    head = [struct.pack("<B", len(streams))]
-    planes = []
+    dims, planes = [], []
     for z in streams:
         n = int(z.size)
         w = _width(int(z.max()) if n else 0)
-        head.append(struct.pack("<B", w) + uvarint(n))
+        dims.append((w, n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
-    data = b"".join(planes)
+    return pack_planes(dims, b"".join(planes), cctx, mode)
+
+
+def pack_planes(
+    dims: list[tuple[int, int]],
+    data: bytes | np.ndarray,
+    cctx: zstandard.ZstdCompressor | None,
+    mode: int = ZSTD,
+) -> bytes:
+    """The layout of :func:`pack_streams` from planes already laid out (width, count each)."""
+    head = bytearray([len(dims)])
+    for w, n in dims:
+        head.append(w)
+        head += uvarint(n)
     used = RAW
-    if cctx is not None and data:
-        comp = cctx.compress(data)
+    if cctx is not None and len(data):
+        comp = cctx.compress(data if isinstance(data, bytes) else data.data)
         if len(comp) < len(data):
             data, used = comp, mode
-    return b"".join(head) + struct.pack("<B", used) + data
+    head.append(used)
+    return bytes(head) + (data if isinstance(data, bytes) else data.tobytes())
 
 
 def unpack_streams(
@@ -210,6 +221,22 @@ def unpack_streams(
     magicless: zstandard.ZstdDecompressor | None = None,
 ) -> list[np.ndarray]:
     """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
+    dims, raw = unpack_planes(buf, dctx, max_elems, magicless)
+    out, p = [], 0
+    for w, n in dims:
+        planes = raw[p : p + w * n].reshape(w, n).T
+        out.append(np.ascontiguousarray(planes).view(f"<u{w}").reshape(n).astype(np.int64))
+        p += w * n
+    return out
+
+
+def unpack_planes(
+    buf: np.ndarray,
+    dctx: zstandard.ZstdDecompressor,
+    max_elems: int,
+    magicless: zstandard.ZstdDecompressor | None = None,
+) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
     if buf.size < 1:
         raise PayloadError("truncated integer streams")
     count = int(buf[0])
@@ -228,23 +255,19 @@ def unpack_streams(
     mode = int(buf[o])
     o += 1
     total = sum(w * n for w, n in dims)
-    data = buf[o:].tobytes()
     if mode in (ZSTD, ZSTD_MAGICLESS):
         ctx = dctx if mode == ZSTD else magicless
         if ctx is None:
             raise PayloadError("magicless zstd block, but no decoder for it")
         try:
-            data = ctx.decompress(data, max_output_size=max(total, 1))
+            data = ctx.decompress(buf[o:].data, max_output_size=max(total, 1))
         except zstandard.ZstdError as e:
             raise PayloadError(f"entropy-coded block does not decode: {e}") from None
-    elif mode != RAW:
+        raw = np.frombuffer(data, np.uint8)
+    elif mode == RAW:
+        raw = buf[o:]
+    else:
         raise PayloadError(f"unknown integer stream mode {mode}")
-    if len(data) != total:
-        raise PayloadError(f"integer streams hold {len(data)} bytes, expected {total}")
-    raw = np.frombuffer(data, np.uint8)
-    out, p = [], 0
-    for w, n in dims:
-        planes = raw[p : p + w * n].reshape(w, n).T
-        out.append(np.ascontiguousarray(planes).view(f"<u{w}").reshape(n).astype(np.int64))
-        p += w * n
-    return out
+    if raw.size != total:
+        raise PayloadError(f"integer streams hold {raw.size} bytes, expected {total}")
+    return dims, raw

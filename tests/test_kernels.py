@@ -1,0 +1,137 @@
+"""The fused CPU kernels against the torch stages: same bytes, cross-decoding, same bound.
+
+The hybrid codecs take the kernels for float32/float64 on the CPU and the torch stages
+elsewhere (CUDA, fp16, bf16). A payload must not depend on which path made it, so every
+test here encodes with both and decodes each payload with the other path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from recsz.codecs import PayloadError, get_codec, kernels
+from recsz.codecs import hybrid as hybrid_mod
+
+PIPELINES = ["hybrid", "quant", "quant+lz", "quant+zstd"]
+
+
+@contextmanager
+def torch_path() -> Iterator[None]:
+    """Force the torch stages, as on a CUDA tensor."""
+    saved = hybrid_mod._fused
+    hybrid_mod._fused = lambda *_: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hybrid_mod._fused = saved
+
+
+def both_paths(name: str, x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
+    codec = get_codec(name)
+    fused = codec.encode(x, eb)
+    with torch_path():
+        slow = codec.encode(x, eb)
+    return fused, slow
+
+
+def power_law_rows(n: int, d: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(max(n // 4, 1), d, generator=g, dtype=torch.float64) * 0.02
+    ids = (torch.rand(n, generator=g) ** 3 * table.shape[0]).long()
+    return table[ids].to(dtype).contiguous()
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (300, 32), (1024, 64)])
+def test_fused_and_torch_paths_write_the_same_bytes(
+    name: str, dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    x = power_law_rows(*shape, seed=shape[0], dtype=dtype)
+    eb = 0.03 * float(x.max() - x.min()) or 1e-3
+    fused, slow = both_paths(name, x, eb)
+    assert torch.equal(fused, slow)
+    codec = get_codec(name)
+    y = codec.decode(fused)
+    with torch_path():
+        y_slow = codec.decode(fused)
+    assert torch.equal(y, y_slow)
+    assert float((y.double() - x.double()).abs().max()) <= eb
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    a=arrays(
+        st.sampled_from(["float32", "float64"]),
+        st.tuples(st.integers(1, 40), st.integers(1, 12)),
+        elements=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    ),
+    eb=st.floats(1e-30, 1e10),
+    repeat=st.booleans(),
+    name=st.sampled_from(PIPELINES),
+)
+def test_fused_path_bound_and_cross_decode(
+    a: np.ndarray, eb: float, repeat: bool, name: str
+) -> None:
+    """Any values (NaN, Inf, huge, denormal, repeated rows) under any bound."""
+    x = torch.from_numpy(a.copy())
+    if repeat:
+        x = x[torch.arange(x.shape[0]) % 3].contiguous()
+    codec = get_codec(name)
+    fused = codec.encode(x, eb)
+    with torch_path():
+        y_slow = codec.decode(fused)
+        slow = codec.encode(x, eb)
+    y = codec.decode(slow)
+    for out in (y, y_slow):
+        finite = torch.isfinite(x)
+        assert torch.equal(torch.isnan(out), torch.isnan(x))
+        assert torch.equal(out[~finite & ~torch.isnan(x)], x[~finite & ~torch.isnan(x)])
+        err = (out[finite].double() - x[finite].double()).abs()
+        assert err.numel() == 0 or float(err.max()) <= eb
+
+
+def test_values_exactly_between_two_codes_stay_within_bound() -> None:
+    eb = 0.1
+    x = (torch.arange(-50, 50, dtype=torch.float32) * 0.2 + 0.1).view(10, 10)
+    y = get_codec("hybrid").decode(get_codec("hybrid").encode(x, eb))
+    assert float((y.double() - x.double()).abs().max()) <= eb
+
+
+@pytest.mark.parametrize("status", [kernels.BAD_LITERAL_COUNT, kernels.BAD_REFERENCE])
+def test_malformed_planes_are_reported(status: int) -> None:
+    out = np.empty((3, 2), np.float32)
+    step = np.array([0.1], np.float32)
+    if status == kernels.BAD_REFERENCE:
+        raw = np.array([0, 2, 1, 0, 0], np.uint8)  # row 1 refers to a 2nd literal: none
+        got = kernels.decode_rows(raw, 1, 3, 1, 2, out, step)
+    else:
+        raw = np.array([0, 0, 0, 1, 1], np.uint8)  # three literal rows, one row of codes
+        got = kernels.decode_rows(raw, 1, 3, 1, 2, out, step)
+    assert got == status
+
+
+def test_forged_reference_payload_raises_payload_error() -> None:
+    """A well-formed payload whose reference points past the literals (crc recomputed)."""
+    from recsz.codecs.stages import ZSTD, pack_streams
+
+    codec = get_codec("quant+lz")
+    refs = np.array([0, 5, 0], np.int64)
+    body_core = pack_streams([refs, np.zeros(4, np.int64)], None, ZSTD)
+    from recsz.codecs.base import join_sections
+
+    body = join_sections([body_core, b"", b""])
+    head = codec._header(torch.Size([3, 2]), torch.float32, 0.1, body)
+    payload = torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    with pytest.raises(PayloadError, match="reference"):
+        codec.decode(payload)
+    with torch_path(), pytest.raises(PayloadError, match="reference"):
+        codec.decode(payload)
