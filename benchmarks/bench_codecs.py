@@ -192,6 +192,7 @@ def measure(
     ebs = [to_absolute(eb, mode, c) if eb is not None else None for c in chunks]
     raw = sum(c.numel() * 4 for c in chunks)
     enc_t, dec_t = [], []
+    codec.decode(codec.encode(chunks[0], ebs[0]))  # warm up (numba loads its kernels once)
     payloads: list[torch.Tensor] = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -1,4 +1,8 @@
-"""Write the golden payloads once (python -m tests.make_golden); tests keep decoding them."""
+"""Write the golden payloads once (python -m tests.make_golden); tests keep decoding them.
+
+When a codec's payload layout gains a new form, bump GENERATION: the new payloads go to
+``golden_NAME.vN.pt`` beside the old ones, and every generation must keep decoding.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import torch
 
 from recsz.codecs import available_codecs, get_codec
 from tests.common import FIXTURES, golden_input
+
+#: Payload layout generation: 2 = split integer streams with range-coded references.
+GENERATION = 2
 
 
 def main() -> None:
@@ -15,7 +22,13 @@ def main() -> None:
     for name in available_codecs():
         c = get_codec(name)
         p = c.encode(x, 1e-2)
-        path = FIXTURES / f"golden_{name.replace('+', '_')}.pt"
+        stem = f"golden_{name.replace('+', '_')}"
+        path = FIXTURES / f"{stem}.pt"
+        if path.exists():
+            path = FIXTURES / f"{stem}.v{GENERATION}.pt"
+            old = torch.load(FIXTURES / f"{stem}.pt", weights_only=True)["payload"]
+            if torch.equal(old, p):
+                continue  # this codec's bytes did not change
         if path.exists():
             continue  # never overwrite: old payloads must keep decoding
         torch.save({"payload": p, "decoded": c.decode(p)}, path)

@@ -135,3 +135,45 @@ def test_forged_reference_payload_raises_payload_error() -> None:
         codec.decode(payload)
     with torch_path(), pytest.raises(PayloadError, match="reference"):
         codec.decode(payload)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 3000),
+    alpha=st.floats(0.3, 3.0),
+    seed=st.integers(0, 2**16),
+)
+def test_range_coded_references_round_trip(n: int, alpha: float, seed: int) -> None:
+    """Reference streams as encode_rows writes them (each literal before its repeats)."""
+    rng = np.random.default_rng(seed)
+    ids = (rng.pareto(alpha, n) * 10).astype(np.int64)
+    first: dict[int, int] = {}
+    refs = np.zeros(n, np.int64)
+    for i, v in enumerate(ids):
+        if v in first:
+            refs[i] = first[v]
+        else:
+            first[v] = len(first) + 1
+    w = 1 if refs.max() < 256 else 2
+    planes = np.empty(n * w, np.uint8)
+    kernels._put_planes(planes, 0, refs, n, w)
+    coded = kernels.encode_refs(planes, n, w)
+    back, status = kernels.decode_refs(coded, n, w)
+    assert status == kernels.OK
+    assert np.array_equal(back, planes)
+
+
+def test_power_law_references_take_the_range_coder() -> None:
+    from recsz.codecs.base import parse_payload, split_sections
+
+    x = power_law_rows(4096, 16, seed=3)
+    payload = get_codec("hybrid").encode(x, 0.03 * float(x.max() - x.min()))
+    core = split_sections(parse_payload(payload)[1], 3)[0]
+    # stream table: count 2, (width, varint count) x 2, then mode SPLIT, then stream 0's coder
+    o = 1
+    for _ in range(2):
+        o += 1
+        while core[o] & 0x80:
+            o += 1
+        o += 1
+    assert core[o] == 3 and core[o + 1] == 2  # SPLIT, range-coded references

@@ -27,7 +27,7 @@ from recsz.codecs import kernels
 from recsz.codecs.base import Codec, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
-    ZSTD_MAGICLESS,
+    SPLIT,
     dedup_rows,
     dequantize,
     magicless_zstd,
@@ -95,7 +95,7 @@ class _QuantPipeline(Codec):
             streams = [refs.cpu().numpy(), zigzag(lit).view(-1).cpu().numpy()]
         else:
             streams = [zigzag(codes).view(-1).cpu().numpy()]
-        return pack_streams(streams, self._cctx, ZSTD_MAGICLESS), missed
+        return pack_streams(streams, self._cctx, SPLIT), missed
 
     def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         a = x.numpy()
@@ -105,7 +105,7 @@ class _QuantPipeline(Codec):
             a, step, eb, _DEDUP_MODES[self.dedup], qmax
         )
         dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
-        return pack_planes(dims, planes, self._cctx, ZSTD_MAGICLESS), torch.from_numpy(missed)
+        return pack_planes(dims, planes, self._cctx, SPLIT), torch.from_numpy(missed)
 
     def _decode(
         self,

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import zstandard
 
+from recsz.codecs import kernels
 from recsz.codecs.base import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
@@ -157,8 +158,12 @@ def _width(top: int) -> int:
     return 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
 
 
-#: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one.
-RAW, ZSTD, ZSTD_MAGICLESS = 0, 1, 2
+#: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
+#: or each stream coded on its own (SPLIT: its own Huffman table, and for row references
+#: the adaptive range coder of :mod:`recsz.codecs.kernels` where that is smaller).
+RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
+#: Per-stream coders inside a SPLIT block.
+_PLANES, _ZSTD_PLANES, _RANGE_REFS = 0, 1, 2
 
 
 def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -200,11 +205,16 @@ def pack_planes(
     cctx: zstandard.ZstdCompressor | None,
     mode: int = ZSTD,
 ) -> bytes:
-    """The layout of :func:`pack_streams` from planes already laid out (width, count each)."""
+    """The layout of :func:`pack_streams` from planes already laid out (width, count each).
+
+    With ``mode=SPLIT`` and two streams, the first is taken to be row references.
+    """
     head = bytearray([len(dims)])
     for w, n in dims:
         head.append(w)
         head += uvarint(n)
+    if mode == SPLIT and cctx is not None:
+        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
     used = RAW
     if cctx is not None and len(data):
         comp = cctx.compress(data if isinstance(data, bytes) else data.data)
@@ -212,6 +222,68 @@ def pack_planes(
             data, used = comp, mode
     head.append(used)
     return bytes(head) + (data if isinstance(data, bytes) else data.tobytes())
+
+
+def _pack_split(
+    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor
+) -> bytes:
+    """Each stream as (u8 coder, varint length, bytes), the smallest coding of each."""
+    out = bytearray([SPLIT])
+    p = 0
+    for k, (w, n) in enumerate(dims):
+        planes = data[p : p + w * n]
+        p += w * n
+        best, coder = planes.tobytes(), _PLANES
+        if n and k == 0 and len(dims) == 2:
+            # References: the range coder wins on every traffic measured; zstd is the
+            # fallback only where it does not shrink the planes at all.
+            rc = kernels.encode_refs(planes, n, w)
+            if 0 < rc.size < len(best):
+                best, coder = rc.tobytes(), _RANGE_REFS
+        if n and coder == _PLANES:
+            z = cctx.compress(planes.data)
+            if len(z) < len(best):
+                best, coder = z, _ZSTD_PLANES
+        out.append(coder)
+        out += uvarint(len(best))
+        out += best
+    return bytes(out)
+
+
+def _unpack_split(
+    buf: np.ndarray, o: int, dims: list[tuple[int, int]], magicless: zstandard.ZstdDecompressor
+) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    for w, n in dims:
+        if o >= buf.size:
+            raise PayloadError("truncated stream in a split block")
+        coder = int(buf[o])
+        ln, o = read_uvarint(buf, o + 1)
+        if o + ln > buf.size:
+            raise PayloadError("stream runs past the end of a split block")
+        chunk = buf[o : o + ln]
+        o += ln
+        if coder == _PLANES:
+            part = chunk
+        elif coder == _ZSTD_PLANES:
+            try:
+                part = np.frombuffer(
+                    magicless.decompress(chunk.data, max_output_size=max(w * n, 1)), np.uint8
+                )
+            except zstandard.ZstdError as e:
+                raise PayloadError(f"entropy-coded stream does not decode: {e}") from None
+        elif coder == _RANGE_REFS and len(dims) == 2 and not parts:
+            part, status = kernels.decode_refs(chunk, n, w)
+            if status != kernels.OK:
+                raise PayloadError("range-coded row references do not decode")
+        else:
+            raise PayloadError(f"unknown stream coder {coder} in a split block")
+        if part.size != w * n:
+            raise PayloadError(f"stream holds {part.size} bytes, expected {w * n}")
+        parts.append(part)
+    if o != buf.size:
+        raise PayloadError(f"{buf.size - o} stray bytes after a split block")
+    return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
 
 def unpack_streams(
@@ -255,6 +327,10 @@ def unpack_planes(
     mode = int(buf[o])
     o += 1
     total = sum(w * n for w, n in dims)
+    if mode == SPLIT:
+        if magicless is None:
+            raise PayloadError("split block, but no decoder for it")
+        return dims, _unpack_split(buf, o, dims, magicless)
     if mode in (ZSTD, ZSTD_MAGICLESS):
         ctx = dctx if mode == ZSTD else magicless
         if ctx is None:
