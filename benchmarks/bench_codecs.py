@@ -126,7 +126,7 @@ def real_sequence(cfg: BenchConfig) -> list[tuple[torch.Tensor, torch.Tensor]] |
 
 def id_aware_rows(seq: list[tuple[torch.Tensor, torch.Tensor]], eb_rel: float) -> list[Row]:
     """hybrid per sample, + one vector per distinct id, + temporal references (per table)."""
-    from recsz.comm.embedding import unique_first
+    from recsz.comm.ids import unique_first
     from recsz.comm.refcache import RefCache, encode_with_refs
 
     codec = get_codec("hybrid")

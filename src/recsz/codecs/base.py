@@ -116,6 +116,10 @@ class Codec(ABC):
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
 
+    def warm_up(self) -> None:
+        """Pay one-time costs (loading compiled kernels) now rather than in the first step
+        a benchmark times. No-op unless a codec has such costs."""
+
     def _takes_nonfinite(self, x: torch.Tensor) -> bool:
         """True when ``_encode`` reports NaN/Inf elements of ``x`` among its outlier
         positions itself, so the separate finiteness pass can be skipped (a codec whose

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,56 +26,10 @@ from torch.profiler import record_function
 
 from recsz.codecs import Codec, decode_payload
 from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
+from recsz.comm.ids import unique_first
 from recsz.comm.refcache import RefCache, decode_with_refs, encode_with_refs
+from recsz.comm.stats import CommStats, ShardPlan
 from recsz.policy import BoundPolicy
-
-
-@dataclass
-class CommStats:
-    """Counters of one rank; ratios are raw fp32 bytes over payload bytes."""
-
-    raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    table_raw: dict[str, dict[int, int]] = field(
-        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
-    )
-    table_sent: dict[str, dict[int, int]] = field(
-        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
-    )
-    last_eb: dict[str, dict[int, float]] = field(default_factory=lambda: {"fwd": {}, "bwd": {}})
-    a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    codec_s: float = 0.0
-    max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    ref_hits: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    ref_total: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-
-    def ratio(self, direction: str) -> float:
-        s = self.sent[direction]
-        return self.raw[direction] / s if s else float("nan")
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "fwd_ratio": self.ratio("fwd"),
-            "bwd_ratio": self.ratio("bwd"),
-            "bytes_raw": self.raw["fwd"] + self.raw["bwd"],
-            "bytes_payload": self.sent["fwd"] + self.sent["bwd"],
-            "bytes_sent": self.wire["fwd"] + self.wire["bwd"],
-            "a2a_fwd_s": self.a2a_s["fwd"],
-            "a2a_bwd_s": self.a2a_s["bwd"],
-            "codec_s": self.codec_s,
-        }
-
-
-@dataclass
-class ShardPlan:
-    """Which rank owns each table (table-wise sharding)."""
-
-    owners: list[int]
-    world: int
-
-    def tables_of(self, rank: int) -> list[int]:
-        return [t for t, r in enumerate(self.owners) if r == rank]
 
 
 class EmbeddingExchange:
@@ -110,6 +62,8 @@ class EmbeddingExchange:
         self.rank = rank
         self.world = plan.world
         self.codecs = {"fwd": fwd_codec, "bwd": bwd_codec}
+        for codec in self.codecs.values():
+            codec.warm_up()
         self.policies = {"fwd": fwd_policy, "bwd": bwd_policy}
         self.mine = plan.tables_of(rank)
         self.stats = CommStats()
@@ -121,6 +75,11 @@ class EmbeddingExchange:
         self.id_dedup = id_dedup or fwd_refs  # references are per distinct id
         self.coalesce = coalesce
         self.fwd_refs = fwd_refs
+        self._ids_seen: torch.Tensor | None = None
+        self._ids_version = -1
+        self._distinct_of: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = {}
         # Table owner: a mirror of what each receiver holds; sample owner: what it holds.
         self.mirrors: dict[tuple[int, int], RefCache] = {}
         self.caches: dict[int, RefCache] = {}
@@ -242,6 +201,18 @@ class EmbeddingExchange:
         b = ids.shape[0] // self.world
         return ids[rank * b : (rank + 1) * b, table]
 
+    def _distinct(
+        self, ids: torch.Tensor, rank: int, table: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """unique_first of one (sample owner, table) slice, computed once per batch: the
+        forward and the backward of a step need the same slices."""
+        if ids is not self._ids_seen or ids._version != self._ids_version:  # a new batch
+            self._ids_seen, self._ids_version, self._distinct_of = ids, ids._version, {}
+        key = (rank, table)
+        if key not in self._distinct_of:
+            self._distinct_of[key] = unique_first(self._slice_ids(ids, rank, table))
+        return self._distinct_of[key]
+
     def start_forward(
         self, pooled: torch.Tensor, step: int, ids: torch.Tensor, record: bool = True
     ) -> PendingEmbeddings:
@@ -264,14 +235,14 @@ class EmbeddingExchange:
                 for j, t in enumerate(self.mine):
                     rows = data[dest * b : (dest + 1) * b, j]
                     if self.id_dedup:
-                        _, first, _ = unique_first(self._slice_ids(ids, dest, t))
+                        _, first, _ = self._distinct(ids, dest, t)
                         rows = rows[first]
                     items.append((t, rows, b * d * 4))
                 plan.append(items)
             bound_src = {t: data[:, j] for j, t in enumerate(self.mine)}
 
             def with_refs(t: int, dest: int, rows: torch.Tensor, eb: float | None) -> torch.Tensor:
-                uniq = unique_first(self._slice_ids(ids, dest, t))[2]
+                uniq = self._distinct(ids, dest, t)[2]
                 sent, hit, held = encode_with_refs(
                     self.mirrors[(t, dest)], uniq, rows, eb, self.codecs["fwd"]
                 )
@@ -309,7 +280,7 @@ class EmbeddingExchange:
                     inv = uniq = None
                     rows = b
                     if self.id_dedup:
-                        inv, first, uniq = unique_first(self._slice_ids(ids, self.rank, t))
+                        inv, first, uniq = self._distinct(ids, self.rank, t)
                         rows = first.numel()
                     if use_refs:
                         assert uniq is not None
@@ -348,7 +319,7 @@ class EmbeddingExchange:
             for t in range(n_tables):
                 g = grad[:, t]
                 if self.coalesce:
-                    inv, first, _ = unique_first(self._slice_ids(ids, self.rank, t))
+                    inv, first, _ = self._distinct(ids, self.rank, t)
                     g = torch.zeros(first.numel(), d, dtype=g.dtype).index_add_(0, inv, g)
                 cols[t] = g
             plan = [
@@ -373,7 +344,7 @@ class EmbeddingExchange:
                 for j, (t, y) in enumerate(zip(self.mine, decoded, strict=True)):
                     rows = torch.arange(b)
                     if self.coalesce:
-                        _, rows, _ = unique_first(self._slice_ids(ids, src, t))
+                        _, rows, _ = self._distinct(ids, src, t)
                     if tuple(y.shape) != (rows.numel(), d):
                         raise ValueError(
                             f"rank {src} sent a gradient of shape {tuple(y.shape)} for table "
@@ -381,16 +352,6 @@ class EmbeddingExchange:
                         )
                     out[src * b + rows, j, :] = y
         return out
-
-
-def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For ids (n,): inverse into the sorted distinct ids, each one's first position, and
-    the sorted distinct ids themselves."""
-    uniq, inv = torch.unique(col, sorted=True, return_inverse=True)
-    n = col.numel()
-    first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=col.device)
-    first.scatter_reduce_(0, inv, torch.arange(n, device=col.device), reduce="amin")
-    return inv, first, uniq
 
 
 class PendingEmbeddings:

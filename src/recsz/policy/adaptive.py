@@ -36,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from recsz.codecs.stages import quantize
@@ -67,6 +68,11 @@ def distinct_per_column(x: torch.Tensor) -> int:
     """Sum over columns of the number of distinct values in the column."""
     if x.numel() == 0:
         return 0
+    if x.device.type == "cpu" and x.dtype != torch.bfloat16:
+        # numpy sorts each contiguous column ~10x faster than torch.sort(dim=0) on the CPU
+        # (0.7 ms vs 7 ms for 2048 x 64): this probe ran inside the codec's time budget.
+        a = np.sort(np.ascontiguousarray(x.numpy().T), axis=1)
+        return int(x.shape[1] + np.count_nonzero(a[:, 1:] != a[:, :-1]))
     v, _ = torch.sort(x, dim=0)
     return int(x.shape[1] + (v[1:] != v[:-1]).sum())
 

@@ -1,0 +1,55 @@
+"""What the embedding exchange counts (bytes, ratios, seconds) and who owns which table."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class CommStats:
+    """Counters of one rank; ratios are raw fp32 bytes over payload bytes."""
+
+    raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    table_raw: dict[str, dict[int, int]] = field(
+        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
+    )
+    table_sent: dict[str, dict[int, int]] = field(
+        default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
+    )
+    last_eb: dict[str, dict[int, float]] = field(default_factory=lambda: {"fwd": {}, "bwd": {}})
+    a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    codec_s: float = 0.0
+    max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    ref_hits: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    ref_total: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def ratio(self, direction: str) -> float:
+        s = self.sent[direction]
+        return self.raw[direction] / s if s else float("nan")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "fwd_ratio": self.ratio("fwd"),
+            "bwd_ratio": self.ratio("bwd"),
+            "bytes_raw": self.raw["fwd"] + self.raw["bwd"],
+            "bytes_payload": self.sent["fwd"] + self.sent["bwd"],
+            "bytes_sent": self.wire["fwd"] + self.wire["bwd"],
+            "a2a_fwd_s": self.a2a_s["fwd"],
+            "a2a_bwd_s": self.a2a_s["bwd"],
+            "codec_s": self.codec_s,
+        }
+
+
+@dataclass
+class ShardPlan:
+    """Which rank owns each table (table-wise sharding)."""
+
+    owners: list[int]
+    world: int
+
+    def tables_of(self, rank: int) -> list[int]:
+        return [t for t, r in enumerate(self.owners) if r == rank]
