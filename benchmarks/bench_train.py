@@ -65,6 +65,16 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
     "hybrid-dual+ids+refs": (*_DUAL, "--bwd-codec", "hybrid", "--fwd-refs"),
     "hybrid-dual+ids+dctdp": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "dct"),
+    # The context-modelled arithmetic coder in both directions: fewest bytes, more CPU.
+    "hybrid-ac-dual+ids": (
+        *_DUAL[2:],
+        "--fwd-codec",
+        "hybrid-ac",
+        "--bwd-codec",
+        "hybrid-ac",
+        "--id-dedup",
+        "--bwd-coalesce",
+    ),
 }
 
 

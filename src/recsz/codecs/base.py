@@ -116,7 +116,7 @@ class Codec(ABC):
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step
         a benchmark times. No-op unless a codec has such costs."""
 

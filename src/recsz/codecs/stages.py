@@ -163,7 +163,7 @@ def _width(top: int) -> int:
 #: the adaptive range coder of :mod:`recsz.codecs.kernels` where that is smaller).
 RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
 #: Per-stream coders inside a SPLIT block.
-_PLANES, _ZSTD_PLANES, _RANGE_REFS = 0, 1, 2
+_PLANES, _ZSTD_PLANES, _RANGE_REFS, _AC_CODES = 0, 1, 2, 3
 
 
 def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -181,7 +181,10 @@ def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.Zstd
 
 
 def pack_streams(
-    streams: list[np.ndarray], cctx: zstandard.ZstdCompressor | None, mode: int = ZSTD
+    streams: list[np.ndarray],
+    cctx: zstandard.ZstdCompressor | None,
+    mode: int = ZSTD,
+    row: int = 0,
 ) -> bytes:
     """Non-negative int arrays -> narrowest width each, byte planes, one optional zstd frame.
 
@@ -196,7 +199,7 @@ def pack_streams(
         w = _width(int(z.max()) if n else 0)
         dims.append((w, n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
-    return pack_planes(dims, b"".join(planes), cctx, mode)
+    return pack_planes(dims, b"".join(planes), cctx, mode, row)
 
 
 def pack_planes(
@@ -204,17 +207,20 @@ def pack_planes(
     data: bytes | np.ndarray,
     cctx: zstandard.ZstdCompressor | None,
     mode: int = ZSTD,
+    row: int = 0,
 ) -> bytes:
     """The layout of :func:`pack_streams` from planes already laid out (width, count each).
 
-    With ``mode=SPLIT`` and two streams, the first is taken to be row references.
+    With ``mode=SPLIT`` and two streams, the first is taken to be row references. With
+    ``row`` > 0 (SPLIT only), the last stream, codes in rows of ``row``, is also tried with
+    the context-modelled arithmetic coder, and the smaller coding is kept.
     """
     head = bytearray([len(dims)])
     for w, n in dims:
         head.append(w)
         head += uvarint(n)
     if mode == SPLIT and cctx is not None:
-        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
+        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx, row)
     used = RAW
     if cctx is not None and len(data):
         comp = cctx.compress(data if isinstance(data, bytes) else data.data)
@@ -225,7 +231,7 @@ def pack_planes(
 
 
 def _pack_split(
-    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor
+    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor, row: int
 ) -> bytes:
     """Each stream as (u8 coder, varint length, bytes), the smallest coding of each."""
     out = bytearray([SPLIT])
@@ -244,6 +250,10 @@ def _pack_split(
             z = cctx.compress(planes.data)
             if len(z) < len(best):
                 best, coder = z, _ZSTD_PLANES
+        if n and row and k == len(dims) - 1 and n % row == 0:
+            ac = kernels.encode_codes_ac(planes, 0, n, w, row)
+            if 0 < ac.size < len(best):
+                best, coder = ac.tobytes(), _AC_CODES
         out.append(coder)
         out += uvarint(len(best))
         out += best
@@ -251,10 +261,14 @@ def _pack_split(
 
 
 def _unpack_split(
-    buf: np.ndarray, o: int, dims: list[tuple[int, int]], magicless: zstandard.ZstdDecompressor
+    buf: np.ndarray,
+    o: int,
+    dims: list[tuple[int, int]],
+    magicless: zstandard.ZstdDecompressor,
+    row: int,
 ) -> np.ndarray:
     parts: list[np.ndarray] = []
-    for w, n in dims:
+    for k, (w, n) in enumerate(dims):
         if o >= buf.size:
             raise PayloadError("truncated stream in a split block")
         coder = int(buf[o])
@@ -276,6 +290,10 @@ def _unpack_split(
             part, status = kernels.decode_refs(chunk, n, w)
             if status != kernels.OK:
                 raise PayloadError("range-coded row references do not decode")
+        elif coder == _AC_CODES and k == len(dims) - 1 and row > 0 and n % row == 0:
+            part, status = kernels.decode_codes_ac(chunk, n, w, row)
+            if status != kernels.OK:
+                raise PayloadError("arithmetic-coded codes do not decode")
         else:
             raise PayloadError(f"unknown stream coder {coder} in a split block")
         if part.size != w * n:
@@ -291,9 +309,10 @@ def unpack_streams(
     dctx: zstandard.ZstdDecompressor,
     max_elems: int,
     magicless: zstandard.ZstdDecompressor | None = None,
+    row: int = 0,
 ) -> list[np.ndarray]:
     """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
-    dims, raw = unpack_planes(buf, dctx, max_elems, magicless)
+    dims, raw = unpack_planes(buf, dctx, max_elems, magicless, row)
     out, p = [], 0
     for w, n in dims:
         planes = raw[p : p + w * n].reshape(w, n).T
@@ -307,8 +326,12 @@ def unpack_planes(
     dctx: zstandard.ZstdDecompressor,
     max_elems: int,
     magicless: zstandard.ZstdDecompressor | None = None,
+    row: int = 0,
 ) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
+    """The (width, count) of each stream and their byte planes, entropy-decoded, checked.
+
+    ``row``: the tensor's row length (codes are laid out in rows; the arithmetic coder's
+    contexts depend on it)."""
     if buf.size < 1:
         raise PayloadError("truncated integer streams")
     count = int(buf[0])
@@ -330,7 +353,7 @@ def unpack_planes(
     if mode == SPLIT:
         if magicless is None:
             raise PayloadError("split block, but no decoder for it")
-        return dims, _unpack_split(buf, o, dims, magicless)
+        return dims, _unpack_split(buf, o, dims, magicless, row)
     if mode in (ZSTD, ZSTD_MAGICLESS):
         ctx = dctx if mode == ZSTD else magicless
         if ctx is None:
