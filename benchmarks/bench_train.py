@@ -65,6 +65,12 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
     "hybrid-dual+ids+refs": (*_DUAL, "--bwd-codec", "hybrid", "--fwd-refs"),
     "hybrid-dual+ids+dctdp": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "dct"),
+    # TorchRec's own DistributedModelParallel (benchmarks/torchrec_dmp.py), table-wise,
+    # with its quantized comms: the anchor as a practitioner would run it.
+    "trdmp-fp32": ("--dmp", "fp32"),
+    "trdmp-fp16": ("--dmp", "fp16"),
+    "trdmp-bf16": ("--dmp", "bf16"),
+    "trdmp-mx4": ("--dmp", "mx4"),
     # The context-modelled arithmetic coder in both directions: fewest bytes, more CPU.
     "hybrid-ac-dual+ids": (
         *_DUAL[2:],
@@ -76,6 +82,18 @@ CONFIGS: dict[str, tuple[str, ...]] = {
         "--bwd-coalesce",
     ),
 }
+
+
+#: Options of ours that the DMP runner takes too.
+DMP_OPTS = ("--steps", "--batch-size", "--seed", "--synthetic-eval", "--eval-batch-size")
+
+
+def torchrec_available() -> bool:
+    try:
+        import torchrec.distributed  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -164,6 +182,22 @@ def run_one(
             "--out",
             tmp,
         ]
+        if flags[0] == "--dmp":  # TorchRec's DMP: same steps, batch, seed and eval set
+            opts = dict(zip(common[::2], common[1::2], strict=True))
+            cmd = [
+                *prefix,
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={world}",
+                str(Path(__file__).with_name("torchrec_dmp.py")),
+                "--precision",
+                flags[1],
+                *(f for k in DMP_OPTS for f in (k, opts[k])),
+                "--out",
+                tmp,
+            ]
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t
@@ -249,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rates", help="comma list of " + ", ".join(RATES))
     ap.add_argument("--worlds", help="comma list of world sizes")
     ap.add_argument("--steps", type=int)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="runs per configuration; the median is kept"
+    )
     ap.add_argument("--configs", help="comma list of " + ", ".join(CONFIGS))
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batch-size", type=int, default=2048)
@@ -266,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         configs = [c for c in configs if not c.startswith("tr-")]
+    if any(c.startswith("trdmp-") for c in configs) and not torchrec_available():
+        print(
+            "[note] TorchRec not importable: skipping its DMP runs (make anchors)",
+            file=sys.stderr,
+        )
+        configs = [c for c in configs if not c.startswith("trdmp-")]
     why = can_shape()
     if why and any(RATES[r] for r in rates):
         print(f"[note] cannot shape the link ({why}); running unshaped only", file=sys.stderr)
@@ -297,7 +340,12 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 base: dict | None = None
                 for cfg in configs:
-                    s, wall = run_one(prefix, world, CONFIGS[cfg], common, timeout=900)
+                    runs = [
+                        run_one(prefix, world, CONFIGS[cfg], common, timeout=900)
+                        for _ in range(a.repeats)
+                    ]
+                    # The median run by samples/s (the machine is shared and noisy).
+                    s, wall = sorted(runs, key=lambda r: r[0]["samples_per_s"])[len(runs) // 2]
                     if base is None or cfg == "none":
                         base = s  # speedups are relative to "none" (else the first config)
                     ref = base

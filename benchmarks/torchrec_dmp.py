@@ -1,0 +1,182 @@
+"""TorchRec's own DistributedModelParallel on our model, data and link: the anchor run.
+
+Launched by ``bench_train.py`` (configs ``trdmp-*``) under torchrun, one process per rank:
+
+    torchrun --nproc-per-node 2 benchmarks/torchrec_dmp.py --precision bf16 --out DIR
+
+Same model shape as the ``bench`` preset (26 tables of dim 64 hashed to 50k rows, bottom
+13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction), same synthetic
+data, seed, global batch and steps as our runs; table-wise sharding (planner constrained),
+TorchRec's quantized comms (fbgemm ``QuantizedCommCodec``) on the embedding all-to-alls in
+both directions, DDP on the MLPs, SGD on the dense part and fbgemm's fused row-wise Adagrad
+on the tables (TorchRec's CPU embedding kernel; our runs use element-wise Adagrad). Writes
+``summary.json`` with the keys ``bench_train.py`` reads. Needs the ``anchors`` extra plus
+TorchRec itself (``make anchors``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from sklearn.metrics import roc_auc_score
+
+from recsz.data.source import make_source
+from recsz.model.config import get_preset
+
+# Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
+# 8-bit exponent per 32 elements).
+_WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "mx4": 0.5 + 1 / 32}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--precision", default="bf16", choices=sorted(_WIRE_BYTES))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--synthetic-eval", type=int, default=8192)
+    ap.add_argument("--eval-batch-size", type=int, default=4096)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fbgemm_qcomm_codec import (
+        CommType,
+        QCommsConfig,
+        get_qcomm_codecs_registry,
+    )
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(a.seed)
+    preset = get_preset("bench")
+    mcfg = preset.model
+    names = [f"t{i}" for i in range(len(mcfg.table_sizes))]
+    tables = [
+        EmbeddingBagConfig(
+            name=n,
+            embedding_dim=mcfg.emb_dim,
+            num_embeddings=rows,
+            feature_names=[f"f{i}"],
+            pooling=PoolingType.SUM,
+        )
+        for i, (n, rows) in enumerate(zip(names, mcfg.table_sizes, strict=True))
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=list(mcfg.bottom_mlp),
+        over_arch_layer_sizes=list(mcfg.top_mlp),
+    )
+    precision = CommType[a.precision.upper()]
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            "learning_rate": preset.emb_lr,
+        },
+        qcomm_codecs_registry=get_qcomm_codecs_registry(
+            QCommsConfig(forward_precision=precision, backward_precision=precision)
+        ),
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world, compute_device="cpu"),
+        constraints={
+            n: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for n in names
+        },
+    )
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
+    opt = torch.optim.SGD(dense_params.values(), lr=preset.lr)
+
+    src = make_source("synthetic", mcfg.table_sizes, a.seed)
+    src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]
+    b = a.batch_size // world
+    keys = [f"f{i}" for i in range(len(names))]
+
+    def local(batch_ids: torch.Tensor) -> KeyedJaggedTensor:
+        n = batch_ids.shape[0]
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=keys,
+            values=batch_ids.t().reshape(-1).long(),
+            lengths=torch.ones(n * len(keys), dtype=torch.int32),
+        )
+
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    train_s = 0.0
+    for step in range(a.steps):
+        batch = src.train_batch(step, a.batch_size)
+        mine = batch.slice(rank * b, (rank + 1) * b)
+        t0 = time.perf_counter()
+        logits = dmp(mine.dense, local(mine.ids)).view(-1)
+        loss = loss_fn(logits, mine.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        train_s += time.perf_counter() - t0
+
+    preds, labels = [], []
+    with torch.no_grad():
+        eb = a.eval_batch_size // world * world
+        for batch in src.eval_batches(eb):
+            n = len(batch) // world * world
+            if n == 0:
+                continue
+            k = n // world
+            mine = batch.slice(rank * k, (rank + 1) * k)
+            p = torch.sigmoid(dmp(mine.dense, local(mine.ids)).view(-1))
+            gathered = [torch.empty_like(p) for _ in range(world)]
+            dist.all_gather(gathered, p)
+            preds.append(torch.cat(gathered).double().numpy())
+            labels.append(batch.labels[:n].double().numpy())
+    t = torch.tensor([train_s])
+    dist.all_reduce(t)
+    train_s = float(t) / world
+    if rank == 0:
+        y, p_all = np.concatenate(labels), np.concatenate(preds)
+        raw = a.steps * a.batch_size * len(names) * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+        wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
+        ratio = 4 / _WIRE_BYTES[a.precision]
+        nan = float("nan")
+        summary = {
+            "steps": a.steps,
+            "samples_per_s": a.steps * a.batch_size / train_s,
+            "train_s": train_s,
+            "auc": float(roc_auc_score(y, p_all)),
+            "bytes_sent": round(wire),
+            "fwd_ratio": ratio,
+            "bwd_ratio": ratio,
+            "a2a_fwd_s": nan,
+            "a2a_bwd_s": nan,
+            "codec_s": nan,
+            "allreduce_s": nan,
+            "compute_s": nan,
+            "bytes_estimated": True,
+        }
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary))
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown of fbgemm's threads
+
+
+if __name__ == "__main__":
+    main()
