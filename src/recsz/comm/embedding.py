@@ -270,7 +270,9 @@ class EmbeddingExchange:
             self.stats.a2a_s["fwd"] += pending.waited_s
         use_refs = self.fwd_refs and record
         b = ids.shape[0] // self.world
-        out = torch.empty(b, len(self.plan.owners), dim)
+        # Table-major, so each table's rows land contiguously (index_select writes them in
+        # place); the caller gets the (b, T, D) view.
+        out_t = torch.empty(len(self.plan.owners), b, dim)
         t0 = time.perf_counter()
         with record_function("recsz.a2a_fwd.decode"):
             for src, buf in enumerate(bufs):
@@ -298,10 +300,13 @@ class EmbeddingExchange:
                             f"rank {src} sent table {t} as {tuple(y.shape)}, expected "
                             f"{(rows, dim)} (do the ranks read the same batch?)"
                         )
-                    out[:, t, :] = y if inv is None else y[inv]
+                    if inv is None:
+                        out_t[t] = y
+                    else:
+                        torch.index_select(y, 0, inv, out=out_t[t])
         if record:
             self.stats.codec_s += time.perf_counter() - t0
-        return out
+        return out_t.transpose(0, 1)
 
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
@@ -312,12 +317,15 @@ class EmbeddingExchange:
         puts each sum on the first sample with that id and zeros on the others: the
         table's gradient (a sum over samples per id, for single-id bags) is unchanged.
         """
-        grad = grad / self.world
         b, n_tables, d = grad.shape
+        # Scaled and laid out table-major in one pass: every table's (b, D) slice is then
+        # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
+        by_table = torch.empty(n_tables, b, d, dtype=grad.dtype)
+        torch.div(grad.transpose(0, 1), self.world, out=by_table)
         with record_function("recsz.a2a_bwd.encode"):
             cols: dict[int, torch.Tensor] = {}
             for t in range(n_tables):
-                g = grad[:, t]
+                g = by_table[t]
                 if self.coalesce:
                     inv, first, _ = self._distinct(ids, self.rank, t)
                     g = torch.zeros(first.numel(), d, dtype=g.dtype).index_add_(0, inv, g)
@@ -331,7 +339,7 @@ class EmbeddingExchange:
             # carry up to k eb. (A relative bound taken on the sums' range, which popular
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
-            per_sample = {t: grad[:, t] for t in range(n_tables)}
+            per_sample = {t: by_table[t] for t in range(n_tables)}
             send_parts = self._encode_for("bwd", step, plan, per_sample, True)
         pending = start_all_to_all_bytes(send_parts, self.world)
         with record_function("recsz.a2a_bwd.wait"):
@@ -402,4 +410,4 @@ class _ExchangeGrad(torch.autograd.Function):
         if ctx.ex.mask_backward:
             (kept,) = ctx.saved_tensors
             grad = grad * kept
-        return ctx.ex.backward(grad.contiguous(), ctx.step, ctx.ids), None, None, None, None
+        return ctx.ex.backward(grad, ctx.step, ctx.ids), None, None, None, None
