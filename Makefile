@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench anchors clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src
+
+# TorchRec itself, for the DMP anchor of benchmarks/bench_train.py (configs trdmp-*). Its
+# wheel asks for the CUDA fbgemm-gpu, so it goes in without dependencies, and what it needs
+# beside the CPU fbgemm comes pinned here (all pure Python; torch stays 2.13.0).
+anchors: $(STAMP)
+	$(BIN)/python -m pip install --quiet fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 \
+		torchmetrics==1.0.3 pyre-extensions==0.0.32
+	$(BIN)/python -m pip install --quiet --no-deps torchrec==1.8.0
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py --quick

@@ -85,7 +85,14 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 
 
 #: Options of ours that the DMP runner takes too.
-DMP_OPTS = ("--steps", "--batch-size", "--seed", "--synthetic-eval", "--eval-batch-size")
+DMP_OPTS = (
+    "--preset",
+    "--steps",
+    "--batch-size",
+    "--seed",
+    "--synthetic-eval",
+    "--eval-batch-size",
+)
 
 
 def torchrec_available() -> bool:

@@ -38,6 +38,7 @@ _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="bf16", choices=sorted(_WIRE_BYTES))
+    ap.add_argument("--preset", default="bench")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
@@ -65,7 +66,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(a.seed)
-    preset = get_preset("bench")
+    preset = get_preset(a.preset)
     mcfg = preset.model
     names = [f"t{i}" for i in range(len(mcfg.table_sizes))]
     tables = [

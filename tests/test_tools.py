@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from recsz.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,6 +83,21 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
     for r in rows:
         if r["codec"] == "hybrid":
             assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
+
+
+def test_bench_train_runs_torchrec_dmp_anchor(tmp_path: Path) -> None:
+    """TorchRec's own DMP beside ours, same preset, data and steps (needs `make anchors`)."""
+    bench_train = _bench("bench_train")
+    if not bench_train.torchrec_available():
+        pytest.skip("TorchRec not installed (make anchors)")
+    out = tmp_path / "dmp.json"
+    argv = ["--rates", "unshaped", "--worlds", "2", "--steps", "3", "--preset", "tiny"]
+    argv += ["--batch-size", "256", "--configs", "none,trdmp-bf16", "--json-out", str(out)]
+    assert bench_train.main(argv) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    assert rows["trdmp-bf16"]["samples_per_s"] > 0
+    assert 0.0 < rows["trdmp-bf16"]["auc"] < 1.0
+    assert rows["trdmp-bf16"]["fwd_ratio"] == 2.0
 
 
 def test_bench_train_tiny(tmp_path: Path) -> None:

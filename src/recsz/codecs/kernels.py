@@ -293,6 +293,16 @@ def _fw_find(t: np.ndarray, target: int, top_bit: int) -> tuple[int, int]:
 
 
 @njit(cache=True, nogil=True)
+def _crp_init(n: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A fresh model for ``n`` references: Fenwick tree, counts, total (escape count 1)."""
+    t = np.zeros(n + 2, np.int64)
+    cnt = np.zeros(n + 1, np.int64)
+    cnt[0] = 1
+    _fw_add(t, 0, 1)
+    return t, cnt, 1
+
+
+@njit(cache=True, nogil=True)
 def _model_update(t: np.ndarray, cnt: np.ndarray, s: int, n_lit: int, tot: int) -> tuple[int, int]:
     """Count symbol ``s``; returns (literals seen, total)."""
     if s == 0:
@@ -324,11 +334,7 @@ def encode_refs(raw: np.ndarray, n: int, w: int) -> np.ndarray:
     o = 0
     low = np.uint64(0)
     rng = _M32
-    t = np.zeros(n + 2, np.int64)
-    cnt = np.zeros(n + 1, np.int64)
-    cnt[0] = 1
-    _fw_add(t, 0, 1)
-    tot = 1
+    t, cnt, tot = _crp_init(n)
     n_lit = 0
     for i in range(n):
         s = refs[i]
@@ -374,11 +380,7 @@ def decode_refs(buf: np.ndarray, n: int, w: int) -> tuple[np.ndarray, int]:
         b = np.uint64(buf[p]) if p < buf.size else np.uint64(0)
         p += 1
         code = ((code << np.uint64(8)) | b) & _M32
-    t = np.zeros(n + 2, np.int64)
-    cnt = np.zeros(n + 1, np.int64)
-    cnt[0] = 1
-    _fw_add(t, 0, 1)
-    tot = 1
+    t, cnt, tot = _crp_init(n)
     top_bit = 1
     while top_bit * 2 < t.size:
         top_bit *= 2
