@@ -96,8 +96,12 @@ DMP_OPTS = (
 
 
 def torchrec_available() -> bool:
+    import warnings
+
     try:
-        import torchrec.distributed  # noqa: F401
+        with warnings.catch_warnings():  # its import warns (deprecations), harmlessly
+            warnings.simplefilter("ignore")
+            import torchrec.distributed  # noqa: F401
     except Exception:
         return False
     return True

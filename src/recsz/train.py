@@ -42,7 +42,7 @@ from recsz.codecs import get_codec
 from recsz.comm.dct_dp import DCTState, dct_hook
 from recsz.comm.embedding import EmbeddingExchange, ShardPlan
 from recsz.config import TrainConfig, parse_train_args
-from recsz.data.source import DataSource, make_source
+from recsz.data.source import Batch, DataSource, make_source
 from recsz.model import DenseArch, SparseArch, get_preset
 from recsz.model.sharding import plan_tables
 from recsz.policy import BoundPolicy
@@ -206,9 +206,9 @@ def forward(
     return parts.dense(batch_dense, pending)  # bottom MLP runs while the bytes fly
 
 
-def train_step(parts: Parts, source: DataSource, step: int, batch_size: int, ranks: Ranks) -> float:
-    batch = source.train_batch(step, batch_size)
-    b = batch_size // ranks.world
+def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
+    """One optimizer step on the global ``batch`` (each rank trains on its slice)."""
+    b = len(batch) // ranks.world
     mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
     logits = forward(parts, mine.dense, batch.ids, step, ranks)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, mine.labels)
@@ -307,13 +307,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         )
         losses: list[float] = []
         train_s = 0.0
+        data_s = 0.0
         ev: dict[str, float] = {}
         fail_at = _parse_failure(cfg.inject_failure)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
+            # Data loading is timed apart (data_s): a real input pipeline overlaps it with
+            # training, and the synthetic generator's cost is not what we measure.
             t0 = time.perf_counter()
-            losses.append(train_step(parts, source, step, bsz, ranks))
+            batch = source.train_batch(step, bsz)
+            data_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            losses.append(train_step(parts, batch, step, ranks))
             train_s += time.perf_counter() - t0
             bar.update(1)
             done = step + 1
@@ -322,6 +328,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 row = {"step": done, "loss": ranks.all_mean(float(np.mean(losses)))}
                 losses.clear()
                 row.update(_comm_row(parts, ranks, train_s, done - start, bsz))
+                row["data_s"] = ranks.all_mean(data_s)
                 row["tables"] = table_report(parts, ranks)
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
@@ -339,6 +346,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "steps": steps,
             "world_size": ranks.world,
             **_comm_row(parts, ranks, train_s, max(1, steps - start), bsz),
+            "data_s": ranks.all_mean(data_s),
             "per_table": table_report(parts, ranks),
             "policy_events": _policy_events(parts, ranks),
             **_ref_report(parts, ranks),
