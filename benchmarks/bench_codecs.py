@@ -277,6 +277,14 @@ def main(argv: list[str] | None = None) -> int:
                     + (f" ({r.max_err_over_eb:.3f} eb)" if r.max_err_over_eb is not None else ""),
                     flush=True,
                 )
+    seq = real_sequence(cfg) if real is not None and not a.quick else None
+    if seq is not None:
+        rows += id_aware_rows(seq, 0.03)
+        for r in rows[-3:]:
+            print(
+                f"real-seq   {r.codec:16s} rel 0.03 ratio {r.ratio:7.2f}x  "
+                f"enc {r.encode_MBps:5.0f} MB/s"
+            )
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
