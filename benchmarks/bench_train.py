@@ -219,7 +219,7 @@ def run_one(
         return json.loads((Path(tmp) / "summary.json").read_text()), wall
 
 
-def plot(rows: list[Row], path: Path) -> None:
+def plot(rows: list[Row], path: Path, batch: int = 2048) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,15 +246,19 @@ def plot(rows: list[Row], path: Path) -> None:
         ylabel=f"speedup vs none ({world} ranks)",
         title="samples/s relative to uncompressed",
     )
-    ax[0].legend(fontsize=7)
+    ax[0].legend(fontsize=6, ncol=2)
     slow = rates[-1]
     sel = [x for x in rows if x.rate == slow and x.world_size == world]
     parts = ["compute_s", "a2a_fwd_s", "a2a_bwd_s", "allreduce_s", "codec_s"]
     bottom = [0.0] * len(sel)
     for part in parts:
         vals = [getattr(x, part) / x.steps for x in sel]
+        vals = [0.0 if v != v else v for v in vals]  # NaN: no breakdown (TorchRec's DMP)
         ax[1].bar([x.config for x in sel], vals, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    # Runs without a breakdown (TorchRec's DMP) show their whole step time.
+    total = [batch / x.samples_per_s if x.compute_s != x.compute_s else 0.0 for x in sel]
+    ax[1].bar([x.config for x in sel], total, color="grey", label="step (no breakdown)")
     ax[1].set(ylabel="seconds per step", title=f"time per step at {slow}, {world} ranks")
     ax[1].tick_params(axis="x", rotation=60, labelsize=7)
     ax[1].legend(fontsize=7)
@@ -391,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     out.with_suffix(".md").write_text(markdown(rows))
-    plot(rows, out.with_suffix(".png"))
+    plot(rows, out.with_suffix(".png"), a.batch_size)
     print("\n" + markdown(rows))
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
     return 0
