@@ -7,8 +7,10 @@ table), then entropy-codes; ``quant``, ``quant+lz`` and ``quant+zstd`` expose si
 so the contribution of each can be measured. Every variant writes the same body layout,
 which records the stages it used, so decoding depends on the bytes alone.
 
-The entropy stage is zstd (Huffman-coded literals, FSE-coded sequences) over byte planes
-of the zig-zagged codes, one frame per chunk.
+The entropy stage codes each integer stream on its own: the literal codes by zstd
+(Huffman-coded literals) over byte planes of the zig-zagged codes, the row references by an
+adaptive range coder (:mod:`recsz.codecs.kernels`), each kept only where it is smaller than
+the raw planes. ``hybrid-ac`` also tries a context-modelled arithmetic coder on the codes.
 
 Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
 for everything but zstd; other dtypes and CUDA tensors take the torch stages, which run on

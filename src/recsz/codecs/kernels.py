@@ -3,9 +3,12 @@
 On a 128 KB chunk (1024 vectors of dim 32, a typical per-table slice) the torch path spends
 most of its time launching small operators; these kernels quantize, check the bound, hash
 and deduplicate rows, zig-zag and lay out byte planes in a few loops, so what remains is
-zstd's entropy stage (a kept library) and the payload header. They write exactly the body
-layout of :mod:`recsz.codecs.stages` (tests/test_kernels.py decodes one path's bytes with
-the other), so CUDA tensors keep using the torch path and every payload decodes on both.
+zstd's entropy stage (a kept library) and the payload header. Below them, the two coders
+no library offers: an adaptive range coder for row references (multi-symbol, counts in a
+Fenwick tree) and a context-modelled binary arithmetic coder for codes (``hybrid-ac``).
+They write exactly the body layout of :mod:`recsz.codecs.stages` (tests/test_kernels.py
+decodes one path's bytes with the other), so CUDA tensors keep using the torch path and
+every payload decodes on both.
 
 Exactness: the reconstruction is ``float(q) * float(2 eb)`` in the working precision
 (float32 for float32 input, float64 for float64), one IEEE multiplication, bit-identical to
