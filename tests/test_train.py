@@ -23,6 +23,7 @@ REQUIRED = {
     "a2a_fwd_s",
     "a2a_bwd_s",
     "codec_s",
+    "data_s",
 }
 
 
@@ -59,6 +60,9 @@ def test_main_writes_run_directory(tmp_path: Path) -> None:
     assert set(s) >= REQUIRED
     assert s["steps"] == 12 and s["world_size"] == 1 and 0.0 <= s["auc"] <= 1.0
     assert s["fwd_ratio"] > 2 and s["bwd_ratio"] > 2
+    # samples/s counts training alone; generating the batches is timed apart
+    assert s["data_s"] > 0 and s["train_s"] > 0
+    assert s["samples_per_s"] == pytest.approx(12 * 64 / s["train_s"])
 
 
 def test_bad_flags_fail_loudly() -> None:
