@@ -27,6 +27,7 @@ checked here. All of them travel exactly, so every codec treats them the same wa
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -51,9 +52,6 @@ _DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
 
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
-
-
-_CONFIG_BYTES: dict[tuple[type, str], bytes] = {}
 
 
 class PayloadError(ValueError):
@@ -185,24 +183,19 @@ class Codec(ABC):
         return self._decode_body(hdr, body, payload.device)
 
     # ---- internals ------------------------------------------------------------------
+    @functools.cached_property
     def _config_bytes(self) -> bytes:
         """The header's config: only settings that differ from the constructor's defaults
         travel (from_config fills the rest), so small chunks pay ~10 fewer header bytes.
-        Cached per configuration: inspecting the signature costs more than a small chunk."""
-        key = json.dumps(self.get_config(), sort_keys=True)
-        cached = _CONFIG_BYTES.get((type(self), key))
-        if cached is None:
-            defaults = {
-                k: p.default
-                for k, p in inspect.signature(type(self).__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty
-            }
-            shown = {k: v for k, v in self.get_config().items() if defaults.get(k, object()) != v}
-            cached = (
-                json.dumps(shown, sort_keys=True, separators=(",", ":")).encode() if shown else b""
-            )
-            _CONFIG_BYTES[(type(self), key)] = cached
-        return cached
+        Computed once per codec (codecs are configured at construction and never change):
+        inspecting the signature costs more than coding a small chunk."""
+        defaults = {
+            k: p.default
+            for k, p in inspect.signature(type(self).__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty
+        }
+        shown = {k: v for k, v in self.get_config().items() if defaults.get(k, object()) != v}
+        return json.dumps(shown, sort_keys=True, separators=(",", ":")).encode() if shown else b""
 
     def _decode_body(
         self, hdr: dict[str, Any], body: np.ndarray, device: torch.device
@@ -234,7 +227,7 @@ class Codec(ABC):
 
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
         cid = self.codec_id.encode("ascii")
-        cfg = self._config_bytes()
+        cfg = self._config_bytes
         h = b"".join(
             [
                 struct.pack("<B", len(cid)),
