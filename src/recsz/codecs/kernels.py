@@ -330,6 +330,19 @@ def _model_update(t: np.ndarray, cnt: np.ndarray, s: int, n_lit: int, tot: int) 
 
 
 @njit(cache=True, nogil=True)
+def _settled(low: np.uint64, rng: np.uint64) -> tuple[bool, np.uint64]:
+    """Subbotin's renormalization rule, shared by encoder and decoder so they cannot drift:
+    (True, rng) when the top byte is still undecided and the range wide enough; else
+    (False, rng), rng narrowed to the carry-free boundary when it had become too small,
+    and the caller shifts one byte out (encoder) or in (decoder)."""
+    if (low ^ ((low + rng) & _M32)) >= _TOP:
+        if rng >= _BOT:
+            return True, rng
+        rng = (np.uint64(0) - low) & (_BOT - np.uint64(1))
+    return False, rng
+
+
+@njit(cache=True, nogil=True)
 def encode_refs(raw: np.ndarray, n: int, w: int) -> np.ndarray:
     """Range-code a reference stream given as ``w`` byte planes of ``n`` values."""
     refs = _get_planes(raw, 0, n, w)
@@ -347,10 +360,9 @@ def encode_refs(raw: np.ndarray, n: int, w: int) -> np.ndarray:
         low = (low + np.uint64(_fw_cum(t, s)) * r) & _M32
         rng = (r * np.uint64(cnt[s])) & _M32
         while True:
-            if (low ^ ((low + rng) & _M32)) >= _TOP:
-                if rng >= _BOT:
-                    break
-                rng = (np.uint64(0) - low) & (_BOT - np.uint64(1))
+            done, rng = _settled(low, rng)
+            if done:
+                break
             if o >= out.size:  # incompressible: the caller keeps another coding
                 return out[:0]
             out[o] = np.uint8(low >> np.uint64(24))
@@ -399,10 +411,9 @@ def decode_refs(buf: np.ndarray, n: int, w: int) -> tuple[np.ndarray, int]:
         low = (low + np.uint64(v - rem) * r) & _M32
         rng = (r * np.uint64(cnt[s])) & _M32
         while True:
-            if (low ^ ((low + rng) & _M32)) >= _TOP:
-                if rng >= _BOT:
-                    break
-                rng = (np.uint64(0) - low) & (_BOT - np.uint64(1))
+            done, rng = _settled(low, rng)
+            if done:
+                break
             b = np.uint64(buf[p]) if p < buf.size else np.uint64(0)
             p += 1
             code = ((code << np.uint64(8)) | b) & _M32
