@@ -195,37 +195,23 @@ def shaped(rate: str | None) -> Iterator[list[str]]:
 def run_one(
     prefix: list[str], world: int, flags: tuple[str, ...], common: list[str], timeout: float
 ) -> tuple[dict, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            *prefix,
-            sys.executable,
+    if flags[0] == "--dmp":  # TorchRec's DMP: same steps, batch, seed and eval set
+        opts = dict(zip(common[::2], common[1::2], strict=True))
+        program = [
             "-m",
-            "recsz.cli",
-            "train",
-            "--nproc",
-            str(world),
-            *common,
-            *flags,
-            "--no-progress",
-            "--out",
-            tmp,
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            str(Path(__file__).with_name("torchrec_dmp.py")),
+            "--precision",
+            flags[1],
+            *(f for k in DMP_OPTS for f in (k, opts[k])),
         ]
-        if flags[0] == "--dmp":  # TorchRec's DMP: same steps, batch, seed and eval set
-            opts = dict(zip(common[::2], common[1::2], strict=True))
-            cmd = [
-                *prefix,
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={world}",
-                str(Path(__file__).with_name("torchrec_dmp.py")),
-                "--precision",
-                flags[1],
-                *(f for k in DMP_OPTS for f in (k, opts[k])),
-                "--out",
-                tmp,
-            ]
+    else:
+        program = ["-m", "recsz.cli", "train", "--nproc", str(world), *common, *flags]
+        program += ["--no-progress"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [*prefix, sys.executable, *program, "--out", tmp]
         t = time.perf_counter()
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         wall = time.perf_counter() - t
