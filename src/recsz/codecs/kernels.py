@@ -48,12 +48,16 @@ def _like_impl(q, like):
 
 
 @njit(cache=True, nogil=True)
-def _width(top: int | np.integer) -> int:
+def width(top: int | np.integer) -> int:
+    """Narrowest byte width (1, 2, 4 or 8) of a non-negative integer stream whose largest
+    value is ``top``: the one rule for the fused and the torch packers."""
     if top < 256:
         return 1
     if top < 65536:
         return 2
-    return 4
+    if top < 2**32:
+        return 4
+    return 8
 
 
 @njit(cache=True, nogil=True)
@@ -178,13 +182,13 @@ def encode_rows(
         if dedup == 2 and (n - n_lit) * d <= n:
             n_lit = n
     use_refs = n_lit < n or dedup == 1
-    w_codes = _width(np.int64(bits))  # repeated rows hold no code the literal ones lack
+    w_codes = width(np.int64(bits))  # repeated rows hold no code the literal ones lack
     n_codes = n_lit * d if use_refs else n * d
     top_ref = np.int64(0)
     if use_refs:
         for i in range(n):
             top_ref = max(top_ref, refs[i])
-    w_refs = _width(top_ref) if use_refs else 1
+    w_refs = width(top_ref) if use_refs else 1
     n_refs = n if use_refs else 0
     planes = np.empty(w_refs * n_refs + w_codes * n_codes, np.uint8)
     base = w_refs * n_refs

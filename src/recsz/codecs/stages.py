@@ -154,10 +154,6 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
     return (z >> 1) ^ -(z & 1)
 
 
-def _width(top: int) -> int:
-    return 1 if top < 2**8 else 2 if top < 2**16 else 4 if top < 2**32 else 8
-
-
 #: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
 #: or each stream coded on its own (SPLIT: its own Huffman table, and for row references
 #: the adaptive range coder of :mod:`recsz.codecs.kernels` where that is smaller).
@@ -196,7 +192,7 @@ def pack_streams(
     dims, planes = [], []
     for z in streams:
         n = int(z.size)
-        w = _width(int(z.max()) if n else 0)
+        w = kernels.width(int(z.max()) if n else 0)
         dims.append((w, n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
     return pack_planes(dims, b"".join(planes), cctx, mode, row)
