@@ -18,6 +18,11 @@ Payload layout (little endian; varint = LEB128, so small chunks pay few header b
              empty for {}) | dtype u8 | ndim u8 | shape (ndim varints) | eb f64
            | body length varint
 
+Format version 2 is the same layout made on the tensor's device (:meth:`Codec._device_path`):
+its checksum is :func:`word_hash` instead of crc32, because a CRC is sequential and a
+weighted word sum is one parallel reduction; decoding reads only the header and stream
+tables on the host and leaves the data where it is.
+
 Body = sections (u8 count, u32 lengths): the codec's own bytes, then the positions and
 exact values of "outliers". Non-finite values are taken out by this base class before a
 codec sees the tensor; a codec may name elements it cannot represent within the bound;
@@ -41,6 +46,8 @@ import torch
 
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
+DEVICE_FORMAT = 2  # made on the tensor's device: word_hash checksum
+_HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
 _PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
 _DTYPES: dict[torch.dtype, int] = {
     torch.float32: 0,
@@ -114,6 +121,22 @@ class Codec(ABC):
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
 
+    def _device_path(self, x: torch.Tensor) -> bool:
+        """True when this codec codes ``x`` where it lives (format 2): payload built and
+        parsed with device tensors, only sizes and tables crossing to the host."""
+        return False
+
+    def _encode_device(self, x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like ``_encode`` for :meth:`_device_path` tensors: (uint8 core bytes on x's
+        device, flat positions to carry exactly)."""
+        raise NotImplementedError
+
+    def _decode_device(
+        self, core: DeviceBytes, shape: tuple[int, ...], dtype: torch.dtype, eb: float
+    ) -> torch.Tensor:
+        """Inverse of ``_encode_device``, on the core's device."""
+        raise PayloadError(f"{self.codec_id} does not read device-made payloads")
+
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step
         a benchmark times. No-op unless a codec has such costs."""
@@ -152,6 +175,8 @@ class Codec(ABC):
             if not bool(finite.all()):
                 exact.append(torch.nonzero(~finite).view(-1))
                 x = x.masked_fill(~finite.view(x.shape), 0)
+        if self._device_path(x):
+            return self._finish_on_device(x, orig, eb_f, exact)
         core: bytes = b""
         if x.numel():
             out = self._encode(x, eb_f)
@@ -180,7 +205,84 @@ class Codec(ABC):
         hdr, body = parse_payload(payload)
         if hdr["codec"] != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr['codec']!r}, not {self.codec_id!r}")
+        if isinstance(body, DeviceBytes):
+            return self._decode_body_device(hdr, body, payload.device)
         return self._decode_body(hdr, body, payload.device)
+
+    # ---- the device path (format 2) ---------------------------------------------------
+    def _finish_on_device(
+        self, x: torch.Tensor, orig: torch.Tensor, eb: float, exact: list[torch.Tensor]
+    ) -> torch.Tensor:
+        dev = x.device
+        core = torch.empty(0, dtype=torch.uint8, device=dev)
+        if x.numel():
+            core, missed = self._encode_device(x, eb)
+            if missed.numel():
+                exact.append(missed.to(dev))
+        parts = [core, _empty(dev), _empty(dev)]
+        if exact:
+            idx = torch.unique(torch.cat(exact)) if len(exact) > 1 else exact[0]
+            wide = orig.numel() >= 2**32  # from the shape: no look at the data needed
+            pos = idx.to(torch.int64).contiguous().view(torch.uint8).view(-1, 8)
+            parts[1] = torch.cat(
+                [
+                    host_bytes(bytes([8 if wide else 4]), dev),
+                    (pos if wide else pos[:, :4]).reshape(-1),
+                ]
+            )
+            parts[2] = orig.view(-1)[idx].to(torch.float64).contiguous().view(torch.uint8)
+        table = bytes([len(parts)]) + b"".join(uvarint(int(p.numel())) for p in parts)
+        body_len = len(table) + sum(int(p.numel()) for p in parts)
+        rest = torch.cat(
+            [host_bytes(self._header_fields(x.shape, x.dtype, eb, body_len) + table, dev), *parts]
+        )
+        return torch.cat([host_bytes(MAGIC + bytes([DEVICE_FORMAT]), dev), word_hash(rest), rest])
+
+    def _decode_body_device(
+        self, hdr: dict[str, Any], body: DeviceBytes, device: torch.device
+    ) -> torch.Tensor:
+        shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
+        head = body.peek(0, 1 + 3 * 10)
+        if head.size < 1 or int(head[0]) != 3:
+            raise PayloadError("malformed section table (expected 3 sections)")
+        o, lens = 1, []
+        for _ in range(3):
+            ln, o = read_uvarint(head, o)
+            lens.append(ln)
+        if o + sum(lens) != len(body):
+            raise PayloadError("section lengths do not add up to the body")
+        core = body.sub(o, lens[0])
+        oidx = body.t[o + lens[0] : o + lens[0] + lens[1]]
+        oval = body.t[o + lens[0] + lens[1] :]
+        n = math.prod(shape) if shape else 0
+        if n == 0:
+            if len(core) or oidx.numel() > 1 or oval.numel():
+                raise PayloadError("an empty tensor's payload carries data")
+            return torch.empty(shape, dtype=dtype, device=device)
+        try:
+            y = self._decode_device(core, shape, dtype, eb)
+        except PayloadError:
+            raise
+        except Exception as e:  # a malformed body must never escape as another error
+            raise PayloadError(f"{self.codec_id}: corrupt body ({type(e).__name__}: {e})") from e
+        if tuple(y.shape) != shape or y.dtype != dtype:
+            raise PayloadError(
+                f"{self.codec_id}: body decodes to {tuple(y.shape)} {y.dtype}, "
+                f"header says {shape} {dtype}"
+            )
+        if oidx.numel() or oval.numel():
+            w = int(body.peek(o + lens[0], 1)[0]) if oidx.numel() else 0
+            k = (oidx.numel() - 1) // w if w in (4, 8) else -1
+            if w not in (4, 8) or (oidx.numel() - 1) % w or oval.numel() != 8 * k:
+                raise PayloadError("malformed outlier section")
+            if k:
+                sh = torch.arange(0, 8 * w, 8, device=oidx.device)
+                idx = (oidx[1:].view(k, w).to(torch.int64) << sh).sum(1)
+                if bool(((idx < 0) | (idx >= n)).any()):
+                    raise PayloadError("outlier position outside the tensor")
+                y = y.contiguous()
+                y.view(-1)[idx.to(y.device)] = oval.clone().view(torch.float64).to(dtype)
+        return y
 
     # ---- internals ------------------------------------------------------------------
     @functools.cached_property
@@ -226,9 +328,13 @@ class Codec(ABC):
         return y
 
     def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
+        h = self._header_fields(shape, dtype, eb, len(body))
+        return MAGIC + struct.pack("<BI", FORMAT_VERSION, zlib.crc32(body, zlib.crc32(h))) + h
+
+    def _header_fields(self, shape: torch.Size, dtype: torch.dtype, eb: float, blen: int) -> bytes:
         cid = self.codec_id.encode("ascii")
         cfg = self._config_bytes
-        h = b"".join(
+        return b"".join(
             [
                 struct.pack("<B", len(cid)),
                 cid,
@@ -238,27 +344,59 @@ class Codec(ABC):
                 struct.pack("<BB", _DTYPES[dtype], len(shape)),
                 *(uvarint(d) for d in shape),
                 struct.pack("<d", eb),
-                uvarint(len(body)),
+                uvarint(blen),
             ]
         )
-        return MAGIC + struct.pack("<BI", FORMAT_VERSION, zlib.crc32(body, zlib.crc32(h))) + h
 
 
-def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
-    """Check and parse a payload's header; return (header fields, body bytes)."""
+def parse_payload(
+    payload: torch.Tensor,
+) -> tuple[dict[str, Any], np.ndarray | DeviceBytes]:
+    """Check and parse a payload's header; return (header fields, body).
+
+    The body is host bytes for format 1, and stays on the payload's device for format 2
+    (only the first bytes, where the headers are, are copied to the host)."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError("a payload is a 1-D torch.uint8 tensor")
-    buf = payload.detach().cpu().numpy()
-    if buf.size < _PREFIX.size:
-        raise PayloadError(f"payload of {buf.size} bytes is shorter than the fixed prefix")
-    magic, fver, crc = _PREFIX.unpack_from(buf.data, 0)
+    payload = payload.detach()
+    head = payload[:_HEAD_WINDOW].cpu().numpy()
+    if head.size < _PREFIX.size:
+        raise PayloadError(f"payload of {head.size} bytes is shorter than the fixed prefix")
+    magic, fver, crc = _PREFIX.unpack_from(head.data, 0)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}: not a recsz payload")
-    if fver != FORMAT_VERSION:
-        raise PayloadError(f"payload format version {fver}, this build reads {FORMAT_VERSION}")
-    rest = buf[_PREFIX.size :]
-    if zlib.crc32(rest.data) != crc:
-        raise PayloadError("checksum mismatch: payload corrupted or truncated")
+    if fver == FORMAT_VERSION:
+        buf = payload.cpu().numpy()
+        rest = buf[_PREFIX.size :]
+        if zlib.crc32(rest.data) != crc:
+            raise PayloadError("checksum mismatch: payload corrupted or truncated")
+        fields, o = _parse_header(rest)
+        host_body = rest[o:]
+        size = int(host_body.size)
+        body: np.ndarray | DeviceBytes = host_body
+    elif fver == DEVICE_FORMAT:
+        got = word_hash(payload[_PREFIX.size :])
+        want = torch.frombuffer(bytearray(head[4:8].tobytes()), dtype=torch.uint8)
+        if not torch.equal(got.cpu(), want):
+            raise PayloadError("checksum mismatch: payload corrupted or truncated")
+        fields, o = _parse_header(head[_PREFIX.size :])
+        o += _PREFIX.size
+        body = DeviceBytes(payload[o:], head[o:])
+        size = len(body)
+    else:
+        raise PayloadError(
+            f"payload format version {fver}, this build reads {FORMAT_VERSION} and {DEVICE_FORMAT}"
+        )
+    if size != fields["blen"]:
+        raise PayloadError(
+            f"body is {size} bytes, header says {fields.pop('blen')}: payload truncated or padded"
+        )
+    del fields["blen"]
+    return fields, body
+
+
+def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
+    """The header fields after the prefix, and the offset where the body starts."""
     try:
         o = 0
         clen = int(rest[o])
@@ -268,6 +406,8 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
         cver = int(rest[o])
         cfglen, o = read_uvarint(rest, o + 1)
         raw_cfg = rest[o : o + cfglen].tobytes()
+        if len(raw_cfg) != cfglen:
+            raise IndexError("config runs past the header")
         config = json.loads(raw_cfg) if raw_cfg else {}
         o += cfglen
         dcode, ndim = int(rest[o]), int(rest[o + 1])
@@ -282,19 +422,73 @@ def parse_payload(payload: torch.Tensor) -> tuple[dict[str, Any], np.ndarray]:
         raise PayloadError(f"malformed header: {e}") from None
     if dcode not in _DTYPE_BY_CODE:
         raise PayloadError(f"unknown dtype code {dcode}")
-    body = rest[o:]
-    if body.size != blen:
-        raise PayloadError(
-            f"body is {body.size} bytes, header says {blen}: payload truncated or padded"
-        )
-    return {
+    fields = {
         "codec": codec,
         "codec_version": cver,
         "config": config,
         "dtype": _DTYPE_BY_CODE[dcode],
         "shape": tuple(shape),
         "eb": eb,
-    }, body
+        "blen": blen,
+    }
+    return fields, o
+
+
+# ---- bytes on a device --------------------------------------------------------------------
+def word_hash(t: torch.Tensor) -> torch.Tensor:
+    """Checksum of a uint8 tensor, computed on its device: 4 bytes (uint8, same device).
+
+    The bytes as little-endian u32 words (zero padded), each times an odd 64-bit weight
+    that depends on its position, summed modulo 2^64 and folded to 32 bits. Any change of
+    one word changes the sum (an odd weight is invertible mod 2^64); words swapped or
+    shifted change it with overwhelming probability. Integer arithmetic only, so every
+    device computes the same value; unlike a CRC it is one parallel reduction.
+    """
+    n = t.numel()
+    pad = (-n) % 4
+    b = torch.cat([t, t.new_zeros(pad)]) if pad else t
+    sh = torch.arange(0, 32, 8, device=t.device)
+    words = (b.view(-1, 4).to(torch.int64) << sh).sum(1)
+    i = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64)
+    weights = (i * -7046029254386353131 + 0x632BE59BD9B4E019) | 1  # wraps mod 2^64
+    h = (words * weights).sum() + n
+    fold = (h ^ (h >> 32)) & 0xFFFFFFFF
+    return ((fold >> sh) & 255).to(torch.uint8)
+
+
+def host_bytes(b: bytes, device: torch.device) -> torch.Tensor:
+    """Small host-made bytes (headers, tables) as a uint8 tensor on ``device``."""
+    if not b:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
+
+
+def _empty(device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device)
+
+
+class DeviceBytes:
+    """Bytes that stay on their device, with a host copy of their first bytes.
+
+    Parsers read headers and stream tables through :meth:`peek` (small copies); the
+    coded data is handed on as device tensors (:attr:`t`)."""
+
+    def __init__(self, t: torch.Tensor, head: np.ndarray) -> None:
+        self.t = t
+        self._head = head  # host copy of t[: head.size]
+
+    def __len__(self) -> int:
+        return int(self.t.numel())
+
+    def peek(self, o: int, n: int) -> np.ndarray:
+        """Host copy of bytes [o, o + n) (fewer at the end of the data)."""
+        if o + n <= self._head.size or self._head.size >= len(self):
+            return self._head[o : o + n]
+        return self.t[o : o + n].cpu().numpy()
+
+    def sub(self, o: int, n: int) -> DeviceBytes:
+        """Bytes [o, o + n) as their own DeviceBytes."""
+        return DeviceBytes(self.t[o : o + n], self._head[o : o + n])
 
 
 def uvarint(n: int) -> bytes:

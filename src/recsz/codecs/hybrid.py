@@ -13,8 +13,11 @@ adaptive range coder (:mod:`recsz.codecs.kernels`), each kept only where it is s
 the raw planes. ``hybrid-ac`` also tries a context-modelled arithmetic coder on the codes.
 
 Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
-for everything but zstd; other dtypes and CUDA tensors take the torch stages, which run on
-the tensor's device. Both write the same bytes.
+for everything but zstd; fp16/bf16 CPU tensors take the torch stages, which write the same
+bytes. CUDA tensors never leave their device: quantization, dedup, and a canonical Huffman
+coder written in torch operations (:mod:`recsz.codecs.huffman`) build the payload there
+(format 2); only sizes and the 256-count histograms cross to the host. ``quant+huffman``
+(and ``coder="huffman"``) takes that path on any device, so CPU tests cover it.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import kernels
-from recsz.codecs.base import Codec, PayloadError
+from recsz.codecs import huffman, kernels
+from recsz.codecs.base import Codec, DeviceBytes, PayloadError, host_bytes, read_uvarint, uvarint
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
+    _HUFF_PLANES,
+    _PLANES,
+    RAW,
     SPLIT,
     dedup_rows,
     dequantize,
@@ -66,18 +72,31 @@ class _QuantPipeline(Codec):
     #: Also try the context-modelled arithmetic coder on the codes (smallest wins): ~5x
     #: the CPU of zstd's entropy stage for 5-25% fewer bytes; for slow links.
     modelled: ClassVar[bool] = False
+    #: Entropy coder: "auto" = zstd / range coder on the CPU, Huffman on the tensor's
+    #: device elsewhere; "huffman" = the device path everywhere.
+    default_coder: ClassVar[str] = "auto"
 
-    def __init__(self, level: int = 1) -> None:
+    def __init__(self, level: int = 1, coder: str | None = None) -> None:
         if not -7 <= level <= 22:
             raise ValueError(f"zstd level must be in [-7, 22], got {level}")
+        coder = self.default_coder if coder is None else coder
+        if coder not in ("auto", "huffman"):
+            raise ValueError(f"coder must be 'auto' or 'huffman', got {coder!r}")
         self.level = int(level)
+        self.coder = coder
         # Reused (de)compression contexts: creating one costs more than coding a chunk.
         cctx, self._dctx_magicless = magicless_zstd(self.level)
         self._cctx = cctx if self.entropy else None
         self._dctx = zstandard.ZstdDecompressor()  # blocks written with the frame magic
 
     def get_config(self) -> dict[str, Any]:
-        return {"level": self.level} if self.entropy else {}
+        cfg: dict[str, Any] = {"level": self.level} if self.entropy else {}
+        if self.coder != self.default_coder:
+            cfg["coder"] = self.coder
+        return cfg
+
+    def _device_path(self, x: torch.Tensor) -> bool:
+        return x.device.type != "cpu" or self.coder == "huffman"
 
     def _row(self, d: int) -> int:
         """Row length handed to the stream packer: > 0 enables the modelled coder."""
@@ -90,12 +109,10 @@ class _QuantPipeline(Codec):
 
     def _takes_nonfinite(self, x: torch.Tensor) -> bool:
         # The kernel's bound check fails for NaN/Inf, which makes them outliers.
-        return _fused(x, x.dtype)
+        return _fused(x, x.dtype) and not self._device_path(x)
 
-    def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
-        if _fused(x, x.dtype):
-            return self._encode_fused(x, eb)
-        codes, missed = quantize(x, eb)
+    def _streams(self, codes: torch.Tensor) -> list[torch.Tensor]:
+        """The integer streams of a code matrix: [refs, literal codes] or [codes]."""
         n, d = codes.shape
         use_dedup = self.dedup == "on"
         refs = None
@@ -105,11 +122,108 @@ class _QuantPipeline(Codec):
             n_lit = int((refs == 0).sum())
             use_dedup = use_dedup or (n - n_lit) * d > n
         if use_dedup and refs is not None:
-            lit = codes[refs == 0]
-            streams = [refs.cpu().numpy(), zigzag(lit).view(-1).cpu().numpy()]
+            return [refs, zigzag(codes[refs == 0]).view(-1)]
+        return [zigzag(codes).view(-1)]
+
+    def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
+        if _fused(x, x.dtype):
+            return self._encode_fused(x, eb)
+        codes, missed = quantize(x, eb)
+        streams = [z.cpu().numpy() for z in self._streams(codes)]
+        return pack_streams(streams, self._cctx, SPLIT, self._row(codes.shape[1])), missed
+
+    def _encode_device(self, x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # The layout of pack_planes, built from device tensors: SPLIT with each stream
+        # Huffman-coded (or RAW planes for the codecs without an entropy stage).
+        codes, missed = quantize(x, eb)
+        dev = x.device
+        head = bytearray()
+        planes = []
+        streams = self._streams(codes)
+        head.append(len(streams))
+        for z in streams:
+            z = z.to(torch.int64)
+            w = kernels.width(int(z.max()) if z.numel() else 0)
+            head.append(w)
+            head += uvarint(z.numel())
+            sh = torch.arange(0, 8 * w, 8, device=dev).view(w, 1)
+            planes.append(((z.view(1, -1) >> sh) & 255).to(torch.uint8))
+        if not self.entropy:
+            head.append(RAW)
+            return torch.cat([host_bytes(bytes(head), dev), *(p.view(-1) for p in planes)]), missed
+        head.append(SPLIT)
+        parts = [host_bytes(bytes(head), dev)]
+        for p in planes:
+            coded = huffman.encode_planes(p)
+            raw = p.numel() <= coded.numel()
+            parts.append(
+                host_bytes(
+                    bytes([_PLANES if raw else _HUFF_PLANES])
+                    + uvarint(min(p.numel(), coded.numel())),
+                    dev,
+                )
+            )
+            parts.append(p.view(-1) if raw else coded)
+        return torch.cat(parts), missed
+
+    def _decode_device(
+        self, core: DeviceBytes, shape: tuple[int, ...], dtype: torch.dtype, eb: float
+    ) -> torch.Tensor:
+        n, d = shape
+        head = core.peek(0, 64)
+        if head.size < 1 or int(head[0]) not in (1, 2):
+            raise PayloadError("expected 1 or 2 integer streams")
+        o, dims = 1, []
+        for _ in range(int(head[0])):
+            w = int(head[o])
+            cnt, o = read_uvarint(head, o + 1)
+            if w not in (1, 2, 4, 8) or cnt > n * d:
+                raise PayloadError(f"bad integer stream header (width {w}, count {cnt})")
+            dims.append((w, cnt))
+        mode = int(head[o])
+        o += 1
+        values = []
+        for w, cnt in dims:
+            if mode == RAW:
+                ln, coder = w * cnt, _PLANES
+            elif mode == SPLIT:
+                coder = int(core.peek(o, 1)[0])
+                ln, k = read_uvarint(core.peek(o + 1, 10), 0)
+                o += 1 + k
+            else:
+                raise PayloadError(f"integer stream mode {mode} in a device-made payload")
+            if o + ln > len(core):
+                raise PayloadError("integer stream runs past the body")
+            data = core.t[o : o + ln]
+            if coder == _PLANES:
+                if ln != w * cnt:
+                    raise PayloadError(f"stream holds {ln} bytes, expected {w * cnt}")
+                planes = data.view(w, cnt)
+            elif coder == _HUFF_PLANES:
+                sub = core.sub(o, ln)
+                meta = sub.peek(0, 1 + w * huffman.MAX_META)
+                planes = huffman.decode_planes(data, meta, w, cnt)
+            else:
+                raise PayloadError(f"stream coder {coder} in a device-made payload")
+            o += ln
+            sh = torch.arange(0, 8 * w, 8, device=data.device).view(w, 1)
+            values.append((planes.to(torch.int64) << sh).sum(0))
+        if o != len(core):
+            raise PayloadError(f"{len(core) - o} stray bytes after the integer streams")
+        if len(values) == 2:
+            refs, lit = values[0], unzigzag(values[1])
+            if refs.numel() != n or lit.numel() % d:
+                raise PayloadError(
+                    f"{refs.numel()} row references / {lit.numel()} codes do not "
+                    f"fit {n} rows of {d}"
+                )
+            codes = undedup_rows(lit.view(-1, d), refs)
         else:
-            streams = [zigzag(codes).view(-1).cpu().numpy()]
-        return pack_streams(streams, self._cctx, SPLIT, self._row(d)), missed
+            codes = unzigzag(values[0])
+            if codes.numel() != n * d:
+                raise PayloadError(f"{codes.numel()} codes for a {n} x {d} tensor")
+            codes = codes.view(n, d)
+        return dequantize(codes, eb, dtype)
 
     def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         a = x.numpy()
@@ -196,6 +310,16 @@ class QuantLZCodec(_QuantPipeline):
 
     codec_id = "quant+lz"
     dedup = "on"
+
+
+@register_codec
+class QuantHuffmanCodec(_QuantPipeline):
+    """Quantization + canonical Huffman coding (the paper's entropy stage), coded on the
+    tensor's device on every device: the GPU codec, runnable (slowly) on the CPU."""
+
+    codec_id = "quant+huffman"
+    entropy = True
+    default_coder = "huffman"
 
 
 @register_codec

@@ -160,6 +160,9 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
 #: Per-stream coders inside a SPLIT block.
 _PLANES, _ZSTD_PLANES, _RANGE_REFS, _AC_CODES = 0, 1, 2, 3
+#: Canonical Huffman over byte planes, coded on the tensor's device (recsz.codecs.huffman);
+#: only in device-made (format 2) payloads.
+_HUFF_PLANES = 4
 
 
 def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
