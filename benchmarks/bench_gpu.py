@@ -18,6 +18,7 @@ Needs a CUDA device; without one it says so and exits 0 (CI has none).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -45,6 +46,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+@functools.cache
 def _device_codec(name: str) -> Any:
     """The codec as it runs on DEV (on the CPU, the device path is forced: a dry run)."""
     if DEV.type == "cpu" and name in ("hybrid", "quant", "quant+lz"):

@@ -64,8 +64,9 @@ class Ranks:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world == 1:
             return cls()
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # The trainer keeps its tensors on the CPU, so gloo moves them even where CUDA
+        # exists (NCCL takes CUDA tensors only: picking it there failed every collective).
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return cls(dist.get_rank(), dist.get_world_size())
 
     def all_mean(self, x: float) -> float:

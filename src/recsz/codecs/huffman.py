@@ -26,11 +26,10 @@ Stream layout (little endian)::
 
 from __future__ import annotations
 
-import heapq
-
 import numpy as np
 import torch
 
+from recsz.codecs import kernels
 from recsz.codecs.base import PayloadError
 
 LOG2_BLOCK = 12
@@ -48,41 +47,30 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
     flattened (halved, kept >= 1) until the tree fits, a small, bounded loss.
     """
     c = counts.astype(np.int64)
-    used = np.flatnonzero(c)
-    lengths = np.zeros(c.size, np.int64)
-    if used.size == 1:
-        lengths[used] = 1
-        return lengths
     while True:
-        heap: list[tuple[int, int, tuple[int, ...]]] = [
-            (int(c[s]), int(s), (int(s),)) for s in used
-        ]
-        heapq.heapify(heap)
-        depth = dict.fromkeys(used.tolist(), 0)
-        while len(heap) > 1:
-            ca, ka, sa = heapq.heappop(heap)
-            cb, kb, sb = heapq.heappop(heap)
-            for s in sa + sb:
-                depth[s] += 1
-            heapq.heappush(heap, (ca + cb, min(ka, kb), sa + sb))
-        if max(depth.values()) <= max_len:
-            for s, d in depth.items():
-                lengths[s] = d
+        lengths = kernels.huffman_depths(c)
+        if int(lengths.max(initial=0)) <= max_len:
             return lengths
-        c[used] = np.maximum(c[used] >> 1, 1)
+        c = np.where(c > 0, np.maximum(c >> 1, 1), 0)
+
+
+_REV = np.array([int(f"{v:0{MAX_LEN}b}"[::-1], 2) for v in range(1 << MAX_LEN)], np.int64)
 
 
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """Canonical codes for ``lengths``, bit-reversed (the stream is read LSB first)."""
+    """Canonical codes for ``lengths``, bit-reversed (the stream is read LSB first).
+
+    In (length, symbol) order each code is the Kraft sum of the codes before it, read at
+    its own length: the usual "add one, shift left" recurrence, in closed form."""
     codes = np.zeros(lengths.size, np.int64)
-    code = 0
-    prev = 0
-    for s in sorted(np.flatnonzero(lengths).tolist(), key=lambda s: (lengths[s], s)):
-        ln = int(lengths[s])
-        code <<= ln - prev
-        prev = ln
-        codes[s] = int(f"{code:0{ln}b}"[::-1], 2)
-        code += 1
+    used = np.flatnonzero(lengths)
+    if not used.size:
+        return codes
+    order = used[np.lexsort((used, lengths[used]))]
+    ln = lengths[order]
+    kraft = np.cumsum(1 << (MAX_LEN - ln)) - (1 << (MAX_LEN - ln))
+    # The l-bit code c, bit-reversed, is the 12-bit reversal of c << (12 - l).
+    codes[order] = _REV[kraft >> (MAX_LEN - ln) << (MAX_LEN - ln)]
     return codes
 
 
@@ -99,10 +87,10 @@ def _decode_table(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     codes = canonical_codes(lengths)
     sym = np.zeros(1 << top, np.int64)
     ln = np.zeros(1 << top, np.int64)
-    for s in np.flatnonzero(lengths).tolist():
-        k = int(lengths[s])
-        idx = int(codes[s]) + (np.arange(1 << (top - k), dtype=np.int64) << k)
-        sym[idx] = s
+    for k in np.unique(lengths[lengths > 0]).tolist():
+        syms = np.flatnonzero(lengths == k)
+        idx = codes[syms, None] + (np.arange(1 << (top - k), dtype=np.int64) << k)[None, :]
+        sym[idx] = syms[:, None]
         ln[idx] = k
     return sym, ln, top
 
@@ -267,25 +255,28 @@ def _decode_bits(
     nxt = pos + ln
     nxt = torch.where((ln == 0) | (nxt > nbits), nbits + 1, nxt)
     nxt[nbits:] = pos[nbits:]
-    jumps = [nxt]
-    for _ in range(LOG2_BLOCK):
+    jumps = [nxt]  # jumps[k] = successor applied 2^k times
+    for _ in range(LOG2_BLOCK - 1):
         jumps.append(jumps[-1][jumps[-1]])
     block = 1 << LOG2_BLOCK
     begin = torch.cat([starts.new_zeros(1), starts])
     ends = torch.cat([starts, starts.new_full((1,), nbits)])
-    if bool(((begin > nbits) | (ends < begin)).any()):
-        raise PayloadError("Huffman block offsets out of order")
-
-    def walk(from_: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        at = from_
-        for k, jump in enumerate(jumps):
-            at = torch.where(((steps >> k) & 1).bool(), jump[at], at)
-        return at
-
-    counts = torch.full_like(begin, block)
-    counts[-1] = n - block * (begin.numel() - 1)
-    if not bool((walk(begin, counts) == ends).all()):
+    nb = begin.numel()
+    # Expand each block start into the starts of its symbols, coarse to fine: the offsets
+    # held are multiples of 2^(k+1); each gains its successor 2^k symbols on. Indices are
+    # clamped first: a damaged offset must fail the check below, not index out of bounds.
+    at = begin.clamp(0, nbits + 1).view(nb, 1)
+    for k in reversed(range(LOG2_BLOCK)):
+        at = torch.stack([at, jumps[k][at]], dim=2).view(nb, -1)
+    at = at.view(-1)
+    last = torch.arange(nb, device=dev) * block + torch.full((nb,), block - 1, device=dev)
+    last[-1] = n - 1
+    ok = (
+        (nxt[at[last]] == ends).all()
+        & (at[:n] < nbits).all()
+        & (begin <= nbits).all()
+        & (ends >= begin).all()
+    )
+    if not bool(ok):  # the one synchronization of a plane's decoding
         raise PayloadError("Huffman plane does not decode to its symbol count")
-    i = torch.arange(n, device=dev)
-    at = walk(begin[i >> LOG2_BLOCK], i & (block - 1))
-    return tab[0][window[at]].to(torch.uint8)
+    return tab[0][window[at[:n]]].to(torch.uint8)

@@ -692,3 +692,44 @@ def decode_codes_ac(buf: np.ndarray, n: int, w: int, d: int) -> tuple[np.ndarray
     planes = np.empty(n * w, np.uint8)
     _put_planes(planes, 0, codes, n, w)
     return planes, OK
+
+
+# ---- Huffman code lengths (the host step of the device-side Huffman coder) ---------------
+@njit(cache=True, nogil=True)
+def huffman_depths(counts: np.ndarray) -> np.ndarray:
+    """Unlimited Huffman code lengths of the symbols with counts > 0 (0 elsewhere).
+
+    Two-queue construction over the counts sorted once: leaves and merged nodes each come
+    out in non-decreasing weight, so the two smallest are always at the queue heads."""
+    used = np.flatnonzero(counts)
+    m = used.size
+    depth = np.zeros(counts.size, np.int64)
+    if m < 2:
+        if m == 1:
+            depth[used[0]] = 1
+        return depth
+    order = used[np.argsort(counts[used], kind="mergesort")]
+    w = np.empty(2 * m - 1, np.int64)
+    parent = np.zeros(2 * m - 1, np.int64)
+    for i in range(m):
+        w[i] = counts[order[i]]
+    leaf, node, nxt = 0, m, m
+    for _ in range(m - 1):
+        pick = np.empty(2, np.int64)
+        for k in range(2):
+            if leaf < m and (node >= nxt or w[leaf] <= w[node]):
+                pick[k] = leaf
+                leaf += 1
+            else:
+                pick[k] = node
+                node += 1
+        w[nxt] = w[pick[0]] + w[pick[1]]
+        parent[pick[0]] = nxt
+        parent[pick[1]] = nxt
+        nxt += 1
+    d = np.zeros(2 * m - 1, np.int64)
+    for i in range(2 * m - 3, -1, -1):  # the root (last node) has depth 0
+        d[i] = d[parent[i]] + 1
+    for i in range(m):
+        depth[order[i]] = d[i]
+    return depth
