@@ -230,7 +230,11 @@ class Codec(ABC):
                     (pos if wide else pos[:, :4]).reshape(-1),
                 ]
             )
-            parts[2] = orig.view(-1)[idx].to(torch.float64).contiguous().view(torch.uint8)
+            val = orig.view(-1)[idx].to(torch.float64)
+            # One NaN bit pattern: CUDA's half -> float widening canonicalizes NaN, the
+            # CPU's keeps the payload; equal bytes on every device need one of them.
+            val = torch.where(val.isnan(), torch.tensor(float("nan"), device=dev), val)
+            parts[2] = val.contiguous().view(torch.uint8)
         table = bytes([len(parts)]) + b"".join(uvarint(int(p.numel())) for p in parts)
         body_len = len(table) + sum(int(p.numel()) for p in parts)
         rest = torch.cat(
