@@ -126,15 +126,13 @@ class Codec(ABC):
         parsed with device tensors, only sizes and tables crossing to the host."""
         return False
 
-    def _encode_device(self, x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Like ``_encode`` for :meth:`_device_path` tensors: (uint8 core bytes on x's
-        device, flat positions to carry exactly)."""
+    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
+        """Encode :meth:`_device_path` chunks of one device, dtype and width together
+        (format 2); NaN/Inf are the codec's to carry."""
         raise NotImplementedError
 
-    def _decode_device(
-        self, core: DeviceBytes, shape: tuple[int, ...], dtype: torch.dtype, eb: float
-    ) -> torch.Tensor:
-        """Inverse of ``_encode_device``, on the core's device."""
+    def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode format-2 payloads of one device together."""
         raise PayloadError(f"{self.codec_id} does not read device-made payloads")
 
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
@@ -148,8 +146,8 @@ class Codec(ABC):
         return False
 
     # ---- public API -----------------------------------------------------------------
-    def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:
-        """Encode ``x`` (2-D float) under absolute bound ``eb`` into a uint8 payload."""
+    def _validated(self, x: torch.Tensor, eb: float | None) -> float:
+        """Check the input; the bound as a float (0 for codecs that take none)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{self.codec_id}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in _DTYPES:
@@ -163,7 +161,13 @@ class Codec(ABC):
             )
         if self.error_bounded and (eb is None or not (eb > 0) or not np.isfinite(eb)):
             raise ValueError(f"{self.codec_id}: error bound must be positive and finite, got {eb}")
-        eb_f = float(eb) if (self.error_bounded and eb is not None) else 0.0
+        return float(eb) if (self.error_bounded and eb is not None) else 0.0
+
+    def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:
+        """Encode ``x`` (2-D float) under absolute bound ``eb`` into a uint8 payload."""
+        eb_f = self._validated(x, eb)
+        if self._device_path(x):
+            return self._encode_batch_device([x], [eb_f])[0]
         device = x.device
         x = x.detach().contiguous()
         flat = x.view(-1)
@@ -175,8 +179,6 @@ class Codec(ABC):
             if not bool(finite.all()):
                 exact.append(torch.nonzero(~finite).view(-1))
                 x = x.masked_fill(~finite.view(x.shape), 0)
-        if self._device_path(x):
-            return self._finish_on_device(x, orig, eb_f, exact)
         core: bytes = b""
         if x.numel():
             out = self._encode(x, eb_f)
@@ -202,91 +204,47 @@ class Codec(ABC):
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
+        if _is_device_made(payload):
+            return self._decode_batch_device([payload])[0]
         hdr, body = parse_payload(payload)
         if hdr["codec"] != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr['codec']!r}, not {self.codec_id!r}")
-        if isinstance(body, DeviceBytes):
-            return self._decode_body_device(hdr, body, payload.device)
+        assert isinstance(body, np.ndarray)
         return self._decode_body(hdr, body, payload.device)
 
-    # ---- the device path (format 2) ---------------------------------------------------
-    def _finish_on_device(
-        self, x: torch.Tensor, orig: torch.Tensor, eb: float, exact: list[torch.Tensor]
-    ) -> torch.Tensor:
-        dev = x.device
-        core = torch.empty(0, dtype=torch.uint8, device=dev)
-        if x.numel():
-            core, missed = self._encode_device(x, eb)
-            if missed.numel():
-                exact.append(missed.to(dev))
-        parts = [core, _empty(dev), _empty(dev)]
-        if exact:
-            idx = torch.unique(torch.cat(exact)) if len(exact) > 1 else exact[0]
-            wide = orig.numel() >= 2**32  # from the shape: no look at the data needed
-            pos = idx.to(torch.int64).contiguous().view(torch.uint8).view(-1, 8)
-            parts[1] = torch.cat(
-                [
-                    host_bytes(bytes([8 if wide else 4]), dev),
-                    (pos if wide else pos[:, :4]).reshape(-1),
-                ]
-            )
-            val = orig.view(-1)[idx].to(torch.float64)
-            # One NaN bit pattern: CUDA's half -> float widening canonicalizes NaN, the
-            # CPU's keeps the payload; equal bytes on every device need one of them.
-            val = torch.where(val.isnan(), torch.tensor(float("nan"), device=dev), val)
-            parts[2] = val.contiguous().view(torch.uint8)
-        table = bytes([len(parts)]) + b"".join(uvarint(int(p.numel())) for p in parts)
-        body_len = len(table) + sum(int(p.numel()) for p in parts)
-        rest = torch.cat(
-            [host_bytes(self._header_fields(x.shape, x.dtype, eb, body_len) + table, dev), *parts]
-        )
-        return torch.cat([host_bytes(MAGIC + bytes([DEVICE_FORMAT]), dev), word_hash(rest), rest])
+    def encode_batch(self, xs: list[torch.Tensor], ebs: list[float | None]) -> list[torch.Tensor]:
+        """Encode many chunks: the payloads ``encode`` gives for each, but chunks that a
+        codec codes on their device (CUDA) share its launches and synchronizations."""
+        if len(xs) != len(ebs):
+            raise ValueError(f"{len(xs)} tensors but {len(ebs)} bounds")
+        out: list[torch.Tensor | None] = [None] * len(xs)
+        groups: dict[tuple[Any, ...], list[int]] = {}
+        bounds = [self._validated(x, e) for x, e in zip(xs, ebs, strict=True)]
+        for i, x in enumerate(xs):
+            if self._device_path(x):
+                groups.setdefault((x.device, x.dtype, x.shape[1]), []).append(i)
+            else:
+                out[i] = self.encode(x, ebs[i])
+        for idx in groups.values():
+            ps = self._encode_batch_device([xs[i] for i in idx], [bounds[i] for i in idx])
+            for i, p in zip(idx, ps, strict=True):
+                out[i] = p
+        return [p for p in out if p is not None]
 
-    def _decode_body_device(
-        self, hdr: dict[str, Any], body: DeviceBytes, device: torch.device
-    ) -> torch.Tensor:
-        shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
-        head = body.peek(0, 1 + 3 * 10)
-        if head.size < 1 or int(head[0]) != 3:
-            raise PayloadError("malformed section table (expected 3 sections)")
-        o, lens = 1, []
-        for _ in range(3):
-            ln, o = read_uvarint(head, o)
-            lens.append(ln)
-        if o + sum(lens) != len(body):
-            raise PayloadError("section lengths do not add up to the body")
-        core = body.sub(o, lens[0])
-        oidx = body.t[o + lens[0] : o + lens[0] + lens[1]]
-        oval = body.t[o + lens[0] + lens[1] :]
-        n = math.prod(shape) if shape else 0
-        if n == 0:
-            if len(core) or oidx.numel() > 1 or oval.numel():
-                raise PayloadError("an empty tensor's payload carries data")
-            return torch.empty(shape, dtype=dtype, device=device)
-        try:
-            y = self._decode_device(core, shape, dtype, eb)
-        except PayloadError:
-            raise
-        except Exception as e:  # a malformed body must never escape as another error
-            raise PayloadError(f"{self.codec_id}: corrupt body ({type(e).__name__}: {e})") from e
-        if tuple(y.shape) != shape or y.dtype != dtype:
-            raise PayloadError(
-                f"{self.codec_id}: body decodes to {tuple(y.shape)} {y.dtype}, "
-                f"header says {shape} {dtype}"
-            )
-        if oidx.numel() or oval.numel():
-            w = int(body.peek(o + lens[0], 1)[0]) if oidx.numel() else 0
-            k = (oidx.numel() - 1) // w if w in (4, 8) else -1
-            if w not in (4, 8) or (oidx.numel() - 1) % w or oval.numel() != 8 * k:
-                raise PayloadError("malformed outlier section")
-            if k:
-                sh = torch.arange(0, 8 * w, 8, device=oidx.device)
-                idx = (oidx[1:].view(k, w).to(torch.int64) << sh).sum(1)
-                if bool(((idx < 0) | (idx >= n)).any()):
-                    raise PayloadError("outlier position outside the tensor")
-                y = y.contiguous()
-                y.view(-1)[idx.to(y.device)] = oval.clone().view(torch.float64).to(dtype)
-        return y
+    def decode_batch(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode many payloads; device-made ones of one device together."""
+        out: list[torch.Tensor | None] = [None] * len(payloads)
+        groups: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(payloads):
+            if _is_device_made(p):
+                groups.setdefault(p.device, []).append(i)
+            else:
+                out[i] = self.decode(p)
+        for idx in groups.values():
+            ys = self._decode_batch_device([payloads[i] for i in idx])
+            for i, y in zip(idx, ys, strict=True):
+                out[i] = y
+        return [y for y in out if y is not None]
 
     # ---- internals ------------------------------------------------------------------
     @functools.cached_property
@@ -353,9 +311,20 @@ class Codec(ABC):
         )
 
 
+def _is_device_made(payload: torch.Tensor) -> bool:
+    """Format 2 (made on the tensor's device), told by the version byte alone."""
+    return (
+        isinstance(payload, torch.Tensor)
+        and payload.dtype == torch.uint8
+        and payload.dim() == 1
+        and payload.numel() >= _PREFIX.size
+        and int(payload[3]) == DEVICE_FORMAT
+    )
+
+
 def parse_payload(
     payload: torch.Tensor,
-) -> tuple[dict[str, Any], np.ndarray | DeviceBytes]:
+) -> tuple[dict[str, Any], np.ndarray | torch.Tensor]:
     """Check and parse a payload's header; return (header fields, body).
 
     The body is host bytes for format 1, and stays on the payload's device for format 2
@@ -377,7 +346,7 @@ def parse_payload(
         fields, o = _parse_header(rest)
         host_body = rest[o:]
         size = int(host_body.size)
-        body: np.ndarray | DeviceBytes = host_body
+        body: np.ndarray | torch.Tensor = host_body
     elif fver == DEVICE_FORMAT:
         got = word_hash(payload[_PREFIX.size :])
         want = torch.frombuffer(bytearray(head[4:8].tobytes()), dtype=torch.uint8)
@@ -385,8 +354,8 @@ def parse_payload(
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
         fields, o = _parse_header(head[_PREFIX.size :])
         o += _PREFIX.size
-        body = DeviceBytes(payload[o:], head[o:])
-        size = len(body)
+        body = payload[o:]  # stays on its device
+        size = int(body.numel())
     else:
         raise PayloadError(
             f"payload format version {fver}, this build reads {FORMAT_VERSION} and {DEVICE_FORMAT}"
@@ -458,41 +427,6 @@ def word_hash(t: torch.Tensor) -> torch.Tensor:
     h = (words * weights).sum() + n
     fold = (h ^ (h >> 32)) & 0xFFFFFFFF
     return ((fold >> sh) & 255).to(torch.uint8)
-
-
-def host_bytes(b: bytes, device: torch.device) -> torch.Tensor:
-    """Small host-made bytes (headers, tables) as a uint8 tensor on ``device``."""
-    if not b:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device)
-
-
-def _empty(device: torch.device) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device)
-
-
-class DeviceBytes:
-    """Bytes that stay on their device, with a host copy of their first bytes.
-
-    Parsers read headers and stream tables through :meth:`peek` (small copies); the
-    coded data is handed on as device tensors (:attr:`t`)."""
-
-    def __init__(self, t: torch.Tensor, head: np.ndarray) -> None:
-        self.t = t
-        self._head = head  # host copy of t[: head.size]
-
-    def __len__(self) -> int:
-        return int(self.t.numel())
-
-    def peek(self, o: int, n: int) -> np.ndarray:
-        """Host copy of bytes [o, o + n) (fewer at the end of the data)."""
-        if o + n <= self._head.size or self._head.size >= len(self):
-            return self._head[o : o + n]
-        return self.t[o : o + n].cpu().numpy()
-
-    def sub(self, o: int, n: int) -> DeviceBytes:
-        """Bytes [o, o + n) as their own DeviceBytes."""
-        return DeviceBytes(self.t[o : o + n], self._head[o : o + n])
 
 
 def uvarint(n: int) -> bytes:

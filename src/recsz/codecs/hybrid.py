@@ -28,13 +28,10 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import huffman, kernels
-from recsz.codecs.base import Codec, DeviceBytes, PayloadError, host_bytes, read_uvarint, uvarint
+from recsz.codecs import device, kernels
+from recsz.codecs.base import Codec, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
-    _HUFF_PLANES,
-    _PLANES,
-    RAW,
     SPLIT,
     dedup_rows,
     dequantize,
@@ -132,99 +129,6 @@ class _QuantPipeline(Codec):
         streams = [z.cpu().numpy() for z in self._streams(codes)]
         return pack_streams(streams, self._cctx, SPLIT, self._row(codes.shape[1])), missed
 
-    def _encode_device(self, x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # The layout of pack_planes, built from device tensors: SPLIT with each stream
-        # Huffman-coded (or RAW planes for the codecs without an entropy stage).
-        codes, missed = quantize(x, eb)
-        dev = x.device
-        head = bytearray()
-        planes = []
-        streams = self._streams(codes)
-        head.append(len(streams))
-        for z in streams:
-            z = z.to(torch.int64)
-            w = kernels.width(int(z.max()) if z.numel() else 0)
-            head.append(w)
-            head += uvarint(z.numel())
-            sh = torch.arange(0, 8 * w, 8, device=dev).view(w, 1)
-            planes.append(((z.view(1, -1) >> sh) & 255).to(torch.uint8))
-        if not self.entropy:
-            head.append(RAW)
-            return torch.cat([host_bytes(bytes(head), dev), *(p.view(-1) for p in planes)]), missed
-        head.append(SPLIT)
-        parts = [host_bytes(bytes(head), dev)]
-        for p in planes:
-            coded = huffman.encode_planes(p)
-            raw = p.numel() <= coded.numel()
-            parts.append(
-                host_bytes(
-                    bytes([_PLANES if raw else _HUFF_PLANES])
-                    + uvarint(min(p.numel(), coded.numel())),
-                    dev,
-                )
-            )
-            parts.append(p.view(-1) if raw else coded)
-        return torch.cat(parts), missed
-
-    def _decode_device(
-        self, core: DeviceBytes, shape: tuple[int, ...], dtype: torch.dtype, eb: float
-    ) -> torch.Tensor:
-        n, d = shape
-        head = core.peek(0, 64)
-        if head.size < 1 or int(head[0]) not in (1, 2):
-            raise PayloadError("expected 1 or 2 integer streams")
-        o, dims = 1, []
-        for _ in range(int(head[0])):
-            w = int(head[o])
-            cnt, o = read_uvarint(head, o + 1)
-            if w not in (1, 2, 4, 8) or cnt > n * d:
-                raise PayloadError(f"bad integer stream header (width {w}, count {cnt})")
-            dims.append((w, cnt))
-        mode = int(head[o])
-        o += 1
-        values = []
-        for w, cnt in dims:
-            if mode == RAW:
-                ln, coder = w * cnt, _PLANES
-            elif mode == SPLIT:
-                coder = int(core.peek(o, 1)[0])
-                ln, k = read_uvarint(core.peek(o + 1, 10), 0)
-                o += 1 + k
-            else:
-                raise PayloadError(f"integer stream mode {mode} in a device-made payload")
-            if o + ln > len(core):
-                raise PayloadError("integer stream runs past the body")
-            data = core.t[o : o + ln]
-            if coder == _PLANES:
-                if ln != w * cnt:
-                    raise PayloadError(f"stream holds {ln} bytes, expected {w * cnt}")
-                planes = data.view(w, cnt)
-            elif coder == _HUFF_PLANES:
-                sub = core.sub(o, ln)
-                meta = sub.peek(0, 1 + w * huffman.MAX_META)
-                planes = huffman.decode_planes(data, meta, w, cnt)
-            else:
-                raise PayloadError(f"stream coder {coder} in a device-made payload")
-            o += ln
-            sh = torch.arange(0, 8 * w, 8, device=data.device).view(w, 1)
-            values.append((planes.to(torch.int64) << sh).sum(0))
-        if o != len(core):
-            raise PayloadError(f"{len(core) - o} stray bytes after the integer streams")
-        if len(values) == 2:
-            refs, lit = values[0], unzigzag(values[1])
-            if refs.numel() != n or lit.numel() % d:
-                raise PayloadError(
-                    f"{refs.numel()} row references / {lit.numel()} codes do not "
-                    f"fit {n} rows of {d}"
-                )
-            codes = undedup_rows(lit.view(-1, d), refs)
-        else:
-            codes = unzigzag(values[0])
-            if codes.numel() != n * d:
-                raise PayloadError(f"{codes.numel()} codes for a {n} x {d} tensor")
-            codes = codes.view(n, d)
-        return dequantize(codes, eb, dtype)
-
     def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         a = x.numpy()
         qmax = kernels.QMAX32 if a.dtype == np.float32 else kernels.QMAX64
@@ -236,6 +140,12 @@ class _QuantPipeline(Codec):
         return pack_planes(
             dims, planes, self._cctx, SPLIT, self._row(a.shape[1])
         ), torch.from_numpy(missed)
+
+    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
+        return device.encode_batch(self, xs, ebs)
+
+    def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return device.decode_batch(self, payloads)
 
     def _decode(
         self,
