@@ -39,7 +39,7 @@ from recsz.codecs.base import (
     read_uvarint,
     uvarint,
 )
-from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT, _bound_below
+from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT
 
 if TYPE_CHECKING:
     from recsz.codecs.hybrid import _QuantPipeline
@@ -81,6 +81,38 @@ def _u32(v: torch.Tensor) -> torch.Tensor:
 def _from_le(b: torch.Tensor, w: int) -> torch.Tensor:
     sh = torch.arange(0, 8 * w, 8, device=b.device)
     return (b.reshape(-1, w).to(torch.int64) << sh).sum(1)
+
+
+class _Up:
+    """Small host arrays bound for the device, sent in one copy (each copy from pageable
+    memory stalls the host: tens of them a call add up)."""
+
+    def __init__(self) -> None:
+        self.parts: list[np.ndarray] = []
+        self.at: list[tuple[int, int]] = []
+        self.n = 0
+        self.dev: torch.Tensor | None = None
+
+    def add(self, a: list[int] | list[float] | np.ndarray) -> int:
+        v = np.asarray(a)
+        v = v.view(np.int64) if v.dtype == np.float64 else v.astype(np.int64)
+        self.parts.append(v.reshape(-1))
+        self.at.append((self.n, v.size))
+        self.n += v.size
+        return len(self.at) - 1
+
+    def send(self, dev: torch.device) -> _Up:
+        host = np.concatenate(self.parts) if self.parts else np.zeros(0, np.int64)
+        self.dev = torch.from_numpy(host).to(dev)
+        return self
+
+    def __getitem__(self, h: int) -> torch.Tensor:
+        assert self.dev is not None
+        o, n = self.at[h]
+        return self.dev[o : o + n]
+
+    def f64(self, h: int) -> torch.Tensor:
+        return self[h].view(torch.float64)
 
 
 def segmented_hash(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
@@ -157,16 +189,30 @@ def encode_batch(
     k = len(xs)
     n_all = sum(ns)
     X = torch.cat([x.detach().reshape(-1, d) for x in xs]) if k > 1 else x0.detach().contiguous()
-    row_chunk = _rep(ns, dev)
     flat = X.reshape(-1)
+    f32 = wd == torch.float32
+    below_h = []  # the largest working value <= eb (stages._bound_below, on the host)
+    for e in ebs:
+        t = np.float32(e) if f32 else np.float64(e)
+        below_h.append(float(np.nextafter(t, t.dtype.type(0)) if float(t) > e else t))
+    up = _Up()
+    h_ns = up.add(ns)
+    h_inv = up.add([1.0 / (2.0 * e) for e in ebs])
+    h_step = up.add([2.0 * e for e in ebs])
+    h_below = up.add(below_h)
+    g = torch.Generator().manual_seed(d)
+    h_mult = up.add((torch.randint(1, 2**62, (d,), generator=g, dtype=torch.int64) | 1).numpy())
+    up.send(dev)
+    row_chunk = torch.repeat_interleave(torch.arange(k, device=dev), up[h_ns], output_size=n_all)
 
     # Quantize: q = round(x / 2eb) per chunk; every reconstruction checked in the working
     # precision (see stages.quantize for why the check is exact); misses travel exactly.
     finite = torch.isfinite(flat).view(n_all, d)
     xs_w = X.to(wd).masked_fill(~finite, 0)
-    inv = torch.tensor([1.0 / (2.0 * e) for e in ebs], dtype=wd).to(dev)[row_chunk].view(-1, 1)
-    step = torch.tensor([2.0 * e for e in ebs], dtype=wd).to(dev)[row_chunk].view(-1, 1)
-    below = torch.stack([_bound_below(e, wd) for e in ebs]).to(dev)[row_chunk].view(-1, 1)
+    # Each per-chunk constant rounded once to the working type, as a scalar would be.
+    inv = up.f64(h_inv).to(wd)[row_chunk].view(-1, 1)
+    step = up.f64(h_step).to(wd)[row_chunk].view(-1, 1)
+    below = up.f64(h_below).to(wd)[row_chunk].view(-1, 1)
     qmax = QMAX if wd == torch.float64 else 2**24
     q = (xs_w * inv).round_().clamp_(-qmax, qmax)
     y = q * step
@@ -176,9 +222,7 @@ def encode_batch(
     codes = q.to(torch.int64).masked_fill_(exact, 0)
 
     # Row repeats, per chunk.
-    g = torch.Generator().manual_seed(d)
-    mult = (torch.randint(1, 2**62, (d,), generator=g, dtype=torch.int64) | 1).to(dev)
-    key = (row_chunk << 40) + ((codes * mult).sum(1) & (2**40 - 1))
+    key = (row_chunk << 40) + ((codes * up[h_mult]).sum(1) & (2**40 - 1))
     _, inverse = torch.unique(key, return_inverse=True)
     ar = torch.arange(n_all, device=dev)
     first = torch.full((n_all,), n_all, dtype=torch.int64, device=dev)
@@ -208,8 +252,13 @@ def encode_batch(
             use.append((ns[c] - n_lit[c]) * d > ns[c])  # a reference costs about one code
         else:
             use.append(False)
-    use_t = torch.tensor(use, dtype=torch.bool).to(dev)[row_chunk]
-    lit_base = torch.tensor(_excl(n_lit), dtype=torch.int64).to(dev)
+    up2 = _Up()
+    h_use = up2.add([int(u) for u in use])
+    h_litbase = up2.add(_excl(n_lit))
+    h_celem = up2.add(_excl([n * d for n in ns]))
+    up2.send(dev)
+    use_t = up2[h_use][row_chunk].bool()
+    lit_base = up2[h_litbase]
     ordinal = torch.cumsum(literal, 0) - 1 - lit_base[row_chunk]
     refs = torch.where(literal, torch.zeros_like(rep), ordinal[rep] + 1)
     sent_rows = [n_lit[c] if use[c] else ns[c] for c in range(k)]
@@ -239,17 +288,19 @@ def encode_batch(
     for s, e in zip(segs, elem, strict=True):
         s.elem = e
     n_sym = sum(s.n for s in segs)
-    owner = _rep([s.n for s in segs], dev)
     values = torch.cat([ref_vals, code_vals])
     off_ref = len(ref_vals)
-    seg_src = torch.tensor(
-        [s.src + (0 if s.stream == 0 and use[s.chunk] else off_ref) for s in segs],
-        dtype=torch.int64,
-    ).to(dev)
-    seg_elem = torch.tensor(elem, dtype=torch.int64).to(dev)
-    seg_shift = torch.tensor([8 * s.plane for s in segs], dtype=torch.int64).to(dev)
-    idx = torch.arange(n_sym, device=dev) - seg_elem[owner] + seg_src[owner]
-    sym = (values[idx] >> seg_shift[owner]) & 255
+    up3 = _Up()
+    h_n = up3.add([s.n for s in segs])
+    h_src = up3.add([s.src + (0 if s.stream == 0 and use[s.chunk] else off_ref) for s in segs])
+    h_elem = up3.add(elem)
+    h_shift = up3.add([8 * s.plane for s in segs])
+    up3.send(dev)
+    owner = torch.repeat_interleave(
+        torch.arange(len(segs), device=dev), up3[h_n], output_size=n_sym
+    )
+    idx = torch.arange(n_sym, device=dev) - up3[h_elem][owner] + up3[h_src][owner]
+    sym = (values[idx] >> up3[h_shift][owner]) & 255
 
     if codec.entropy and n_sym:
         counts = torch.bincount(owner * 256 + sym, minlength=256 * len(segs))
@@ -264,7 +315,7 @@ def encode_batch(
 
     # Outliers: positions inside each chunk, exact values (one NaN bit pattern).
     pos = _nonzero(exact, sum(n_exact))
-    chunk_elem = torch.tensor(_excl([n * d for n in ns]), dtype=torch.int64).to(dev)
+    chunk_elem = up2[h_celem]
     local = pos - chunk_elem[row_chunk[pos // max(d, 1)]] if pos.numel() else pos
     pbytes = local.contiguous().view(torch.uint8).view(-1, 8)
     val = flat[pos].to(torch.float64)
@@ -369,18 +420,24 @@ def _pack_bits(
     if not huff:
         z = torch.empty(0, dtype=torch.int64, device=dev)
         return z, z
-    tab = np.zeros((len(segs), 2, 256), np.int64)
+    lengths = np.zeros((len(segs), 256), np.int64)
     base = np.zeros((len(segs), 2), np.int64)  # (first bit of the segment's words, bits before)
     acc = 0
     for i, s in enumerate(segs):
         base[i, 1] = acc
         if s.kind == H.HUFF:
             assert s.lengths is not None
-            tab[i, 0], tab[i, 1] = s.lengths, H.canonical_codes(s.lengths)
+            lengths[i] = s.lengths
             base[i, 0] = 32 * s.word
             acc += s.nbits
-    tab_t = torch.from_numpy(tab).to(dev)
-    base_t = torch.from_numpy(base).to(dev)
+    up = _Up()
+    h_tab = up.add(np.stack([lengths, kernels.canonical_codes_many(lengths)], 1))
+    h_base = up.add(base)
+    bidx = [i for h in huff for i in h.block_idx]
+    h_bidx = up.add(bidx)
+    up.send(dev)
+    tab_t = up[h_tab].view(len(segs), 2, 256)
+    base_t = up[h_base].view(len(segs), 2)
     ln = tab_t[owner, 0, sym]
     code = tab_t[owner, 1, sym]
     off = torch.cumsum(ln, 0).sub_(ln) - base_t[owner, 1]  # bit offset inside the segment
@@ -390,8 +447,7 @@ def _pack_bits(
     words = torch.zeros(nw + 1, dtype=torch.int64, device=dev)
     words.index_add_(0, q, (code << sh) & 0xFFFFFFFF)
     words.index_add_(0, q + 1, code >> (32 - sh))
-    bidx = [i for h in huff for i in h.block_idx]
-    offsets = off[torch.tensor(bidx, dtype=torch.int64).to(dev)] if bidx else off[:0]
+    offsets = off[up[h_bidx]]
     return words[:nw], offsets
 
 
@@ -659,130 +715,235 @@ def _huff_segs(meta: np.ndarray, c: int, si: int, w: int, n: int, at: int, ln: i
 def _reconstruct(
     metas: list[dict], buf: torch.Tensor, starts: list[int], dev: torch.device
 ) -> list[torch.Tensor]:
+    for m, a in zip(metas, starts, strict=True):
+        m["base"] = a
     segs: list[_DSeg] = [s for m in metas for s in m["segs"]]
     symbols = _decode_huffman([s for s in segs if s.kind == H.HUFF], buf, starts, dev)
-    # Every segment's bytes, in segment order.
-    parts: list[torch.Tensor] = []
-    hi = 0
-    for s in segs:
-        if s.kind == H.HUFF:
-            parts.append(symbols[hi : hi + s.n])
-            hi += s.n
-        elif s.kind == H.RAW:
-            a = starts[s.payload] + s.at
-            parts.append(buf[a : a + s.n])
-        else:
-            parts.append(torch.full((s.n,), s.value, dtype=torch.uint8, device=dev))
-    ok_terms: list[torch.Tensor] = []
-    outs: list[torch.Tensor] = []
-    if segs:
-        sym = torch.cat(parts).to(torch.int64)
-    # Stream values: the planes of (payload, stream) summed at their shifts.
+    # Stream values: every plane added into its (payload, stream) at its shift.
     keys = sorted({(s.payload, s.stream) for s in segs})
     counts = {key: 0 for key in keys}
     for s in segs:
         counts[(s.payload, s.stream)] = s.n
     vbase = dict(zip(keys, _excl([counts[key] for key in keys]), strict=True))
-    total_v = sum(counts.values())
-    values = torch.zeros(total_v, dtype=torch.int64, device=dev)
-    if segs:
-        owner = _rep([s.n for s in segs], dev)
-        seg_dst = torch.tensor([vbase[(s.payload, s.stream)] for s in segs]).to(dev)
-        seg_elem = torch.tensor(_excl([s.n for s in segs])).to(dev)
-        seg_shift = torch.tensor([8 * s.plane for s in segs]).to(dev)
-        dst = torch.arange(sym.numel(), device=dev) - seg_elem[owner] + seg_dst[owner]
-        values.index_add_(0, dst, sym << seg_shift[owner])
+    values = torch.zeros(sum(counts.values()), dtype=torch.int64, device=dev)
+    up = _Up()
+    var = [s for s in segs if s.kind != H.CONST]
+    const = [s for s in segs if s.kind == H.CONST]
+    h_var = [
+        up.add([s.n for s in var]),
+        up.add(_excl([s.n for s in var])),
+        up.add([vbase[(s.payload, s.stream)] for s in var]),
+        up.add([8 * s.plane for s in var]),
+    ]
+    h_const = [
+        up.add([s.n for s in const]),
+        up.add([s.value << (8 * s.plane) for s in const]),
+        up.add([vbase[(s.payload, s.stream)] for s in const]),
+        up.add(_excl([s.n for s in const])),
+    ]
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for c, m in enumerate(metas):
-        n, d = m["shape"]
-        dtype = m["dtype"]
-        wd = _wd(dtype)
-        if n * d == 0:
-            outs.append(torch.empty((n, d), dtype=dtype, device=dev))
-            continue
-        vs = [
-            values[vbase[(c, si)] : vbase[(c, si)] + num] for si, (_, num) in enumerate(m["dims"])
-        ]
-        if len(vs) == 2:
-            refs, z = vs
-            if refs.numel() != n or z.numel() % d:
-                raise PayloadError(
-                    f"{refs.numel()} row references / {z.numel()} codes do not fit {n} rows of {d}"
-                )
-            lit = (z >> 1) ^ -(z & 1)
-            n_lit = z.numel() // d
-            literal = refs == 0
-            src = torch.where(literal, torch.cumsum(literal, 0) - 1, refs - 1)
-            ok_terms.append((src >= 0).all() & (src < n_lit).all() & (literal.sum() == n_lit))
-            codes = (
-                lit.view(n_lit, d)[src.clamp(0, max(n_lit - 1, 0))]
-                if n_lit
-                else lit.new_zeros(n, d)
-            )
-        elif len(vs) == 1:
-            z = vs[0]
-            if z.numel() != n * d:
-                raise PayloadError(f"{z.numel()} codes for a {n} x {d} tensor")
-            codes = ((z >> 1) ^ -(z & 1)).view(n, d)
-        else:
-            raise PayloadError("expected 1 or 2 integer streams")
-        y = codes.to(wd) * torch.tensor(2.0 * m["eb"], dtype=wd).to(dev)
-        y = y.to(dtype) if dtype != wd else y
-        oi, oil = m["oidx"]
-        ov, ovl = m["oval"]
-        if oil or ovl:
-            a = starts[c]
-            w = m["ow"]
-            cnt = (oil - 1) // w if w in (4, 8) else -1
-            if w not in (4, 8) or (oil - 1) % w or ovl != 8 * cnt:
-                raise PayloadError("malformed outlier section")
-            if cnt:
-                pos = _from_le(buf[a + oi + 1 : a + oi + oil], w)
-                ok_terms.append(((pos >= 0) & (pos < n * d)).all())
-                val = buf[a + ov : a + ov + ovl].clone().view(torch.float64).to(dtype)
-                y = y.contiguous()
-                y.view(-1)[pos.clamp(0, n * d - 1)] = val
-        outs.append(y)
-    if ok_terms and not bool(torch.stack(ok_terms).all()):
+        groups.setdefault((m["dtype"], m["shape"][1]), []).append(c)
+    plans = [_plan_group(metas, idx, d, vbase, starts, up) for (_, d), idx in groups.items()]
+    up.send(dev)
+    if var:
+        hi, parts = 0, []
+        for s in var:
+            if s.kind == H.HUFF:
+                parts.append(symbols[hi : hi + s.n])
+                hi += s.n
+            else:
+                a = starts[s.payload] + s.at
+                parts.append(buf[a : a + s.n])
+        sym = torch.cat(parts).to(torch.int64)
+        owner = torch.repeat_interleave(
+            torch.arange(len(var), device=dev), up[h_var[0]], output_size=sym.numel()
+        )
+        dst = torch.arange(sym.numel(), device=dev) - up[h_var[1]][owner] + up[h_var[2]][owner]
+        values.index_add_(0, dst, sym << up[h_var[3]][owner])
+    if const:
+        total = sum(s.n for s in const)
+        owner = torch.repeat_interleave(
+            torch.arange(len(const), device=dev), up[h_const[0]], output_size=total
+        )
+        dst = torch.arange(total, device=dev) - up[h_const[3]][owner] + up[h_const[2]][owner]
+        values.index_add_(0, dst, up[h_const[1]][owner])
+    outs: list[torch.Tensor | None] = [None] * len(metas)
+    ok_terms: list[torch.Tensor] = []
+    for plan in plans:
+        _finish_group(plan, metas, values, buf, up, dev, outs, ok_terms)
+    if ok_terms and not bool(torch.stack(ok_terms).all()):  # the one check of them all
         raise PayloadError("row references or outlier positions do not fit the tensor")
-    return outs
+    return [y for y in outs if y is not None]
+
+
+def _plan_group(
+    metas: list[dict], idx: list[int], d: int, vbase: dict, starts: list[int], up: _Up
+) -> dict:
+    """Host bookkeeping of payloads of one dtype and width: sizes, bases, bounds."""
+    live = [c for c in idx if metas[c]["shape"][0] * d]
+    n = [metas[c]["shape"][0] for c in live]
+    lit: list[int] = []
+    refs: list[bool] = []
+    for c in live:
+        dims = metas[c]["dims"]
+        codes_n = dims[-1][1]
+        if (
+            len(dims) not in (1, 2)
+            or codes_n % d
+            or (len(dims) == 1 and codes_n != n[len(lit)] * d)
+        ):
+            raise PayloadError(f"{codes_n} codes do not fit rows of {d}")
+        if len(dims) == 2 and dims[0][1] != n[len(lit)]:
+            raise PayloadError(f"{dims[0][1]} row references for {n[len(lit)]} rows")
+        lit.append(codes_n // d)
+        refs.append(len(dims) == 2)
+    outl = [
+        (c, metas[c]["ow"], (metas[c]["oidx"][1] - 1) // max(metas[c]["ow"], 1))
+        for c in live
+        if metas[c]["oidx"][1] or metas[c]["oval"][1]
+    ]
+    for c, w, k in outl:
+        m = metas[c]
+        if w not in (4, 8) or (m["oidx"][1] - 1) % w or m["oval"][1] != 8 * k:
+            raise PayloadError("malformed outlier section")
+    outl = [o for o in outl if o[2]]
+    rowbase = _excl(n)
+    return {
+        "idx": idx,
+        "live": live,
+        "d": d,
+        "n": n,
+        "lit": lit,
+        "refs": refs,
+        "outl": outl,
+        "codes_at": [vbase[(c, len(metas[c]["dims"]) - 1)] for c in live],
+        "refs_at": [vbase[(c, 0)] for c, r in zip(live, refs, strict=True) if r],
+        "h": {
+            "n": up.add(n),
+            "rowbase": up.add(rowbase),
+            "lit": up.add(lit),
+            "litbase": up.add(_excl(lit)),
+            "step": up.add([2.0 * metas[c]["eb"] for c in live]),
+            "hasref": up.add([int(r) for r in refs]),
+            "elem": up.add([rb * d for rb in rowbase]),
+            "ocount": up.add([k for _, _, k in outl]),
+            "oowner": up.add([live.index(c) for c, _, _ in outl]),
+        },
+    }
+
+
+def _finish_group(
+    g: dict,
+    metas: list[dict],
+    values: torch.Tensor,
+    buf: torch.Tensor,
+    up: _Up,
+    dev: torch.device,
+    outs: list[torch.Tensor | None],
+    ok_terms: list[torch.Tensor],
+) -> None:
+    """Rows of every payload of a group: references resolved, dequantized, outliers set."""
+    d, live, h = g["d"], g["live"], g["h"]
+    dtype = metas[g["idx"][0]]["dtype"]
+    wd = _wd(dtype)
+    for c in g["idx"]:
+        if c not in live:
+            outs[c] = torch.empty(metas[c]["shape"], dtype=dtype, device=dev)
+    if not live:
+        return
+    rows = sum(g["n"])
+    z = torch.cat([values[a : a + lt * d] for a, lt in zip(g["codes_at"], g["lit"], strict=True)])
+    lit_rows = ((z >> 1) ^ -(z & 1)).view(-1, d)
+    owner = torch.repeat_interleave(
+        torch.arange(len(live), device=dev), up[h["n"]], output_size=rows
+    )
+    refs = torch.zeros(rows, dtype=torch.int64, device=dev)
+    with_refs = [i for i, r in enumerate(g["refs"]) if r]
+    if with_refs:
+        at = _nonzero(up[h["hasref"]][owner].bool(), sum(g["n"][i] for i in with_refs))
+        refs[at] = torch.cat(
+            [values[a : a + g["n"][i]] for a, i in zip(g["refs_at"], with_refs, strict=True)]
+        )
+    literal = refs == 0
+    csum = torch.cumsum(literal, 0)
+    before = torch.cat([csum.new_zeros(1), csum])[up[h["rowbase"]]]
+    src = torch.where(literal, csum - 1 - before[owner], refs - 1)
+    lit_of_row = up[h["lit"]][owner]
+    ends = torch.cat([csum.new_zeros(1), csum])[up[h["rowbase"]] + up[h["n"]]]
+    ok_terms.append(((src >= 0) & (src < lit_of_row)).all() & (ends - before == up[h["lit"]]).all())
+    pick = (up[h["litbase"]][owner] + src).clamp_(0, max(lit_rows.shape[0] - 1, 0))
+    codes = lit_rows[pick] if lit_rows.shape[0] else lit_rows.new_zeros(rows, d)
+    y = codes.to(wd) * up.f64(h["step"]).to(wd)[owner].view(-1, 1)
+    y = y.to(dtype) if dtype != wd else y
+    if g["outl"]:
+        pos_parts, val_parts = [], []
+        for c, w, k in g["outl"]:
+            m = metas[c]
+            a = int(m["base"])
+            oi, ov = m["oidx"][0], m["oval"][0]
+            pos_parts.append(_from_le(buf[a + oi + 1 : a + oi + 1 + w * k], w))
+            val_parts.append(buf[a + ov : a + ov + 8 * k])
+        pos = torch.cat(pos_parts)
+        val = torch.cat(val_parts).view(torch.float64).to(dtype)
+        oo = torch.repeat_interleave(up[h["oowner"]], up[h["ocount"]], output_size=pos.numel())
+        limit = up[h["n"]][oo] * d
+        ok_terms.append(((pos >= 0) & (pos < limit)).all())
+        flat_at = up[h["elem"]][oo] + pos.clamp(0, None).minimum(limit - 1)
+        y.view(-1)[flat_at] = val
+    for i, c in enumerate(live):
+        outs[c] = y[sum(g["n"][:i]) : sum(g["n"][: i + 1])]
 
 
 def _decode_huffman(
     segs: list[_DSeg], buf: torch.Tensor, starts: list[int], dev: torch.device
 ) -> torch.Tensor:
-    """Every Huffman segment's symbols, concatenated: one speculative decode of all."""
+    """Every Huffman segment's symbols, concatenated: one speculative decode of all.
+
+    Each segment's words are followed by one zero word, so that its end is a bit position
+    of its own (a fixed point of the successor map); the last position is a sink that
+    every invalid code and overrun leads to."""
     if not segs:
         return torch.empty(0, dtype=torch.uint8, device=dev)
     block = 1 << H.LOG2_BLOCK
-    # Each segment's words, then one zero word, so that its end is a position of its own.
-    pieces, wbase, acc = [], [], 0
+    nseg = len(segs)
+    lengths = np.stack([s.lengths for s in segs if s.lengths is not None])
+    tab = kernels.decode_tables(lengths, kernels.canonical_codes_many(lengths), H.MAX_LEN)
+    wbase = _excl([s.nw + 1 for s in segs])
+    acc = wbase[-1] + segs[-1].nw + 1
+    sink = 32 * acc
+    nbs = [-(-s.n // block) for s in segs]
+    counts = [s.n for s in segs]
+    up = _Up()
+    h_tab = up.add(tab)
+    h_bits = up.add([32 * (s.nw + 1) for s in segs] + [1])
+    h_gbase = up.add([32 * w for w in wbase])
+    h_ends = up.add([32 * w + s.nbits for w, s in zip(wbase, segs, strict=True)])
+    h_nbs = up.add(nbs)
+    h_first = up.add(_excl(nbs))
+    h_last = up.add(np.cumsum(nbs) - 1)
+    h_counts = up.add(counts)
+    h_cbase = up.add(_excl(counts))
+    h_inblock = up.add(
+        [min(block, s.n - b * block) for s, nb in zip(segs, nbs, strict=True) for b in range(nb)]
+    )
+    up.send(dev)
+    tab_t = up[h_tab].view(nseg, 2, 1 << H.MAX_LEN)
     zero4 = torch.zeros(4, dtype=torch.uint8, device=dev)
+    pieces = []
     for s in segs:
         a = starts[s.payload] + s.words_at
         pieces += [buf[a : a + 4 * s.nw], zero4]
-        wbase.append(acc)
-        acc += s.nw + 1
     words = torch.cat(
         [_from_le(torch.cat(pieces), 4), torch.zeros(1, dtype=torch.int64, device=dev)]
     )
-    nbits_total = 32 * acc
-    sink = nbits_total
-    tab = np.zeros((len(segs), 2, 1 << H.MAX_LEN), np.int64)
-    for i, s in enumerate(segs):
-        assert s.lengths is not None
-        dsym, dlen, top = H._decode_table(s.lengths)
-        reps = 1 << (H.MAX_LEN - top)
-        tab[i, 0], tab[i, 1] = np.tile(dsym, reps), np.tile(dlen, reps)
-    tab_t = torch.from_numpy(tab).to(dev)
-    pos = torch.arange(nbits_total + 1, device=dev)
-    owner = _rep([32 * (s.nw + 1) for s in segs] + [1], dev).clamp_(max=len(segs) - 1)
-    gbase = torch.tensor([32 * w for w in wbase] + [0], dtype=torch.int64).to(dev)
-    ends = torch.tensor(
-        [32 * w + s.nbits for w, s in zip(wbase, segs, strict=True)], dtype=torch.int64
-    ).to(dev)
-    q, sh = pos >> 5, pos & 31
-    qq = q.clamp(max=words.numel() - 2)
-    window = ((words[qq] | (words[qq + 1] << 32)) >> sh) & ((1 << H.MAX_LEN) - 1)
+    pos = torch.arange(sink + 1, device=dev)
+    owner = torch.repeat_interleave(
+        torch.arange(nseg + 1, device=dev), up[h_bits], output_size=sink + 1
+    ).clamp_(max=nseg - 1)
+    ends = up[h_ends]
+    qq = (pos >> 5).clamp_(max=words.numel() - 2)
+    window = ((words[qq] | (words[qq + 1] << 32)) >> (pos & 31)) & ((1 << H.MAX_LEN) - 1)
     ln = tab_t[owner, 1, window]
     end_p = ends[owner]
     nxt = pos + ln
@@ -793,47 +954,39 @@ def _decode_huffman(
     for _ in range(H.LOG2_BLOCK - 1):
         jumps.append(jumps[-1][jumps[-1]])
     # Block starts: 0 and the stored offsets, each plus its segment's first bit.
-    nbs = [-(-s.n // block) for s in segs]
-    stored = [
-        buf[starts[s.payload] + s.at : starts[s.payload] + s.at + 4 * (nb - 1)]
-        for s, nb in zip(segs, nbs, strict=True)
-    ]
-    offs = (
-        _from_le(torch.cat(stored), 4)
-        if sum(nbs) > len(segs)
-        else torch.empty(0, dtype=torch.int64, device=dev)
+    nb_total = sum(nbs)
+    blk_owner = torch.repeat_interleave(
+        torch.arange(nseg, device=dev), up[h_nbs], output_size=nb_total
     )
-    first = torch.tensor(_excl(nbs), dtype=torch.int64).to(dev)
-    blk_owner = _rep(nbs, dev)
-    is_first = torch.zeros(sum(nbs), dtype=torch.bool, device=dev)
-    is_first[first] = True
-    begin_local = torch.zeros(sum(nbs), dtype=torch.int64, device=dev)
-    begin_local[~is_first] = offs
-    begin = begin_local + gbase[blk_owner]
+    begin_local = torch.zeros(nb_total, dtype=torch.int64, device=dev)
+    if nb_total > nseg:
+        stored = [
+            buf[starts[s.payload] + s.at : starts[s.payload] + s.at + 4 * (nb - 1)]
+            for s, nb in zip(segs, nbs, strict=True)
+        ]
+        later = torch.ones(nb_total, dtype=torch.bool, device=dev)
+        later[up[h_first]] = False
+        begin_local[_nonzero(later, nb_total - nseg)] = _from_le(torch.cat(stored), 4)
+    begin = begin_local + up[h_gbase][blk_owner]
     seg_end = ends[blk_owner]
-    nxt_begin = torch.cat([begin[1:], begin.new_zeros(1)])
-    is_last = torch.zeros_like(is_first)
-    is_last[first + torch.tensor(nbs, dtype=torch.int64).to(dev) - 1] = True
-    block_end = torch.where(is_last, seg_end, nxt_begin)
+    is_last = torch.zeros(nb_total, dtype=torch.bool, device=dev)
+    is_last[up[h_last]] = True
+    block_end = torch.where(is_last, seg_end, torch.cat([begin[1:], begin.new_zeros(1)]))
     at = begin.clamp(0, sink).view(-1, 1)
     for lvl in reversed(range(H.LOG2_BLOCK)):
         at = torch.stack([at, jumps[lvl][at]], dim=2).view(at.shape[0], -1)
     at = at.view(-1)
     # Symbol i of segment s sits at its block row, column i % block.
-    counts = [s.n for s in segs]
-    sym_owner = _rep(counts, dev)
-    local_i = torch.arange(sum(counts), device=dev) - torch.tensor(_excl(counts)).to(dev)[sym_owner]
-    flat = first[sym_owner] * block + local_i
+    total = sum(counts)
+    sym_owner = torch.repeat_interleave(
+        torch.arange(nseg, device=dev), up[h_counts], output_size=total
+    )
+    flat = torch.arange(total, device=dev) - up[h_cbase][sym_owner] + up[h_first][sym_owner] * block
     sym_pos = at[flat]
-    n_in_block = torch.tensor(
-        [min(block, s.n - b * block) for s, nb in zip(segs, nbs, strict=True) for b in range(nb)],
-        dtype=torch.int64,
-    ).to(dev)
-    last_sym = at[torch.arange(sum(nbs), device=dev) * block + n_in_block - 1]
+    last_sym = at[torch.arange(nb_total, device=dev) * block + up[h_inblock] - 1]
     ok = (
         (nxt[last_sym] == block_end).all()
         & (sym_pos < ends[sym_owner]).all()
-        & (begin_local >= 0).all()
         & (begin <= seg_end).all()
         & (block_end >= begin).all()
     )

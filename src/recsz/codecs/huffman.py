@@ -53,24 +53,9 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
         c = np.where(c > 0, np.maximum(c >> 1, 1), 0)
 
 
-_REV = np.array([int(f"{v:0{MAX_LEN}b}"[::-1], 2) for v in range(1 << MAX_LEN)], np.int64)
-
-
 def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """Canonical codes for ``lengths``, bit-reversed (the stream is read LSB first).
-
-    In (length, symbol) order each code is the Kraft sum of the codes before it, read at
-    its own length: the usual "add one, shift left" recurrence, in closed form."""
-    codes = np.zeros(lengths.size, np.int64)
-    used = np.flatnonzero(lengths)
-    if not used.size:
-        return codes
-    order = used[np.lexsort((used, lengths[used]))]
-    ln = lengths[order]
-    kraft = np.cumsum(1 << (MAX_LEN - ln)) - (1 << (MAX_LEN - ln))
-    # The l-bit code c, bit-reversed, is the 12-bit reversal of c << (12 - l).
-    codes[order] = _REV[kraft >> (MAX_LEN - ln) << (MAX_LEN - ln)]
-    return codes
+    """Canonical codes for one set of ``lengths``, bit-reversed (streams are LSB first)."""
+    return kernels.canonical_codes_many(lengths.reshape(1, -1).astype(np.int64))[0]
 
 
 def _kraft_ok(lengths: np.ndarray) -> bool:
@@ -80,21 +65,6 @@ def _kraft_ok(lengths: np.ndarray) -> bool:
     return int((1 << (MAX_LEN - used)).sum()) == 1 << MAX_LEN
 
 
-def _decode_table(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """(symbol, length) for every ``L``-bit window, L the longest code."""
-    top = int(lengths.max())
-    codes = canonical_codes(lengths)
-    sym = np.zeros(1 << top, np.int64)
-    ln = np.zeros(1 << top, np.int64)
-    for k in np.unique(lengths[lengths > 0]).tolist():
-        syms = np.flatnonzero(lengths == k)
-        idx = codes[syms, None] + (np.arange(1 << (top - k), dtype=np.int64) << k)[None, :]
-        sym[idx] = syms[:, None]
-        ln[idx] = k
-    return sym, ln, top
-
-
-# ---- decoding ---------------------------------------------------------------------------
 def meta_size(head: np.ndarray, w: int) -> int:
     """Bytes of the stream's metadata, read from its first bytes (host copy)."""
     o = 1

@@ -733,3 +733,44 @@ def huffman_depths(counts: np.ndarray) -> np.ndarray:
     for i in range(m):
         depth[order[i]] = d[i]
     return depth
+
+
+@njit(cache=True, nogil=True)
+def canonical_codes_many(lengths: np.ndarray) -> np.ndarray:
+    """(S, 256) code lengths -> (S, 256) canonical codes, bit-reversed (LSB-first streams).
+
+    Codes are handed out in (length, symbol) order, each one more than the last and
+    shifted left where the length grows: the canonical assignment (RFC 1951, 3.2.2)."""
+    out = np.zeros(lengths.shape, np.int64)
+    for s in range(lengths.shape[0]):
+        code = 0
+        prev = 0
+        for ln in range(1, 16):
+            for sym in range(lengths.shape[1]):
+                if lengths[s, sym] != ln:
+                    continue
+                code <<= ln - prev
+                prev = ln
+                r, c = 0, code
+                for _ in range(ln):
+                    r = (r << 1) | (c & 1)
+                    c >>= 1
+                out[s, sym] = r
+                code += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def decode_tables(lengths: np.ndarray, codes: np.ndarray, bits: int) -> np.ndarray:
+    """(S, 2, 2^bits): the symbol and the code length for every ``bits``-bit window
+    (LSB first) of each of S codes: a window starts with exactly one code."""
+    out = np.zeros((lengths.shape[0], 2, 1 << bits), np.int64)
+    for s in range(lengths.shape[0]):
+        for sym in range(lengths.shape[1]):
+            ln = lengths[s, sym]
+            if ln == 0:
+                continue
+            for t in range(codes[s, sym], 1 << bits, 1 << ln):
+                out[s, 0, t] = sym
+                out[s, 1, t] = ln
+    return out
