@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--profile", type=Path, help="write a profile of batched hybrid here, exit")
+    ap.add_argument("--batch", type=int, default=2048, help="samples per batch (synthetic, train)")
     args = ap.parse_args(argv)
     global DEV
     DEV = torch.device(args.device)
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    synth = synth_chunks(64, 2048)
+    synth = synth_chunks(64, args.batch)
     if args.profile:
         args.profile.write_text(profile(synth, 0.03))
         print(args.profile.read_text()[-6000:])
@@ -317,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if real:
         rows += codec_rows(real[:26], "real Criteo lookups", 0.03, repeats)
     result["codecs"] = rows
-    result["train"] = train_rows(2 if DEV.type == "cpu" else 10 if args.quick else 30, 2048)
+    result["train"] = train_rows(2 if DEV.type == "cpu" else 10 if args.quick else 30, args.batch)
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1))
     hdr = f"{'codec':14} {'device':15} {'data':22} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9}"

@@ -85,6 +85,20 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
             assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
 
 
+def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
+    """The GPU benchmark's own logic, run on the CPU (the device path forced), tiny."""
+    bench_gpu = _bench("bench_gpu")
+    out = tmp_path / "gpu.json"
+    argv = ["--device", "cpu", "--quick", "--batch", "128", "--json-out", str(out)]
+    assert bench_gpu.main(argv) == 0
+    result = json.loads(out.read_text())
+    checks = result["checks"]
+    assert checks["same_bytes_as_cpu"] == checks["decoded_equal_and_bounded"] == checks["chunks"]
+    hybrid = next(r for r in result["codecs"] if r["codec"] == "hybrid" and r["device"] == "cpu")
+    assert hybrid["ratio"] > 5 and hybrid["encode_MBps_batched"] > 0
+    assert {r["config"] for r in result["train"]} == {"none", "fp16", "hybrid"}
+
+
 def test_bench_train_runs_torchrec_dmp_anchor(tmp_path: Path) -> None:
     """TorchRec's own DMP beside ours, same preset, data and steps (needs `make anchors`)."""
     bench_train = _bench("bench_train")
