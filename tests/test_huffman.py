@@ -212,9 +212,9 @@ def test_forged_checksum_still_rejected_by_structure() -> None:
     p = c.encode(x, 1e-3)
     rng = np.random.default_rng(7)
     errors = 0
-    for _ in range(80):
+    for _ in range(300):
         t = p.clone()
-        i = int(rng.integers(40, t.numel()))
+        i = int(rng.integers(8, t.numel()))  # headers, stream tables, metadata and data
         t[i] ^= int(rng.integers(1, 256))
         t[4:8] = word_hash(t[8:])
         try:
@@ -223,7 +223,7 @@ def test_forged_checksum_still_rejected_by_structure() -> None:
             errors += 1
             continue
         assert y.shape == x.shape
-    assert errors > 10
+    assert errors > 40
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -205,7 +205,7 @@ class Codec(ABC):
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
         if _is_device_made(payload):
-            return self._decode_batch_device([payload])[0]
+            return self._decode_device_checked([payload])[0]
         hdr, body = parse_payload(payload)
         if hdr["codec"] != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr['codec']!r}, not {self.codec_id!r}")
@@ -241,10 +241,18 @@ class Codec(ABC):
             else:
                 out[i] = self.decode(p)
         for idx in groups.values():
-            ys = self._decode_batch_device([payloads[i] for i in idx])
+            ys = self._decode_device_checked([payloads[i] for i in idx])
             for i, y in zip(idx, ys, strict=True):
                 out[i] = y
         return [y for y in out if y is not None]
+
+    def _decode_device_checked(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            return self._decode_batch_device(payloads)
+        except PayloadError:
+            raise
+        except Exception as e:  # a malformed body must never escape as another error
+            raise PayloadError(f"{self.codec_id}: corrupt body ({type(e).__name__}: {e})") from e
 
     # ---- internals ------------------------------------------------------------------
     @functools.cached_property

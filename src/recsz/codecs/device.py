@@ -319,7 +319,7 @@ def encode_batch(
     local = pos - chunk_elem[row_chunk[pos // max(d, 1)]] if pos.numel() else pos
     pbytes = local.contiguous().view(torch.uint8).view(-1, 8)
     val = flat[pos].to(torch.float64)
-    val = torch.where(val.isnan(), torch.tensor(float("nan"), device=dev), val)
+    val = val.masked_fill(val.isnan(), float("nan"))  # CUDA and CPU widen NaN differently
     vbytes = val.contiguous().view(torch.uint8).view(-1, 8)
 
     # Assemble every payload from host-made headers and device slices.
