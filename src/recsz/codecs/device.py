@@ -305,7 +305,7 @@ def encode_batch(
     if codec.entropy and n_sym:
         counts = torch.bincount(owner * 256 + sym, minlength=256 * len(segs))
         hist = counts.view(len(segs), 256).cpu().numpy()  # sync 2: the histograms
-        _plan_huffman(segs, hist, dev)
+        _plan_huffman(segs, hist)
         words, offsets = _pack_bits(segs, sym, owner, dev)
     else:
         words = offsets = torch.empty(0, dtype=torch.int64, device=dev)
@@ -378,7 +378,7 @@ def encode_batch(
     return [buf[a:b] for a, b in bounds]
 
 
-def _plan_huffman(segs: list[_Seg], hist: np.ndarray, dev: torch.device) -> None:
+def _plan_huffman(segs: list[_Seg], hist: np.ndarray) -> None:
     """Per segment: constant, raw or Huffman (whichever is smallest), its metadata."""
     block = 1 << H.LOG2_BLOCK
     word = blocks = 0

@@ -53,11 +53,6 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
         c = np.where(c > 0, np.maximum(c >> 1, 1), 0)
 
 
-def canonical_codes(lengths: np.ndarray) -> np.ndarray:
-    """Canonical codes for one set of ``lengths``, bit-reversed (streams are LSB first)."""
-    return kernels.canonical_codes_many(lengths.reshape(1, -1).astype(np.int64))[0]
-
-
 def _kraft_ok(lengths: np.ndarray) -> bool:
     used = lengths[lengths > 0]
     if used.size < 2 or int(used.max()) > MAX_LEN:
