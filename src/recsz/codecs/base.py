@@ -235,8 +235,8 @@ class Codec(ABC):
         """Decode many payloads; device-made ones of one device together."""
         out: list[torch.Tensor | None] = [None] * len(payloads)
         groups: dict[torch.device, list[int]] = {}
-        for i, p in enumerate(payloads):
-            if _is_device_made(p):
+        for i, (p, v) in enumerate(zip(payloads, _versions(payloads), strict=True)):
+            if v == DEVICE_FORMAT:
                 groups.setdefault(p.device, []).append(i)
             else:
                 out[i] = self.decode(p)
@@ -319,15 +319,39 @@ class Codec(ABC):
         )
 
 
+def _version(payload: torch.Tensor) -> int:
+    """The format version byte (0 for what is no payload at all): a view on the CPU, one
+    small copy from a device."""
+    if not isinstance(payload, torch.Tensor) or not _version_ok(payload):
+        return 0
+    if payload.device.type == "cpu":
+        return int(payload.detach().numpy()[3])
+    return int(payload[3])
+
+
+def _versions(payloads: list[torch.Tensor]) -> list[int]:
+    """_version of each payload, those on devices read with one copy for all."""
+    out = [0] * len(payloads)
+    remote = []
+    for i, p in enumerate(payloads):
+        if isinstance(p, torch.Tensor) and p.device.type != "cpu" and _version_ok(p):
+            remote.append(i)
+        else:
+            out[i] = _version(p)
+    if remote:
+        got = torch.stack([payloads[i][3] for i in remote]).cpu().tolist()
+        for i, v in zip(remote, got, strict=True):
+            out[i] = int(v)
+    return out
+
+
+def _version_ok(payload: torch.Tensor) -> bool:
+    return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= _PREFIX.size
+
+
 def _is_device_made(payload: torch.Tensor) -> bool:
     """Format 2 (made on the tensor's device), told by the version byte alone."""
-    return (
-        isinstance(payload, torch.Tensor)
-        and payload.dtype == torch.uint8
-        and payload.dim() == 1
-        and payload.numel() >= _PREFIX.size
-        and int(payload[3]) == DEVICE_FORMAT
-    )
+    return _version(payload) == DEVICE_FORMAT
 
 
 def parse_payload(
@@ -340,14 +364,16 @@ def parse_payload(
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError("a payload is a 1-D torch.uint8 tensor")
     payload = payload.detach()
-    head = payload[:_HEAD_WINDOW].cpu().numpy()
-    if head.size < _PREFIX.size:
-        raise PayloadError(f"payload of {head.size} bytes is shorter than the fixed prefix")
-    magic, fver, crc = _PREFIX.unpack_from(head.data, 0)
+    on_cpu = payload.device.type == "cpu"
+    buf = payload.numpy() if on_cpu else payload[:_HEAD_WINDOW].cpu().numpy()
+    if buf.size < _PREFIX.size:
+        raise PayloadError(f"payload of {buf.size} bytes is shorter than the fixed prefix")
+    magic, fver, crc = _PREFIX.unpack_from(buf.data, 0)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}: not a recsz payload")
     if fver == FORMAT_VERSION:
-        buf = payload.cpu().numpy()
+        if not on_cpu:
+            buf = payload.cpu().numpy()
         rest = buf[_PREFIX.size :]
         if zlib.crc32(rest.data) != crc:
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
@@ -357,10 +383,10 @@ def parse_payload(
         body: np.ndarray | torch.Tensor = host_body
     elif fver == DEVICE_FORMAT:
         got = word_hash(payload[_PREFIX.size :])
-        want = torch.frombuffer(bytearray(head[4:8].tobytes()), dtype=torch.uint8)
+        want = torch.frombuffer(bytearray(buf[4:8].tobytes()), dtype=torch.uint8)
         if not torch.equal(got.cpu(), want):
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
-        fields, o = _parse_header(head[_PREFIX.size :])
+        fields, o = _parse_header(buf[_PREFIX.size : _HEAD_WINDOW])
         o += _PREFIX.size
         body = payload[o:]  # stays on its device
         size = int(body.numel())
@@ -376,29 +402,42 @@ def parse_payload(
     return fields, body
 
 
+def _uvarint_at(b: bytes, o: int) -> tuple[int, int]:
+    """read_uvarint on Python bytes (indexing bytes is several times cheaper than numpy)."""
+    n = shift = 0
+    while True:
+        if o >= len(b) or shift > 63:
+            raise PayloadError("truncated or oversized varint")
+        v = b[o]
+        o += 1
+        n |= (v & 0x7F) << shift
+        shift += 7
+        if not v & 0x80:
+            return n, o
+
+
 def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
     """The header fields after the prefix, and the offset where the body starts."""
+    b = rest[:_HEAD_WINDOW].tobytes()
     try:
-        o = 0
-        clen = int(rest[o])
-        o += 1
-        codec = rest[o : o + clen].tobytes().decode("ascii")
-        o += clen
-        cver = int(rest[o])
-        cfglen, o = read_uvarint(rest, o + 1)
-        raw_cfg = rest[o : o + cfglen].tobytes()
+        clen = b[0]
+        codec = b[1 : 1 + clen].decode("ascii")
+        o = 1 + clen
+        cver = b[o]
+        cfglen, o = _uvarint_at(b, o + 1)
+        raw_cfg = b[o : o + cfglen]
         if len(raw_cfg) != cfglen:
             raise IndexError("config runs past the header")
         config = json.loads(raw_cfg) if raw_cfg else {}
         o += cfglen
-        dcode, ndim = int(rest[o]), int(rest[o + 1])
+        dcode, ndim = b[o], b[o + 1]
         o += 2
         shape = []
         for _ in range(ndim):
-            d, o = read_uvarint(rest, o)
+            d, o = _uvarint_at(b, o)
             shape.append(d)
-        (eb,) = struct.unpack_from("<d", rest.data, o)
-        blen, o = read_uvarint(rest, o + 8)
+        (eb,) = struct.unpack_from("<d", b, o)
+        blen, o = _uvarint_at(b, o + 8)
     except (IndexError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"malformed header: {e}") from None
     if dcode not in _DTYPE_BY_CODE:
