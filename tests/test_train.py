@@ -76,6 +76,54 @@ def test_bad_flags_fail_loudly() -> None:
         main(["--data", "/nonexistent/file.tsv", "--no-progress"])
 
 
+def test_device_flag_is_checked() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            TrainConfig(device="cuda")
+    else:
+        with pytest.raises(ValueError, match="fwd-refs"):
+            TrainConfig(device="cuda", fwd_refs=True)
+    with pytest.raises(ValueError, match="--device must be cpu or cuda"):
+        TrainConfig(device="tpu")
+    with pytest.raises(SystemExit):
+        main(["--device", "tpu"])
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_one_gpu_training_matches_cpu(tmp_path: Path) -> None:
+    """The same run on the GPU and on the CPU, lossless codec: the same losses up to float
+    rounding, and the compressed GPU run within the bound-driven AUC noise."""
+    common = ["--steps", "20", "--preset", "tiny", "--no-progress", "--log-every", "5"]
+    runs = {}
+    for dev in ("cpu", "cuda"):
+        out = tmp_path / dev
+        assert (
+            main(
+                [
+                    *common,
+                    "--device",
+                    dev,
+                    "--fwd-codec",
+                    "zstd",
+                    "--bwd-codec",
+                    "zstd",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        runs[dev] = json.loads((out / "summary.json").read_text())
+    assert abs(runs["cpu"]["auc"] - runs["cuda"]["auc"]) < 2e-3
+    out = tmp_path / "hybrid"
+    args = [*common, "--device", "cuda", "--fwd-codec", "hybrid", "--bwd-codec", "hybrid"]
+    assert main([*args, "--eb-policy", "dual", "--out", str(out)]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["fwd_ratio"] > 5 and abs(s["auc"] - runs["cuda"]["auc"]) < 0.02
+
+
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs an error bound"):
         main(["--steps", "1", "--fwd-codec", "hybrid", "--eb-policy", "none", "--no-progress"])

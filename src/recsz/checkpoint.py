@@ -31,6 +31,7 @@ _MAY_CHANGE = {
     "checkpoint_every",
     "check_bounds",
     "dist_timeout",
+    "device",  # a run may move between CPU and GPU (the state is mapped on load)
 }
 
 
@@ -107,7 +108,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
     if diff:
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
         raise ValueError(f"checkpoint {d} was written with another configuration ({detail})")
-    state = torch.load(d / f"rank-{ranks.rank}.pt", weights_only=False)
+    state = torch.load(d / f"rank-{ranks.rank}.pt", weights_only=False, map_location=ranks.device)
     if state["tables"] != parts.sparse.tables:
         raise ValueError(
             f"checkpoint {d}: rank {ranks.rank} held tables {state['tables']}, "
@@ -121,7 +122,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
     for k, p in parts.exchange.policies.items():
         p.load_state_dict(state["policies"][k])
     parts.exchange.load_state_dict(state["exchange"])
-    torch.set_rng_state(state["torch_rng"])
+    torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     if parts.dct is not None and state.get("dct_dp"):
         for k, v in state["dct_dp"].items():
             setattr(parts.dct, k, v)

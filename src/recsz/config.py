@@ -54,6 +54,7 @@ class TrainConfig:
     dp_comm: str = "allreduce"  # MLP gradients: "allreduce" (DDP) or "dct" (DCT-DP)
     dct_keep: float = 0.01  # DCT: fraction of entries kept (top-k by magnitude)
     dct_refresh: int = 1000  # DCT: iterations between threshold refreshes
+    device: str = "cpu"  # "cpu", or "cuda": one GPU a rank (LOCAL_RANK), payloads over NCCL
     dist_timeout: float = 120.0  # seconds before a stuck collective fails the job
     checkpoint_every: int = 0  # steps between checkpoints in the run dir; 0: none
     resume: str | None = None  # run dir to continue from its last complete checkpoint
@@ -101,6 +102,19 @@ class TrainConfig:
             raise ValueError(f"--ref-cache-rows must be >= 1, got {self.ref_cache_rows}")
         if self.nproc < 1:
             raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda, but torch sees no CUDA device here")
+            if self.fwd_refs:
+                raise ValueError(
+                    "--fwd-refs keeps its reference caches on the CPU: not with --device cuda"
+                )
+            if self.dp_comm == "dct":
+                raise ValueError("--dp-comm dct runs on the CPU only: not with --device cuda")
         if self.dist_timeout <= 0:
             raise ValueError("--dist-timeout must be positive")
         for name in ("eval_every", "log_every", "checkpoint_every"):
@@ -213,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--dct-keep", type=float, default=0.01, help="DCT: fraction of entries kept")
     a("--dct-refresh", type=int, default=1000, help="DCT: iterations between thresholds")
+    a(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where model, batches and payloads live; cuda: one GPU a rank (LOCAL_RANK), "
+        "payload bytes over NCCL, small CPU collectives over gloo",
+    )
     a("--dist-timeout", type=float, default=120.0, help="collective timeout, seconds")
     a("--checkpoint-every", type=int, default=0)
     a("--resume", help="run directory to resume from")

@@ -58,16 +58,24 @@ class Ranks:
 
     rank: int = 0
     world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
-    def from_env(cls, timeout_s: float) -> Ranks:
+    def from_env(cls, timeout_s: float, device: str = "cpu") -> Ranks:
+        """One process group for the job. On CPU, gloo; with CUDA, gloo for the small CPU
+        tensors (sizes, metrics) and NCCL for the CUDA ones (payloads, MLP gradients):
+        NCCL moves CUDA tensors only, and picking it alone failed every CPU collective."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        dev = torch.device("cpu")
+        if device == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
         if world == 1:
-            return cls()
-        # The trainer keeps its tensors on the CPU, so gloo moves them even where CUDA
-        # exists (NCCL takes CUDA tensors only: picking it there failed every collective).
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        return cls(dist.get_rank(), dist.get_world_size())
+            return cls(device=dev)
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        return cls(dist.get_rank(), dist.get_world_size(), dev)
 
     def all_mean(self, x: float) -> float:
         if self.world == 1:
@@ -153,13 +161,13 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     mcfg = preset.model
     owners = plan_tables(mcfg.table_sizes, mcfg.emb_dim, ranks.world)
     plan = ShardPlan(owners, ranks.world)
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed)
-    dense_arch = DenseArch(mcfg, cfg.seed)
+    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed).to(ranks.device)
+    dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
     timer = AllReduceTimer(world=ranks.world)
     dct_state: DCTState | None = None
     dense: nn.Module = dense_arch
     if ranks.world > 1:
-        dense = DDP(dense_arch)
+        dense = DDP(dense_arch, device_ids=[ranks.device] if ranks.device.type == "cuda" else None)
         if cfg.dp_comm == "dct":
             dct_state = DCTState(ranks.world, cfg.dct_keep, cfg.dct_refresh)
             dense.register_comm_hook(dct_state, dct_hook)
@@ -237,6 +245,7 @@ def evaluate(
         if pad:  # repeat the last row so every rank gets the same number of samples
             idx = torch.cat([torch.arange(n), torch.full((pad,), n - 1)])
             batch = type(batch)(batch.dense[idx], batch.ids[idx], batch.labels[idx])
+        batch = batch.to(ranks.device)
         b = len(batch) // w
         mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
         p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step, ranks, record=False))
@@ -244,8 +253,8 @@ def evaluate(
             gathered = [torch.empty_like(p) for _ in range(w)]
             dist.all_gather(gathered, p)
             p = torch.cat(gathered)
-        preds.append(p[:n].double().numpy())
-        labels.append(batch.labels[:n].double().numpy())
+        preds.append(p[:n].double().cpu().numpy())
+        labels.append(batch.labels[:n].double().cpu().numpy())
     y, p_all = np.concatenate(labels), np.concatenate(preds)
     # AUC is undefined with one class: say so (NaN) rather than invent a number.
     auc = float(roc_auc_score(y, p_all)) if len(np.unique(y)) == 2 else float("nan")
@@ -266,7 +275,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     # Embedding optimizers build sparse gradients of well-formed indices; say so once
     # rather than have torch warn on every step.
     torch.sparse.check_sparse_tensor_invariants.disable()
-    ranks = Ranks.from_env(cfg.dist_timeout)
+    ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     try:
         _check_same_config(cfg, ranks)
@@ -317,7 +326,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             # Data loading is timed apart (data_s): a real input pipeline overlaps it with
             # training, and the synthetic generator's cost is not what we measure.
             t0 = time.perf_counter()
-            batch = source.train_batch(step, bsz)
+            batch = source.train_batch(step, bsz).to(ranks.device)
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             losses.append(train_step(parts, batch, step, ranks))

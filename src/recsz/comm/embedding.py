@@ -150,13 +150,24 @@ class EmbeddingExchange:
                     f"{direction} codec {codec.codec_id!r} needs an error bound "
                     "policy (--eb-policy)"
                 )
+        # One call for every chunk of the step: the same payloads as one call each, but a
+        # codec that codes on the device (CUDA) shares its launches and synchronizations.
+        batched: list[torch.Tensor] = []
+        if encode_item is None:
+            flat = [(t, c.contiguous()) for items in plan for t, c, _ in items]
+            batched = codec.encode_batch([c for _, c in flat], [ebs[t] for t, _ in flat])
         framed = []
+        k = 0
         for dest, items in enumerate(plan):
             parts = []
             for t, c, n_raw in items:
                 c = c.contiguous()
                 eb = ebs[t]
-                p = codec.encode(c, eb) if encode_item is None else encode_item(t, dest, c, eb)
+                if encode_item is None:
+                    p = batched[k]
+                    k += 1
+                else:
+                    p = encode_item(t, dest, c, eb)
                 parts.append(p)
                 if record:
                     st = self.stats
@@ -186,15 +197,17 @@ class EmbeddingExchange:
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: payload from rank {src} ({direction}): {e}") from e
 
-    def _decode_from(
-        self, direction: str, buf: torch.Tensor, src: int, n: int, record: bool
+    def _decode_all(
+        self, direction: str, parts: list[torch.Tensor], srcs: list[int]
     ) -> list[torch.Tensor]:
-        t0 = time.perf_counter()
-        parts = unframe(buf, n, f"rank {src} ({direction} all-to-all)")
-        out = [self._decode_one(direction, p, src) for p in parts]
-        if record:
-            self.stats.codec_s += time.perf_counter() - t0
-        return out
+        """Decode the payloads of every source in one call; on a bad payload, decode them
+        one by one so that the error names the rank that sent it."""
+        try:
+            return self.codecs[direction].decode_batch(parts)
+        except ValueError:
+            for p, src in zip(parts, srcs, strict=True):
+                self._decode_one(direction, p, src)
+            raise
 
     # ---- forward ------------------------------------------------------------------
     def _slice_ids(self, ids: torch.Tensor, rank: int, table: int) -> torch.Tensor:
@@ -272,38 +285,43 @@ class EmbeddingExchange:
         b = ids.shape[0] // self.world
         # Table-major, so each table's rows land contiguously (index_select writes them in
         # place); the caller gets the (b, T, D) view.
-        out_t = torch.empty(len(self.plan.owners), b, dim)
+        out_t = torch.empty(len(self.plan.owners), b, dim, device=ids.device)
         t0 = time.perf_counter()
         with record_function("recsz.a2a_fwd.decode"):
+            items: list[tuple[int, int, torch.Tensor]] = []  # (source, table, payload)
             for src, buf in enumerate(bufs):
                 tables = self.plan.tables_of(src)
                 parts = unframe(buf, len(tables), f"rank {src} (fwd all-to-all)")
-                for t, part in zip(tables, parts, strict=True):
-                    inv = uniq = None
-                    rows = b
-                    if self.id_dedup:
-                        inv, first, uniq = self._distinct(ids, self.rank, t)
-                        rows = first.numel()
-                    if use_refs:
-                        assert uniq is not None
-                        y = decode_with_refs(
-                            self.caches[t],
-                            uniq,
-                            part,
-                            functools.partial(self._decode_one, "fwd", src=src),
-                            f"rank {src} (fwd references of table {t})",
-                        )
-                    else:
-                        y = self._decode_one("fwd", part, src)
-                    if tuple(y.shape) != (rows, dim):
-                        raise ValueError(
-                            f"rank {src} sent table {t} as {tuple(y.shape)}, expected "
-                            f"{(rows, dim)} (do the ranks read the same batch?)"
-                        )
-                    if inv is None:
-                        out_t[t] = y
-                    else:
-                        torch.index_select(y, 0, inv, out=out_t[t])
+                items += [(src, t, part) for t, part in zip(tables, parts, strict=True)]
+            decoded: list[torch.Tensor] = []
+            if not use_refs:
+                decoded = self._decode_all("fwd", [p for *_, p in items], [s for s, *_ in items])
+            for k, (src, t, part) in enumerate(items):
+                inv = uniq = None
+                rows = b
+                if self.id_dedup:
+                    inv, first, uniq = self._distinct(ids, self.rank, t)
+                    rows = first.numel()
+                if use_refs:
+                    assert uniq is not None
+                    y = decode_with_refs(
+                        self.caches[t],
+                        uniq,
+                        part,
+                        functools.partial(self._decode_one, "fwd", src=src),
+                        f"rank {src} (fwd references of table {t})",
+                    )
+                else:
+                    y = decoded[k]
+                if tuple(y.shape) != (rows, dim):
+                    raise ValueError(
+                        f"rank {src} sent table {t} as {tuple(y.shape)}, expected "
+                        f"{(rows, dim)} (do the ranks read the same batch?)"
+                    )
+                if inv is None:
+                    out_t[t] = y
+                else:
+                    torch.index_select(y, 0, inv, out=out_t[t])
         if record:
             self.stats.codec_s += time.perf_counter() - t0
         return out_t.transpose(0, 1)
@@ -320,7 +338,7 @@ class EmbeddingExchange:
         b, n_tables, d = grad.shape
         # Scaled and laid out table-major in one pass: every table's (b, D) slice is then
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
-        by_table = torch.empty(n_tables, b, d, dtype=grad.dtype)
+        by_table = torch.empty(n_tables, b, d, dtype=grad.dtype, device=grad.device)
         torch.div(grad.transpose(0, 1), self.world, out=by_table)
         with record_function("recsz.a2a_bwd.encode"):
             cols: dict[int, torch.Tensor] = {}
@@ -328,7 +346,7 @@ class EmbeddingExchange:
                 g = by_table[t]
                 if self.coalesce:
                     inv, first, _ = self._distinct(ids, self.rank, t)
-                    g = torch.zeros(first.numel(), d, dtype=g.dtype).index_add_(0, inv, g)
+                    g = g.new_zeros(first.numel(), d).index_add_(0, inv, g)
                 cols[t] = g
             plan = [
                 [(t, cols[t], b * d * 4) for t in self.plan.tables_of(dest)]
@@ -345,12 +363,20 @@ class EmbeddingExchange:
         with record_function("recsz.a2a_bwd.wait"):
             bufs = pending.wait()
         self.stats.a2a_s["bwd"] += pending.waited_s
-        out = torch.zeros(b * self.world, len(self.mine), d)
+        out = grad.new_zeros(b * self.world, len(self.mine), d)
         with record_function("recsz.a2a_bwd.decode"):
-            for src, buf in enumerate(bufs):
-                decoded = self._decode_from("bwd", buf, src, len(self.mine), True)
+            t0 = time.perf_counter()
+            parts = [
+                unframe(buf, len(self.mine), f"rank {src} (bwd all-to-all)")
+                for src, buf in enumerate(bufs)
+            ]
+            srcs = [src for src, ps in enumerate(parts) for _ in ps]
+            flat = self._decode_all("bwd", [p for ps in parts for p in ps], srcs)
+            self.stats.codec_s += time.perf_counter() - t0
+            for src in range(len(bufs)):
+                decoded = flat[src * len(self.mine) : (src + 1) * len(self.mine)]
                 for j, (t, y) in enumerate(zip(self.mine, decoded, strict=True)):
-                    rows = torch.arange(b)
+                    rows = torch.arange(b, device=grad.device)
                     if self.coalesce:
                         _, rows, _ = self._distinct(ids, src, t)
                     if tuple(y.shape) != (rows.numel(), d):

@@ -22,22 +22,28 @@ def frame(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate byte tensors with a table of their lengths, so they can be split again."""
     lens = [int(p.numel()) for p in parts]
     head = _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *lens)
-    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    return torch.cat([head_t, *[p.view(-1).cpu() for p in parts]])
+    dev = parts[0].device if parts else torch.device("cpu")
+    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(dev)
+    return torch.cat([head_t, *[p.view(-1).to(dev) for p in parts]])
 
 
 def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]:
     """Split a framed buffer; ``source`` names the sender in any error."""
-    raw = buf.numpy() if buf.device.type == "cpu" else buf.cpu().numpy()
+    # Only the length table is read on the host; the payloads stay where they are.
+    raw = buf[: _COUNT.size + 8 * expected].cpu().numpy()
     if raw.size < _COUNT.size:
         raise ValueError(f"{source}: framed buffer of {raw.size} bytes is truncated")
     (n,) = _COUNT.unpack_from(raw.data, 0)
     if n != expected:
         raise ValueError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
+    if raw.size < _COUNT.size + 8 * n:
+        raise ValueError(f"{source}: framed buffer of {buf.numel()} bytes is truncated")
     lens = struct.unpack_from(f"<{n}Q", raw.data, _COUNT.size)
     o = _COUNT.size + 8 * n
-    if o + sum(lens) != raw.size:
-        raise ValueError(f"{source}: chunk lengths do not add up to the {raw.size} bytes received")
+    if o + sum(lens) != buf.numel():
+        raise ValueError(
+            f"{source}: chunk lengths do not add up to the {buf.numel()} bytes received"
+        )
     out = []
     for ln in lens:
         out.append(buf[o : o + ln])
@@ -80,6 +86,6 @@ def start_all_to_all_bytes(send: list[torch.Tensor], world: int) -> PendingBytes
     size_s = time.perf_counter() - t
     recv_sizes = recv.tolist()
     inp = torch.cat([s.view(-1) for s in send])
-    out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=inp.device)
     work = dist.all_to_all_single(out, inp, recv_sizes, sizes.tolist(), async_op=True)
     return PendingBytes(out, recv_sizes, work, waited_s=size_s)

@@ -32,6 +32,13 @@ class Batch:
     def slice(self, start: int, stop: int) -> Batch:
         return Batch(self.dense[start:stop], self.ids[start:stop], self.labels[start:stop])
 
+    def to(self, device: torch.device) -> Batch:
+        """The batch on ``device`` (itself when it is there already)."""
+        if self.labels.device == device:
+            return self
+        moved = (t.to(device, non_blocking=True) for t in (self.dense, self.ids, self.labels))
+        return Batch(*moved)
+
 
 def _to_batch(a: criteo.Arrays) -> Batch:
     return Batch(
