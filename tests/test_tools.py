@@ -24,6 +24,20 @@ def _bench(name: str) -> ModuleType:
         sys.path.pop(0)
 
 
+def test_cli_reports_bad_input_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("RECSZ_TRACEBACK", raising=False)
+    assert cli_main(["train", "--dct-keep", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "recsz train: error: --dct-keep must be in (0, 1]" in err and "Traceback" not in err
+    assert cli_main(["train", "--data", "/nonexistent/x.tsv", "--no-progress"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    monkeypatch.setenv("RECSZ_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="dct-keep"):
+        cli_main(["train", "--dct-keep", "5"])
+
+
 def test_plot_writes_pngs(tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -17,6 +18,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    try:
+        return _run(cmd, rest)
+    except (ValueError, OSError, IndexError) as e:
+        # Bad input (flags, files, data lines, payloads from a rank): the message names the
+        # problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it anyway.
+        if os.environ.get("RECSZ_TRACEBACK"):
+            raise
+        print(f"recsz {cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(cmd: str, rest: list[str]) -> int:
     if cmd == "train":
         from recsz.train import main as train_main
 
