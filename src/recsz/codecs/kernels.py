@@ -208,14 +208,14 @@ def encode_rows(
 
 @njit(cache=True, nogil=True)
 def _dequantize_planes(
-    raw: np.ndarray, base: int, n: int, w: int, step: np.floating, out: np.ndarray
+    raw: np.ndarray, base: int, n: int, w: int, step: float, out: np.ndarray
 ) -> None:
     """Zig-zagged codes in ``w`` byte planes -> code * step, in one pass for one-byte codes
     (the usual width at the paper's bounds) instead of through an int64 array."""
     if w == 1:
         p = raw[base : base + n]
         for i in range(n):
-            zz = np.int64(p[i])
+            zz = int(p[i])
             out[i] = _like((zz >> 1) ^ -(zz & 1), step) * step
         return
     codes = _get_planes(raw, base, n, w)
