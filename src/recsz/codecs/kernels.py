@@ -234,37 +234,38 @@ def decode_rows(
     out: np.ndarray,
     stepv: np.ndarray,
 ) -> int:
-    """Inverse of :func:`encode_rows` into ``out`` (N, D); returns a status code."""
+    """Inverse of :func:`encode_rows` into ``out`` (N, D); returns a status code.
+
+    The literal rows are dequantized once; then every row is copied from the literal it is
+    (the k-th literal row) or refers to, in one pass."""
     n, d = out.shape
-    of = out.reshape(n * d)
     if n_refs == 0:
         if n_codes != n * d:
             return BAD_LITERAL_COUNT
-        _dequantize_planes(raw, 0, n_codes, w_codes, stepv[0], of)
+        _dequantize_planes(raw, 0, n_codes, w_codes, stepv[0], out.reshape(n * d))
         return OK
-    vals = np.empty(n_codes, out.dtype)
-    _dequantize_planes(raw, w_refs * n_refs, n_codes, w_codes, stepv[0], vals)
-    if n_refs != n:
+    if n_refs != n or d == 0 or n_codes % d:
         return BAD_LITERAL_COUNT
+    n_lit = n_codes // d
+    vals = np.empty((n_lit, d), out.dtype)
+    _dequantize_planes(raw, w_refs * n_refs, n_codes, w_codes, stepv[0], vals.reshape(n_codes))
     refs = _get_planes(raw, 0, n_refs, w_refs)
-    lit_row = np.empty(n, np.int64)
     k = 0
     for i in range(n):
-        if refs[i] == 0:
-            if (k + 1) * d > n_codes:
-                return BAD_LITERAL_COUNT
-            _copy(of[i * d : (i + 1) * d], vals[k * d : (k + 1) * d])
-            lit_row[k] = i
-            k += 1
-    if k * d != n_codes:
-        return BAD_LITERAL_COUNT
-    for i in range(n):
         r = refs[i]
-        if r != 0:
-            if r > k:
+        if r == 0:
+            src = k
+            k += 1
+            if src >= n_lit:
+                return BAD_LITERAL_COUNT
+        else:
+            src = r - 1
+            if src >= k:  # a reference may only name a literal already sent
                 return BAD_REFERENCE
-            src = lit_row[r - 1]
-            _copy(of[i * d : (i + 1) * d], of[src * d : (src + 1) * d])
+        for j in range(d):
+            out[i, j] = vals[src, j]
+    if k != n_lit:
+        return BAD_LITERAL_COUNT
     return OK
 
 
