@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from recsz.codecs import PayloadError, get_codec
 from recsz.codecs import huffman as H
-from recsz.codecs.base import DEVICE_FORMAT, word_hash
-from recsz.codecs.device import segmented_hash
+from recsz.codecs.devbuf import segmented_hash, word_hash
+from recsz.codecs.payload import DEVICE_FORMAT
 
 
 def _ints(values: np.ndarray) -> torch.Tensor:

@@ -126,7 +126,7 @@ def test_forged_reference_payload_raises_payload_error() -> None:
     codec = get_codec("quant+lz")
     refs = np.array([0, 5, 0], np.int64)
     body_core = pack_streams([refs, np.zeros(4, np.int64)], None, ZSTD)
-    from recsz.codecs.base import join_sections
+    from recsz.codecs.payload import join_sections
 
     body = join_sections([body_core, b"", b""])
     head = codec._header(torch.Size([3, 2]), torch.float32, 0.1, body)
@@ -164,7 +164,7 @@ def test_range_coded_references_round_trip(n: int, alpha: float, seed: int) -> N
 
 
 def test_power_law_references_take_the_range_coder() -> None:
-    from recsz.codecs.base import parse_payload, split_sections
+    from recsz.codecs.payload import parse_payload, split_sections
 
     x = power_law_rows(4096, 16, seed=3)
     payload = get_codec("hybrid").encode(x, 0.03 * float(x.max() - x.min()))

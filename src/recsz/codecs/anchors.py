@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs.base import Codec, PayloadError, tensor_bytes, tensor_from_bytes
+from recsz.codecs.base import Codec
+from recsz.codecs.payload import PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
 _QDTYPE = {"FP16": torch.float16, "BF16": torch.bfloat16, "FP8": torch.uint8, "MX4": torch.uint8}

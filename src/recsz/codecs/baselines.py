@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import Codec, PayloadError, tensor_bytes, tensor_from_bytes
+from recsz.codecs.base import Codec
+from recsz.codecs.payload import PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
 

@@ -1,7 +1,7 @@
 """Canonical Huffman codes for byte planes: construction (host) and the stream format.
 
 The coding itself runs where the tensor lives, in torch operations, batched over many
-chunks (:mod:`recsz.codecs.device`), so coded data never visit the host. Why this design:
+chunks (:func:`pack_bits`, :func:`decode_planes`), so coded data never visit the host. Why this design:
 - Only the histogram (256 counts a plane) goes to the host, where the code lengths are
   built (a 256-symbol tree is sequential and tiny); code tables come back. The data
   itself is coded on its device: bit offsets are a cumulative sum of code lengths, and
@@ -27,9 +27,11 @@ Stream layout (little endian)::
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from recsz.codecs import kernels
-from recsz.codecs.base import PayloadError
+from recsz.codecs.devbuf import Uploads, excl, from_le, nonzero_known
+from recsz.codecs.payload import PayloadError
 
 LOG2_BLOCK = 12
 MAX_LEN = 12  # longest code: keeps the decoding table at 4096 entries
@@ -78,3 +80,149 @@ def meta_size(head: np.ndarray, w: int) -> int:
     if o > head.size:
         raise PayloadError("truncated Huffman stream metadata")
     return o
+
+
+# ---- coding on the device (batched over planes) -----------------------------------
+def pack_bits(
+    sym: torch.Tensor,
+    owner: torch.Tensor,
+    lengths: np.ndarray,
+    base: np.ndarray,
+    block_idx: list[int],
+    n_words: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Code many planes at once: all their codes added into one word array.
+
+    Args:
+        sym: (M,) byte symbols of all planes, plane after plane, on the device.
+        owner: (M,) the plane of each symbol.
+        lengths: (S, 256) code lengths of each plane (all 0 for a plane coded otherwise).
+        base: (S, 2) first bit of each plane's words in the word array, and the total
+            code length of the planes before it.
+        block_idx: positions in ``sym`` that start a block (after each plane's first).
+        n_words: 32-bit words of all planes together.
+    Returns:
+        (n_words,) int64 words (u32 values, LSB first), and the bit offset of each block
+        start inside its plane.
+    """
+    dev = sym.device
+    up = Uploads()
+    h_tab = up.add(np.stack([lengths, kernels.canonical_codes_many(lengths)], 1))
+    h_base = up.add(base)
+    h_bidx = up.add(block_idx)
+    up.send(dev)
+    tab = up[h_tab].view(-1, 2, 256)
+    base_t = up[h_base].view(-1, 2)
+    ln = tab[owner, 0, sym]
+    code = tab[owner, 1, sym]
+    off = torch.cumsum(ln, 0).sub_(ln) - base_t[owner, 1]  # bit offset inside the plane
+    pos = off + base_t[owner, 0]
+    q, sh = pos >> 5, pos & 31
+    words = torch.zeros(n_words + 1, dtype=torch.int64, device=dev)
+    words.index_add_(0, q, (code << sh) & 0xFFFFFFFF)
+    words.index_add_(0, q + 1, code >> (32 - sh))
+    return words[:n_words], off[up[h_bidx]]
+
+
+def decode_planes(
+    words: list[torch.Tensor],
+    stored: list[torch.Tensor],
+    lengths: np.ndarray,
+    nbits: list[int],
+    counts: list[int],
+) -> torch.Tensor:
+    """Decode many Huffman-coded planes at once, by speculation.
+
+    Args:
+        words: each plane's coded words, as bytes (u32 little endian) on the device.
+        stored: each plane's stored block starts (u32 bytes, blocks 1..).
+        lengths: (S, 256) code lengths; nbits / counts: bits and symbols of each plane.
+    Returns:
+        (sum(counts),) uint8 symbols, plane after plane.
+
+    Each plane's words are followed by one zero word, so that its end is a bit position of
+    its own (a fixed point of the successor map); the last position is a sink that every
+    invalid code and overrun leads to. Raises PayloadError when a plane does not decode to
+    its symbol count.
+    """
+    dev = words[0].device
+    block = 1 << LOG2_BLOCK
+    nseg = len(counts)
+    nw = [w.numel() // 4 for w in words]
+    tab = kernels.decode_tables(lengths, kernels.canonical_codes_many(lengths), MAX_LEN)
+    wbase = excl([w + 1 for w in nw])
+    acc = wbase[-1] + nw[-1] + 1
+    sink = 32 * acc
+    nbs = [-(-n // block) for n in counts]
+    up = Uploads()
+    h_tab = up.add(tab)
+    h_bits = up.add([32 * (w + 1) for w in nw] + [1])
+    h_gbase = up.add([32 * w for w in wbase])
+    h_ends = up.add([32 * w + b for w, b in zip(wbase, nbits, strict=True)])
+    h_nbs = up.add(nbs)
+    h_first = up.add(excl(nbs))
+    h_last = up.add(np.cumsum(nbs) - 1)
+    h_counts = up.add(counts)
+    h_cbase = up.add(excl(counts))
+    h_inblock = up.add(
+        [min(block, n - b * block) for n, nb in zip(counts, nbs, strict=True) for b in range(nb)]
+    )
+    up.send(dev)
+    tab_t = up[h_tab].view(nseg, 2, 1 << MAX_LEN)
+    zero4 = torch.zeros(4, dtype=torch.uint8, device=dev)
+    pieces = [p for w in words for p in (w, zero4)]
+    all_words = torch.cat(
+        [from_le(torch.cat(pieces), 4), torch.zeros(1, dtype=torch.int64, device=dev)]
+    )
+    pos = torch.arange(sink + 1, device=dev)
+    owner = torch.repeat_interleave(
+        torch.arange(nseg + 1, device=dev), up[h_bits], output_size=sink + 1
+    ).clamp_(max=nseg - 1)
+    ends = up[h_ends]
+    qq = (pos >> 5).clamp_(max=all_words.numel() - 2)
+    window = ((all_words[qq] | (all_words[qq + 1] << 32)) >> (pos & 31)) & ((1 << MAX_LEN) - 1)
+    ln = tab_t[owner, 1, window]
+    end_p = ends[owner]
+    nxt = pos + ln
+    nxt = torch.where((ln == 0) | (nxt > end_p) | (pos >= end_p), sink, nxt)
+    nxt = torch.where(pos == end_p, pos, nxt)
+    nxt[sink] = sink
+    jumps = [nxt]
+    for _ in range(LOG2_BLOCK - 1):
+        jumps.append(jumps[-1][jumps[-1]])
+    # Block starts: 0 and the stored offsets, each plus its segment's first bit.
+    nb_total = sum(nbs)
+    blk_owner = torch.repeat_interleave(
+        torch.arange(nseg, device=dev), up[h_nbs], output_size=nb_total
+    )
+    begin_local = torch.zeros(nb_total, dtype=torch.int64, device=dev)
+    if nb_total > nseg:
+        later = torch.ones(nb_total, dtype=torch.bool, device=dev)
+        later[up[h_first]] = False
+        begin_local[nonzero_known(later, nb_total - nseg)] = from_le(torch.cat(stored), 4)
+    begin = begin_local + up[h_gbase][blk_owner]
+    seg_end = ends[blk_owner]
+    is_last = torch.zeros(nb_total, dtype=torch.bool, device=dev)
+    is_last[up[h_last]] = True
+    block_end = torch.where(is_last, seg_end, torch.cat([begin[1:], begin.new_zeros(1)]))
+    at = begin.clamp(0, sink).view(-1, 1)
+    for lvl in reversed(range(LOG2_BLOCK)):
+        at = torch.stack([at, jumps[lvl][at]], dim=2).view(at.shape[0], -1)
+    at = at.view(-1)
+    # Symbol i of segment s sits at its block row, column i % block.
+    total = sum(counts)
+    sym_owner = torch.repeat_interleave(
+        torch.arange(nseg, device=dev), up[h_counts], output_size=total
+    )
+    flat = torch.arange(total, device=dev) - up[h_cbase][sym_owner] + up[h_first][sym_owner] * block
+    sym_pos = at[flat]
+    last_sym = at[torch.arange(nb_total, device=dev) * block + up[h_inblock] - 1]
+    ok = (
+        (nxt[last_sym] == block_end).all()
+        & (sym_pos < ends[sym_owner]).all()
+        & (begin <= seg_end).all()
+        & (block_end >= begin).all()
+    )
+    if not bool(ok):  # the one synchronization of all the Huffman decoding
+        raise PayloadError("Huffman plane does not decode to its symbol count")
+    return tab_t[sym_owner, 0, window[sym_pos]].to(torch.uint8)

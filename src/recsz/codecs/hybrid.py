@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import device, kernels
-from recsz.codecs.base import Codec, PayloadError
+from recsz.codecs import device_decode, device_encode, kernels
+from recsz.codecs.base import Codec
+from recsz.codecs.payload import PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import (
     SPLIT,
@@ -142,10 +143,10 @@ class _QuantPipeline(Codec):
         ), torch.from_numpy(missed)
 
     def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
-        return device.encode_batch(self, xs, ebs)
+        return device_encode.encode_batch(self, xs, ebs)
 
     def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return device.decode_batch(self, payloads)
+        return device_decode.decode_batch(self, payloads)
 
     def _decode(
         self,

@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 
-from recsz.codecs.base import Codec, PayloadError, parse_payload
+from recsz.codecs.base import Codec
+from recsz.codecs.payload import PayloadError, parse_payload
 
 _REGISTRY: dict[str, type[Codec]] = {}
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import (
-    Codec,
+from recsz.codecs.base import Codec
+from recsz.codecs.payload import (
     PayloadError,
     join_sections,
     split_sections,

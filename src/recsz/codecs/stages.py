@@ -13,14 +13,14 @@ import torch
 import zstandard
 
 from recsz.codecs import kernels
-from recsz.codecs.base import PayloadError, read_uvarint, uvarint
+from recsz.codecs.payload import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
 QMAX = 2**30 - 1  # its zig-zag still fits 32 bits
 
 
 # ---- quantization -------------------------------------------------------------------
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -49,7 +49,7 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
     Returns:
         codes (N, D) int32 (0 at outliers), outlier positions (K,) int64 into x.view(-1).
     """
-    wd = _work_dtype(x.dtype)
+    wd = work_dtype(x.dtype)
     qmax = QMAX if wd == torch.float64 else 2**24  # float32 holds integers exactly to 2^24
     xs = x if x.dtype == wd else x.to(wd)
     q = torch.mul(xs, 1.0 / (2.0 * eb)).round_().clamp_(-qmax, qmax)
@@ -66,7 +66,7 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dequantize_float(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
-    wd = _work_dtype(dtype)
+    wd = work_dtype(dtype)
     y = torch.mul(q if q.dtype == wd else q.to(wd), torch.tensor(2.0 * eb, dtype=wd))
     return y if dtype == wd else y.to(dtype)
 

@@ -1,0 +1,463 @@
+"""Decoding device-made (format 2) payloads of the quantizing codecs, batched.
+
+The inverse of :mod:`recsz.codecs.device_encode` (which describes the layout): headers and
+stream tables are read from small host copies (one for all payloads per round), the
+Huffman planes of every payload are decoded together (:func:`recsz.codecs.huffman.
+decode_planes`), and rows are rebuilt, dequantized and patched with outliers for all
+payloads of one dtype and width at once. Damaged payloads raise PayloadError: every index
+into device memory is clamped first, and one check at the end rejects what did not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from recsz.codecs import huffman as H
+from recsz.codecs.devbuf import Uploads, excl, from_le, nonzero_known, segmented_hash
+from recsz.codecs.payload import DEVICE_FORMAT, MAGIC, PayloadError, _parse_header, read_uvarint
+from recsz.codecs.stages import _HUFF_PLANES, _PLANES, RAW, SPLIT, work_dtype
+
+if TYPE_CHECKING:
+    from recsz.codecs.hybrid import _QuantPipeline
+
+_HEAD = 512  # bytes of each payload copied to the host for parsing, first round
+
+
+@dataclass
+class _DSeg:
+    payload: int
+    stream: int
+    plane: int
+    n: int
+    kind: int
+    value: int = 0  # CONST
+    at: int = 0  # RAW: byte offset in the payload; HUFF: offset of its block starts
+    nbits: int = 0
+    nw: int = 0
+    words_at: int = 0
+    lengths: np.ndarray | None = None
+
+
+class _Reader:
+    """Host views of a payload's bytes: the first window, plus windows fetched later."""
+
+    def __init__(self, head: np.ndarray, size: int) -> None:
+        self.windows = [(0, head)]
+        self.size = size
+
+    def get(self, o: int, n: int) -> np.ndarray | None:
+        n = min(n, self.size - o)
+        for s, w in self.windows:
+            if s <= o and o + n <= s + w.size:
+                return w[o - s : o - s + n]
+        return None
+
+
+def decode_batch(codec: _QuantPipeline, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Decode format-2 payloads of ``codec`` on their (common) device."""
+    dev = payloads[0].device
+    k = len(payloads)
+    sizes = [int(p.numel()) for p in payloads]
+    buf = torch.cat(payloads) if k > 1 else payloads[0]
+    starts = excl(sizes)
+    heads = torch.cat([p[:_HEAD] for p in payloads]).cpu().numpy()  # sync: the headers
+    readers, o = [], 0
+    for sz in sizes:
+        n = min(sz, _HEAD)
+        readers.append(_Reader(heads[o : o + n], sz))
+        o += n
+    for c, r in enumerate(readers):
+        if sizes[c] < 8:
+            raise PayloadError(f"payload of {sizes[c]} bytes is shorter than the fixed prefix")
+        head = r.get(0, 8)
+        assert head is not None
+        if head[:3].tobytes() != MAGIC or int(head[3]) != DEVICE_FORMAT:
+            raise PayloadError("not a device-made (format 2) recsz payload")
+    got = segmented_hash(buf, starts, [s + z for s, z in zip(starts, sizes, strict=True)]).cpu()
+    for c, r in enumerate(readers):
+        want = r.get(4, 4)
+        assert want is not None
+        if not np.array_equal(got[c].numpy(), want):
+            raise PayloadError("checksum mismatch: payload corrupted or truncated")
+    # Parse on the host copies; what lies beyond them (the second stream's metadata
+    # after the first stream's data) comes in one more copy for all payloads per round.
+    for _ in range(4):
+        metas = [_parse_one(codec, c, readers[c], sizes[c]) for c in range(k)]
+        missing = [(c, o, n) for c, m in enumerate(metas) for o, n in m["need"]]
+        if not missing:
+            return _reconstruct(metas, buf, starts, dev)
+        if any(o >= sizes[c] for c, o, _ in missing):
+            raise PayloadError("stream metadata runs past the payload")
+        extra = torch.cat([payloads[c][o : o + n] for c, o, n in missing]).cpu().numpy()
+        p = 0
+        for c, o, n in missing:
+            n = min(n, sizes[c] - o)
+            readers[c].windows.append((o, extra[p : p + n]))
+            p += n
+    raise PayloadError("payload metadata is nested too deep to parse")
+
+
+def _parse_one(codec: _QuantPipeline, c: int, r: _Reader, size: int) -> dict:
+    """Header, sections and stream layout of one payload; ``need`` lists windows still
+    to fetch."""
+    rest = r.get(8, _HEAD - 8)
+    assert rest is not None
+    fields, o = _parse_header(rest)
+    o += 8
+    if fields["codec"] != codec.codec_id:
+        raise PayloadError(f"payload was made by codec {fields['codec']!r}, not {codec.codec_id!r}")
+    if fields["blen"] != size - o:
+        raise PayloadError(
+            f"body is {size - o} bytes, header says {fields['blen']}: payload truncated or padded"
+        )
+    shape = fields["shape"]
+    if len(shape) != 2:
+        raise PayloadError(f"shape {shape} is not 2-D")
+    n, d = shape
+    m: dict = {
+        "shape": (n, d),
+        "dtype": fields["dtype"],
+        "eb": fields["eb"],
+        "need": [],
+        "segs": [],
+        "dims": [],
+        "mode": RAW,
+        "oidx": (0, 0),
+        "oval": (0, 0),
+    }
+    sec = r.get(o, 31)
+    if sec is None:
+        m["need"].append((o, 31))
+        return m
+    if sec.size < 1 or int(sec[0]) != 3:
+        raise PayloadError("malformed section table (expected 3 sections)")
+    p, lens = 1, []
+    for _ in range(3):
+        ln, p = read_uvarint(sec, p)
+        lens.append(ln)
+    o += p
+    if o + sum(lens) != size:
+        raise PayloadError("section lengths do not add up to the body")
+    core, core_len = o, lens[0]
+    m["oidx"] = (core + lens[0], lens[1])
+    m["oval"] = (core + lens[0] + lens[1], lens[2])
+    m["ow"] = 0
+    if lens[1]:
+        wb = r.get(core + lens[0], 1)
+        if wb is None:
+            m["need"].append((core + lens[0], 1))
+            return m
+        m["ow"] = int(wb[0])
+    if n * d == 0:
+        if core_len or lens[1] > 1 or lens[2]:
+            raise PayloadError("an empty tensor's payload carries data")
+        return m
+    hd = r.get(core, 64)
+    if hd is None:
+        m["need"].append((core, 64))
+        return m
+    cnt = int(hd[0])
+    if cnt not in (1, 2):
+        raise PayloadError(f"{cnt} integer streams, expected 1 or 2")
+    p = 1
+    for _ in range(cnt):
+        w = int(hd[p])
+        num, p = read_uvarint(hd, p + 1)
+        if w not in (1, 2, 4, 8) or num > n * d:
+            raise PayloadError(f"bad integer stream header (width {w}, count {num})")
+        m["dims"].append((w, num))
+    mode = int(hd[p])
+    m["mode"] = mode
+    o = core + p + 1
+    end = core + core_len
+    for si, (w, num) in enumerate(m["dims"]):
+        if mode == RAW:
+            for j in range(w):
+                m["segs"].append(_DSeg(c, si, j, num, H.RAW, at=o + j * num))
+            o += w * num
+            continue
+        if mode != SPLIT:
+            raise PayloadError(f"integer stream mode {mode} in a device-made payload")
+        sh = r.get(o, 11)
+        if sh is None or sh.size < 2:
+            m["need"].append((o, 16 + w * H.MAX_META))
+            return m
+        coder = int(sh[0])
+        ln, q = read_uvarint(sh, 1)
+        o += q
+        if o + ln > end:
+            raise PayloadError("integer stream runs past the body")
+        if coder == _PLANES:
+            if ln != w * num:
+                raise PayloadError(f"stream holds {ln} bytes, expected {w * num}")
+            for j in range(w):
+                m["segs"].append(_DSeg(c, si, j, num, H.RAW, at=o + j * num))
+        elif coder == _HUFF_PLANES:
+            meta = r.get(o, min(ln, 1 + w * H.MAX_META))
+            if meta is None:
+                m["need"].append((o, 1 + w * H.MAX_META))
+                return m
+            m["segs"] += _huff_segs(meta, c, si, w, num, o, ln)
+        else:
+            raise PayloadError(f"stream coder {coder} in a device-made payload")
+        o += ln
+    if o != end:
+        raise PayloadError(f"{end - o} stray bytes after the integer streams")
+    return m
+
+
+def _huff_segs(meta: np.ndarray, c: int, si: int, w: int, n: int, at: int, ln: int) -> list[_DSeg]:
+    if meta.size < 1 or int(meta[0]) != H.LOG2_BLOCK:
+        raise PayloadError("Huffman stream with an unknown block size")
+    nblocks = -(-n // (1 << H.LOG2_BLOCK))
+    o = 1
+    p = at + H.meta_size(meta, w)
+    out = []
+    for j in range(w):
+        kind = int(meta[o])
+        if kind == H.CONST:
+            out.append(_DSeg(c, si, j, n, H.CONST, value=int(meta[o + 1])))
+            o += 2
+        elif kind == H.RAW:
+            out.append(_DSeg(c, si, j, n, H.RAW, at=p))
+            o += 1
+            p += n
+        else:
+            lengths = np.zeros(256, np.int64)
+            if kind == H.HUFF:
+                nib = meta[o + 1 : o + 129]
+                lengths[0::2], lengths[1::2] = nib & 15, nib >> 4
+                o += 129
+            else:
+                mm = int(meta[o + 1])
+                pairs = meta[o + 2 : o + 2 + 2 * mm].reshape(mm, 2).astype(np.int64)
+                if np.unique(pairs[:, 0]).size != mm:
+                    raise PayloadError("Huffman plane lists a symbol twice")
+                lengths[pairs[:, 0]] = pairs[:, 1]
+                o += 2 + 2 * mm
+            nbits = int.from_bytes(meta[o : o + 4].tobytes(), "little")
+            o += 4
+            if not H._kraft_ok(lengths) or nbits > n * H.MAX_LEN:
+                raise PayloadError("Huffman plane with an invalid code")
+            nw = -(-nbits // 32)
+            out.append(
+                _DSeg(
+                    c,
+                    si,
+                    j,
+                    n,
+                    H.HUFF,
+                    at=p,
+                    nbits=nbits,
+                    nw=nw,
+                    words_at=p + 4 * (nblocks - 1),
+                    lengths=lengths,
+                )
+            )
+            p += 4 * (nblocks - 1) + 4 * nw
+    if p != at + ln:
+        raise PayloadError(f"{at + ln - p} stray bytes after a Huffman stream")
+    return out
+
+
+def _reconstruct(
+    metas: list[dict], buf: torch.Tensor, starts: list[int], dev: torch.device
+) -> list[torch.Tensor]:
+    for m, a in zip(metas, starts, strict=True):
+        m["base"] = a
+    segs: list[_DSeg] = [s for m in metas for s in m["segs"]]
+    symbols = _decode_huffman([s for s in segs if s.kind == H.HUFF], buf, starts, dev)
+    # Stream values: every plane added into its (payload, stream) at its shift.
+    keys = sorted({(s.payload, s.stream) for s in segs})
+    counts = {key: 0 for key in keys}
+    for s in segs:
+        counts[(s.payload, s.stream)] = s.n
+    vbase = dict(zip(keys, excl([counts[key] for key in keys]), strict=True))
+    values = torch.zeros(sum(counts.values()), dtype=torch.int64, device=dev)
+    up = Uploads()
+    var = [s for s in segs if s.kind != H.CONST]
+    const = [s for s in segs if s.kind == H.CONST]
+    h_var = [
+        up.add([s.n for s in var]),
+        up.add(excl([s.n for s in var])),
+        up.add([vbase[(s.payload, s.stream)] for s in var]),
+        up.add([8 * s.plane for s in var]),
+    ]
+    h_const = [
+        up.add([s.n for s in const]),
+        up.add([s.value << (8 * s.plane) for s in const]),
+        up.add([vbase[(s.payload, s.stream)] for s in const]),
+        up.add(excl([s.n for s in const])),
+    ]
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}
+    for c, m in enumerate(metas):
+        groups.setdefault((m["dtype"], m["shape"][1]), []).append(c)
+    plans = [_plan_group(metas, idx, d, vbase, starts, up) for (_, d), idx in groups.items()]
+    up.send(dev)
+    if var:
+        hi, parts = 0, []
+        for s in var:
+            if s.kind == H.HUFF:
+                parts.append(symbols[hi : hi + s.n])
+                hi += s.n
+            else:
+                a = starts[s.payload] + s.at
+                parts.append(buf[a : a + s.n])
+        sym = torch.cat(parts).to(torch.int64)
+        owner = torch.repeat_interleave(
+            torch.arange(len(var), device=dev), up[h_var[0]], output_size=sym.numel()
+        )
+        dst = torch.arange(sym.numel(), device=dev) - up[h_var[1]][owner] + up[h_var[2]][owner]
+        values.index_add_(0, dst, sym << up[h_var[3]][owner])
+    if const:
+        total = sum(s.n for s in const)
+        owner = torch.repeat_interleave(
+            torch.arange(len(const), device=dev), up[h_const[0]], output_size=total
+        )
+        dst = torch.arange(total, device=dev) - up[h_const[3]][owner] + up[h_const[2]][owner]
+        values.index_add_(0, dst, up[h_const[1]][owner])
+    outs: list[torch.Tensor | None] = [None] * len(metas)
+    ok_terms: list[torch.Tensor] = []
+    for plan in plans:
+        _finish_group(plan, metas, values, buf, up, dev, outs, ok_terms)
+    if ok_terms and not bool(torch.stack(ok_terms).all()):  # the one check of them all
+        raise PayloadError("row references or outlier positions do not fit the tensor")
+    return [y for y in outs if y is not None]
+
+
+def _plan_group(
+    metas: list[dict], idx: list[int], d: int, vbase: dict, starts: list[int], up: Uploads
+) -> dict:
+    """Host bookkeeping of payloads of one dtype and width: sizes, bases, bounds."""
+    live = [c for c in idx if metas[c]["shape"][0] * d]
+    n = [metas[c]["shape"][0] for c in live]
+    lit: list[int] = []
+    refs: list[bool] = []
+    for c in live:
+        dims = metas[c]["dims"]
+        codes_n = dims[-1][1]
+        if (
+            len(dims) not in (1, 2)
+            or codes_n % d
+            or (len(dims) == 1 and codes_n != n[len(lit)] * d)
+        ):
+            raise PayloadError(f"{codes_n} codes do not fit rows of {d}")
+        if len(dims) == 2 and dims[0][1] != n[len(lit)]:
+            raise PayloadError(f"{dims[0][1]} row references for {n[len(lit)]} rows")
+        lit.append(codes_n // d)
+        refs.append(len(dims) == 2)
+    outl = [
+        (c, metas[c]["ow"], (metas[c]["oidx"][1] - 1) // max(metas[c]["ow"], 1))
+        for c in live
+        if metas[c]["oidx"][1] or metas[c]["oval"][1]
+    ]
+    for c, w, k in outl:
+        m = metas[c]
+        if w not in (4, 8) or (m["oidx"][1] - 1) % w or m["oval"][1] != 8 * k:
+            raise PayloadError("malformed outlier section")
+    outl = [o for o in outl if o[2]]
+    rowbase = excl(n)
+    return {
+        "idx": idx,
+        "live": live,
+        "d": d,
+        "n": n,
+        "lit": lit,
+        "refs": refs,
+        "outl": outl,
+        "codes_at": [vbase[(c, len(metas[c]["dims"]) - 1)] for c in live],
+        "refs_at": [vbase[(c, 0)] for c, r in zip(live, refs, strict=True) if r],
+        "h": {
+            "n": up.add(n),
+            "rowbase": up.add(rowbase),
+            "lit": up.add(lit),
+            "litbase": up.add(excl(lit)),
+            "step": up.add([2.0 * metas[c]["eb"] for c in live]),
+            "hasref": up.add([int(r) for r in refs]),
+            "elem": up.add([rb * d for rb in rowbase]),
+            "ocount": up.add([k for _, _, k in outl]),
+            "oowner": up.add([live.index(c) for c, _, _ in outl]),
+        },
+    }
+
+
+def _finish_group(
+    g: dict,
+    metas: list[dict],
+    values: torch.Tensor,
+    buf: torch.Tensor,
+    up: Uploads,
+    dev: torch.device,
+    outs: list[torch.Tensor | None],
+    ok_terms: list[torch.Tensor],
+) -> None:
+    """Rows of every payload of a group: references resolved, dequantized, outliers set."""
+    d, live, h = g["d"], g["live"], g["h"]
+    dtype = metas[g["idx"][0]]["dtype"]
+    wd = work_dtype(dtype)
+    for c in g["idx"]:
+        if c not in live:
+            outs[c] = torch.empty(metas[c]["shape"], dtype=dtype, device=dev)
+    if not live:
+        return
+    rows = sum(g["n"])
+    z = torch.cat([values[a : a + lt * d] for a, lt in zip(g["codes_at"], g["lit"], strict=True)])
+    lit_rows = ((z >> 1) ^ -(z & 1)).view(-1, d)
+    owner = torch.repeat_interleave(
+        torch.arange(len(live), device=dev), up[h["n"]], output_size=rows
+    )
+    refs = torch.zeros(rows, dtype=torch.int64, device=dev)
+    with_refs = [i for i, r in enumerate(g["refs"]) if r]
+    if with_refs:
+        at = nonzero_known(up[h["hasref"]][owner].bool(), sum(g["n"][i] for i in with_refs))
+        refs[at] = torch.cat(
+            [values[a : a + g["n"][i]] for a, i in zip(g["refs_at"], with_refs, strict=True)]
+        )
+    literal = refs == 0
+    csum = torch.cumsum(literal, 0)
+    before = torch.cat([csum.new_zeros(1), csum])[up[h["rowbase"]]]
+    src = torch.where(literal, csum - 1 - before[owner], refs - 1)
+    lit_of_row = up[h["lit"]][owner]
+    ends = torch.cat([csum.new_zeros(1), csum])[up[h["rowbase"]] + up[h["n"]]]
+    ok_terms.append(((src >= 0) & (src < lit_of_row)).all() & (ends - before == up[h["lit"]]).all())
+    pick = (up[h["litbase"]][owner] + src).clamp_(0, max(lit_rows.shape[0] - 1, 0))
+    codes = lit_rows[pick] if lit_rows.shape[0] else lit_rows.new_zeros(rows, d)
+    y = codes.to(wd) * up.f64(h["step"]).to(wd)[owner].view(-1, 1)
+    y = y.to(dtype) if dtype != wd else y
+    if g["outl"]:
+        pos_parts, val_parts = [], []
+        for c, w, k in g["outl"]:
+            m = metas[c]
+            a = int(m["base"])
+            oi, ov = m["oidx"][0], m["oval"][0]
+            pos_parts.append(from_le(buf[a + oi + 1 : a + oi + 1 + w * k], w))
+            val_parts.append(buf[a + ov : a + ov + 8 * k])
+        pos = torch.cat(pos_parts)
+        val = torch.cat(val_parts).view(torch.float64).to(dtype)
+        oo = torch.repeat_interleave(up[h["oowner"]], up[h["ocount"]], output_size=pos.numel())
+        limit = up[h["n"]][oo] * d
+        ok_terms.append(((pos >= 0) & (pos < limit)).all())
+        flat_at = up[h["elem"]][oo] + pos.clamp(0, None).minimum(limit - 1)
+        y.view(-1)[flat_at] = val
+    for i, c in enumerate(live):
+        outs[c] = y[sum(g["n"][:i]) : sum(g["n"][: i + 1])]
+
+
+def _decode_huffman(
+    segs: list[_DSeg], buf: torch.Tensor, starts: list[int], dev: torch.device
+) -> torch.Tensor:
+    """Every Huffman plane's symbols, concatenated, from one batched decode."""
+    if not segs:
+        return torch.empty(0, dtype=torch.uint8, device=dev)
+    block = 1 << H.LOG2_BLOCK
+    words, stored = [], []
+    for s in segs:
+        a = starts[s.payload]
+        words.append(buf[a + s.words_at : a + s.words_at + 4 * s.nw])
+        stored.append(buf[a + s.at : a + s.at + 4 * (-(-s.n // block) - 1)])
+    lengths = np.stack([s.lengths for s in segs if s.lengths is not None])
+    return H.decode_planes(words, stored, lengths, [s.nbits for s in segs], [s.n for s in segs])
