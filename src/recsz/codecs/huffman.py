@@ -1,7 +1,8 @@
 """Canonical Huffman codes for byte planes: construction (host) and the stream format.
 
-The coding itself runs where the tensor lives, in torch operations, batched over many
-chunks (:func:`pack_bits`, :func:`decode_planes`), so coded data never visit the host. Why this design:
+The coding itself runs where the tensor lives, in torch operations batched over many
+planes (:func:`pack_bits`, :func:`decode_planes`), so coded data never visit the host.
+Why this design:
 - Only the histogram (256 counts a plane) goes to the host, where the code lengths are
   built (a 256-symbol tree is sequential and tiny); code tables come back. The data
   itself is coded on its device: bit offsets are a cumulative sum of code lengths, and
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
-from recsz.codecs import kernels
 from recsz.codecs.devbuf import Uploads, excl, from_le, nonzero_known
 from recsz.codecs.payload import PayloadError
 
@@ -41,6 +42,87 @@ MAX_META = _HUFF_META  # SPARSE is used below 64 symbols, so it is never longer
 
 
 # ---- code construction (host, 256 symbols) --------------------------------------------
+@njit(cache=True, nogil=True)
+def huffman_depths(counts: np.ndarray) -> np.ndarray:
+    """Unlimited Huffman code lengths of the symbols with counts > 0 (0 elsewhere).
+
+    Two-queue construction over the counts sorted once: leaves and merged nodes each come
+    out in non-decreasing weight, so the two smallest are always at the queue heads."""
+    used = np.flatnonzero(counts)
+    m = used.size
+    depth = np.zeros(counts.size, np.int64)
+    if m < 2:
+        if m == 1:
+            depth[used[0]] = 1
+        return depth
+    order = used[np.argsort(counts[used], kind="mergesort")]
+    w = np.empty(2 * m - 1, np.int64)
+    parent = np.zeros(2 * m - 1, np.int64)
+    for i in range(m):
+        w[i] = counts[order[i]]
+    leaf, node, nxt = 0, m, m
+    for _ in range(m - 1):
+        pick = np.empty(2, np.int64)
+        for k in range(2):
+            if leaf < m and (node >= nxt or w[leaf] <= w[node]):
+                pick[k] = leaf
+                leaf += 1
+            else:
+                pick[k] = node
+                node += 1
+        w[nxt] = w[pick[0]] + w[pick[1]]
+        parent[pick[0]] = nxt
+        parent[pick[1]] = nxt
+        nxt += 1
+    d = np.zeros(2 * m - 1, np.int64)
+    for i in range(2 * m - 3, -1, -1):  # the root (last node) has depth 0
+        d[i] = d[parent[i]] + 1
+    for i in range(m):
+        depth[order[i]] = d[i]
+    return depth
+
+
+@njit(cache=True, nogil=True)
+def canonical_codes_many(lengths: np.ndarray) -> np.ndarray:
+    """(S, 256) code lengths -> (S, 256) canonical codes, bit-reversed (LSB-first streams).
+
+    Codes are handed out in (length, symbol) order, each one more than the last and
+    shifted left where the length grows: the canonical assignment (RFC 1951, 3.2.2)."""
+    out = np.zeros(lengths.shape, np.int64)
+    for s in range(lengths.shape[0]):
+        code = 0
+        prev = 0
+        for ln in range(1, 16):
+            for sym in range(lengths.shape[1]):
+                if lengths[s, sym] != ln:
+                    continue
+                code <<= ln - prev
+                prev = ln
+                r, c = 0, code
+                for _ in range(ln):
+                    r = (r << 1) | (c & 1)
+                    c >>= 1
+                out[s, sym] = r
+                code += 1
+    return out
+
+
+@njit(cache=True, nogil=True)
+def decode_tables(lengths: np.ndarray, codes: np.ndarray, bits: int) -> np.ndarray:
+    """(S, 2, 2^bits): the symbol and the code length for every ``bits``-bit window
+    (LSB first) of each of S codes: a window starts with exactly one code."""
+    out = np.zeros((lengths.shape[0], 2, 1 << bits), np.int64)
+    for s in range(lengths.shape[0]):
+        for sym in range(lengths.shape[1]):
+            ln = lengths[s, sym]
+            if ln == 0:
+                continue
+            for t in range(codes[s, sym], 1 << bits, 1 << ln):
+                out[s, 0, t] = sym
+                out[s, 1, t] = ln
+    return out
+
+
 def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
     """Huffman code lengths (0 for unused symbols) no longer than ``max_len``.
 
@@ -49,7 +131,7 @@ def code_lengths(counts: np.ndarray, max_len: int = MAX_LEN) -> np.ndarray:
     """
     c = counts.astype(np.int64)
     while True:
-        lengths = kernels.huffman_depths(c)
+        lengths = huffman_depths(c)
         if int(lengths.max(initial=0)) <= max_len:
             return lengths
         c = np.where(c > 0, np.maximum(c >> 1, 1), 0)
@@ -107,7 +189,7 @@ def pack_bits(
     """
     dev = sym.device
     up = Uploads()
-    h_tab = up.add(np.stack([lengths, kernels.canonical_codes_many(lengths)], 1))
+    h_tab = up.add(np.stack([lengths, canonical_codes_many(lengths)], 1))
     h_base = up.add(base)
     h_bidx = up.add(block_idx)
     up.send(dev)
@@ -149,7 +231,7 @@ def decode_planes(
     block = 1 << LOG2_BLOCK
     nseg = len(counts)
     nw = [w.numel() // 4 for w in words]
-    tab = kernels.decode_tables(lengths, kernels.canonical_codes_many(lengths), MAX_LEN)
+    tab = decode_tables(lengths, canonical_codes_many(lengths), MAX_LEN)
     wbase = excl([w + 1 for w in nw])
     acc = wbase[-1] + nw[-1] + 1
     sink = 32 * acc

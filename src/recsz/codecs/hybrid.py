@@ -9,7 +9,7 @@ which records the stages it used, so decoding depends on the bytes alone.
 
 The entropy stage codes each integer stream on its own: the literal codes by zstd
 (Huffman-coded literals) over byte planes of the zig-zagged codes, the row references by an
-adaptive range coder (:mod:`recsz.codecs.kernels`), each kept only where it is smaller than
+adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only where it is smaller than
 the raw planes. ``hybrid-ac`` also tries a context-modelled arithmetic coder on the codes.
 
 Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import kernels
+from recsz.codecs import arithcoder, kernels, rangecoder
 from recsz.codecs.payload import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
@@ -156,7 +156,7 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 
 #: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
 #: or each stream coded on its own (SPLIT: its own Huffman table, and for row references
-#: the adaptive range coder of :mod:`recsz.codecs.kernels` where that is smaller).
+#: the adaptive range coder of :mod:`recsz.codecs.rangecoder` where that is smaller).
 RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
 #: Per-stream coders inside a SPLIT block.
 _PLANES, _ZSTD_PLANES, _RANGE_REFS, _AC_CODES = 0, 1, 2, 3
@@ -242,7 +242,7 @@ def _pack_split(
         if n and k == 0 and len(dims) == 2:
             # References: the range coder wins on every traffic measured; zstd is the
             # fallback only where it does not shrink the planes at all.
-            rc = kernels.encode_refs(planes, n, w)
+            rc = rangecoder.encode_refs(planes, n, w)
             if 0 < rc.size < len(best):
                 best, coder = rc.tobytes(), _RANGE_REFS
         if n and coder == _PLANES:
@@ -250,7 +250,7 @@ def _pack_split(
             if len(z) < len(best):
                 best, coder = z, _ZSTD_PLANES
         if n and row and k == len(dims) - 1 and n % row == 0:
-            ac = kernels.encode_codes_ac(planes, 0, n, w, row)
+            ac = arithcoder.encode_codes_ac(planes, 0, n, w, row)
             if 0 < ac.size < len(best):
                 best, coder = ac.tobytes(), _AC_CODES
         out.append(coder)
@@ -286,11 +286,11 @@ def _unpack_split(
             except zstandard.ZstdError as e:
                 raise PayloadError(f"entropy-coded stream does not decode: {e}") from None
         elif coder == _RANGE_REFS and len(dims) == 2 and not parts:
-            part, status = kernels.decode_refs(chunk, n, w)
+            part, status = rangecoder.decode_refs(chunk, n, w)
             if status != kernels.OK:
                 raise PayloadError("range-coded row references do not decode")
         elif coder == _AC_CODES and k == len(dims) - 1 and row > 0 and n % row == 0:
-            part, status = kernels.decode_codes_ac(chunk, n, w, row)
+            part, status = arithcoder.decode_codes_ac(chunk, n, w, row)
             if status != kernels.OK:
                 raise PayloadError("arithmetic-coded codes do not decode")
         else:
