@@ -246,3 +246,43 @@ def test_cuda_payload_matches_cpu_device_path(dtype: torch.dtype) -> None:
     t[t.numel() // 2] ^= 4
     with pytest.raises(PayloadError):
         gpu.decode(t)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "fp8", "int8"])
+def test_baselines_device_path_decodes_as_the_host_path(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Baselines whose body is torch operations run on the device (CUDA) without host
+    copies: forced here on the CPU, their format-2 payloads decode to exactly what the
+    host path decodes to, in batches of mixed shapes, and damage is rejected."""
+    host = get_codec(name)
+    dev = get_codec(name)
+    monkeypatch.setattr(dev, "_device_path", lambda x: True)
+    g = torch.Generator().manual_seed(11)
+    xs = [_hard_input(), torch.zeros(0, 24), torch.randn(33, 8, generator=g).double()]
+    ps = dev.encode_batch(xs, [None] * 3)
+    assert all(int(p[3]) == DEVICE_FORMAT for p in ps)
+    for x, p, y in zip(xs, ps, dev.decode_batch(ps), strict=True):
+        ref = host.decode(host.encode(x))
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert torch.equal(torch.nan_to_num(y), torch.nan_to_num(ref))
+        assert torch.equal(y.isnan(), x.isnan())
+        assert torch.equal(torch.nan_to_num(host.decode(p)), torch.nan_to_num(y))  # format 2 too
+    t = ps[0].clone()
+    t[t.numel() // 2] ^= 1
+    with pytest.raises(PayloadError):
+        host.decode(t)
+    with pytest.raises(PayloadError):
+        host.decode_batch([ps[2], ps[0][:-2]])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "fp8", "int8"])
+def test_baselines_stay_on_cuda(name: str) -> None:
+    c = get_codec(name)
+    x = _hard_input()
+    p = c.encode(x.cuda())
+    assert p.is_cuda and int(p[3]) == DEVICE_FORMAT
+    y = c.decode(p)
+    assert y.is_cuda
+    assert torch.equal(torch.nan_to_num(y.cpu()), torch.nan_to_num(c.decode(c.encode(x))))

@@ -27,12 +27,13 @@ import json
 import math
 import struct
 import zlib
-from abc import ABC, abstractmethod
+from abc import ABC
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from recsz.codecs.devbuf import nonzero_known
 from recsz.codecs.payload import (
     _DTYPES,
     DEVICE_FORMAT,
@@ -44,8 +45,12 @@ from recsz.codecs.payload import (
     _pack_outliers,
     _unpack_outliers,
     _versions,
+    frame_device,
     join_sections,
+    open_device,
+    outlier_bytes,
     parse_payload,
+    read_outliers,
     split_sections,
     uvarint,
 )
@@ -86,15 +91,19 @@ class Codec(ABC):
         return hash((type(self), json.dumps(self.get_config(), sort_keys=True)))
 
     # ---- what subclasses implement --------------------------------------------------
-    @abstractmethod
+    # A codec implements either _encode/_decode (host bytes) or _encode_tensor/
+    # _decode_tensor (torch operations on the tensor's device, which then serve both its
+    # host path and a device path for CUDA tensors, with no host copies there).
     def _encode(self, x: torch.Tensor, eb: float) -> Body:
         """Code a finite, contiguous 2-D tensor (N > 0 elements) into body bytes.
 
         May return ``(bytes, positions)``: flat positions of elements the codec could not
         represent within the bound; the base class then carries them exactly.
         """
+        if not self._tensor_body():
+            raise NotImplementedError(f"{type(self).__name__} codes no body")
+        return self._encode_tensor(x).cpu().numpy()
 
-    @abstractmethod
     def _decode(
         self,
         body: np.ndarray,
@@ -104,6 +113,25 @@ class Codec(ABC):
         device: torch.device,
     ) -> torch.Tensor:
         """Rebuild the tensor from body bytes; raise PayloadError on malformed bodies."""
+        if not self._tensor_body():
+            raise NotImplementedError(f"{type(self).__name__} decodes no body")
+        core = torch.from_numpy(body if body.flags.writeable else body.copy())
+        return self._decode_tensor(core, shape, dtype, eb).to(device)
+
+    def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """The body of a finite, contiguous 2-D tensor as a 1-D uint8 tensor on its device."""
+        raise NotImplementedError
+
+    def _decode_tensor(
+        self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
+    ) -> torch.Tensor:
+        """Inverse of :meth:`_encode_tensor` (``core`` may sit at any byte offset); raise
+        PayloadError when its size does not fit the shape."""
+        raise NotImplementedError
+
+    @classmethod
+    def _tensor_body(cls) -> bool:
+        return cls._encode_tensor is not Codec._encode_tensor
 
     #: Subclasses whose bound is not exact by construction set this: the encoder then
     #: decodes, and carries every element that misses the bound exactly.
@@ -111,17 +139,51 @@ class Codec(ABC):
 
     def _device_path(self, x: torch.Tensor) -> bool:
         """True when this codec codes ``x`` where it lives (format 2): payload built and
-        parsed with device tensors, only sizes and tables crossing to the host."""
-        return False
+        parsed with device tensors, only sizes and tables crossing to the host. By default
+        for tensors off the CPU, when the codec's body is made by torch operations."""
+        return x.device.type != "cpu" and self._tensor_body()
 
     def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
         """Encode :meth:`_device_path` chunks of one device, dtype and width together
-        (format 2); NaN/Inf are the codec's to carry."""
-        raise NotImplementedError
+        (format 2): NaN/Inf travel exactly as outliers, as on the host path."""
+        if not self._tensor_body():
+            raise NotImplementedError(f"{type(self).__name__} has no device path")
+        cores: list[list[bytes | torch.Tensor]] = []
+        outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for x in xs:
+            x = x.detach().contiguous()
+            flat = x.view(-1)
+            bad = ~torch.isfinite(flat)
+            n_bad = int(bad.sum())
+            clean = x.masked_fill(bad.view(x.shape), 0) if n_bad else x
+            cores.append([self._encode_tensor(clean)] if x.numel() else [])
+            outs.append(outlier_bytes(flat, nonzero_known(bad, n_bad)) if n_bad else None)
+        shapes = [tuple(x.shape) for x in xs]
+        return frame_device(self, xs[0].dtype, shapes, ebs, cores, outs, xs[0].device)
 
     def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Decode format-2 payloads of one device together."""
-        raise PayloadError(f"{self.codec_id} does not read device-made payloads")
+        if not self._tensor_body():
+            raise PayloadError(f"{self.codec_id} does not read device-made payloads")
+        buf, frames, _ = open_device(self, payloads)
+        pos, val = read_outliers(buf, frames)
+        out, k = [], 0
+        for f in frames:
+            n = math.prod(f.shape)
+            if n == 0:
+                out.append(torch.empty(f.shape, dtype=f.dtype, device=buf.device))
+                continue
+            a = f.base + f.core[0]
+            y = self._decode_tensor(buf[a : a + f.core[1]], f.shape, f.dtype, f.eb)
+            if f.n_outliers:
+                p, v = pos[k : k + f.n_outliers], val[k : k + f.n_outliers]
+                k += f.n_outliers
+                if bool(((p < 0) | (p >= n)).any()):
+                    raise PayloadError("outlier position outside the tensor")
+                y = y.contiguous()
+                y.view(-1)[p] = v.to(f.dtype)
+            out.append(y)
+        return out
 
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step

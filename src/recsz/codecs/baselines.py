@@ -31,6 +31,19 @@ def _from_raw(
     return tensor_from_bytes(b, dtype, int(np.prod(shape))).view(shape).to(device)
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat uint8 tensor on its device (little endian, C order)."""
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _as(core: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    """Bytes back into a ``dtype`` tensor of ``shape`` (copied: ``core`` may be unaligned)."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    if core.numel() != item * int(np.prod(shape)):
+        raise PayloadError(f"{what}: {core.numel()} bytes do not hold {shape} x {dtype}")
+    return core.clone().view(dtype).view(shape)
+
+
 @register_codec
 class NoneCodec(Codec):
     """No compression: the payload body is the tensor's bytes."""
@@ -38,35 +51,25 @@ class NoneCodec(Codec):
     codec_id = "none"
     lossless = True
 
-    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return tensor_bytes(x)
+    def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        return _bytes_of(x)
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
+    def _decode_tensor(
+        self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
     ) -> torch.Tensor:
-        return _from_raw(body.tobytes(), shape, dtype, device)
+        return _as(core, dtype, shape, "none")
 
 
 class _CastCodec(Codec):
     target: torch.dtype
 
-    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        return tensor_bytes(x.to(self.target))
+    def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        return _bytes_of(x.to(self.target))
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
+    def _decode_tensor(
+        self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
     ) -> torch.Tensor:
-        return _from_raw(body.tobytes(), shape, self.target, device).to(dtype)
+        return _as(core, self.target, shape, self.codec_id).to(dtype)
 
 
 @register_codec
@@ -87,65 +90,53 @@ class BF16Codec(_CastCodec):
 
 @register_codec
 class FP8Codec(Codec):
-    """float8 e4m3 with one float32 scale per row (amax / 448)."""
+    """float8 e4m3 with one float32 scale per row (amax / 448). Body: the n scales, then
+    the n x d codes."""
 
     codec_id = "fp8"
 
-    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+    def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         amax = xf.abs().amax(1, keepdim=True)
         scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
         q = (xf / scale).to(torch.float8_e4m3fn)
-        return (
-            scale.cpu().numpy().astype("<f4").tobytes()
-            + q.cpu().view(torch.uint8).numpy().tobytes()
-        )
+        return torch.cat([_bytes_of(scale), _bytes_of(q)])
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
+    def _decode_tensor(
+        self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
     ) -> torch.Tensor:
         n, d = shape
-        if body.size != 4 * n + n * d:
-            raise PayloadError(f"fp8 body of {body.size} bytes does not fit {shape}")
-        scale = torch.from_numpy(body[: 4 * n].copy().view("<f4")).view(n, 1)
-        q = torch.from_numpy(body[4 * n :].copy()).view(torch.float8_e4m3fn).view(n, d)
-        return (q.float() * scale).to(dtype).to(device)
+        if core.numel() != 4 * n + n * d:
+            raise PayloadError(f"fp8 body of {core.numel()} bytes does not fit {shape}")
+        scale = _as(core[: 4 * n], torch.float32, (n, 1), "fp8 scales")
+        q = _as(core[4 * n :], torch.float8_e4m3fn, (n, d), "fp8 codes")
+        return (q.float() * scale).to(dtype)
 
 
 @register_codec
 class Int8Codec(Codec):
-    """uint8 codes with a float32 offset (row min) and scale ((max - min) / 255) per row."""
+    """uint8 codes with a float32 offset (row min) and scale ((max - min) / 255) per row.
+    Body: n (offset, scale) pairs, then the n x d codes."""
 
     codec_id = "int8"
 
-    def _encode(self, x: torch.Tensor, eb: float) -> bytes:
+    def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         lo = xf.amin(1, keepdim=True)
         span = xf.amax(1, keepdim=True) - lo
         scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
         q = torch.round((xf - lo) / scale).clamp(0, 255).to(torch.uint8)
-        head = torch.cat([lo, scale], 1).cpu().numpy().astype("<f4").tobytes()
-        return head + q.cpu().numpy().tobytes()
+        return torch.cat([_bytes_of(torch.cat([lo, scale], 1)), _bytes_of(q)])
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
+    def _decode_tensor(
+        self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
     ) -> torch.Tensor:
         n, d = shape
-        if body.size != 8 * n + n * d:
-            raise PayloadError(f"int8 body of {body.size} bytes does not fit {shape}")
-        head = torch.from_numpy(body[: 8 * n].copy().view("<f4")).view(n, 2)
-        q = torch.from_numpy(body[8 * n :].copy()).view(n, d).float()
-        return (q * head[:, 1:2] + head[:, 0:1]).to(dtype).to(device)
+        if core.numel() != 8 * n + n * d:
+            raise PayloadError(f"int8 body of {core.numel()} bytes does not fit {shape}")
+        head = _as(core[: 8 * n], torch.float32, (n, 2), "int8 offsets")
+        q = _as(core[8 * n :], torch.uint8, (n, d), "int8 codes").float()
+        return (q * head[:, 1:2] + head[:, 0:1]).to(dtype)
 
 
 @register_codec

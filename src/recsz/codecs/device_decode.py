@@ -17,14 +17,20 @@ import numpy as np
 import torch
 
 from recsz.codecs import huffman as H
-from recsz.codecs.devbuf import Uploads, excl, from_le, nonzero_known, segmented_hash
-from recsz.codecs.payload import DEVICE_FORMAT, MAGIC, PayloadError, _parse_header, read_uvarint
+from recsz.codecs.devbuf import Uploads, excl, nonzero_known
+from recsz.codecs.payload import (
+    Frame,
+    HostWindows,
+    PayloadError,
+    fetch_windows,
+    open_device,
+    read_outliers,
+    read_uvarint,
+)
 from recsz.codecs.stages import _HUFF_PLANES, _PLANES, RAW, SPLIT, work_dtype
 
 if TYPE_CHECKING:
     from recsz.codecs.hybrid import _QuantPipeline
-
-_HEAD = 512  # bytes of each payload copied to the host for parsing, first round
 
 
 @dataclass
@@ -42,123 +48,33 @@ class _DSeg:
     lengths: np.ndarray | None = None
 
 
-class _Reader:
-    """Host views of a payload's bytes: the first window, plus windows fetched later."""
-
-    def __init__(self, head: np.ndarray, size: int) -> None:
-        self.windows = [(0, head)]
-        self.size = size
-
-    def get(self, o: int, n: int) -> np.ndarray | None:
-        n = min(n, self.size - o)
-        for s, w in self.windows:
-            if s <= o and o + n <= s + w.size:
-                return w[o - s : o - s + n]
-        return None
-
-
 def decode_batch(codec: _QuantPipeline, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Decode format-2 payloads of ``codec`` on their (common) device."""
     dev = payloads[0].device
-    k = len(payloads)
-    sizes = [int(p.numel()) for p in payloads]
-    buf = torch.cat(payloads) if k > 1 else payloads[0]
-    starts = excl(sizes)
-    heads = torch.cat([p[:_HEAD] for p in payloads]).cpu().numpy()  # sync: the headers
-    readers, o = [], 0
-    for sz in sizes:
-        n = min(sz, _HEAD)
-        readers.append(_Reader(heads[o : o + n], sz))
-        o += n
-    for c, r in enumerate(readers):
-        if sizes[c] < 8:
-            raise PayloadError(f"payload of {sizes[c]} bytes is shorter than the fixed prefix")
-        head = r.get(0, 8)
-        assert head is not None
-        if head[:3].tobytes() != MAGIC or int(head[3]) != DEVICE_FORMAT:
-            raise PayloadError("not a device-made (format 2) recsz payload")
-    got = segmented_hash(buf, starts, [s + z for s, z in zip(starts, sizes, strict=True)]).cpu()
-    for c, r in enumerate(readers):
-        want = r.get(4, 4)
-        assert want is not None
-        if not np.array_equal(got[c].numpy(), want):
-            raise PayloadError("checksum mismatch: payload corrupted or truncated")
-    # Parse on the host copies; what lies beyond them (the second stream's metadata
-    # after the first stream's data) comes in one more copy for all payloads per round.
+    buf, frames, readers = open_device(codec, payloads)
+    # Stream tables are read from the host copies; what lies beyond them (the second
+    # stream's metadata after the first stream's data) comes in one more copy per round.
     for _ in range(4):
-        metas = [_parse_one(codec, c, readers[c], sizes[c]) for c in range(k)]
-        missing = [(c, o, n) for c, m in enumerate(metas) for o, n in m["need"]]
-        if not missing:
-            return _reconstruct(metas, buf, starts, dev)
-        if any(o >= sizes[c] for c, o, _ in missing):
-            raise PayloadError("stream metadata runs past the payload")
-        extra = torch.cat([payloads[c][o : o + n] for c, o, n in missing]).cpu().numpy()
-        p = 0
-        for c, o, n in missing:
-            n = min(n, sizes[c] - o)
-            readers[c].windows.append((o, extra[p : p + n]))
-            p += n
+        need: list[tuple[int, int, int]] = []
+        metas = [_streams(c, f, readers[c], need) for c, f in enumerate(frames)]
+        if not need:
+            return _reconstruct(metas, frames, buf, dev)
+        fetch_windows(payloads, readers, need)
     raise PayloadError("payload metadata is nested too deep to parse")
 
 
-def _parse_one(codec: _QuantPipeline, c: int, r: _Reader, size: int) -> dict:
-    """Header, sections and stream layout of one payload; ``need`` lists windows still
-    to fetch."""
-    rest = r.get(8, _HEAD - 8)
-    assert rest is not None
-    fields, o = _parse_header(rest)
-    o += 8
-    if fields["codec"] != codec.codec_id:
-        raise PayloadError(f"payload was made by codec {fields['codec']!r}, not {codec.codec_id!r}")
-    if fields["blen"] != size - o:
-        raise PayloadError(
-            f"body is {size - o} bytes, header says {fields['blen']}: payload truncated or padded"
-        )
-    shape = fields["shape"]
-    if len(shape) != 2:
-        raise PayloadError(f"shape {shape} is not 2-D")
-    n, d = shape
-    m: dict = {
-        "shape": (n, d),
-        "dtype": fields["dtype"],
-        "eb": fields["eb"],
-        "need": [],
-        "segs": [],
-        "dims": [],
-        "mode": RAW,
-        "oidx": (0, 0),
-        "oval": (0, 0),
-    }
-    sec = r.get(o, 31)
-    if sec is None:
-        m["need"].append((o, 31))
-        return m
-    if sec.size < 1 or int(sec[0]) != 3:
-        raise PayloadError("malformed section table (expected 3 sections)")
-    p, lens = 1, []
-    for _ in range(3):
-        ln, p = read_uvarint(sec, p)
-        lens.append(ln)
-    o += p
-    if o + sum(lens) != size:
-        raise PayloadError("section lengths do not add up to the body")
-    core, core_len = o, lens[0]
-    m["oidx"] = (core + lens[0], lens[1])
-    m["oval"] = (core + lens[0] + lens[1], lens[2])
-    m["ow"] = 0
-    if lens[1]:
-        wb = r.get(core + lens[0], 1)
-        if wb is None:
-            m["need"].append((core + lens[0], 1))
-            return m
-        m["ow"] = int(wb[0])
+def _streams(c: int, f: Frame, r: HostWindows, need: list[tuple[int, int, int]]) -> dict:
+    """The stream layout of payload ``c``'s core; appends to ``need`` what to fetch."""
+    if len(f.shape) != 2:
+        raise PayloadError(f"shape {f.shape} is not 2-D")
+    n, d = f.shape
+    m: dict = {"shape": (n, d), "dtype": f.dtype, "eb": f.eb, "segs": [], "dims": []}
+    core, core_len = f.core
     if n * d == 0:
-        if core_len or lens[1] > 1 or lens[2]:
-            raise PayloadError("an empty tensor's payload carries data")
         return m
     hd = r.get(core, 64)
     if hd is None:
-        m["need"].append((core, 64))
+        need.append((c, core, 64))
         return m
     cnt = int(hd[0])
     if cnt not in (1, 2):
@@ -171,7 +87,6 @@ def _parse_one(codec: _QuantPipeline, c: int, r: _Reader, size: int) -> dict:
             raise PayloadError(f"bad integer stream header (width {w}, count {num})")
         m["dims"].append((w, num))
     mode = int(hd[p])
-    m["mode"] = mode
     o = core + p + 1
     end = core + core_len
     for si, (w, num) in enumerate(m["dims"]):
@@ -184,7 +99,7 @@ def _parse_one(codec: _QuantPipeline, c: int, r: _Reader, size: int) -> dict:
             raise PayloadError(f"integer stream mode {mode} in a device-made payload")
         sh = r.get(o, 11)
         if sh is None or sh.size < 2:
-            m["need"].append((o, 16 + w * H.MAX_META))
+            need.append((c, o, 16 + w * H.MAX_META))
             return m
         coder = int(sh[0])
         ln, q = read_uvarint(sh, 1)
@@ -199,7 +114,7 @@ def _parse_one(codec: _QuantPipeline, c: int, r: _Reader, size: int) -> dict:
         elif coder == _HUFF_PLANES:
             meta = r.get(o, min(ln, 1 + w * H.MAX_META))
             if meta is None:
-                m["need"].append((o, 1 + w * H.MAX_META))
+                need.append((c, o, 1 + w * H.MAX_META))
                 return m
             m["segs"] += _huff_segs(meta, c, si, w, num, o, ln)
         else:
@@ -265,10 +180,9 @@ def _huff_segs(meta: np.ndarray, c: int, si: int, w: int, n: int, at: int, ln: i
 
 
 def _reconstruct(
-    metas: list[dict], buf: torch.Tensor, starts: list[int], dev: torch.device
+    metas: list[dict], frames: list[Frame], buf: torch.Tensor, dev: torch.device
 ) -> list[torch.Tensor]:
-    for m, a in zip(metas, starts, strict=True):
-        m["base"] = a
+    starts = [f.base for f in frames]
     segs: list[_DSeg] = [s for m in metas for s in m["segs"]]
     symbols = _decode_huffman([s for s in segs if s.kind == H.HUFF], buf, starts, dev)
     # Stream values: every plane added into its (payload, stream) at its shift.
@@ -296,7 +210,7 @@ def _reconstruct(
     groups: dict[tuple[torch.dtype, int], list[int]] = {}
     for c, m in enumerate(metas):
         groups.setdefault((m["dtype"], m["shape"][1]), []).append(c)
-    plans = [_plan_group(metas, idx, d, vbase, starts, up) for (_, d), idx in groups.items()]
+    plans = [_plan_group(metas, frames, idx, d, vbase, up) for (_, d), idx in groups.items()]
     up.send(dev)
     if var:
         hi, parts = 0, []
@@ -323,14 +237,14 @@ def _reconstruct(
     outs: list[torch.Tensor | None] = [None] * len(metas)
     ok_terms: list[torch.Tensor] = []
     for plan in plans:
-        _finish_group(plan, metas, values, buf, up, dev, outs, ok_terms)
+        _finish_group(plan, metas, frames, values, buf, up, dev, outs, ok_terms)
     if ok_terms and not bool(torch.stack(ok_terms).all()):  # the one check of them all
         raise PayloadError("row references or outlier positions do not fit the tensor")
     return [y for y in outs if y is not None]
 
 
 def _plan_group(
-    metas: list[dict], idx: list[int], d: int, vbase: dict, starts: list[int], up: Uploads
+    metas: list[dict], frames: list[Frame], idx: list[int], d: int, vbase: dict, up: Uploads
 ) -> dict:
     """Host bookkeeping of payloads of one dtype and width: sizes, bases, bounds."""
     live = [c for c in idx if metas[c]["shape"][0] * d]
@@ -350,16 +264,7 @@ def _plan_group(
             raise PayloadError(f"{dims[0][1]} row references for {n[len(lit)]} rows")
         lit.append(codes_n // d)
         refs.append(len(dims) == 2)
-    outl = [
-        (c, metas[c]["ow"], (metas[c]["oidx"][1] - 1) // max(metas[c]["ow"], 1))
-        for c in live
-        if metas[c]["oidx"][1] or metas[c]["oval"][1]
-    ]
-    for c, w, k in outl:
-        m = metas[c]
-        if w not in (4, 8) or (m["oidx"][1] - 1) % w or m["oval"][1] != 8 * k:
-            raise PayloadError("malformed outlier section")
-    outl = [o for o in outl if o[2]]
+    outl = [c for c in live if frames[c].n_outliers]
     rowbase = excl(n)
     return {
         "idx": idx,
@@ -379,8 +284,8 @@ def _plan_group(
             "step": up.add([2.0 * metas[c]["eb"] for c in live]),
             "hasref": up.add([int(r) for r in refs]),
             "elem": up.add([rb * d for rb in rowbase]),
-            "ocount": up.add([k for _, _, k in outl]),
-            "oowner": up.add([live.index(c) for c, _, _ in outl]),
+            "ocount": up.add([frames[c].n_outliers for c in outl]),
+            "oowner": up.add([live.index(c) for c in outl]),
         },
     }
 
@@ -388,6 +293,7 @@ def _plan_group(
 def _finish_group(
     g: dict,
     metas: list[dict],
+    frames: list[Frame],
     values: torch.Tensor,
     buf: torch.Tensor,
     up: Uploads,
@@ -429,15 +335,8 @@ def _finish_group(
     y = codes.to(wd) * up.f64(h["step"]).to(wd)[owner].view(-1, 1)
     y = y.to(dtype) if dtype != wd else y
     if g["outl"]:
-        pos_parts, val_parts = [], []
-        for c, w, k in g["outl"]:
-            m = metas[c]
-            a = int(m["base"])
-            oi, ov = m["oidx"][0], m["oval"][0]
-            pos_parts.append(from_le(buf[a + oi + 1 : a + oi + 1 + w * k], w))
-            val_parts.append(buf[a + ov : a + ov + 8 * k])
-        pos = torch.cat(pos_parts)
-        val = torch.cat(val_parts).view(torch.float64).to(dtype)
+        pos, val64 = read_outliers(buf, [frames[c] for c in g["outl"]])
+        val = val64.to(dtype)
         oo = torch.repeat_interleave(up[h["oowner"]], up[h["ocount"]], output_size=pos.numel())
         limit = up[h["n"]][oo] * d
         ok_terms.append(((pos >= 0) & (pos < limit)).all())

@@ -31,8 +31,8 @@ import torch
 
 from recsz.codecs import huffman as H
 from recsz.codecs import kernels
-from recsz.codecs.devbuf import Pieces, Uploads, excl, nonzero_known, segmented_hash, u32_bytes
-from recsz.codecs.payload import DEVICE_FORMAT, MAGIC, uvarint
+from recsz.codecs.devbuf import Uploads, excl, nonzero_known, u32_bytes
+from recsz.codecs.payload import frame_device, outlier_bytes, uvarint
 from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT, work_dtype
 
 if TYPE_CHECKING:
@@ -194,69 +194,38 @@ def encode_batch(
     wbytes = u32_bytes(words)
     obytes = u32_bytes(offsets)
 
-    # Outliers: positions inside each chunk, exact values (one NaN bit pattern).
+    # Outliers: positions inside each chunk, exact values.
     pos = nonzero_known(exact, sum(n_exact))
     chunk_elem = up2[h_celem]
     local = pos - chunk_elem[row_chunk[pos // max(d, 1)]] if pos.numel() else pos
-    pbytes = local.contiguous().view(torch.uint8).view(-1, 8)
-    val = flat[pos].to(torch.float64)
-    val = val.masked_fill(val.isnan(), float("nan"))  # CUDA and CPU widen NaN differently
-    vbytes = val.contiguous().view(torch.uint8).view(-1, 8)
+    pbytes, vbytes = outlier_bytes(flat, pos, local)
 
-    # Assemble every payload from host-made headers and device slices.
-    pieces = Pieces()
-    bounds: list[tuple[int, int]] = []
-    total = 0
+    # Each payload: its stream table (host) and stream bytes (device), framed together.
     by_chunk: list[list[_Seg]] = [[] for _ in range(k)]
     for s in segs:
         by_chunk[s.chunk].append(s)
     e0 = excl(n_exact)
+    cores: list[list[bytes | torch.Tensor]] = []
+    outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
     for c in range(k):
-        core_head = bytearray([len(streams[c])]) if streams[c] else bytearray()
-        for w, n in streams[c]:
-            core_head.append(w)
-            core_head += uvarint(n)
-        body_core: list[bytes | torch.Tensor] = []
-        if not streams[c]:
-            pass
-        elif codec.entropy:
-            core_head.append(SPLIT)
-            for si in range(len(streams[c])):
-                ss = [s for s in by_chunk[c] if s.stream == si]
-                body_core += _stream_parts(ss, sym8, wbytes, obytes)
-        else:
-            core_head.append(RAW)
-            body_core += [sym8[s.elem : s.elem + s.n] for s in by_chunk[c]]
-        core_len = len(core_head) + sum(
-            len(b) if isinstance(b, bytes) else b.numel() for b in body_core
-        )
-        wide = ns[c] * d >= 2**32
-        pw = 8 if wide else 4
-        n_out = n_exact[c]
-        oidx_len = 1 + pw * n_out if n_out else 0
-        oval_len = 8 * n_out
-        table = bytes([3]) + uvarint(core_len) + uvarint(oidx_len) + uvarint(oval_len)
-        body_len = len(table) + core_len + oidx_len + oval_len
-        hdr = codec._header_fields(torch.Size((ns[c], d)), dtype, ebs[c], body_len)
-        start = total
-        pieces.add_host(MAGIC + bytes([DEVICE_FORMAT, 0, 0, 0, 0]) + hdr + table + bytes(core_head))
-        for b in body_core:
-            if isinstance(b, bytes):
-                pieces.add_host(b)
+        core: list[bytes | torch.Tensor] = []
+        if streams[c]:
+            head = bytearray([len(streams[c])])
+            for w, n in streams[c]:
+                head.append(w)
+                head += uvarint(n)
+            head.append(SPLIT if codec.entropy else RAW)
+            core.append(bytes(head))
+            if codec.entropy:
+                for si in range(len(streams[c])):
+                    ss = [s for s in by_chunk[c] if s.stream == si]
+                    core += _stream_parts(ss, sym8, wbytes, obytes)
             else:
-                pieces.add(b)
-        if n_out:
-            pieces.add_host(bytes([pw]))
-            pieces.add(pbytes[e0[c] : e0[c] + n_out, :pw])
-            pieces.add(vbytes[e0[c] : e0[c] + n_out])
-        total += 8 + len(hdr) + body_len
-        bounds.append((start, total))
-    buf = pieces.join(dev)
-    starts = [b[0] for b in bounds]
-    h = segmented_hash(buf, starts, [b[1] for b in bounds])
-    at = (torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(4, 8)).to(dev)
-    buf[at.view(-1)] = h.view(-1)
-    return [buf[a:b] for a, b in bounds]
+                core += [sym8[s.elem : s.elem + s.n] for s in by_chunk[c]]
+        cores.append(core)
+        sl = slice(e0[c], e0[c] + n_exact[c])
+        outs.append((pbytes[sl], vbytes[sl]) if n_exact[c] else None)
+    return frame_device(codec, dtype, [(n, d) for n in ns], ebs, cores, outs, dev)
 
 
 def _plan_huffman(segs: list[_Seg], hist: np.ndarray) -> None:
