@@ -132,7 +132,7 @@ class Pieces:
 
     def add(self, t: torch.Tensor) -> None:
         if t.numel():
-            self.parts.append(t.reshape(-1))
+            self.parts.append(t if t.dim() == 1 else t.reshape(-1))
 
     def join(self, dev: torch.device) -> torch.Tensor:
         h = torch.frombuffer(bytearray(self.host), dtype=torch.uint8).to(dev)

@@ -423,10 +423,11 @@ def open_device(
             raise PayloadError(f"payload of {sz} bytes is shorter than the fixed prefix")
         if head[:3].tobytes() != MAGIC or int(head[3]) != DEVICE_FORMAT:
             raise PayloadError("not a device-made (format 2) recsz payload")
-    got = segmented_hash(buf, starts, [s + z for s, z in zip(starts, sizes, strict=True)]).cpu()
+    ends = [s + z for s, z in zip(starts, sizes, strict=True)]
+    got = segmented_hash(buf, starts, ends).cpu().numpy()  # one copy for all payloads
     for c, r in enumerate(readers):
         want = r.get(4, 4)
-        if want is None or not np.array_equal(got[c].numpy(), want):
+        if want is None or not np.array_equal(got[c], want):
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
     for _ in range(3):
         need: list[tuple[int, int, int]] = []
