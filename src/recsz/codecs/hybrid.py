@@ -235,7 +235,8 @@ class QuantHuffmanCodec(_QuantPipeline):
 
 @register_codec
 class QuantEntropyCodec(_QuantPipeline):
-    """Quantization + entropy coding (zstd on byte planes), no vector dedup."""
+    """Quantization + entropy coding (zstd on byte planes; on CUDA, like every quantizing
+    codec there, Huffman on the device), no vector dedup."""
 
     codec_id = "quant+zstd"
     entropy = True
