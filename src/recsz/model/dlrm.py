@@ -81,16 +81,23 @@ class SparseArch(nn.Module):
                 bag.weight.copy_(init_table(cfg.table_sizes[t], cfg.emb_dim, seed, t))
             self.bags.append(bag)
         self.sizes = [cfg.table_sizes[t] for t in self.tables]
+        # Row counts as a tensor beside the weights, for one range check of all tables.
+        self.register_buffer("_rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T_all) global ids of every table -> pooled (B, len(self.tables), D)."""
+        if self.tables and ids.numel():
+            mine = ids[:, self.tables]  # (B, T_r)
+            rows = self._rows
+            assert isinstance(rows, torch.Tensor)  # a buffer
+            wrong = (mine < 0) | (mine >= rows)
+            if bool(wrong.any()):  # one check (one host sync on a GPU) for every table
+                j = int(wrong.any(0).nonzero()[0])
+                bad = int(mine[:, j][wrong[:, j]][0])
+                raise IndexError(f"table {self.tables[j]}: id {bad} outside [0, {self.sizes[j]})")
         out = []
-        for bag, t, size in zip(self.bags, self.tables, self.sizes, strict=True):
-            col = ids[:, t : t + 1]
-            if col.numel() and (int(col.min()) < 0 or int(col.max()) >= size):
-                bad = int(col.max()) if int(col.max()) >= size else int(col.min())
-                raise IndexError(f"table {t}: id {bad} outside [0, {size})")
-            out.append(bag(col))  # (B, 1) bags of one id each -> (B, D)
+        for bag, t in zip(self.bags, self.tables, strict=True):
+            out.append(bag(ids[:, t : t + 1]))  # (B, 1) bags of one id each -> (B, D)
         if not out:
             return ids.new_zeros((ids.shape[0], 0, 0), dtype=torch.float32)
         return torch.stack(out, dim=1)
