@@ -150,41 +150,39 @@ class EmbeddingExchange:
                     f"{direction} codec {codec.codec_id!r} needs an error bound "
                     "policy (--eb-policy)"
                 )
-        # One call for every chunk of the step: the same payloads as one call each, but a
-        # codec that codes on the device (CUDA) shares its launches and synchronizations.
-        batched: list[torch.Tensor] = []
+        items = [
+            (dest, t, c.contiguous(), n_raw)
+            for dest, chunks in enumerate(plan)
+            for t, c, n_raw in chunks
+        ]
         if encode_item is None:
-            flat = [(t, c.contiguous()) for items in plan for t, c, _ in items]
-            batched = codec.encode_batch([c for _, c in flat], [ebs[t] for t, _ in flat])
-        framed = []
-        k = 0
-        for dest, items in enumerate(plan):
-            parts = []
-            for t, c, n_raw in items:
-                c = c.contiguous()
-                eb = ebs[t]
-                if encode_item is None:
-                    p = batched[k]
-                    k += 1
-                else:
-                    p = encode_item(t, dest, c, eb)
-                parts.append(p)
-                if record:
-                    st = self.stats
-                    st.raw[direction] += n_raw
-                    st.sent[direction] += p.numel()
-                    st.table_raw[direction][t] += n_raw
-                    st.table_sent[direction][t] += p.numel()
-                    if dest != self.rank:
-                        st.wire[direction] += p.numel()
-                    if eb is not None:
-                        st.last_eb[direction][t] = eb
-                if self.check_bounds and eb is not None and c.numel() and encode_item is None:
-                    err = float((decode_payload(p).double() - c.double()).abs().max())
-                    if err > eb:
-                        raise AssertionError(f"table {t} {direction}: error {err} > bound {eb}")
-                    self.stats.max_err[direction] = max(self.stats.max_err[direction], err / eb)
-            framed.append(frame(parts))
+            # One call for every chunk of the step: the same payloads as one call each, but
+            # a codec that codes on the device (CUDA) shares its launches and syncs.
+            payloads = codec.encode_batch(
+                [c for _, _, c, _ in items], [ebs[t] for _, t, _, _ in items]
+            )
+        else:
+            payloads = [encode_item(t, dest, c, ebs[t]) for dest, t, c, _ in items]
+        parts: list[list[torch.Tensor]] = [[] for _ in plan]
+        for (dest, t, c, n_raw), p in zip(items, payloads, strict=True):
+            eb = ebs[t]
+            parts[dest].append(p)
+            if record:
+                st = self.stats
+                st.raw[direction] += n_raw
+                st.sent[direction] += p.numel()
+                st.table_raw[direction][t] += n_raw
+                st.table_sent[direction][t] += p.numel()
+                if dest != self.rank:
+                    st.wire[direction] += p.numel()
+                if eb is not None:
+                    st.last_eb[direction][t] = eb
+            if self.check_bounds and eb is not None and c.numel() and encode_item is None:
+                err = float((decode_payload(p).double() - c.double()).abs().max())
+                if err > eb:
+                    raise AssertionError(f"table {t} {direction}: error {err} > bound {eb}")
+                self.stats.max_err[direction] = max(self.stats.max_err[direction], err / eb)
+        framed = [frame(ps) for ps in parts]
         if record:
             self.stats.codec_s += time.perf_counter() - t0
         return framed
