@@ -132,20 +132,6 @@ def parse_payload(
     return fields, body
 
 
-def _uvarint_at(b: bytes, o: int) -> tuple[int, int]:
-    """read_uvarint on Python bytes (indexing bytes is several times cheaper than numpy)."""
-    n = shift = 0
-    while True:
-        if o >= len(b) or shift > 63:
-            raise PayloadError("truncated or oversized varint")
-        v = b[o]
-        o += 1
-        n |= (v & 0x7F) << shift
-        shift += 7
-        if not v & 0x80:
-            return n, o
-
-
 def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
     """The header fields after the prefix, and the offset where the body starts."""
     b = rest[:_HEAD_WINDOW].tobytes()
@@ -154,7 +140,7 @@ def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
         codec = b[1 : 1 + clen].decode("ascii")
         o = 1 + clen
         cver = b[o]
-        cfglen, o = _uvarint_at(b, o + 1)
+        cfglen, o = read_uvarint(b, o + 1)
         raw_cfg = b[o : o + cfglen]
         if len(raw_cfg) != cfglen:
             raise IndexError("config runs past the header")
@@ -164,10 +150,10 @@ def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
         o += 2
         shape = []
         for _ in range(ndim):
-            d, o = _uvarint_at(b, o)
+            d, o = read_uvarint(b, o)
             shape.append(d)
         (eb,) = struct.unpack_from("<d", b, o)
-        blen, o = _uvarint_at(b, o + 8)
+        blen, o = read_uvarint(b, o + 8)
     except (IndexError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"malformed header: {e}") from None
     if dcode not in _DTYPE_BY_CODE:
@@ -197,11 +183,12 @@ def uvarint(n: int) -> bytes:
             return bytes(out)
 
 
-def read_uvarint(buf: np.ndarray, o: int) -> tuple[int, int]:
-    """Decode a varint at ``o``; returns (value, next offset). Raises PayloadError."""
+def read_uvarint(buf: np.ndarray | bytes, o: int) -> tuple[int, int]:
+    """Decode a varint at ``o`` of a uint8 array or bytes (cheaper to index: parsers of
+    hot headers pass bytes); returns (value, next offset). Raises PayloadError."""
     n = shift = 0
     while True:
-        if o >= buf.size or shift > 63:
+        if o >= len(buf) or shift > 63:
             raise PayloadError("truncated or oversized varint")
         b = int(buf[o])
         o += 1
