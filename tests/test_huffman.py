@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from recsz.codecs import PayloadError, get_codec
 from recsz.codecs import huffman as H
-from recsz.codecs.devbuf import segmented_hash, word_hash
+from recsz.codecs.devbuf import region_hashes, word_hash
 from recsz.codecs.payload import DEVICE_FORMAT
 
 
@@ -107,7 +107,7 @@ def test_word_hash_reference_and_sensitivity() -> None:
     assert int.from_bytes(got.numpy().tobytes(), "little") == fold
     # The byte-wise form used for batches computes the same sums.
     buf = torch.cat([torch.zeros(8, dtype=torch.uint8), t, torch.zeros(8, dtype=torch.uint8), t])
-    seg = segmented_hash(buf, [0, 8 + t.numel()], [8 + t.numel(), buf.numel()])
+    seg = region_hashes(buf, [8, 16 + t.numel()], [8 + t.numel(), buf.numel()])
     assert torch.equal(seg[0], got) and torch.equal(seg[1], got)
     for pos in (0, 500, 1000):
         for bit in range(8):

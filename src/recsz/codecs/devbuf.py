@@ -19,21 +19,13 @@ def word_hash(t: torch.Tensor) -> torch.Tensor:
     """Checksum of a uint8 tensor, computed on its device: 4 bytes (uint8, same device).
 
     The bytes as little-endian u32 words (zero padded), each times an odd 64-bit weight
-    that depends on its position, summed modulo 2^64 and folded to 32 bits. Any change of
-    one word changes the sum (an odd weight is invertible mod 2^64); words swapped or
-    shifted change it with overwhelming probability. Integer arithmetic only, so every
-    device computes the same value; unlike a CRC it is one parallel reduction.
+    that depends on its position, summed modulo 2^64 (plus the length) and folded to 32
+    bits. Any change of one word changes the sum (an odd weight is invertible mod 2^64);
+    words swapped or shifted change it with overwhelming probability. Integer arithmetic
+    only, so every device computes the same value; unlike a CRC it is one parallel
+    reduction. The one-region case of :func:`region_hashes`.
     """
-    n = t.numel()
-    pad = (-n) % 4
-    b = torch.cat([t, t.new_zeros(pad)]) if pad else t
-    sh = torch.arange(0, 32, 8, device=t.device)
-    words = (b.view(-1, 4).to(torch.int64) << sh).sum(1)
-    i = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64)
-    weights = (i * _HASH_MUL + _HASH_ADD) | 1  # wraps mod 2^64
-    h = (words * weights).sum() + n
-    fold = (h ^ (h >> 32)) & 0xFFFFFFFF
-    return ((fold >> sh) & 255).to(torch.uint8)
+    return region_hashes(t, [0], [t.numel()])[0]
 
 
 def rep(counts: list[int], dev: torch.device) -> torch.Tensor:
@@ -98,14 +90,14 @@ class Uploads:
         return self[h].view(torch.float64)
 
 
-def segmented_hash(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
-    """word_hash of buf[s + 8 : e] for every payload [s, e), as (K, 4) uint8: the same
-    sum, taken byte by byte (a word times a weight is the sum of its bytes' shares)."""
+def region_hashes(buf: torch.Tensor, begins: list[int], ends: list[int]) -> torch.Tensor:
+    """:func:`word_hash` of buf[b:e] for every region, as (K, 4) uint8, in one pass: the
+    sum taken byte by byte (a word times its weight is the sum of its bytes' shares)."""
     dev = buf.device
-    k = len(starts)
-    lens = [e - s - 8 for s, e in zip(starts, ends, strict=True)]
+    k = len(begins)
+    lens = [e - b for b, e in zip(begins, ends, strict=True)]
     owner = rep(lens, dev)
-    base = torch.tensor([s + 8 for s in starts], dtype=torch.int64).to(dev)
+    base = torch.tensor(begins, dtype=torch.int64).to(dev)
     local = torch.arange(int(sum(lens)), device=dev) - torch.tensor(excl(lens)).to(dev)[owner]
     src = local + base[owner]
     words = (local >> 2) + 1

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsz.codecs.devbuf import Pieces, excl, from_le, segmented_hash, word_hash
+from recsz.codecs.devbuf import Pieces, excl, from_le, region_hashes, word_hash
 
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
@@ -368,7 +368,7 @@ def frame_device(
         bounds.append((start, total))
     buf = pieces.join(dev)
     starts = [b[0] for b in bounds]
-    h = segmented_hash(buf, starts, [b[1] for b in bounds])
+    h = region_hashes(buf, [a + _PREFIX.size for a in starts], [b[1] for b in bounds])
     at = (torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(4, 8)).to(dev)
     buf[at.view(-1)] = h.view(-1)
     return [buf[a:b] for a, b in bounds]
@@ -411,7 +411,7 @@ def open_device(
         if head[:3].tobytes() != MAGIC or int(head[3]) != DEVICE_FORMAT:
             raise PayloadError("not a device-made (format 2) recsz payload")
     ends = [s + z for s, z in zip(starts, sizes, strict=True)]
-    got = segmented_hash(buf, starts, ends).cpu().numpy()  # one copy for all payloads
+    got = region_hashes(buf, [s + _PREFIX.size for s in starts], ends).cpu().numpy()
     for c, r in enumerate(readers):
         want = r.get(4, 4)
         if want is None or not np.array_equal(got[c], want):
