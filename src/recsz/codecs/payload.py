@@ -85,12 +85,14 @@ def _is_device_made(payload: torch.Tensor) -> bool:
 
 
 def parse_payload(
-    payload: torch.Tensor,
+    payload: torch.Tensor, verify: bool = True
 ) -> tuple[dict[str, Any], np.ndarray | torch.Tensor]:
     """Check and parse a payload's header; return (header fields, body).
 
     The body is host bytes for format 1, and stays on the payload's device for format 2
-    (only the first bytes, where the headers are, are copied to the host)."""
+    (only the first bytes, where the headers are, are copied to the host). ``verify=False``
+    skips the checksum, for a caller that only needs the header and hands the payload to
+    a codec's ``decode``, which checks it."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise PayloadError("a payload is a 1-D torch.uint8 tensor")
     payload = payload.detach()
@@ -105,17 +107,17 @@ def parse_payload(
         if not on_cpu:
             buf = payload.cpu().numpy()
         rest = buf[_PREFIX.size :]
-        if zlib.crc32(rest.data) != crc:
+        if verify and zlib.crc32(rest.data) != crc:
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
         fields, o = _parse_header(rest)
         host_body = rest[o:]
         size = int(host_body.size)
         body: np.ndarray | torch.Tensor = host_body
     elif fver == DEVICE_FORMAT:
-        got = word_hash(payload[_PREFIX.size :])
-        want = torch.frombuffer(bytearray(buf[4:8].tobytes()), dtype=torch.uint8)
-        if not torch.equal(got.cpu(), want):
-            raise PayloadError("checksum mismatch: payload corrupted or truncated")
+        if verify:
+            got = word_hash(payload[_PREFIX.size :]).cpu().numpy()
+            if not np.array_equal(got, buf[4:8]):
+                raise PayloadError("checksum mismatch: payload corrupted or truncated")
         fields, o = _parse_header(buf[_PREFIX.size : _HEAD_WINDOW])
         o += _PREFIX.size
         body = payload[o:]  # stays on its device
