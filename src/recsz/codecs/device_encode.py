@@ -33,7 +33,7 @@ from recsz.codecs import huffman as H
 from recsz.codecs import kernels
 from recsz.codecs.devbuf import Uploads, excl, nonzero_known, u32_bytes
 from recsz.codecs.payload import frame_device, outlier_bytes, uvarint
-from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT, work_dtype
+from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT, bound_below, work_dtype
 
 if TYPE_CHECKING:
     from recsz.codecs.hybrid import _QuantPipeline
@@ -71,11 +71,7 @@ def encode_batch(
     n_all = sum(ns)
     X = torch.cat([x.detach().reshape(-1, d) for x in xs]) if k > 1 else x0.detach().contiguous()
     flat = X.reshape(-1)
-    f32 = wd == torch.float32
-    below_h = []  # the largest working value <= eb (stages._bound_below, on the host)
-    for e in ebs:
-        t = np.float32(e) if f32 else np.float64(e)
-        below_h.append(float(np.nextafter(t, t.dtype.type(0)) if float(t) > e else t))
+    below_h = [float(bound_below(e, wd)) for e in ebs]  # exact in float64
     up = Uploads()
     h_ns = up.add(ns)
     h_inv = up.add([1.0 / (2.0 * e) for e in ebs])

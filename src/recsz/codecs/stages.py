@@ -24,7 +24,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _bound_below(eb: float, wd: torch.dtype) -> torch.Tensor:
+def bound_below(eb: float, wd: torch.dtype) -> torch.Tensor:
     """The largest value of dtype ``wd`` that is <= eb (comparisons against it are safe)."""
     t = torch.tensor(eb, dtype=wd)
     if float(t) > eb:
@@ -56,7 +56,7 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
     y = _dequantize_float(q, eb, x.dtype)
     if y.dtype != wd:
         y = y.to(wd)
-    bad = y.sub_(xs).abs_().ge_(_bound_below(eb, wd)).view(-1)
+    bad = y.sub_(xs).abs_().ge_(bound_below(eb, wd)).view(-1)
     codes = q.to(torch.int32)
     if bool(bad.any()):
         pos = torch.nonzero(bad).view(-1)
