@@ -33,7 +33,16 @@ from recsz.codecs import huffman as H
 from recsz.codecs import kernels
 from recsz.codecs.devbuf import Uploads, excl, nonzero_known, u32_bytes
 from recsz.codecs.payload import frame_device, outlier_bytes, uvarint
-from recsz.codecs.stages import _HUFF_PLANES, _PLANES, QMAX, RAW, SPLIT, bound_below, work_dtype
+from recsz.codecs.stages import (
+    _HUFF_PLANES,
+    _PLANES,
+    QMAX,
+    RAW,
+    SPLIT,
+    bound_below,
+    repeats_pay,
+    work_dtype,
+)
 
 if TYPE_CHECKING:
     from recsz.codecs.hybrid import _QuantPipeline
@@ -121,14 +130,10 @@ def encode_batch(
     n_lit = stats[0].tolist()
     c_max = stats[1].tolist()
     n_exact = stats[2].tolist()
-    use = []
-    for c in range(k):
-        if codec.dedup == "on":
-            use.append(True)
-        elif codec.dedup == "auto":
-            use.append((ns[c] - n_lit[c]) * d > ns[c])  # a reference costs about one code
-        else:
-            use.append(False)
+    use = [
+        codec.dedup == "on" or (codec.dedup == "auto" and repeats_pay(ns[c], n_lit[c], d))
+        for c in range(k)
+    ]
     up2 = Uploads()
     h_use = up2.add([int(u) for u in use])
     h_litbase = up2.add(excl(n_lit))

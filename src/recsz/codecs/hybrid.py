@@ -40,6 +40,7 @@ from recsz.codecs.stages import (
     pack_planes,
     pack_streams,
     quantize,
+    repeats_pay,
     undedup_rows,
     unpack_planes,
     unpack_streams,
@@ -116,9 +117,7 @@ class _QuantPipeline(Codec):
         refs = None
         if self.dedup != "off":
             refs = dedup_rows(codes)
-            # A reference costs about one code; a repeated row saves d codes.
-            n_lit = int((refs == 0).sum())
-            use_dedup = use_dedup or (n - n_lit) * d > n
+            use_dedup = use_dedup or repeats_pay(n, int((refs == 0).sum()), d)
         if use_dedup and refs is not None:
             return [refs, zigzag(codes[refs == 0]).view(-1)]
         return [zigzag(codes).view(-1)]

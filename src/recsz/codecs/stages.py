@@ -129,6 +129,12 @@ def dedup_rows(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(literal, torch.zeros_like(rep), ordinal[rep] + 1)
 
 
+def repeats_pay(n: int, n_lit: int, d: int) -> bool:
+    """Whether n rows of d codes, n_lit of them literal, are smaller sent as literals plus
+    references: a reference costs about one code, a repeated row saves d."""
+    return (n - n_lit) * d > n
+
+
 def undedup_rows(literals: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
     """Inverse of dedup_rows: (n_literal, D) literal rows + refs (N,) -> (N, D)."""
     literal = refs == 0
