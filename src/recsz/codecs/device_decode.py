@@ -126,39 +126,22 @@ def _streams(c: int, f: Frame, r: HostWindows, need: list[tuple[int, int, int]])
 
 
 def _huff_segs(meta: np.ndarray, c: int, si: int, w: int, n: int, at: int, ln: int) -> list[_DSeg]:
-    if meta.size < 1 or int(meta[0]) != H.LOG2_BLOCK:
-        raise PayloadError("Huffman stream with an unknown block size")
+    """The planes of a Huffman-coded stream at payload offset ``at`` (``ln`` bytes)."""
+    planes, size = H.read_meta(meta, w)
     nblocks = -(-n // (1 << H.LOG2_BLOCK))
-    o = 1
-    p = at + H.meta_size(meta, w)
+    p = at + size
     out = []
-    for j in range(w):
-        kind = int(meta[o])
-        if kind == H.CONST:
-            out.append(_DSeg(c, si, j, n, H.CONST, value=int(meta[o + 1])))
-            o += 2
-        elif kind == H.RAW:
+    for j, pm in enumerate(planes):
+        if pm.kind == H.CONST:
+            out.append(_DSeg(c, si, j, n, H.CONST, value=pm.value))
+        elif pm.kind == H.RAW:
             out.append(_DSeg(c, si, j, n, H.RAW, at=p))
-            o += 1
             p += n
         else:
-            lengths = np.zeros(256, np.int64)
-            if kind == H.HUFF:
-                nib = meta[o + 1 : o + 129]
-                lengths[0::2], lengths[1::2] = nib & 15, nib >> 4
-                o += 129
-            else:
-                mm = int(meta[o + 1])
-                pairs = meta[o + 2 : o + 2 + 2 * mm].reshape(mm, 2).astype(np.int64)
-                if np.unique(pairs[:, 0]).size != mm:
-                    raise PayloadError("Huffman plane lists a symbol twice")
-                lengths[pairs[:, 0]] = pairs[:, 1]
-                o += 2 + 2 * mm
-            nbits = int.from_bytes(meta[o : o + 4].tobytes(), "little")
-            o += 4
-            if not H._kraft_ok(lengths) or nbits > n * H.MAX_LEN:
+            if pm.nbits > n * H.MAX_LEN:
                 raise PayloadError("Huffman plane with an invalid code")
-            nw = -(-nbits // 32)
+            nw = -(-pm.nbits // 32)
+            words_at = p + 4 * (nblocks - 1)
             out.append(
                 _DSeg(
                     c,
@@ -167,13 +150,13 @@ def _huff_segs(meta: np.ndarray, c: int, si: int, w: int, n: int, at: int, ln: i
                     n,
                     H.HUFF,
                     at=p,
-                    nbits=nbits,
+                    nbits=pm.nbits,
                     nw=nw,
-                    words_at=p + 4 * (nblocks - 1),
-                    lengths=lengths,
+                    words_at=words_at,
+                    lengths=pm.lengths,
                 )
             )
-            p += 4 * (nblocks - 1) + 4 * nw
+            p = words_at + 4 * nw
     if p != at + ln:
         raise PayloadError(f"{at + ln - p} stray bytes after a Huffman stream")
     return out

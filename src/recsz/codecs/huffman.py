@@ -27,6 +27,8 @@ Stream layout (little endian)::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from numba import njit
@@ -144,24 +146,53 @@ def _kraft_ok(lengths: np.ndarray) -> bool:
     return int((1 << (MAX_LEN - used)).sum()) == 1 << MAX_LEN
 
 
-def meta_size(head: np.ndarray, w: int) -> int:
-    """Bytes of the stream's metadata, read from its first bytes (host copy)."""
-    o = 1
+@dataclass
+class PlaneMeta:
+    """One byte plane's entry in a stream's metadata."""
+
+    kind: int  # CONST, RAW or HUFF (SPARSE entries are read as HUFF)
+    value: int = 0  # CONST: the byte
+    lengths: np.ndarray | None = None  # HUFF: code length of each byte value
+    nbits: int = 0  # HUFF: coded bits
+
+
+def read_meta(meta: np.ndarray, w: int) -> tuple[list[PlaneMeta], int]:
+    """The ``w`` planes' entries of a stream's metadata (a host copy of its first bytes),
+    checked, and the metadata's length (where the planes' data begins)."""
+    if meta.size < 1 or int(meta[0]) != LOG2_BLOCK:
+        raise PayloadError("Huffman stream with an unknown block size")
+    out, o = [], 1
     for _ in range(w):
-        if o >= head.size:
-            raise PayloadError("truncated Huffman stream metadata")
-        kind = int(head[o])
+        kind = int(meta[o]) if o < meta.size else -1
         if kind == SPARSE:
-            if o + 1 >= head.size:
-                raise PayloadError("truncated Huffman stream metadata")
-            o += 6 + 2 * int(head[o + 1])
-        elif kind in (CONST, RAW, HUFF):
-            o += {CONST: 2, RAW: 1, HUFF: _HUFF_META}[kind]
+            size = 6 + 2 * int(meta[o + 1]) if o + 1 < meta.size else meta.size
+        else:
+            size = {CONST: 2, RAW: 1, HUFF: _HUFF_META}.get(kind, 0)
+        if kind == -1 or o + size > meta.size:
+            raise PayloadError("truncated Huffman stream metadata")
+        if kind == CONST:
+            out.append(PlaneMeta(CONST, value=int(meta[o + 1])))
+        elif kind == RAW:
+            out.append(PlaneMeta(RAW))
+        elif kind in (HUFF, SPARSE):
+            lengths = np.zeros(256, np.int64)
+            if kind == HUFF:
+                nib = meta[o + 1 : o + 129]
+                lengths[0::2], lengths[1::2] = nib & 15, nib >> 4
+            else:
+                m = int(meta[o + 1])
+                pairs = meta[o + 2 : o + 2 + 2 * m].reshape(m, 2).astype(np.int64)
+                if np.unique(pairs[:, 0]).size != m:
+                    raise PayloadError("Huffman plane lists a symbol twice")
+                lengths[pairs[:, 0]] = pairs[:, 1]
+            nbits = int.from_bytes(meta[o + size - 4 : o + size].tobytes(), "little")
+            if not _kraft_ok(lengths):
+                raise PayloadError("Huffman plane with an invalid code")
+            out.append(PlaneMeta(HUFF, lengths=lengths, nbits=nbits))
         else:
             raise PayloadError(f"unknown Huffman plane kind {kind}")
-    if o > head.size:
-        raise PayloadError("truncated Huffman stream metadata")
-    return o
+        o += size
+    return out, o
 
 
 # ---- coding on the device (batched over planes) -----------------------------------
