@@ -33,7 +33,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs.devbuf import nonzero_known
 from recsz.codecs.payload import (
     _DTYPES,
     DEVICE_FORMAT,
@@ -152,12 +151,9 @@ class Codec(ABC):
         outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         for x in xs:
             x = x.detach().contiguous()
-            flat = x.view(-1)
-            bad = ~torch.isfinite(flat)
-            n_bad = int(bad.sum())
-            clean = x.masked_fill(bad.view(x.shape), 0) if n_bad else x
+            clean, nonfinite = _without_nonfinite(x)
             cores.append([self._encode_tensor(clean)] if x.numel() else [])
-            outs.append(outlier_bytes(flat, nonzero_known(bad, n_bad)) if n_bad else None)
+            outs.append(outlier_bytes(x.view(-1), nonfinite) if nonfinite is not None else None)
         shapes = [tuple(x.shape) for x in xs]
         return frame_device(self, xs[0].dtype, shapes, ebs, cores, outs, xs[0].device)
 
@@ -220,15 +216,12 @@ class Codec(ABC):
             return self._encode_batch_device([x], [eb_f])[0]
         device = x.device
         x = x.detach().contiguous()
-        flat = x.view(-1)
         exact: list[torch.Tensor] = []  # flat positions carried exactly
         orig = x
-        # A finite sum means every element is finite (NaN/Inf propagate): one cheap pass.
-        if flat.numel() and not self._takes_nonfinite(x) and not bool(torch.isfinite(flat.sum())):
-            finite = torch.isfinite(flat)
-            if not bool(finite.all()):
-                exact.append(torch.nonzero(~finite).view(-1))
-                x = x.masked_fill(~finite.view(x.shape), 0)
+        if not self._takes_nonfinite(x):
+            x, nonfinite = _without_nonfinite(x)
+            if nonfinite is not None:
+                exact.append(nonfinite)
         core: bytes = b""
         if x.numel():
             out = self._encode(x, eb_f)
@@ -367,3 +360,17 @@ class Codec(ABC):
                 uvarint(blen),
             ]
         )
+
+
+def _without_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (contiguous) with NaN/Inf zeroed, and their flat positions (None when every
+    element is finite): those elements travel exactly, whatever the codec. A finite sum
+    means every element is finite (NaN/Inf propagate): one cheap pass in the usual case."""
+    flat = x.view(-1)
+    if not flat.numel() or bool(torch.isfinite(flat.sum())):
+        return x, None
+    bad = ~torch.isfinite(flat)
+    pos = torch.nonzero(bad).view(-1)
+    if not pos.numel():  # the sum overflowed, every element is finite
+        return x, None
+    return x.masked_fill(bad.view(x.shape), 0), pos
