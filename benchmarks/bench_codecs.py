@@ -10,7 +10,7 @@ Traffic:
   in freshly initialised tables of dim 32 and 64;
 - ``real-seq`` (full run only): the third pass of training on the real sample (SGD lr 0.1,
   batch 128, the published setting), encoded per table and step as ``hybrid`` per sample,
-  ``hybrid+ids`` (one vector per distinct id) and ``hybrid+ids+refs`` (temporal references).
+  ``hybrid+ids`` (one vector per distinct id).
 
 For every codec and bound (absolute 1e-2, 1e-3, 1e-4; relative 0.01, 0.03, 0.05 of each
 chunk's range, the paper's), the ratio is raw fp32 bytes over payload bytes (headers
@@ -125,23 +125,20 @@ def real_sequence(cfg: BenchConfig) -> list[tuple[torch.Tensor, torch.Tensor]] |
 
 
 def id_aware_rows(seq: list[tuple[torch.Tensor, torch.Tensor]], eb_rel: float) -> list[Row]:
-    """hybrid per sample, + one vector per distinct id, + temporal references (per table)."""
+    """hybrid per sample, and + one vector per distinct id (per table)."""
     from recsz.comm.ids import unique_first
-    from recsz.comm.refcache import RefCache, encode_with_refs
 
     codec = get_codec("hybrid")
-    n_tables, dim = seq[0][1].shape[1], seq[0][1].shape[2]
-    mirrors = [RefCache(8192, dim) for _ in range(n_tables)]
+    n_tables = seq[0][1].shape[1]
     raw = 0
-    sent = {"hybrid": 0, "hybrid+ids": 0, "hybrid+ids+refs": 0}
+    sent = {"hybrid": 0, "hybrid+ids": 0}
     secs = dict.fromkeys(sent, 0.0)
-    err = dict.fromkeys(sent, 0.0)
     for ids, pooled in seq:
         for t in range(n_tables):
             x = pooled[:, t].contiguous()
             eb = to_absolute(eb_rel, "rel", x)
             raw += x.numel() * 4
-            _, first, uniq = unique_first(ids[:, t])
+            first = unique_first(ids[:, t])[1]
             rows = x[first].contiguous()
             t0 = time.perf_counter()
             p = codec.encode(x, eb)
@@ -151,12 +148,6 @@ def id_aware_rows(seq: list[tuple[torch.Tensor, torch.Tensor]], eb_rel: float) -
             p = codec.encode(rows, eb)
             secs["hybrid+ids"] += time.perf_counter() - t0
             sent["hybrid+ids"] += p.numel()
-            t0 = time.perf_counter()
-            framed, _, held = encode_with_refs(mirrors[t], uniq, rows, eb, codec)
-            secs["hybrid+ids+refs"] += time.perf_counter() - t0
-            sent["hybrid+ids+refs"] += framed.numel()
-            e = float((held.double() - rows.double()).abs().max()) / eb
-            err["hybrid+ids+refs"] = max(err["hybrid+ids+refs"], e)
     return [
         Row(
             k,
@@ -167,7 +158,7 @@ def id_aware_rows(seq: list[tuple[torch.Tensor, torch.Tensor]], eb_rel: float) -
             raw / 1e6 / secs[k],
             float("nan"),
             float("nan"),
-            err[k] if k == "hybrid+ids+refs" else None,
+            None,
         )
         for k, v in sent.items()
     ]

@@ -63,7 +63,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hybrid-dual-fwd": (*_PLAIN, *_DUAL),
     "hybrid-dual-fwd+bwd": (*_PLAIN, *_DUAL, "--bwd-codec", "hybrid"),
     "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
-    "hybrid-dual+ids+refs": (*_DUAL, "--bwd-codec", "hybrid", "--fwd-refs"),
     "hybrid-dual+ids+dctdp": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "dct"),
     # TorchRec's own DistributedModelParallel (benchmarks/torchrec_dmp.py), table-wise,
     # with its quantized comms: the anchor as a practitioner would run it.
@@ -71,16 +70,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-fp16": ("--dmp", "fp16"),
     "trdmp-bf16": ("--dmp", "bf16"),
     "trdmp-mx4": ("--dmp", "mx4"),
-    # The context-modelled arithmetic coder in both directions: fewest bytes, more CPU.
-    "hybrid-ac-dual+ids": (
-        *_DUAL[2:],
-        "--fwd-codec",
-        "hybrid-ac",
-        "--bwd-codec",
-        "hybrid-ac",
-        "--id-dedup",
-        "--bwd-coalesce",
-    ),
 }
 
 
@@ -97,7 +86,6 @@ QUICK = [
     "dct",
     "hybrid-dual-fwd",
     "hybrid-dual+ids",
-    "hybrid-ac-dual+ids",
     "hybrid-dual+ids+dctdp",
 ]
 

@@ -7,7 +7,7 @@ import torch
 
 from recsz.codecs import get_codec
 from recsz.comm.dct_dp import sparsify
-from recsz.comm.embedding import EmbeddingExchange, ShardPlan
+from recsz.comm.embedding import Direction, EmbeddingExchange, ShardPlan
 from recsz.policy import BoundPolicy
 from recsz.policy.dct import DCTThreshold, topk_threshold
 
@@ -60,11 +60,8 @@ def test_mp_backward_uses_the_forward_mask() -> None:
     ex = EmbeddingExchange(
         ShardPlan([0, 0], 1),
         0,
-        get_codec("dct"),
-        get_codec("dct-mask"),
-        DCTThreshold(0.25, 10),
-        BoundPolicy(),
-        mask_backward=True,
+        Direction("fwd", get_codec("dct"), DCTThreshold(0.25, 10)),
+        Direction("bwd", get_codec("dct-mask"), BoundPolicy()),
     )
     g = torch.Generator().manual_seed(0)
     pooled = torch.randn(8, 2, 4, generator=g).requires_grad_()

@@ -17,7 +17,8 @@ import torch
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
-    from recsz.train import Parts, Ranks
+    from recsz.ranks import Ranks
+    from recsz.train import Parts
 
 # Fields that may differ between the run that saved and the run that resumes.
 _MAY_CHANGE = {
@@ -52,7 +53,6 @@ def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> 
         "dense": parts.dense_module.state_dict(),
         "dense_opt": parts.dense_opt.state_dict(),
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
-        "exchange": parts.exchange.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "dct_dp": _dct_state(parts),
     }
@@ -121,7 +121,6 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
     parts.dense_opt.load_state_dict(state["dense_opt"])
     for k, p in parts.exchange.policies.items():
         p.load_state_dict(state["policies"][k])
-    parts.exchange.load_state_dict(state["exchange"])
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     if parts.dct is not None and state.get("dct_dp"):
         for k, v in state["dct_dp"].items():

@@ -264,51 +264,6 @@ def test_dct_mp_and_dp_train(tmp_path: Path) -> None:
     assert 0.3 < s["auc"] < 1.0
 
 
-REFS = (
-    "--fwd-codec",
-    "hybrid",
-    "--bwd-codec",
-    "hybrid",
-    "--fwd-refs",
-    "--ref-cache-rows",
-    "64",
-    "--check-bounds",
-)
-
-
-def test_reference_caches_stay_in_sync_with_evictions(tmp_path: Path) -> None:
-    """150 steps, caches of 64 rows per table (evicting constantly), bounds checked."""
-    s = run(tmp_path, *REFS, "--steps", "150", "--checkpoint-every", "150", nproc=2)
-    assert s["ref_caches_in_sync"] is True
-    assert 0.0 < s["ref_hit_rate"] < 1.0
-    assert s["ref_cache_rows"] <= 64 * 26 * 4  # per table: 2 mirrors + 2 caches (2 ranks)
-
-
-def test_references_survive_resume_and_evaluation(tmp_path: Path) -> None:
-    straight = tmp_path / "straight"
-    run(straight, *REFS, nproc=2)
-    split = tmp_path / "split"
-    main(
-        [
-            *BASE,
-            *REFS,
-            "--steps",
-            "10",
-            "--checkpoint-every",
-            "10",
-            "--eval-every",
-            "5",
-            "--out",
-            str(split),
-            "--nproc",
-            "2",
-        ]
-    )
-    assert main([*BASE, *REFS, "--eval-every", "5", "--resume", str(split), "--nproc", "2"]) == 0
-    assert json.loads((split / "summary.json").read_text())["ref_caches_in_sync"] is True
-    assert_same_model(straight, split, 1e-6)
-
-
 def test_ranks_with_different_configs_refuse_to_start(tmp_path: Path) -> None:
     """Two ranks started by hand (as a multi-node launcher would) with different --lr."""
     import os

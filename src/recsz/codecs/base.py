@@ -64,6 +64,12 @@ class Codec(ABC):
     version: ClassVar[int] = 1
     error_bounded: ClassVar[bool] = False
     lossless: ClassVar[bool] = False
+    #: The bound is a magnitude threshold (entries below it are dropped): the trainer
+    #: gives such a codec the DCT threshold policy instead of an error-bound policy.
+    threshold: ClassVar[bool] = False
+    #: Backward only: sends the entries the forward pass kept, so the exchange masks the
+    #: gradient with the received embeddings' support (needs a ``threshold`` forward codec).
+    forward_mask: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> bool:

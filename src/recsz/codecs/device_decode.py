@@ -27,7 +27,7 @@ from recsz.codecs.payload import (
     read_outliers,
     read_uvarint,
 )
-from recsz.codecs.stages import _HUFF_PLANES, _PLANES, RAW, SPLIT, work_dtype
+from recsz.codecs.stages import HUFF_PLANES, PLANES, RAW, SPLIT, work_dtype
 
 if TYPE_CHECKING:
     from recsz.codecs.hybrid import _QuantPipeline
@@ -106,12 +106,12 @@ def _streams(c: int, f: Frame, r: HostWindows, need: list[tuple[int, int, int]])
         o += q
         if o + ln > end:
             raise PayloadError("integer stream runs past the body")
-        if coder == _PLANES:
+        if coder == PLANES:
             if ln != w * num:
                 raise PayloadError(f"stream holds {ln} bytes, expected {w * num}")
             for j in range(w):
                 m["segs"].append(_DSeg(c, si, j, num, H.RAW, at=o + j * num))
-        elif coder == _HUFF_PLANES:
+        elif coder == HUFF_PLANES:
             meta = r.get(o, min(ln, 1 + w * H.MAX_META))
             if meta is None:
                 need.append((c, o, 1 + w * H.MAX_META))

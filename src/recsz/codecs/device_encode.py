@@ -34,8 +34,8 @@ from recsz.codecs import kernels
 from recsz.codecs.devbuf import Uploads, excl, nonzero_known, u32_bytes
 from recsz.codecs.payload import frame_device, outlier_bytes, uvarint
 from recsz.codecs.stages import (
-    _HUFF_PLANES,
-    _PLANES,
+    HUFF_PLANES,
+    PLANES,
     QMAX,
     RAW,
     SPLIT,
@@ -304,5 +304,5 @@ def _stream_parts(
             data.append(wbytes[4 * s.word : 4 * (s.word + s.nw)])
             coded += 4 * nb + 4 * s.nw
     if raw_len <= coded:
-        return [bytes([_PLANES]) + uvarint(raw_len), *(sym8[s.elem : s.elem + s.n] for s in ss)]
-    return [bytes([_HUFF_PLANES]) + uvarint(coded) + meta, *data]
+        return [bytes([PLANES]) + uvarint(raw_len), *(sym8[s.elem : s.elem + s.n] for s in ss)]
+    return [bytes([HUFF_PLANES]) + uvarint(coded) + meta, *data]

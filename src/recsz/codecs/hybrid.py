@@ -10,7 +10,7 @@ which records the stages it used, so decoding depends on the bytes alone.
 The entropy stage codes each integer stream on its own: the literal codes by zstd
 (Huffman-coded literals) over byte planes of the zig-zagged codes, the row references by an
 adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only where it is smaller than
-the raw planes. ``hybrid-ac`` also tries a context-modelled arithmetic coder on the codes.
+the raw planes.
 
 Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
 for everything but zstd; fp16/bf16 CPU tensors take the torch stages, which write the same
@@ -68,9 +68,6 @@ class _QuantPipeline(Codec):
     error_bounded = True
     dedup: ClassVar[str] = "off"  # "off", "on", or "auto" (when repeats save more than refs)
     entropy: ClassVar[bool] = False
-    #: Also try the context-modelled arithmetic coder on the codes (smallest wins): ~5x
-    #: the CPU of zstd's entropy stage for 5-25% fewer bytes; for slow links.
-    modelled: ClassVar[bool] = False
     #: Entropy coder: "auto" = zstd / range coder on the CPU, Huffman on the tensor's
     #: device elsewhere; "huffman" = the device path everywhere.
     default_coder: ClassVar[str] = "auto"
@@ -96,10 +93,6 @@ class _QuantPipeline(Codec):
 
     def _device_path(self, x: torch.Tensor) -> bool:
         return x.device.type != "cpu" or self.coder == "huffman"
-
-    def _row(self, d: int) -> int:
-        """Row length handed to the stream packer: > 0 enables the modelled coder."""
-        return d if self.modelled else 0
 
     def warm_up(self) -> None:
         # Repeated rows exercise every kernel: quantize, dedup, range-coded references.
@@ -127,7 +120,7 @@ class _QuantPipeline(Codec):
             return self._encode_fused(x, eb)
         codes, missed = quantize(x, eb)
         streams = [z.cpu().numpy() for z in self._streams(codes)]
-        return pack_streams(streams, self._cctx, SPLIT, self._row(codes.shape[1])), missed
+        return pack_streams(streams, self._cctx, SPLIT), missed
 
     def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         a = x.numpy()
@@ -137,9 +130,7 @@ class _QuantPipeline(Codec):
             a, step, eb, _DEDUP_MODES[self.dedup], qmax
         )
         dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
-        return pack_planes(
-            dims, planes, self._cctx, SPLIT, self._row(a.shape[1])
-        ), torch.from_numpy(missed)
+        return pack_planes(dims, planes, self._cctx, SPLIT), torch.from_numpy(missed)
 
     def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
         return device_encode.encode_batch(self, xs, ebs)
@@ -157,7 +148,7 @@ class _QuantPipeline(Codec):
     ) -> torch.Tensor:
         n, d = shape
         if _fused(device, dtype):
-            dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless, d)
+            dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
             if len(dims) not in (1, 2):
                 raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
             (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
@@ -167,7 +158,7 @@ class _QuantPipeline(Codec):
             if status != kernels.OK:
                 raise PayloadError(_DECODE_ERRORS[status])
             return torch.from_numpy(out)
-        streams = unpack_streams(body, self._dctx, n * d, self._dctx_magicless, d)
+        streams = unpack_streams(body, self._dctx, n * d, self._dctx_magicless)
         if len(streams) == 2:
             refs = torch.from_numpy(streams[0]).to(device)
             lit = unzigzag(torch.from_numpy(streams[1]).to(device))
@@ -194,17 +185,6 @@ class HybridCodec(_QuantPipeline):
     codec_id = "hybrid"
     dedup = "auto"
     entropy = True
-
-
-@register_codec
-class HybridACCodec(_QuantPipeline):
-    """hybrid, with codes arithmetic-coded under row-magnitude contexts where that is
-    smaller than zstd: the most compact codec here, for links slower than its CPU cost."""
-
-    codec_id = "hybrid-ac"
-    dedup = "auto"
-    entropy = True
-    modelled = True
 
 
 @register_codec

@@ -3,11 +3,11 @@
 On a 128 KB chunk (1024 vectors of dim 32, a typical per-table slice) the torch path spends
 most of its time launching small operators; these kernels quantize, check the bound, hash
 and deduplicate rows, zig-zag and lay out byte planes in a few loops, so what remains is
-zstd's entropy stage (a kept library) and the payload header. The two coders no library
-offers live beside: :mod:`recsz.codecs.rangecoder` (row references) and
-:mod:`recsz.codecs.arithcoder` (``hybrid-ac``'s codes). The kernels write exactly the body
-layout of :mod:`recsz.codecs.stages` (tests/test_kernels.py decodes one path's bytes with
-the other), so fp16/bf16 chunks keep the torch path and every payload decodes on both.
+zstd's entropy stage (a kept library) and the payload header. The coder no library
+offers lives beside: :mod:`recsz.codecs.rangecoder` (row references). The kernels write
+exactly the body layout of :mod:`recsz.codecs.stages` (tests/test_kernels.py decodes one
+path's bytes with the other), so fp16/bf16 chunks keep the torch path and every payload
+decodes on both.
 
 Exactness: the reconstruction is ``float(q) * float(2 eb)`` in the working precision
 (float32 for float32 input, float64 for float64), one IEEE multiplication, bit-identical to
@@ -68,7 +68,7 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _put_planes(out: np.ndarray, base: int, vals: np.ndarray, n: int, w: int) -> None:
+def put_planes(out: np.ndarray, base: int, vals: np.ndarray, n: int, w: int) -> None:
     """Write ``vals[:n]`` as ``w`` little-endian byte planes at ``out[base:]``.
 
     Loops run over slices: indexing ``out[base + i]`` makes numba guard every access
@@ -83,8 +83,8 @@ def _put_planes(out: np.ndarray, base: int, vals: np.ndarray, n: int, w: int) ->
 
 
 @njit(cache=True, nogil=True)
-def _get_planes(raw: np.ndarray, base: int, n: int, w: int) -> np.ndarray:
-    """Inverse of :func:`_put_planes`: ``n`` values of ``w`` byte planes as int64."""
+def get_planes(raw: np.ndarray, base: int, n: int, w: int) -> np.ndarray:
+    """Inverse of :func:`put_planes`: ``n`` values of ``w`` byte planes as int64."""
     v = np.zeros(n, np.int64)
     for b in range(w):
         p = raw[base + b * n : base + (b + 1) * n]
@@ -192,16 +192,16 @@ def encode_rows(
     planes = np.empty(w_refs * n_refs + w_codes * n_codes, np.uint8)
     base = w_refs * n_refs
     if use_refs:
-        _put_planes(planes, 0, refs, n, w_refs)
+        put_planes(planes, 0, refs, n, w_refs)
         lit = np.empty(n_codes, np.uint32)
         k = 0
         for i in range(n):
             if refs[i] == 0:
                 _copy(lit[k : k + d], zf[i * d : i * d + d])
                 k += d
-        _put_planes(planes, base, lit, n_codes, w_codes)
+        put_planes(planes, base, lit, n_codes, w_codes)
     else:
-        _put_planes(planes, base, zf, n_codes, w_codes)
+        put_planes(planes, base, zf, n_codes, w_codes)
     return planes, w_refs, n_refs, w_codes, n_codes, miss
 
 
@@ -217,7 +217,7 @@ def _dequantize_planes(
             zz = int(p[i])
             out[i] = _like((zz >> 1) ^ -(zz & 1), step) * step
         return
-    codes = _get_planes(raw, base, n, w)
+    codes = get_planes(raw, base, n, w)
     for i in range(n):
         zz = codes[i]
         out[i] = _like((zz >> 1) ^ -(zz & 1), step) * step
@@ -248,7 +248,7 @@ def decode_rows(
     n_lit = n_codes // d
     vals = np.empty((n_lit, d), out.dtype)
     _dequantize_planes(raw, w_refs * n_refs, n_codes, w_codes, stepv[0], vals.reshape(n_codes))
-    refs = _get_planes(raw, 0, n_refs, w_refs)
+    refs = get_planes(raw, 0, n_refs, w_refs)
     k = 0
     for i in range(n):
         r = refs[i]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from recsz.codecs.kernels import BAD_REFERENCE, OK, _get_planes, _put_planes
+from recsz.codecs.kernels import BAD_REFERENCE, OK, get_planes, put_planes
 
 _TOP = np.uint64(1 << 24)
 _BOT = np.uint64(1 << 16)
@@ -103,7 +103,7 @@ def _settled(low: np.uint64, rng: np.uint64) -> tuple[bool, np.uint64]:
 @njit(cache=True, nogil=True)
 def encode_refs(raw: np.ndarray, n: int, w: int) -> np.ndarray:
     """Range-code a reference stream given as ``w`` byte planes of ``n`` values."""
-    refs = _get_planes(raw, 0, n, w)
+    refs = get_planes(raw, 0, n, w)
     out = np.empty(2 * n + 16, np.uint8)
     o = 0
     low = np.uint64(0)
@@ -180,5 +180,5 @@ def decode_refs(buf: np.ndarray, n: int, w: int) -> tuple[np.ndarray, int]:
         refs[i] = s
         n_lit, tot = _model_update(t, cnt, s, n_lit, tot)
     planes = np.empty(n * w, np.uint8)
-    _put_planes(planes, 0, refs, n, w)
+    put_planes(planes, 0, refs, n, w)
     return planes, OK

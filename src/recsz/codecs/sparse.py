@@ -75,6 +75,7 @@ class DCTCodec(_MaskCodec):
 
     codec_id = "dct"
     error_bounded = True
+    threshold = True
 
     def _keep(self, x: torch.Tensor, eb: float) -> torch.Tensor:
         return x.abs() >= eb
@@ -96,3 +97,4 @@ class DCTMaskCodec(SparseCodec):
     """Backward of DCT-MP: the training loop masks gradients with the forward's kept set."""
 
     codec_id = "dct-mask"
+    forward_mask = True

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import arithcoder, kernels, rangecoder
+from recsz.codecs import kernels, rangecoder
 from recsz.codecs.payload import PayloadError, read_uvarint, uvarint
 
 #: Largest code magnitude. Values whose code would exceed it are carried as outliers.
@@ -165,10 +165,10 @@ def unzigzag(z: torch.Tensor) -> torch.Tensor:
 #: the adaptive range coder of :mod:`recsz.codecs.rangecoder` where that is smaller).
 RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
 #: Per-stream coders inside a SPLIT block.
-_PLANES, _ZSTD_PLANES, _RANGE_REFS, _AC_CODES = 0, 1, 2, 3
+PLANES, ZSTD_PLANES, RANGE_REFS = 0, 1, 2  # (3 was hybrid-ac's arithmetic coder)
 #: Canonical Huffman over byte planes, coded on the tensor's device (recsz.codecs.huffman);
 #: only in device-made (format 2) payloads.
-_HUFF_PLANES = 4
+HUFF_PLANES = 4
 
 
 def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
@@ -189,7 +189,6 @@ def pack_streams(
     streams: list[np.ndarray],
     cctx: zstandard.ZstdCompressor | None,
     mode: int = ZSTD,
-    row: int = 0,
 ) -> bytes:
     """Non-negative int arrays -> narrowest width each, byte planes, one optional zstd frame.
 
@@ -204,7 +203,7 @@ def pack_streams(
         w = kernels.width(int(z.max()) if n else 0)
         dims.append((w, n))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
-    return pack_planes(dims, b"".join(planes), cctx, mode, row)
+    return pack_planes(dims, b"".join(planes), cctx, mode)
 
 
 def pack_planes(
@@ -212,20 +211,17 @@ def pack_planes(
     data: bytes | np.ndarray,
     cctx: zstandard.ZstdCompressor | None,
     mode: int = ZSTD,
-    row: int = 0,
 ) -> bytes:
     """The layout of :func:`pack_streams` from planes already laid out (width, count each).
 
-    With ``mode=SPLIT`` and two streams, the first is taken to be row references. With
-    ``row`` > 0 (SPLIT only), the last stream, codes in rows of ``row``, is also tried with
-    the context-modelled arithmetic coder, and the smaller coding is kept.
+    With ``mode=SPLIT`` and two streams, the first is taken to be row references.
     """
     head = bytearray([len(dims)])
     for w, n in dims:
         head.append(w)
         head += uvarint(n)
     if mode == SPLIT and cctx is not None:
-        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx, row)
+        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
     used = RAW
     if cctx is not None and len(data):
         comp = cctx.compress(data if isinstance(data, bytes) else data.data)
@@ -236,7 +232,7 @@ def pack_planes(
 
 
 def _pack_split(
-    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor, row: int
+    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor
 ) -> bytes:
     """Each stream as (u8 coder, varint length, bytes), the smallest coding of each."""
     out = bytearray([SPLIT])
@@ -244,21 +240,17 @@ def _pack_split(
     for k, (w, n) in enumerate(dims):
         planes = data[p : p + w * n]
         p += w * n
-        best, coder = planes.tobytes(), _PLANES
+        best, coder = planes.tobytes(), PLANES
         if n and k == 0 and len(dims) == 2:
             # References: the range coder wins on every traffic measured; zstd is the
             # fallback only where it does not shrink the planes at all.
             rc = rangecoder.encode_refs(planes, n, w)
             if 0 < rc.size < len(best):
-                best, coder = rc.tobytes(), _RANGE_REFS
-        if n and coder == _PLANES:
+                best, coder = rc.tobytes(), RANGE_REFS
+        if n and coder == PLANES:
             z = cctx.compress(planes.data)
             if len(z) < len(best):
-                best, coder = z, _ZSTD_PLANES
-        if n and row and k == len(dims) - 1 and n % row == 0:
-            ac = arithcoder.encode_codes_ac(planes, 0, n, w, row)
-            if 0 < ac.size < len(best):
-                best, coder = ac.tobytes(), _AC_CODES
+                best, coder = z, ZSTD_PLANES
         out.append(coder)
         out += uvarint(len(best))
         out += best
@@ -270,10 +262,9 @@ def _unpack_split(
     o: int,
     dims: list[tuple[int, int]],
     magicless: zstandard.ZstdDecompressor,
-    row: int,
 ) -> np.ndarray:
     parts: list[np.ndarray] = []
-    for k, (w, n) in enumerate(dims):
+    for w, n in dims:
         if o >= buf.size:
             raise PayloadError("truncated stream in a split block")
         coder = int(buf[o])
@@ -282,23 +273,19 @@ def _unpack_split(
             raise PayloadError("stream runs past the end of a split block")
         chunk = buf[o : o + ln]
         o += ln
-        if coder == _PLANES:
+        if coder == PLANES:
             part = chunk
-        elif coder == _ZSTD_PLANES:
+        elif coder == ZSTD_PLANES:
             try:
                 part = np.frombuffer(
                     magicless.decompress(chunk.data, max_output_size=max(w * n, 1)), np.uint8
                 )
             except zstandard.ZstdError as e:
                 raise PayloadError(f"entropy-coded stream does not decode: {e}") from None
-        elif coder == _RANGE_REFS and len(dims) == 2 and not parts:
+        elif coder == RANGE_REFS and len(dims) == 2 and not parts:
             part, status = rangecoder.decode_refs(chunk, n, w)
             if status != kernels.OK:
                 raise PayloadError("range-coded row references do not decode")
-        elif coder == _AC_CODES and k == len(dims) - 1 and row > 0 and n % row == 0:
-            part, status = arithcoder.decode_codes_ac(chunk, n, w, row)
-            if status != kernels.OK:
-                raise PayloadError("arithmetic-coded codes do not decode")
         else:
             raise PayloadError(f"unknown stream coder {coder} in a split block")
         if part.size != w * n:
@@ -314,10 +301,9 @@ def unpack_streams(
     dctx: zstandard.ZstdDecompressor,
     max_elems: int,
     magicless: zstandard.ZstdDecompressor | None = None,
-    row: int = 0,
 ) -> list[np.ndarray]:
     """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
-    dims, raw = unpack_planes(buf, dctx, max_elems, magicless, row)
+    dims, raw = unpack_planes(buf, dctx, max_elems, magicless)
     out, p = [], 0
     for w, n in dims:
         planes = raw[p : p + w * n].reshape(w, n).T
@@ -331,12 +317,8 @@ def unpack_planes(
     dctx: zstandard.ZstdDecompressor,
     max_elems: int,
     magicless: zstandard.ZstdDecompressor | None = None,
-    row: int = 0,
 ) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """The (width, count) of each stream and their byte planes, entropy-decoded, checked.
-
-    ``row``: the tensor's row length (codes are laid out in rows; the arithmetic coder's
-    contexts depend on it)."""
+    """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
     if buf.size < 1:
         raise PayloadError("truncated integer streams")
     count = int(buf[0])
@@ -358,7 +340,7 @@ def unpack_planes(
     if mode == SPLIT:
         if magicless is None:
             raise PayloadError("split block, but no decoder for it")
-        return dims, _unpack_split(buf, o, dims, magicless, row)
+        return dims, _unpack_split(buf, o, dims, magicless)
     if mode in (ZSTD, ZSTD_MAGICLESS):
         ctx = dctx if mode == ZSTD else magicless
         if ctx is None:

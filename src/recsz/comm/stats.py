@@ -24,8 +24,20 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    ref_hits: dict[int, int] = field(default_factory=lambda: defaultdict(int))
-    ref_total: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+    def count(
+        self, direction: str, table: int, raw: int, sent: int, eb: float | None, remote: bool
+    ) -> None:
+        """One chunk sent: ``raw`` bytes it stood for, ``sent`` payload bytes, its bound;
+        ``remote``: it left this rank (only those bytes are on the wire)."""
+        self.raw[direction] += raw
+        self.sent[direction] += sent
+        self.table_raw[direction][table] += raw
+        self.table_sent[direction][table] += sent
+        if remote:
+            self.wire[direction] += sent
+        if eb is not None:
+            self.last_eb[direction][table] = eb
 
     def ratio(self, direction: str) -> float:
         s = self.sent[direction]

@@ -138,11 +138,13 @@ def make_source(
     table_sizes: Sequence[int],
     seed: int,
     skip_bad_lines: bool = False,
+    synthetic_eval: int = 20_000,
     eval_frac: float = 0.2,
 ) -> DataSource:
-    """``synthetic``, a raw Criteo TSV file, or a directory made by ``recsz preprocess``."""
+    """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file (the last
+    ``eval_frac`` held out), or a directory made by ``recsz preprocess``."""
     if data == "synthetic":
-        return SyntheticSource(table_sizes, seed)
+        return SyntheticSource(table_sizes, seed, synthetic_eval)
     p = Path(data)
     if p.is_dir():
         return ArraySource(criteo.load(p, table_sizes), seed, eval_frac, name=str(p))

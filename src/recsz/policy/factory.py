@@ -13,12 +13,11 @@ if TYPE_CHECKING:
 
 def make_policy(cfg: TrainConfig, direction: str, n_tables: int) -> BoundPolicy:
     """The bound policy of ``direction`` ("fwd" or "bwd"); none for unbounded codecs."""
-    name = cfg.fwd_codec if direction == "fwd" else cfg.bwd_codec
-    if name == "dct":
+    codec = get_codec(cfg.fwd_codec if direction == "fwd" else cfg.bwd_codec)
+    if codec.threshold:
         from recsz.policy.dct import DCTThreshold
 
         return DCTThreshold(cfg.dct_keep, cfg.dct_refresh)
-    codec = get_codec(name)
     if not codec.error_bounded or cfg.eb_policy == "none":
         return BoundPolicy()
     eb = cfg.fwd_eb if direction == "fwd" else cfg.bwd_eb

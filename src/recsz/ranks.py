@@ -1,0 +1,100 @@
+"""The job's processes: who this rank is, the process group, and launching local ranks."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Ranks:
+    """Who we are in the job. ``world == 1`` runs without any process group."""
+
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @classmethod
+    def from_env(cls, timeout_s: float, device: str = "cpu") -> Ranks:
+        """One process group for the job. On CPU, gloo; with CUDA, gloo for the small CPU
+        tensors (sizes) and NCCL for the CUDA ones (payloads, MLP gradients): NCCL moves
+        CUDA tensors only, and picking it alone failed every CPU collective."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        dev = torch.device("cpu")
+        if device == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        if world == 1:
+            return cls(device=dev)
+        backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+        kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        return cls(dist.get_rank(), dist.get_world_size(), dev)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        if self.world == 1:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self, ok: bool) -> None:
+        """Leave the group; on success wait for everyone first, so that no rank tears
+        down its connections while a peer is still using them (gloo aborts then)."""
+        if self.world > 1 and dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+    def check_same(self, config: dict[str, Any]) -> None:
+        """Refuse to start when ranks were launched with different configurations."""
+        digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+        fps = self.gather(digest)
+        bad = [r for r, f in enumerate(fps) if f != fps[0]]
+        if bad:
+            raise ValueError(
+                f"ranks {bad} were started with a configuration that differs from "
+                f"rank 0's ({fps[0]} vs {[fps[r] for r in bad]})"
+            )
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Run ``recsz.train`` on ``nproc`` local ranks under torchrun; its agent stops all of
+    them on any failure."""
+    worker_argv: list[str] = []
+    skip = False
+    for a in argv:  # workers learn their count from torchrun's env; torchrun would
+        if skip:  # also misread "--nproc" as an abbreviation of its own flag
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            worker_argv.append(a)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "--max-restarts=0",
+        "-m",
+        "recsz.train",
+        *worker_argv,
+    ]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,172 @@
+"""What a run reports: each rank writes one record of its counters, the records of all
+ranks are gathered once, and every number of a metrics row or the summary is built from
+them (:func:`summarize`), so no report needs a collective of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from recsz.train import Parts
+
+
+def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: float) -> dict:
+    """This rank's counters since the run (or the resumed run) started; JSON-like.
+
+    ``loss``: mean loss of the steps since the last row (NaN when there were none).
+    """
+    ex = parts.exchange
+    st = ex.stats
+
+    def tables(direction: str, which: list[int]) -> dict[int, tuple]:
+        desc = ex.policies[direction].describe()
+        return {
+            t: (
+                st.table_raw[direction][t],
+                st.table_sent[direction][t],
+                st.last_eb[direction].get(t),
+                desc.get(t, {}).get("class"),
+            )
+            for t in which
+        }
+
+    dct = parts.dct
+    return {
+        "rank": rank,
+        "loss": loss,
+        "train_s": train_s,
+        "data_s": data_s,
+        "a2a_fwd_s": st.a2a_s["fwd"],
+        "a2a_bwd_s": st.a2a_s["bwd"],
+        "codec_s": st.codec_s,
+        "allreduce_s": dct.seconds if dct else parts.ar_timer.seconds,
+        "raw": dict(st.raw),
+        "sent": dict(st.sent),
+        "wire": dict(st.wire),
+        "max_err": dict(st.max_err),
+        # Forward: the tables this rank owns; backward: every table (it sends them all).
+        "tables": {"fwd": tables("fwd", ex.mine), "bwd": tables("bwd", list(st.table_raw["bwd"]))},
+        "dp": (dct.bytes_dense, dct.bytes_sent, dct.refreshes) if dct else None,
+        "events": [
+            {**e, "direction": d, "rank": rank}
+            for d, p in ex.policies.items()
+            for e in getattr(p, "events", [])
+        ],
+    }
+
+
+def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
+    """Speed, time split and bytes of the job from every rank's record: seconds averaged
+    over ranks, bytes summed; ``steps`` of ``batch_size`` samples were timed."""
+    n = len(recs)
+
+    def mean(k: str) -> float:
+        return sum(r[k] for r in recs) / n
+
+    def total(k: str, d: str) -> int:
+        return sum(r[k].get(d, 0) for r in recs)
+
+    def ratio(raw: float, sent: float) -> float:
+        return raw / sent if sent else float("nan")
+
+    row: dict[str, Any] = {}
+    losses = [r["loss"] for r in recs if r["loss"] == r["loss"]]
+    if losses:
+        row["loss"] = sum(losses) / len(losses)
+    for k in ("a2a_fwd_s", "a2a_bwd_s", "codec_s", "allreduce_s", "train_s", "data_s"):
+        row[k] = mean(k)
+    busy = row["a2a_fwd_s"] + row["a2a_bwd_s"] + row["codec_s"] + row["allreduce_s"]
+    row["compute_s"] = max(0.0, row["train_s"] - busy)
+    row["samples_per_s"] = steps * batch_size / row["train_s"] if row["train_s"] else float("nan")
+    row["bytes_raw"] = total("raw", "fwd") + total("raw", "bwd")
+    row["bytes_payload"] = total("sent", "fwd") + total("sent", "bwd")
+    row["bytes_sent"] = total("wire", "fwd") + total("wire", "bwd")
+    row["fwd_ratio"] = ratio(total("raw", "fwd"), total("sent", "fwd"))
+    row["bwd_ratio"] = ratio(total("raw", "bwd"), total("sent", "bwd"))
+    if recs[0]["dp"] is not None:
+        dense, sent = (sum(r["dp"][i] for r in recs) for i in (0, 1))
+        row["dp_ratio"] = ratio(dense, sent)
+        row["dp_bytes_sent"] = int(sent)
+        row["dp_threshold_refreshes"] = recs[0]["dp"][2]
+    row["tables"] = per_table(recs)
+    return row
+
+
+def per_table(recs: list[dict]) -> dict[str, dict[str, Any]]:
+    """Per table: class, current bound and cumulative ratio of each direction.
+
+    Forward numbers come from the table's owner; backward bytes are summed over all
+    sample owners, and the backward class and bound are rank 0's.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    bwd: dict[str, list[int]] = {}
+    for r in recs:
+        for t, (raw, sent, eb, cls) in r["tables"]["fwd"].items():
+            out.setdefault(str(t), {}).update(
+                {"fwd_ratio": raw / sent if sent else None, "fwd_eb": eb, "fwd_class": cls}
+            )
+        for t, (raw, sent, eb, cls) in r["tables"]["bwd"].items():
+            acc = bwd.setdefault(str(t), [0, 0])
+            acc[0], acc[1] = acc[0] + raw, acc[1] + sent
+            if r["rank"] == 0:
+                out.setdefault(str(t), {}).update({"bwd_eb": eb, "bwd_class": cls})
+    for t, (raw, sent) in bwd.items():
+        out.setdefault(t, {})["bwd_ratio"] = raw / sent if sent else None
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def final_extras(recs: list[dict], check_bounds: bool) -> dict[str, Any]:
+    """What only the summary carries: the policies' class changes (forward: each table's
+    owner; backward: rank 0's) and, with --check-bounds, the largest error seen as a
+    fraction of its bound (<= 1)."""
+    out: dict[str, Any] = {
+        "policy_events": [
+            e for r in recs for e in r["events"] if e["direction"] == "fwd" or r["rank"] == 0
+        ]
+    }
+    if check_bounds:
+        out["max_err_over_eb"] = {
+            d: max(r["max_err"].get(d, 0.0) for r in recs) for d in ("fwd", "bwd")
+        }
+    return out
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The readable end-of-run summary."""
+    return "\n".join(
+        [
+            "",
+            f"  AUC            {s['auc']:.4f}",
+            f"  logloss        {s['logloss']:.4f}",
+            f"  accuracy       {s['accuracy']:.4f}",
+            f"  steps          {s['steps']} on {s['world_size']} rank(s)",
+            f"  samples/s      {s['samples_per_s']:.0f}",
+            f"  fwd ratio      {s['fwd_ratio']:.2f}x   (embedding all-to-all)",
+            f"  bwd ratio      {s['bwd_ratio']:.2f}x   (gradient all-to-all)",
+            f"  bytes on wire  {s['bytes_sent'] / 1e6:.2f} MB of {s['bytes_raw'] / 1e6:.2f} MB raw",
+            f"  a2a time       fwd {s['a2a_fwd_s']:.2f} s, bwd {s['a2a_bwd_s']:.2f} s, "
+            f"codec {s['codec_s']:.2f} s, all-reduce {s['allreduce_s']:.2f} s",
+        ]
+    )
+
+
+class Log:
+    """Writes metrics.jsonl and prints lines, on rank 0 only (``out`` None elsewhere)."""
+
+    def __init__(self, out: Path | None, append: bool) -> None:
+        self.path = out / "metrics.jsonl" if out else None
+        if self.path and not append:
+            self.path.write_text("")
+
+    def line(self, text: str) -> None:
+        tqdm.write(text)
+
+    def metrics(self, row: dict[str, Any]) -> None:
+        if self.path:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
