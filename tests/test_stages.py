@@ -11,16 +11,28 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from recsz.codecs import PayloadError
-from recsz.codecs.stages import (
-    dedup_rows,
-    dequantize,
-    pack_streams,
-    quantize,
-    undedup_rows,
-    unpack_streams,
-    unzigzag,
-    zigzag,
-)
+from recsz.codecs.stages import ZSTD, dequantize, pack_planes, quantize, unpack_planes
+
+
+def pack_streams(streams: list[np.ndarray], cctx: object, mode: int = ZSTD) -> bytes:
+    """Non-negative int streams at their narrowest widths, as pack_planes takes them."""
+    dims, planes = [], []
+    for z in streams:
+        top = int(z.max()) if z.size else 0
+        w = next(w for w in (1, 2, 4, 8) if top < 2 ** (8 * w))
+        dims.append((w, int(z.size)))
+        planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(z.size, w).T.tobytes())
+    return pack_planes(dims, b"".join(planes), cctx, mode)  # type: ignore[arg-type]
+
+
+def unpack_streams(buf: np.ndarray, *args: object) -> list[np.ndarray]:
+    dims, raw = unpack_planes(buf, *args)  # type: ignore[arg-type]
+    out, p = [], 0
+    for w, n in dims:
+        planes = np.ascontiguousarray(raw[p : p + w * n].reshape(w, n).T)
+        out.append(planes.view(f"<u{w}").reshape(n).astype(np.int64))
+        p += w * n
+    return out
 
 
 @settings(max_examples=80, deadline=None)
@@ -49,29 +61,6 @@ def test_quantize_flags_codes_beyond_float32_integers() -> None:
     assert out.tolist() == [0] and codes[0, 0] == 0
 
 
-def test_dedup_roundtrip_and_collision_safety() -> None:
-    g = torch.Generator().manual_seed(0)
-    rows = torch.randint(-5, 5, (7, 6), generator=g)
-    codes = rows[torch.tensor([0, 1, 0, 2, 1, 1, 3, 4, 5, 6, 0])]
-    refs = dedup_rows(codes)
-    assert int((refs == 0).sum()) == 7
-    assert torch.equal(undedup_rows(codes[refs == 0], refs), codes)
-    distinct = torch.arange(12).view(4, 3)
-    assert torch.equal(dedup_rows(distinct), torch.zeros(4, dtype=torch.int64))
-
-
-def test_undedup_rejects_references_past_the_literals() -> None:
-    with pytest.raises(PayloadError):
-        undedup_rows(torch.zeros(1, 3, dtype=torch.int64), torch.tensor([0, 5]))
-
-
-@given(st.lists(st.integers(-(2**30), 2**30), max_size=50))
-def test_zigzag_roundtrip(vals: list[int]) -> None:
-    q = torch.tensor(vals, dtype=torch.int64)
-    z = zigzag(q)
-    assert bool((z >= 0).all()) and torch.equal(unzigzag(z), q)
-
-
 @pytest.mark.parametrize("entropy", [False, True])
 def test_pack_streams_roundtrip_and_widths(entropy: bool) -> None:
     cctx = zstandard.ZstdCompressor(level=1) if entropy else None
@@ -82,16 +71,16 @@ def test_pack_streams_roundtrip_and_widths(entropy: bool) -> None:
         np.array([2**33]),
     ]
     buf = np.frombuffer(pack_streams(streams, cctx), np.uint8)
-    back = unpack_streams(buf, zstandard.ZstdDecompressor(), max_elems=10)
+    back = unpack_streams(buf, zstandard.ZstdDecompressor(), 10)
     assert [b.tolist() for b in back] == [s.tolist() for s in streams]
 
 
 def test_unpack_streams_rejects_corruption() -> None:
     buf = np.frombuffer(pack_streams([np.arange(100)], zstandard.ZstdCompressor()), np.uint8)
     with pytest.raises(PayloadError):
-        unpack_streams(buf[:-3], zstandard.ZstdDecompressor(), max_elems=100)
+        unpack_streams(buf[:-3], zstandard.ZstdDecompressor(), 100)
     with pytest.raises(PayloadError, match="count"):
-        unpack_streams(buf, zstandard.ZstdDecompressor(), max_elems=10)
+        unpack_streams(buf, zstandard.ZstdDecompressor(), 10)
 
 
 def test_magicless_blocks_roundtrip_and_need_their_decoder() -> None:

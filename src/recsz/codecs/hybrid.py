@@ -13,10 +13,10 @@ adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only where it i
 the raw planes.
 
 Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
-for everything but zstd; fp16/bf16 CPU tensors take the torch stages, which write the same
-bytes. CUDA tensors never leave their device: quantization, dedup, and a canonical Huffman
-coder written in torch operations (:mod:`recsz.codecs.huffman`) build the payload there
-(format 2); only sizes and the 256-count histograms cross to the host. ``quant+huffman``
+for everything but zstd (format 1). CUDA tensors, and fp16/bf16 ones, take the torch-op
+coder instead; CUDA tensors never leave their device: quantization, dedup, and a canonical
+Huffman coder written in torch operations (:mod:`recsz.codecs.huffman`) build the payload
+there (format 2); only sizes and the 256-count histograms cross to the host. ``quant+huffman``
 (and ``coder="huffman"``) takes that path on any device, so CPU tests cover it.
 """
 
@@ -32,21 +32,7 @@ from recsz.codecs import device_decode, device_encode, kernels
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import PayloadError
 from recsz.codecs.registry import register_codec
-from recsz.codecs.stages import (
-    SPLIT,
-    dedup_rows,
-    dequantize,
-    magicless_zstd,
-    pack_planes,
-    pack_streams,
-    quantize,
-    repeats_pay,
-    undedup_rows,
-    unpack_planes,
-    unpack_streams,
-    unzigzag,
-    zigzag,
-)
+from recsz.codecs.stages import SPLIT, magicless_zstd, pack_planes, unpack_planes
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 _DEDUP_MODES = {"off": 0, "on": 1, "auto": 2}
@@ -54,12 +40,6 @@ _DECODE_ERRORS = {
     kernels.BAD_LITERAL_COUNT: "row references and literal codes do not fit the shape",
     kernels.BAD_REFERENCE: "vector reference points past the literal rows",
 }
-
-
-def _fused(t: torch.Tensor | torch.device, dtype: torch.dtype) -> bool:
-    """Whether the numba kernels handle this device and dtype."""
-    device = t.device if isinstance(t, torch.Tensor) else t
-    return device.type == "cpu" and dtype in _KERNEL_DTYPES
 
 
 class _QuantPipeline(Codec):
@@ -92,7 +72,9 @@ class _QuantPipeline(Codec):
         return cfg
 
     def _device_path(self, x: torch.Tensor) -> bool:
-        return x.device.type != "cpu" or self.coder == "huffman"
+        # The numba kernels code float32/float64 on the CPU; everything else (CUDA tensors,
+        # fp16/bf16, coder="huffman") takes the torch-op coder of recsz.codecs.device_*.
+        return x.device.type != "cpu" or self.coder == "huffman" or x.dtype not in _KERNEL_DTYPES
 
     def warm_up(self) -> None:
         # Repeated rows exercise every kernel: quantize, dedup, range-coded references.
@@ -101,28 +83,9 @@ class _QuantPipeline(Codec):
 
     def _takes_nonfinite(self, x: torch.Tensor) -> bool:
         # The kernel's bound check fails for NaN/Inf, which makes them outliers.
-        return _fused(x, x.dtype) and not self._device_path(x)
-
-    def _streams(self, codes: torch.Tensor) -> list[torch.Tensor]:
-        """The integer streams of a code matrix: [refs, literal codes] or [codes]."""
-        n, d = codes.shape
-        use_dedup = self.dedup == "on"
-        refs = None
-        if self.dedup != "off":
-            refs = dedup_rows(codes)
-            use_dedup = use_dedup or repeats_pay(n, int((refs == 0).sum()), d)
-        if use_dedup and refs is not None:
-            return [refs, zigzag(codes[refs == 0]).view(-1)]
-        return [zigzag(codes).view(-1)]
+        return not self._device_path(x)
 
     def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
-        if _fused(x, x.dtype):
-            return self._encode_fused(x, eb)
-        codes, missed = quantize(x, eb)
-        streams = [z.cpu().numpy() for z in self._streams(codes)]
-        return pack_streams(streams, self._cctx, SPLIT), missed
-
-    def _encode_fused(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         a = x.numpy()
         qmax = kernels.QMAX32 if a.dtype == np.float32 else kernels.QMAX64
         step = np.array([2.0 * eb], a.dtype)
@@ -146,36 +109,19 @@ class _QuantPipeline(Codec):
         eb: float,
         device: torch.device,
     ) -> torch.Tensor:
+        # Host-made (format 1) payloads of any dtype: the kernel reconstructs q * 2eb in the
+        # working precision, rounded once to the dtype, as the encoder's check assumed.
         n, d = shape
-        if _fused(device, dtype):
-            dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
-            if len(dims) not in (1, 2):
-                raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
-            (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
-            out = np.empty((n, d), _KERNEL_DTYPES[dtype])
-            step = np.array([2.0 * eb], out.dtype)
-            status = kernels.decode_rows(raw, w_refs, n_refs, w_codes, n_codes, out, step)
-            if status != kernels.OK:
-                raise PayloadError(_DECODE_ERRORS[status])
-            return torch.from_numpy(out)
-        streams = unpack_streams(body, self._dctx, n * d, self._dctx_magicless)
-        if len(streams) == 2:
-            refs = torch.from_numpy(streams[0]).to(device)
-            lit = unzigzag(torch.from_numpy(streams[1]).to(device))
-            if refs.numel() != n or lit.numel() % d:
-                raise PayloadError(
-                    f"{refs.numel()} row references / {lit.numel()} codes do not "
-                    f"fit {n} rows of {d}"
-                )
-            codes = undedup_rows(lit.view(-1, d), refs)
-        elif len(streams) == 1:
-            codes = unzigzag(torch.from_numpy(streams[0]).to(device))
-            if codes.numel() != n * d:
-                raise PayloadError(f"{codes.numel()} codes for a {n} x {d} tensor")
-            codes = codes.view(n, d)
-        else:
-            raise PayloadError(f"{len(streams)} integer streams, expected 1 or 2")
-        return dequantize(codes, eb, dtype)
+        dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
+        if len(dims) not in (1, 2):
+            raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
+        (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
+        out = np.empty((n, d), np.float64 if dtype == torch.float64 else np.float32)
+        step = np.array([2.0 * eb], out.dtype)
+        status = kernels.decode_rows(raw, w_refs, n_refs, w_codes, n_codes, out, step)
+        if status != kernels.OK:
+            raise PayloadError(_DECODE_ERRORS[status])
+        return torch.from_numpy(out).to(device=device, dtype=dtype)
 
 
 @register_codec

@@ -1,9 +1,10 @@
 """The stages the hybrid codec chains: quantization, vector deduplication, integer packing.
 
-Each stage is a pair of pure functions on torch tensors or numpy arrays, tested on its own
-(tests/test_stages.py), so the codecs in :mod:`recsz.codecs.hybrid` only compose them.
-Quantization and deduplication are torch operations and run on the tensor's device; the
-packing stage is where bytes are made.
+:func:`quantize` / :func:`dequantize` are the plain torch reference of the quantizer that
+the numba kernels (:mod:`recsz.codecs.kernels`, CPU) and the torch-op device coder
+(:mod:`recsz.codecs.device_encode`) fuse with the bound check and row deduplication; the
+tests hold both to it, and the adaptive policy uses it to probe a table's traffic. The
+packing stage (byte planes, entropy modes, stream coders) is where format-1 bytes are made.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
     qmax = QMAX if wd == torch.float64 else 2**24  # float32 holds integers exactly to 2^24
     xs = x if x.dtype == wd else x.to(wd)
     q = torch.mul(xs, 1.0 / (2.0 * eb)).round_().clamp_(-qmax, qmax)
-    y = _dequantize_float(q, eb, x.dtype)
+    y = dequantize(q, eb, x.dtype)
     if y.dtype != wd:
         y = y.to(wd)
     bad = y.sub_(xs).abs_().ge_(bound_below(eb, wd)).view(-1)
@@ -65,12 +66,6 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, torch.zeros(0, dtype=torch.int64, device=x.device)
 
 
-def _dequantize_float(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
-    wd = work_dtype(dtype)
-    y = torch.mul(q if q.dtype == wd else q.to(wd), torch.tensor(2.0 * eb, dtype=wd))
-    return y if dtype == wd else y.to(dtype)
-
-
 def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
     """x' = q * 2 eb in the working precision, rounded once to ``dtype``.
 
@@ -78,88 +73,19 @@ def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
     rounded step; IEEE multiplication is exactly rounded on every device), so the
     encoder's check of every reconstruction is a check of what the decoder produces.
     """
-    return _dequantize_float(q, eb, dtype)
+    wd = work_dtype(dtype)
+    y = torch.mul(q if q.dtype == wd else q.to(wd), torch.tensor(2.0 * eb, dtype=wd))
+    return y if dtype == wd else y.to(dtype)
 
 
 # ---- vector deduplication ("vector LZ") -----------------------------------------------
-def _row_hash(codes: torch.Tensor) -> torch.Tensor:
-    """A hash of each code row; equal rows always get equal hashes.
-
-    Fast path: a float64 matrix-vector product with random integer weights small enough
-    that every partial sum is an exact integer below 2^53, so the result does not depend
-    on the order in which BLAS adds the terms. Otherwise a wrapping int64 dot product.
-    """
-    _n, d = codes.shape
-    top = int(codes.abs().max()) if codes.numel() else 0
-    wmax = 2**53 // max(1, d * max(top, 1))
-    g = torch.Generator().manual_seed(d)
-    if wmax >= 2**12:  # enough distinct weights to make collisions rare
-        w = torch.randint(1, min(wmax, 2**40), (d,), generator=g, dtype=torch.int64)
-        return codes.to(torch.float64) @ w.to(torch.float64).to(codes.device)
-    mult = (torch.randint(1, 2**62, (d,), generator=g, dtype=torch.int64) | 1).to(codes.device)
-    return (codes.to(torch.int64) * mult).sum(1)
-
-
-def dedup_rows(codes: torch.Tensor) -> torch.Tensor:
-    """For each row, 0 if it is sent literally, else 1 + the literal ordinal it repeats.
-
-    A hash of each code row finds repeats anywhere in the chunk (the paper's sliding
-    window holds only 32 vectors); every match is verified element by element, so a hash
-    collision costs ratio, never correctness.
-    """
-    n = codes.shape[0]
-    if n == 0:
-        return torch.zeros(0, dtype=torch.int64, device=codes.device)
-    h = _row_hash(codes)
-    uniq, inv = torch.unique(h, return_inverse=True)
-    if uniq.numel() == n:  # every row distinct (e.g. after id dedup): nothing to reference
-        return torch.zeros(n, dtype=torch.int64, device=codes.device)
-    ar = torch.arange(n, device=codes.device)
-    first = torch.full((int(inv.max()) + 1,), n, dtype=torch.int64, device=codes.device)
-    first.scatter_reduce_(0, inv, ar, reduce="amin")
-    rep = first[inv]
-    # Verify every match element by element (flat compare + nonzero is much faster on
-    # CPU than a per-row all()); a row whose hash collided is sent literally.
-    diff = torch.nonzero(codes.view(-1) != codes.index_select(0, rep).view(-1)).view(-1)
-    if diff.numel():
-        bad_rows = torch.unique(diff // codes.shape[1])
-        rep[bad_rows] = ar[bad_rows]
-    literal = rep == ar
-    ordinal = torch.cumsum(literal, 0) - 1
-    return torch.where(literal, torch.zeros_like(rep), ordinal[rep] + 1)
-
-
 def repeats_pay(n: int, n_lit: int, d: int) -> bool:
     """Whether n rows of d codes, n_lit of them literal, are smaller sent as literals plus
     references: a reference costs about one code, a repeated row saves d."""
     return (n - n_lit) * d > n
 
 
-def undedup_rows(literals: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-    """Inverse of dedup_rows: (n_literal, D) literal rows + refs (N,) -> (N, D)."""
-    literal = refs == 0
-    n_lit = int(literal.sum())
-    if n_lit != literals.shape[0]:
-        raise PayloadError(f"{n_lit} literal rows flagged, {literals.shape[0]} present")
-    src = torch.cumsum(literal, 0) - 1
-    src = torch.where(literal, src, refs - 1)
-    if src.numel() and (int(src.min()) < 0 or int(src.max()) >= max(n_lit, 1)):
-        raise PayloadError("vector reference points past the literal rows")
-    if n_lit == 0:
-        return literals.new_zeros((refs.shape[0], literals.shape[1]))
-    return literals[src]
-
-
 # ---- integer packing and entropy coding ------------------------------------------------
-def zigzag(q: torch.Tensor) -> torch.Tensor:
-    """Signed -> unsigned with small magnitudes staying small: 0,-1,1,-2 -> 0,1,2,3."""
-    return (q << 1) ^ (q >> (q.element_size() * 8 - 1))
-
-
-def unzigzag(z: torch.Tensor) -> torch.Tensor:
-    return (z >> 1) ^ -(z & 1)
-
-
 #: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
 #: or each stream coded on its own (SPLIT: its own Huffman table, and for row references
 #: the adaptive range coder of :mod:`recsz.codecs.rangecoder` where that is smaller).
@@ -185,34 +111,20 @@ def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.Zstd
     )
 
 
-def pack_streams(
-    streams: list[np.ndarray],
-    cctx: zstandard.ZstdCompressor | None,
-    mode: int = ZSTD,
-) -> bytes:
-    """Non-negative int arrays -> narrowest width each, byte planes, one optional zstd frame.
-
-    Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
-    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The planes stay
-    raw whenever zstd would not make them smaller. Layout: u8 count, (u8 width, varint n)
-    per stream, u8 mode (0 raw, 1 zstd), data.
-    """
-    dims, planes = [], []
-    for z in streams:
-        n = int(z.size)
-        w = kernels.width(int(z.max()) if n else 0)
-        dims.append((w, n))
-        planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(n, w).T.tobytes())
-    return pack_planes(dims, b"".join(planes), cctx, mode)
-
-
 def pack_planes(
     dims: list[tuple[int, int]],
     data: bytes | np.ndarray,
     cctx: zstandard.ZstdCompressor | None,
     mode: int = ZSTD,
 ) -> bytes:
-    """The layout of :func:`pack_streams` from planes already laid out (width, count each).
+    """Integer streams, given as their byte planes (each stream's ``n`` codes of ``w`` bytes
+    laid out byte plane by byte plane, (width, count) in ``dims``), with an optional
+    entropy stage.
+
+    Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
+    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The planes stay
+    raw whenever coding would not make them smaller. Layout: u8 count, (u8 width, varint
+    n) per stream, u8 mode, data.
 
     With ``mode=SPLIT`` and two streams, the first is taken to be row references.
     """
@@ -294,22 +206,6 @@ def _unpack_split(
     if o != buf.size:
         raise PayloadError(f"{buf.size - o} stray bytes after a split block")
     return np.concatenate(parts) if len(parts) != 1 else parts[0]
-
-
-def unpack_streams(
-    buf: np.ndarray,
-    dctx: zstandard.ZstdDecompressor,
-    max_elems: int,
-    magicless: zstandard.ZstdDecompressor | None = None,
-) -> list[np.ndarray]:
-    """Inverse of pack_streams; each stream as (n,) int64. ``max_elems`` caps allocation."""
-    dims, raw = unpack_planes(buf, dctx, max_elems, magicless)
-    out, p = [], 0
-    for w, n in dims:
-        planes = raw[p : p + w * n].reshape(w, n).T
-        out.append(np.ascontiguousarray(planes).view(f"<u{w}").reshape(n).astype(np.int64))
-        p += w * n
-    return out
 
 
 def unpack_planes(
