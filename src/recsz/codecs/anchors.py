@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from recsz.codecs.base import Codec
-from recsz.codecs.payload import PayloadError, tensor_bytes, tensor_from_bytes
+from recsz.codecs.payload import Header, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
 _QDTYPE = {"FP16": torch.float16, "BF16": torch.bfloat16, "FP8": torch.uint8, "MX4": torch.uint8}
@@ -66,15 +66,8 @@ class _FbgemmCodec(Codec):
             xf = torch.nn.functional.pad(xf, (0, dp - d))
         return tensor_bytes(self._codec(dp).encode(xf.contiguous()))
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
-        n, d = shape
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
+        n, d = h.shape
         dp = self._padded_dim(d)
         qd = _QDTYPE[self.sparse_type]
         raw = tensor_from_bytes(body, qd)
@@ -85,7 +78,7 @@ class _FbgemmCodec(Codec):
         y = self._codec(dp).decode(raw).float().reshape(-1)
         if y.numel() < n * dp:
             raise PayloadError(f"{self.codec_id}: decodes to {y.numel()} values, need {n * dp}")
-        return y[: n * dp].view(n, dp)[:, :d].contiguous().to(dtype).to(device)
+        return y[: n * dp].view(n, dp)[:, :d].contiguous().to(h.dtype).to(device)
 
 
 @register_codec

@@ -33,25 +33,23 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from recsz.codecs.devframe import frame_device, open_device, outlier_bytes, read_outliers
 from recsz.codecs.payload import (
-    _DTYPES,
     DEVICE_FORMAT,
+    DTYPES,
     FORMAT_VERSION,
     MAGIC,
+    Header,
     PayloadError,
-    _as_bytes,
-    _is_device_made,
-    _pack_outliers,
-    _unpack_outliers,
-    _versions,
-    frame_device,
+    as_bytes,
+    is_device_made,
     join_sections,
-    open_device,
-    outlier_bytes,
+    pack_outliers,
     parse_payload,
-    read_outliers,
     split_sections,
+    unpack_outliers,
     uvarint,
+    versions,
 )
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
@@ -109,19 +107,12 @@ class Codec(ABC):
             raise NotImplementedError(f"{type(self).__name__} codes no body")
         return self._encode_tensor(x).cpu().numpy()
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         """Rebuild the tensor from body bytes; raise PayloadError on malformed bodies."""
         if not self._tensor_body():
             raise NotImplementedError(f"{type(self).__name__} decodes no body")
         core = torch.from_numpy(body if body.flags.writeable else body.copy())
-        return self._decode_tensor(core, shape, dtype, eb).to(device)
+        return self._decode_tensor(core, h.shape, h.dtype, h.eb).to(device)
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         """The body of a finite, contiguous 2-D tensor as a 1-D uint8 tensor on its device."""
@@ -202,7 +193,7 @@ class Codec(ABC):
         """Check the input; the bound as a float (0 for codecs that take none)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{self.codec_id}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dtype not in _DTYPES:
+        if x.dtype not in DTYPES:
             raise ValueError(
                 f"{self.codec_id}: expected a float tensor (float32/16, bfloat16, float64), "
                 f"got {x.dtype}"
@@ -235,16 +226,15 @@ class Codec(ABC):
                 out, missed = out
                 if missed.numel():
                     exact.append(missed)
-            core = _as_bytes(out)
+            core = as_bytes(out)
             if self.error_bounded and self.verify_bound:
-                y = self._decode(
-                    np.frombuffer(core, np.uint8), tuple(x.shape), x.dtype, eb_f, device
-                )
+                h = Header(self.codec_id, self.version, {}, x.dtype, tuple(x.shape), eb_f, 0)
+                y = self._decode(np.frombuffer(core, np.uint8), h, device)
                 bad = (y.double() - x.double()).abs().view(-1) > eb_f
                 exact.append(torch.nonzero(bad).view(-1))
         if exact:
             idx = torch.unique(torch.cat(exact)) if len(exact) > 1 else exact[0]
-            body = join_sections([core, *_pack_outliers(idx, orig.view(-1)[idx])])
+            body = join_sections([core, *pack_outliers(idx, orig.view(-1)[idx])])
         else:
             body = join_sections([core, b"", b""])
         payload = bytearray(self._header(x.shape, x.dtype, eb_f, body))
@@ -253,11 +243,11 @@ class Codec(ABC):
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
-        if _is_device_made(payload):
+        if is_device_made(payload):
             return self._decode_device_checked([payload])[0]
         hdr, body = parse_payload(payload)
-        if hdr["codec"] != self.codec_id:
-            raise PayloadError(f"payload was made by codec {hdr['codec']!r}, not {self.codec_id!r}")
+        if hdr.codec != self.codec_id:
+            raise PayloadError(f"payload was made by codec {hdr.codec!r}, not {self.codec_id!r}")
         assert isinstance(body, np.ndarray)
         return self._decode_body(hdr, body, payload.device)
 
@@ -284,7 +274,7 @@ class Codec(ABC):
         """Decode many payloads; device-made ones of one device together."""
         out: list[torch.Tensor | None] = [None] * len(payloads)
         groups: dict[torch.device, list[int]] = {}
-        for i, (p, v) in enumerate(zip(payloads, _versions(payloads), strict=True)):
+        for i, (p, v) in enumerate(zip(payloads, versions(payloads), strict=True)):
             if v == DEVICE_FORMAT:
                 groups.setdefault(p.device, []).append(i)
             else:
@@ -318,10 +308,8 @@ class Codec(ABC):
         shown = {k: v for k, v in self.get_config().items() if defaults.get(k, object()) != v}
         return json.dumps(shown, sort_keys=True, separators=(",", ":")).encode() if shown else b""
 
-    def _decode_body(
-        self, hdr: dict[str, Any], body: np.ndarray, device: torch.device
-    ) -> torch.Tensor:
-        shape, dtype, eb = tuple(hdr["shape"]), hdr["dtype"], hdr["eb"]
+    def _decode_body(self, hdr: Header, body: np.ndarray, device: torch.device) -> torch.Tensor:
+        shape, dtype = hdr.shape, hdr.dtype
         core, oidx, oval = split_sections(body, 3)
         n = math.prod(shape) if shape else 0
         if n == 0:
@@ -329,7 +317,7 @@ class Codec(ABC):
                 raise PayloadError("an empty tensor's payload carries data")
             return torch.empty(shape, dtype=dtype, device=device)
         try:
-            y = self._decode(core, shape, dtype, eb, device)
+            y = self._decode(core, hdr, device)
         except PayloadError:
             raise
         except Exception as e:  # a malformed body must never escape as another error
@@ -341,7 +329,7 @@ class Codec(ABC):
             )
         if oidx.size or oval.size:
             y = y.contiguous()
-            idx, val = _unpack_outliers(oidx, oval, dtype, n)
+            idx, val = unpack_outliers(oidx, oval, dtype, n)
             if idx.numel():
                 y.view(-1)[idx.to(y.device)] = val.to(y.device)
         return y
@@ -360,7 +348,7 @@ class Codec(ABC):
                 struct.pack("<B", self.version),
                 uvarint(len(cfg)),
                 cfg,
-                struct.pack("<BB", _DTYPES[dtype], len(shape)),
+                struct.pack("<BB", DTYPES[dtype], len(shape)),
                 *(uvarint(d) for d in shape),
                 struct.pack("<d", eb),
                 uvarint(blen),

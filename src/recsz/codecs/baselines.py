@@ -21,7 +21,7 @@ import torch
 import zstandard
 
 from recsz.codecs.base import Codec
-from recsz.codecs.payload import PayloadError, tensor_bytes, tensor_from_bytes
+from recsz.codecs.payload import Header, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
 
@@ -149,19 +149,12 @@ class LZ4Codec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return lz4.frame.compress(tensor_bytes(x))
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         try:
             raw = lz4.frame.decompress(body.tobytes())
         except RuntimeError as e:
             raise PayloadError(f"lz4 frame does not decode: {e}") from None
-        return _from_raw(raw, shape, dtype, device)
+        return _from_raw(raw, h.shape, h.dtype, device)
 
 
 @register_codec
@@ -182,22 +175,15 @@ class ZstdCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return zstandard.ZstdCompressor(level=self.level).compress(tensor_bytes(x))
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
+        itemsize = torch.empty(0, dtype=h.dtype).element_size()
         try:
             raw = zstandard.ZstdDecompressor().decompress(
-                body.tobytes(), max_output_size=int(np.prod(shape)) * itemsize
+                body.tobytes(), max_output_size=int(np.prod(h.shape)) * itemsize
             )
         except zstandard.ZstdError as e:
             raise PayloadError(f"zstd frame does not decode: {e}") from None
-        return _from_raw(raw, shape, dtype, device)
+        return _from_raw(raw, h.shape, h.dtype, device)
 
 
 def _optional(module: str, package: str) -> Any:
@@ -242,20 +228,13 @@ class SZ3Codec(Codec):
         comp, _ = pysz.sz.compress(a, cfg)
         return np.uint8(a.dtype == np.float64).tobytes() + np.asarray(comp, np.uint8).tobytes()
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         pysz = _optional("pysz", "pysz")
         if body.size < 2:
             raise PayloadError("sz3 body too short")
         npdt = np.float64 if body[0] else np.float32
-        out, _ = pysz.sz.decompress(np.ascontiguousarray(body[1:]), npdt, shape)
-        return torch.from_numpy(np.array(out, copy=True)).view(shape).to(dtype).to(device)
+        out, _ = pysz.sz.decompress(np.ascontiguousarray(body[1:]), npdt, h.shape)
+        return torch.from_numpy(np.array(out, copy=True)).view(h.shape).to(h.dtype).to(device)
 
 
 @register_codec
@@ -270,16 +249,9 @@ class ZFPCodec(Codec):
         zfpy = _optional("zfpy", "zfpy==1.0.1")
         return bytes(zfpy.compress_numpy(np.ascontiguousarray(_wide(x)), tolerance=eb))
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         zfpy = _optional("zfpy", "zfpy==1.0.1")
         out = zfpy.decompress_numpy(body.tobytes())
-        if tuple(out.shape) != tuple(shape):
-            raise PayloadError(f"zfp stream holds shape {out.shape}, header says {shape}")
-        return torch.from_numpy(np.array(out, copy=True)).to(dtype).to(device)
+        if tuple(out.shape) != tuple(h.shape):
+            raise PayloadError(f"zfp stream holds shape {out.shape}, header says {h.shape}")
+        return torch.from_numpy(np.array(out, copy=True)).to(h.dtype).to(device)

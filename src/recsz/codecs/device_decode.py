@@ -18,19 +18,12 @@ import torch
 
 from recsz.codecs import huffman as H
 from recsz.codecs.devbuf import Uploads, excl, nonzero_known
-from recsz.codecs.payload import (
-    Frame,
-    HostWindows,
-    PayloadError,
-    fetch_windows,
-    open_device,
-    read_outliers,
-    read_uvarint,
-)
+from recsz.codecs.devframe import Frame, HostWindows, fetch_windows, open_device, read_outliers
+from recsz.codecs.payload import PayloadError, read_uvarint
 from recsz.codecs.stages import HUFF_PLANES, PLANES, RAW, SPLIT, work_dtype
 
 if TYPE_CHECKING:
-    from recsz.codecs.hybrid import _QuantPipeline
+    from recsz.codecs.hybrid import QuantPipeline
 
 
 @dataclass
@@ -48,7 +41,7 @@ class _DSeg:
     lengths: np.ndarray | None = None
 
 
-def decode_batch(codec: _QuantPipeline, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+def decode_batch(codec: QuantPipeline, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Decode format-2 payloads of ``codec`` on their (common) device."""
     dev = payloads[0].device
     buf, frames, readers = open_device(codec, payloads)

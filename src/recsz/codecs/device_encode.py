@@ -32,7 +32,8 @@ import torch
 from recsz.codecs import huffman as H
 from recsz.codecs import kernels
 from recsz.codecs.devbuf import Uploads, excl, nonzero_known, u32_bytes
-from recsz.codecs.payload import frame_device, outlier_bytes, uvarint
+from recsz.codecs.devframe import frame_device, outlier_bytes
+from recsz.codecs.payload import uvarint
 from recsz.codecs.stages import (
     HUFF_PLANES,
     PLANES,
@@ -45,7 +46,7 @@ from recsz.codecs.stages import (
 )
 
 if TYPE_CHECKING:
-    from recsz.codecs.hybrid import _QuantPipeline
+    from recsz.codecs.hybrid import QuantPipeline
 
 
 @dataclass
@@ -69,7 +70,7 @@ class _Seg:
 
 
 def encode_batch(
-    codec: _QuantPipeline, xs: list[torch.Tensor], ebs: list[float]
+    codec: QuantPipeline, xs: list[torch.Tensor], ebs: list[float]
 ) -> list[torch.Tensor]:
     """Encode same-dtype, same-width 2-D chunks on their (common) device."""
     x0 = xs[0]

@@ -30,7 +30,7 @@ import zstandard
 
 from recsz.codecs import device_decode, device_encode, kernels
 from recsz.codecs.base import Codec
-from recsz.codecs.payload import PayloadError
+from recsz.codecs.payload import Header, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import SPLIT, magicless_zstd, pack_planes, unpack_planes
 
@@ -42,7 +42,7 @@ _DECODE_ERRORS = {
 }
 
 
-class _QuantPipeline(Codec):
+class QuantPipeline(Codec):
     """Quantize, then optionally deduplicate rows and entropy-code."""
 
     error_bounded = True
@@ -101,31 +101,24 @@ class _QuantPipeline(Codec):
     def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         return device_decode.decode_batch(self, payloads)
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
-        # Host-made (format 1) payloads of any dtype: the kernel reconstructs q * 2eb in the
-        # working precision, rounded once to the dtype, as the encoder's check assumed.
-        n, d = shape
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
+        # Host-made (format 1) payloads of any h.dtype: the kernel reconstructs q * 2eb in the
+        # working precision, rounded once to the h.dtype, as the encoder's check assumed.
+        n, d = h.shape
         dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
         if len(dims) not in (1, 2):
             raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
         (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
-        out = np.empty((n, d), np.float64 if dtype == torch.float64 else np.float32)
-        step = np.array([2.0 * eb], out.dtype)
+        out = np.empty((n, d), np.float64 if h.dtype == torch.float64 else np.float32)
+        step = np.array([2.0 * h.eb], out.dtype)
         status = kernels.decode_rows(raw, w_refs, n_refs, w_codes, n_codes, out, step)
         if status != kernels.OK:
             raise PayloadError(_DECODE_ERRORS[status])
-        return torch.from_numpy(out).to(device=device, dtype=dtype)
+        return torch.from_numpy(out).to(device=device, dtype=h.dtype)
 
 
 @register_codec
-class HybridCodec(_QuantPipeline):
+class HybridCodec(QuantPipeline):
     """Quantize + vector dedup (where it pays) + entropy coding."""
 
     codec_id = "hybrid"
@@ -134,14 +127,14 @@ class HybridCodec(_QuantPipeline):
 
 
 @register_codec
-class QuantCodec(_QuantPipeline):
+class QuantCodec(QuantPipeline):
     """Quantization alone; codes packed at the narrowest byte width."""
 
     codec_id = "quant"
 
 
 @register_codec
-class QuantLZCodec(_QuantPipeline):
+class QuantLZCodec(QuantPipeline):
     """Quantization + vector dedup, no entropy coding."""
 
     codec_id = "quant+lz"
@@ -149,7 +142,7 @@ class QuantLZCodec(_QuantPipeline):
 
 
 @register_codec
-class QuantHuffmanCodec(_QuantPipeline):
+class QuantHuffmanCodec(QuantPipeline):
     """Quantization + canonical Huffman coding (the paper's entropy stage), coded on the
     tensor's device on every device: the GPU codec, runnable (slowly) on the CPU."""
 
@@ -159,7 +152,7 @@ class QuantHuffmanCodec(_QuantPipeline):
 
 
 @register_codec
-class QuantEntropyCodec(_QuantPipeline):
+class QuantEntropyCodec(QuantPipeline):
     """Quantization + entropy coding (zstd on byte planes; on CUDA, like every quantizing
     codec there, Huffman on the device), no vector dedup."""
 

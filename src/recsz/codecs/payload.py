@@ -20,7 +20,6 @@ exact values of "outliers" (:mod:`recsz.codecs.base` says which elements those a
 from __future__ import annotations
 
 import json
-import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -29,45 +28,58 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsz.codecs.devbuf import Pieces, excl, from_le, region_hashes, word_hash
+from recsz.codecs.devbuf import word_hash
 
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
 DEVICE_FORMAT = 2  # made on the tensor's device: word_hash checksum
-_HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
-_PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
-_DTYPES: dict[torch.dtype, int] = {
+HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
+PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
+DTYPES: dict[torch.dtype, int] = {
     torch.float32: 0,
     torch.float16: 1,
     torch.bfloat16: 2,
     torch.float64: 3,
 }
-_DTYPE_BY_CODE = {v: k for k, v in _DTYPES.items()}
+DTYPE_BY_CODE = {v: k for k, v in DTYPES.items()}
 
 
 class PayloadError(ValueError):
     """A payload is truncated, corrupted, or was not made by this codec."""
 
 
-def _version(payload: torch.Tensor) -> int:
+@dataclass(frozen=True)
+class Header:
+    """What a payload's header says of the tensor inside and the codec that made it."""
+
+    codec: str
+    codec_version: int
+    config: dict[str, Any]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    eb: float
+    body_len: int
+
+
+def version_of(payload: torch.Tensor) -> int:
     """The format version byte (0 for what is no payload at all): a view on the CPU, one
     small copy from a device."""
-    if not isinstance(payload, torch.Tensor) or not _version_ok(payload):
+    if not isinstance(payload, torch.Tensor) or not version_ok(payload):
         return 0
     if payload.device.type == "cpu":
         return int(payload.detach().numpy()[3])
     return int(payload[3])
 
 
-def _versions(payloads: list[torch.Tensor]) -> list[int]:
-    """_version of each payload, those on devices read with one copy for all."""
+def versions(payloads: list[torch.Tensor]) -> list[int]:
+    """version_of of each payload, those on devices read with one copy for all."""
     out = [0] * len(payloads)
     remote = []
     for i, p in enumerate(payloads):
-        if isinstance(p, torch.Tensor) and p.device.type != "cpu" and _version_ok(p):
+        if isinstance(p, torch.Tensor) and p.device.type != "cpu" and version_ok(p):
             remote.append(i)
         else:
-            out[i] = _version(p)
+            out[i] = version_of(p)
     if remote:
         got = torch.stack([payloads[i][3] for i in remote]).cpu().tolist()
         for i, v in zip(remote, got, strict=True):
@@ -75,19 +87,19 @@ def _versions(payloads: list[torch.Tensor]) -> list[int]:
     return out
 
 
-def _version_ok(payload: torch.Tensor) -> bool:
-    return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= _PREFIX.size
+def version_ok(payload: torch.Tensor) -> bool:
+    return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= PREFIX.size
 
 
-def _is_device_made(payload: torch.Tensor) -> bool:
+def is_device_made(payload: torch.Tensor) -> bool:
     """Format 2 (made on the tensor's device), told by the version byte alone."""
-    return _version(payload) == DEVICE_FORMAT
+    return version_of(payload) == DEVICE_FORMAT
 
 
 def parse_payload(
     payload: torch.Tensor, verify: bool = True
-) -> tuple[dict[str, Any], np.ndarray | torch.Tensor]:
-    """Check and parse a payload's header; return (header fields, body).
+) -> tuple[Header, np.ndarray | torch.Tensor]:
+    """Check and parse a payload's header; return (header, body).
 
     The body is host bytes for format 1, and stays on the payload's device for format 2
     (only the first bytes, where the headers are, are copied to the host). ``verify=False``
@@ -97,46 +109,45 @@ def parse_payload(
         raise PayloadError("a payload is a 1-D torch.uint8 tensor")
     payload = payload.detach()
     on_cpu = payload.device.type == "cpu"
-    buf = payload.numpy() if on_cpu else payload[:_HEAD_WINDOW].cpu().numpy()
-    if buf.size < _PREFIX.size:
+    buf = payload.numpy() if on_cpu else payload[:HEAD_WINDOW].cpu().numpy()
+    if buf.size < PREFIX.size:
         raise PayloadError(f"payload of {buf.size} bytes is shorter than the fixed prefix")
-    magic, fver, crc = _PREFIX.unpack_from(buf.data, 0)
+    magic, fver, crc = PREFIX.unpack_from(buf.data, 0)
     if magic != MAGIC:
         raise PayloadError(f"bad magic {magic!r}: not a recsz payload")
     if fver == FORMAT_VERSION:
         if not on_cpu:
             buf = payload.cpu().numpy()
-        rest = buf[_PREFIX.size :]
+        rest = buf[PREFIX.size :]
         if verify and zlib.crc32(rest.data) != crc:
             raise PayloadError("checksum mismatch: payload corrupted or truncated")
-        fields, o = _parse_header(rest)
+        fields, o = parse_header(rest)
         host_body = rest[o:]
         size = int(host_body.size)
         body: np.ndarray | torch.Tensor = host_body
     elif fver == DEVICE_FORMAT:
         if verify:
-            got = word_hash(payload[_PREFIX.size :]).cpu().numpy()
+            got = word_hash(payload[PREFIX.size :]).cpu().numpy()
             if not np.array_equal(got, buf[4:8]):
                 raise PayloadError("checksum mismatch: payload corrupted or truncated")
-        fields, o = _parse_header(buf[_PREFIX.size : _HEAD_WINDOW])
-        o += _PREFIX.size
+        fields, o = parse_header(buf[PREFIX.size : HEAD_WINDOW])
+        o += PREFIX.size
         body = payload[o:]  # stays on its device
         size = int(body.numel())
     else:
         raise PayloadError(
             f"payload format version {fver}, this build reads {FORMAT_VERSION} and {DEVICE_FORMAT}"
         )
-    if size != fields["blen"]:
+    if size != fields.body_len:
         raise PayloadError(
-            f"body is {size} bytes, header says {fields.pop('blen')}: payload truncated or padded"
+            f"body is {size} bytes, header says {fields.body_len}: payload truncated or padded"
         )
-    del fields["blen"]
     return fields, body
 
 
-def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
-    """The header fields after the prefix, and the offset where the body starts."""
-    b = rest[:_HEAD_WINDOW].tobytes()
+def parse_header(rest: np.ndarray) -> tuple[Header, int]:
+    """The header after the prefix, and the offset where the body starts."""
+    b = rest[:HEAD_WINDOW].tobytes()
     try:
         clen = b[0]
         codec = b[1 : 1 + clen].decode("ascii")
@@ -158,18 +169,9 @@ def _parse_header(rest: np.ndarray) -> tuple[dict[str, Any], int]:
         blen, o = read_uvarint(b, o + 8)
     except (IndexError, struct.error, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PayloadError(f"malformed header: {e}") from None
-    if dcode not in _DTYPE_BY_CODE:
+    if dcode not in DTYPE_BY_CODE:
         raise PayloadError(f"unknown dtype code {dcode}")
-    fields = {
-        "codec": codec,
-        "codec_version": cver,
-        "config": config,
-        "dtype": _DTYPE_BY_CODE[dcode],
-        "shape": tuple(shape),
-        "eb": eb,
-        "blen": blen,
-    }
-    return fields, o
+    return Header(codec, cver, config, DTYPE_BY_CODE[dcode], tuple(shape), eb, blen), o
 
 
 def uvarint(n: int) -> bytes:
@@ -223,7 +225,7 @@ def tensor_from_bytes(
     return torch.frombuffer(bytearray(raw), dtype=dtype)
 
 
-def _as_bytes(b: bytes | np.ndarray) -> bytes:
+def as_bytes(b: bytes | np.ndarray) -> bytes:
     return b if isinstance(b, bytes) else np.ascontiguousarray(b).view(np.uint8).tobytes()
 
 
@@ -250,7 +252,7 @@ def split_sections(buf: np.ndarray, n: int) -> list[np.ndarray]:
     return out
 
 
-def _pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
+def pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
     """Positions (u32 when they fit, else u64, after a width byte) and exact values (f64)."""
     if idx.numel() == 0:
         return [b"", b""]
@@ -261,7 +263,7 @@ def _pack_outliers(idx: torch.Tensor, val: torch.Tensor) -> list[bytes]:
     return [ib, vb]
 
 
-def _unpack_outliers(
+def unpack_outliers(
     ib: np.ndarray, vb: np.ndarray, dtype: torch.dtype, n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if ib.size == 0 and vb.size == 0:
@@ -274,223 +276,3 @@ def _unpack_outliers(
         raise PayloadError("outlier position outside the tensor")
     val = torch.from_numpy(np.frombuffer(vb.tobytes(), dtype="<f8").copy()).to(dtype)
     return torch.from_numpy(idx), val
-
-
-# ---- device-made payloads (format 2), many at a time ---------------------------------
-# Framing and parsing shared by every codec with a device path: the codec supplies its core
-# bytes (host-made headers and device tensors) and outliers; the frame around them is made
-# with one host-to-device copy and one concatenation, and read back with one small
-# device-to-host copy for all payloads (more rounds only when a parser asks for bytes
-# beyond the first window).
-_DEVICE_HEAD = 512  # bytes of each payload copied to the host in the first round
-
-
-@dataclass
-class Frame:
-    """Where one device-made payload's parts lie (offsets into its payload)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    eb: float
-    base: int  # the payload's offset in the batch buffer
-    core: tuple[int, int]  # (offset, length)
-    oidx: tuple[int, int]
-    oval: tuple[int, int]
-    ow: int  # width of an outlier position (4 or 8); 0 without outliers
-
-    @property
-    def n_outliers(self) -> int:
-        return self.oval[1] // 8
-
-
-class HostWindows:
-    """Host copies of parts of one payload: the first window, then what parsers fetch."""
-
-    def __init__(self, head: np.ndarray, size: int) -> None:
-        self.windows = [(0, head)]
-        self.size = size
-
-    def get(self, o: int, n: int) -> np.ndarray | None:
-        """Bytes [o, o + n) (fewer at the payload's end), or None if not fetched yet."""
-        n = min(n, self.size - o)
-        for s, w in self.windows:
-            if s <= o and o + n <= s + w.size:
-                return w[o - s : o - s + n]
-        return None
-
-
-def fetch_windows(
-    payloads: list[torch.Tensor], readers: list[HostWindows], need: list[tuple[int, int, int]]
-) -> None:
-    """Copy the windows (payload, offset, length) to the host, all in one copy."""
-    if any(o >= readers[c].size for c, o, _ in need):
-        raise PayloadError("payload metadata runs past the payload")
-    extra = torch.cat([payloads[c][o : o + n] for c, o, n in need]).cpu().numpy()
-    p = 0
-    for c, o, n in need:
-        n = min(n, readers[c].size - o)
-        readers[c].windows.append((o, extra[p : p + n]))
-        p += n
-
-
-def frame_device(
-    codec: Any,
-    dtype: torch.dtype,
-    shapes: list[tuple[int, ...]],
-    ebs: list[float],
-    cores: list[list[bytes | torch.Tensor]],
-    outliers: list[tuple[torch.Tensor, torch.Tensor] | None],
-    dev: torch.device,
-) -> list[torch.Tensor]:
-    """Format-2 payloads around each chunk's core (host bytes and uint8 device tensors) and
-    outliers ((k, 8) little-endian int64 positions, (k, 8) float64 values, as bytes)."""
-    pieces = Pieces()
-    bounds: list[tuple[int, int]] = []
-    total = 0
-    for shape, eb, core, out in zip(shapes, ebs, cores, outliers, strict=True):
-        core_len = sum(len(b) if isinstance(b, bytes) else b.numel() for b in core)
-        n_out = int(out[0].shape[0]) if out is not None else 0
-        pw = 8 if math.prod(shape) >= 2**32 else 4  # from the shape: no look at the data
-        oidx_len = 1 + pw * n_out if n_out else 0
-        table = bytes([3]) + uvarint(core_len) + uvarint(oidx_len) + uvarint(8 * n_out)
-        body_len = len(table) + core_len + oidx_len + 8 * n_out
-        hdr = codec._header_fields(torch.Size(shape), dtype, eb, body_len)
-        start = total
-        pieces.add_host(MAGIC + bytes([DEVICE_FORMAT, 0, 0, 0, 0]) + hdr + table)
-        for b in core:
-            if isinstance(b, bytes):
-                pieces.add_host(b)
-            else:
-                pieces.add(b)
-        if out is not None and n_out:
-            pieces.add_host(bytes([pw]))
-            pieces.add(out[0][:, :pw])
-            pieces.add(out[1])
-        total += 8 + len(hdr) + body_len
-        bounds.append((start, total))
-    buf = pieces.join(dev)
-    starts = [b[0] for b in bounds]
-    h = region_hashes(buf, [a + _PREFIX.size for a in starts], [b[1] for b in bounds])
-    at = (torch.tensor(starts, dtype=torch.int64).view(-1, 1) + torch.arange(4, 8)).to(dev)
-    buf[at.view(-1)] = h.view(-1)
-    return [buf[a:b] for a, b in bounds]
-
-
-def outlier_bytes(
-    flat: torch.Tensor, pos: torch.Tensor, stored: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact values of ``flat`` at ``pos`` and the positions to store for them
-    (``stored``, e.g. positions inside each chunk; ``pos`` itself by default), as (k, 8)
-    byte rows: little-endian int64 positions, float64 values."""
-    val = flat[pos].to(torch.float64)
-    val = val.masked_fill(val.isnan(), float("nan"))  # CUDA and CPU widen NaN differently
-    at = pos if stored is None else stored
-    return (
-        at.to(torch.int64).contiguous().view(torch.uint8).view(-1, 8),
-        val.contiguous().view(torch.uint8).view(-1, 8),
-    )
-
-
-def open_device(
-    codec: Any, payloads: list[torch.Tensor]
-) -> tuple[torch.Tensor, list[Frame], list[HostWindows]]:
-    """Check and parse device-made payloads of ``codec``: the batch buffer (all payloads
-    end to end), each one's frame, and its host windows (for the codec's own parsing)."""
-    k = len(payloads)
-    sizes = [int(p.numel()) for p in payloads]
-    buf = torch.cat(payloads) if k > 1 else payloads[0]
-    starts = excl(sizes)
-    heads = torch.cat([p[:_DEVICE_HEAD] for p in payloads]).cpu().numpy()
-    readers, o = [], 0
-    for sz in sizes:
-        n = min(sz, _DEVICE_HEAD)
-        readers.append(HostWindows(heads[o : o + n], sz))
-        o += n
-    for sz, r in zip(sizes, readers, strict=True):
-        head = r.get(0, 8)
-        if sz < _PREFIX.size or head is None:
-            raise PayloadError(f"payload of {sz} bytes is shorter than the fixed prefix")
-        if head[:3].tobytes() != MAGIC or int(head[3]) != DEVICE_FORMAT:
-            raise PayloadError("not a device-made (format 2) recsz payload")
-    ends = [s + z for s, z in zip(starts, sizes, strict=True)]
-    got = region_hashes(buf, [s + _PREFIX.size for s in starts], ends).cpu().numpy()
-    for c, r in enumerate(readers):
-        want = r.get(4, 4)
-        if want is None or not np.array_equal(got[c], want):
-            raise PayloadError("checksum mismatch: payload corrupted or truncated")
-    for _ in range(3):
-        need: list[tuple[int, int, int]] = []
-        frames = [_frame(codec, c, readers[c], starts[c], need) for c in range(k)]
-        if not need:
-            return buf, [f for f in frames if f is not None], readers
-        fetch_windows(payloads, readers, need)
-    raise PayloadError("payload header too long to parse")
-
-
-def _frame(
-    codec: Any, c: int, r: HostWindows, base: int, need: list[tuple[int, int, int]]
-) -> Frame | None:
-    rest = r.get(_PREFIX.size, _DEVICE_HEAD - _PREFIX.size)
-    assert rest is not None
-    fields, o = _parse_header(rest)
-    o += _PREFIX.size
-    if fields["codec"] != codec.codec_id:
-        raise PayloadError(f"payload was made by codec {fields['codec']!r}, not {codec.codec_id!r}")
-    if fields["blen"] != r.size - o:
-        raise PayloadError(
-            f"body is {r.size - o} bytes, header says {fields['blen']}: payload truncated or padded"
-        )
-    sec = r.get(o, 31)
-    if sec is None:
-        need.append((c, o, 31))
-        return None
-    if sec.size < 1 or int(sec[0]) != 3:
-        raise PayloadError("malformed section table (expected 3 sections)")
-    p, lens = 1, []
-    for _ in range(3):
-        ln, p = read_uvarint(sec, p)
-        lens.append(ln)
-    o += p
-    if o + sum(lens) != r.size:
-        raise PayloadError("section lengths do not add up to the body")
-    ow = 0
-    if lens[1]:
-        wb = r.get(o + lens[0], 1)
-        if wb is None:
-            need.append((c, o + lens[0], 1))
-            return None
-        ow = int(wb[0])
-        k = (lens[1] - 1) // ow if ow in (4, 8) else -1
-        if ow not in (4, 8) or (lens[1] - 1) % ow or lens[2] != 8 * k:
-            raise PayloadError("malformed outlier section")
-    elif lens[2]:
-        raise PayloadError("malformed outlier section")
-    shape = tuple(fields["shape"])
-    if math.prod(shape) == 0 and (lens[0] or lens[1] or lens[2]):
-        raise PayloadError("an empty tensor's payload carries data")
-    return Frame(
-        shape,
-        fields["dtype"],
-        fields["eb"],
-        base,
-        (o, lens[0]),
-        (o + lens[0], lens[1]),
-        (o + lens[0] + lens[1], lens[2]),
-        ow,
-    )
-
-
-def read_outliers(buf: torch.Tensor, frames: list[Frame]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every frame's outlier positions (int64, flat in its tensor) and exact values
-    (float64), concatenated in frame order (``Frame.n_outliers`` of each)."""
-    pos, val = [], []
-    for f in frames:
-        if f.n_outliers:
-            a = f.base + f.oidx[0] + 1
-            pos.append(from_le(buf[a : a + f.ow * f.n_outliers], f.ow))
-            b = f.base + f.oval[0]
-            val.append(buf[b : b + 8 * f.n_outliers])
-    if not pos:
-        empty = torch.empty(0, dtype=torch.int64, device=buf.device)
-        return empty, empty.to(torch.float64)
-    return torch.cat(pos), torch.cat(val).view(torch.float64)

@@ -40,10 +40,10 @@ def get_codec(name: str, **config: Any) -> Codec:
 def decode_payload(payload: torch.Tensor) -> torch.Tensor:
     """Decode any payload with the codec and configuration its header names."""
     hdr, _ = parse_payload(payload, verify=False)  # the codec's decode checks the payload
-    if hdr["codec"] not in _REGISTRY:
-        raise PayloadError(f"payload names unknown codec {hdr['codec']!r}")
+    if hdr.codec not in _REGISTRY:
+        raise PayloadError(f"payload names unknown codec {hdr.codec!r}")
     try:
-        codec = _REGISTRY[hdr["codec"]].from_config(hdr["config"])
+        codec = _REGISTRY[hdr.codec].from_config(hdr.config)
     except (TypeError, ValueError) as e:
         raise PayloadError(f"payload's codec config is invalid: {e}") from None
     return codec.decode(payload)

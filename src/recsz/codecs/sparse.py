@@ -20,6 +20,7 @@ import zstandard
 
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import (
+    Header,
     PayloadError,
     join_sections,
     split_sections,
@@ -46,16 +47,9 @@ class _MaskCodec(Codec):
         bits = np.packbits(keep.cpu().numpy())
         return join_sections([self._cctx.compress(bits.tobytes()), tensor_bytes(x.view(-1)[keep])])
 
-    def _decode(
-        self,
-        body: np.ndarray,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        eb: float,
-        device: torch.device,
-    ) -> torch.Tensor:
+    def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         bits_z, vals = split_sections(body, 2)
-        n = int(np.prod(shape))
+        n = int(np.prod(h.shape))
         try:
             bits = self._dctx.decompress(bits_z.tobytes(), max_output_size=(n + 7) // 8)
         except zstandard.ZstdError as e:
@@ -63,10 +57,10 @@ class _MaskCodec(Codec):
         if len(bits) != (n + 7) // 8:
             raise PayloadError(f"{self.codec_id}: bitmap of {len(bits)} bytes for {n} entries")
         keep = np.unpackbits(np.frombuffer(bits, np.uint8), count=n).astype(bool)
-        kept = tensor_from_bytes(vals, dtype, int(keep.sum()))
-        out = torch.zeros(n, dtype=dtype)
+        kept = tensor_from_bytes(vals, h.dtype, int(keep.sum()))
+        out = torch.zeros(n, dtype=h.dtype)
         out[torch.from_numpy(keep)] = kept
-        return out.view(shape).to(device)
+        return out.view(h.shape).to(device)
 
 
 @register_codec
