@@ -101,34 +101,24 @@ def _preset(name: str) -> Preset:
             emb_optimizer="sgd",
             notes="the published compression study's Kaggle configuration",
         )
-    if name == "terabyte":
+    if name in ("terabyte", "bench"):
+        # bench: Terabyte dims on small hashed tables, link-bound rather than memory-bound
+        # on CPU.
+        tb = name == "terabyte"
         return Preset(
             ModelConfig(
-                table_sizes=table_sizes_for(TERABYTE_COUNTS, 10_000_000),
+                table_sizes=table_sizes_for(TERABYTE_COUNTS, 10_000_000 if tb else 50_000),
                 emb_dim=64,
                 bottom_mlp=(512, 256, 64),
                 top_mlp=(512, 512, 256, 1),
             ),
             batch_size=2048,
             lr=0.1,
-            emb_lr=0.1,
-            emb_optimizer="sgd",
-            notes="MLPerf-style Terabyte model, max index range 10M",
-        )
-    if name == "bench":
-        # Terabyte dims on small hashed tables: link-bound rather than memory-bound on CPU.
-        return Preset(
-            ModelConfig(
-                table_sizes=table_sizes_for(TERABYTE_COUNTS, 50_000),
-                emb_dim=64,
-                bottom_mlp=(512, 256, 64),
-                top_mlp=(512, 512, 256, 1),
-            ),
-            batch_size=2048,
-            lr=0.1,
-            emb_lr=0.05,
-            emb_optimizer="adagrad",
-            notes="terabyte dims with tables hashed to 50k rows, for the link benchmarks",
+            emb_lr=0.1 if tb else 0.05,
+            emb_optimizer="sgd" if tb else "adagrad",
+            notes="MLPerf-style Terabyte model, max index range 10M"
+            if tb
+            else "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
         )
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 

@@ -1,0 +1,194 @@
+"""The exchange's pieces without spawning ranks: framing, distinct ids, a 1-rank
+EmbeddingExchange against a plain reference, the CLI built from the config, and the
+reports built from per-rank records."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsz.codecs import get_codec
+from recsz.comm.embedding import Direction, EmbeddingExchange
+from recsz.comm.exchange import frame, unframe
+from recsz.comm.ids import unique_first
+from recsz.comm.stats import ShardPlan
+from recsz.config import TrainConfig, build_parser, parse_train_args
+from recsz.policy import BoundPolicy, FixedBound
+from recsz.report import per_table, summarize
+
+
+# ---- framing --------------------------------------------------------------------------
+@given(st.lists(st.binary(max_size=40), max_size=8))
+def test_frame_unframe_round_trip(parts: list[bytes]) -> None:
+    ts = [
+        torch.frombuffer(bytearray(p), dtype=torch.uint8)
+        if p
+        else torch.empty(0, dtype=torch.uint8)
+        for p in parts
+    ]
+    back = unframe(frame(ts), len(ts), "rank 1")
+    assert [bytes(b.numpy()) for b in back] == parts
+
+
+def test_unframe_names_the_sender_of_bad_buffers() -> None:
+    buf = frame([torch.arange(5, dtype=torch.uint8), torch.arange(3, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match="rank 3: sent 2 chunks, expected 1"):
+        unframe(buf, 1, "rank 3")
+    with pytest.raises(ValueError, match="rank 3: chunk lengths do not add up"):
+        unframe(buf[:-1], 2, "rank 3")
+    with pytest.raises(ValueError, match="rank 3: framed buffer of 2 bytes is truncated"):
+        unframe(buf[:2], 2, "rank 3")
+
+
+# ---- distinct ids ---------------------------------------------------------------------
+@given(st.lists(st.integers(0, 20), max_size=60))
+def test_unique_first_matches_a_plain_reference(ids: list[int]) -> None:
+    inv, first, uniq = unique_first(torch.tensor(ids, dtype=torch.int64))
+    distinct = sorted(set(ids))
+    assert uniq.tolist() == distinct
+    assert first.tolist() == [ids.index(v) for v in distinct]
+    assert [distinct[i] for i in inv.tolist()] == ids
+
+
+# ---- one rank: the whole exchange against a plain reference -----------------------------
+class Spy(FixedBound):
+    """A fixed bound that counts what it is fed."""
+
+    def __init__(self, eb: float) -> None:
+        super().__init__(eb, "abs")
+        self.observed = 0
+
+    def observe(self, table: int, step: int, x: torch.Tensor) -> None:
+        self.observed += 1
+
+
+def one_rank(codec: str, policy: BoundPolicy, **kw: bool) -> EmbeddingExchange:
+    return EmbeddingExchange(
+        ShardPlan([0, 0, 0], 1),
+        0,
+        Direction("fwd", get_codec(codec), policy),
+        Direction("bwd", get_codec(codec), policy),
+        **kw,
+    )
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 6, (32, 3), generator=g)  # many repeats
+    table = torch.randn(3, 6, 4, generator=g)
+    pooled = torch.stack([table[t, ids[:, t]] for t in range(3)], 1)  # (B, T, D)
+    return pooled.requires_grad_(), ids
+
+
+@pytest.mark.parametrize("ids_aware", [False, True])
+def test_lossless_exchange_is_the_identity_forward_and_backward(ids_aware: bool) -> None:
+    ex = one_rank("zstd", BoundPolicy(), id_dedup=ids_aware, coalesce=ids_aware)
+    pooled, ids = batch()
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    assert torch.equal(emb, pooled.detach())
+    g = torch.randn_like(emb)
+    (emb * g).sum().backward()
+    # With coalescing each id's summed gradient lands on its first sample; a table sees
+    # the same sum per id either way.
+    for t in range(3):
+        for v in ids[:, t].unique():
+            rows = ids[:, t] == v
+            torch.testing.assert_close(pooled.grad[rows, t].sum(0), g[rows, t].sum(0))
+    assert ex.stats.ratio("fwd") > 1 and (ex.stats.ratio("bwd") > 1) == ids_aware
+
+
+def test_bounded_exchange_keeps_the_bound_both_ways() -> None:
+    ex = one_rank("hybrid", FixedBound(1e-2, "abs"), check_bounds=True)
+    pooled, ids = batch(1)
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    assert float((emb.detach() - pooled.detach()).abs().max()) <= 1e-2
+    g = torch.randn_like(emb)
+    (emb * g).sum().backward()
+    assert float((pooled.grad - g).abs().max()) <= 1e-2
+    assert 0 < ex.stats.max_err["fwd"] <= 1 and 0 < ex.stats.max_err["bwd"] <= 1
+
+
+def test_evaluation_feeds_neither_policy_nor_counters() -> None:
+    spy = Spy(1e-2)
+    ex = one_rank("hybrid", spy)
+    pooled, ids = batch()
+    ex.start_forward(pooled, 0, ids).wait()
+    seen, raw = spy.observed, dict(ex.stats.raw)
+    assert seen == 3 and raw["fwd"] > 0
+    ex.train(False)
+    with torch.no_grad():
+        ex.start_forward(pooled, 1, ids).wait()
+    assert spy.observed == seen and dict(ex.stats.raw) == raw
+
+
+def test_bounded_codec_without_a_bound_is_refused() -> None:
+    ex = one_rank("hybrid", BoundPolicy())
+    pooled, ids = batch()
+    with pytest.raises(ValueError, match="fwd codec 'hybrid' needs an error bound"):
+        ex.start_forward(pooled, 0, ids)
+
+
+# ---- configuration: one source for fields and flags ------------------------------------
+def test_every_field_has_a_flag_with_its_default() -> None:
+    flags = {a.dest: a for a in build_parser()._actions if a.dest != "help"}
+    for f in fields(TrainConfig):
+        if f.metadata["cli"]:
+            assert flags[f.name].default == f.default, f.name
+            assert flags[f.name].help.startswith(f.metadata["help"]), f.name
+    assert parse_train_args([]) == TrainConfig()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    steps=st.integers(1, 10**6),
+    eb=st.floats(1e-6, 1.0),
+    dedup=st.booleans(),
+    codec=st.sampled_from(["none", "hybrid", "fp16", "zstd"]),
+)
+def test_flags_round_trip_through_the_config(
+    steps: int, eb: float, dedup: bool, codec: str
+) -> None:
+    argv = ["--steps", str(steps), "--fwd-eb", repr(eb), "--fwd-codec", codec]
+    argv.append("--id-dedup" if dedup else "--no-id-dedup")
+    cfg = parse_train_args(argv)
+    assert (cfg.steps, cfg.fwd_eb, cfg.id_dedup, cfg.fwd_codec) == (steps, eb, dedup, codec)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# ---- reports: built from per-rank records ----------------------------------------------
+def record(rank: int, raw: int, sent: int) -> dict:
+    return {
+        "rank": rank,
+        "loss": 0.5 + rank,
+        "train_s": 2.0,
+        "data_s": 0.1,
+        "a2a_fwd_s": 0.2,
+        "a2a_bwd_s": 0.2,
+        "codec_s": 0.1,
+        "allreduce_s": 0.5,
+        "raw": {"fwd": raw, "bwd": raw},
+        "sent": {"fwd": sent, "bwd": 2 * sent},
+        "wire": {"fwd": sent // 2, "bwd": sent},
+        "max_err": {},
+        "tables": {
+            "fwd": {rank: (raw, sent, 0.1, "base")},
+            "bwd": {0: (raw, 2 * sent, 0.2, "loose")},
+        },
+        "dp": None,
+        "events": [],
+    }
+
+
+def test_summary_sums_bytes_and_averages_seconds_over_ranks() -> None:
+    s = summarize([record(0, 1000, 100), record(1, 3000, 100)], steps=10, batch_size=64)
+    assert s["loss"] == 1.0 and s["train_s"] == 2.0 and s["samples_per_s"] == 320.0
+    assert s["compute_s"] == pytest.approx(1.0)
+    assert s["bytes_raw"] == 8000 and s["bytes_payload"] == 600 and s["bytes_sent"] == 300
+    assert s["fwd_ratio"] == 20.0 and s["bwd_ratio"] == 10.0
+    t = per_table([record(0, 1000, 100), record(1, 3000, 100)])
+    assert t["0"]["fwd_ratio"] == 10.0 and t["1"]["fwd_ratio"] == 30.0
+    assert t["0"]["bwd_ratio"] == 10.0 and t["0"]["bwd_class"] == "loose"
