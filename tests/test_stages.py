@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from recsz.codecs import PayloadError
+from recsz.codecs import PayloadError, kernels
 from recsz.codecs.stages import ZSTD, dequantize, pack_planes, quantize, unpack_planes
 
 
@@ -18,8 +18,7 @@ def pack_streams(streams: list[np.ndarray], cctx: object, mode: int = ZSTD) -> b
     """Non-negative int streams at their narrowest widths, as pack_planes takes them."""
     dims, planes = [], []
     for z in streams:
-        top = int(z.max()) if z.size else 0
-        w = next(w for w in (1, 2, 4, 8) if top < 2 ** (8 * w))
+        w = kernels.width(int(z.max()) if z.size else 0)
         dims.append((w, int(z.size)))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(z.size, w).T.tobytes())
     return pack_planes(dims, b"".join(planes), cctx, mode)  # type: ignore[arg-type]

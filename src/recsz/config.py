@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import types
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
 from recsz.codecs import available_codecs, get_codec
@@ -172,7 +172,6 @@ def build_parser() -> argparse.ArgumentParser:
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = kind
-        assert f.default is not MISSING
         p.add_argument(_flag(f.name), **kw)
     return p
 

@@ -109,7 +109,7 @@ class QuantPipeline(Codec):
         if len(dims) not in (1, 2):
             raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
         (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]
-        out = np.empty((n, d), np.float64 if h.dtype == torch.float64 else np.float32)
+        out = np.empty((n, d), _KERNEL_DTYPES.get(h.dtype, np.float32))
         step = np.array([2.0 * h.eb], out.dtype)
         status = kernels.decode_rows(raw, w_refs, n_refs, w_codes, n_codes, out, step)
         if status != kernels.OK:

@@ -264,7 +264,8 @@ class EmbeddingExchange:
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
         torch.div(grad.transpose(0, 1), self.world, out=by_table)
-        rows = dict(enumerate(by_table))
+        per_sample = dict(enumerate(by_table))  # table -> (b, D)
+        rows = dict(per_sample)
         if self.coalesce:
             for t, g in rows.items():
                 u = self._distinct(ids, self.rank, t)
@@ -278,7 +279,7 @@ class EmbeddingExchange:
             # carry up to k eb. (A relative bound taken on the sums' range, which popular
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
-            pending = self._send(self.bwd, step, chunks, dict(enumerate(by_table)), b * dim * 4)
+            pending = self._send(self.bwd, step, chunks, per_sample, b * dim * 4)
 
         def rows_of(src: int, t: int) -> int:
             return self._distinct(ids, src, t).first.numel() if self.coalesce else b
