@@ -33,7 +33,7 @@ import torch
 from recsz.codecs import available_codecs, get_codec
 from recsz.data.source import DataSource, make_source
 from recsz.data.synthetic import SyntheticCriteo
-from recsz.model import DLRM, ModelConfig, get_preset
+from recsz.model import DLRM, ModelConfig, RowOptimizer, get_preset
 from recsz.policy import to_absolute
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -73,9 +73,9 @@ def _real_model() -> tuple[DLRM, DataSource, torch.optim.Optimizer] | None:
     tiny = get_preset("tiny").model
     mcfg = ModelConfig(tiny.table_sizes, 32, (64, 32), (64, 32, 1))
     torch.manual_seed(0)
-    model = DLRM(mcfg, seed=0)
+    model = DLRM(mcfg, seed=0, emb_optimizer=RowOptimizer("sgd", lr=0.1))
     src = make_source(str(path), mcfg.table_sizes, seed=0)
-    return model, src, torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, src, torch.optim.SGD(model.dense.parameters(), lr=0.1)
 
 
 def real_traffic(cfg: BenchConfig) -> list[torch.Tensor] | None:

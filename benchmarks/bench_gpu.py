@@ -32,8 +32,7 @@ from torch import nn
 
 from recsz.codecs import get_codec
 from recsz.data.synthetic import SyntheticCriteo
-from recsz.model import get_preset
-from recsz.model.dlrm import DenseArch, SparseArch
+from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.policy import to_absolute
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -238,9 +237,9 @@ def train_rows(steps: int, batch: int) -> list[dict]:
     ]
     rows = []
     for name in ["none", "fp16", "hybrid"]:
-        sparse = SparseArch(cfg, range(cfg.n_tables), 0).to(DEV)
+        sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("sgd", 0.05)).to(DEV)
         dense = DenseArch(cfg, 0).to(DEV)
-        opt = torch.optim.SGD(list(dense.parameters()) + list(sparse.parameters()), lr=0.05)
+        opt = torch.optim.SGD(dense.parameters(), lr=0.05)
 
         def step(
             k: int,

@@ -49,7 +49,6 @@ def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> 
         "rank": ranks.rank,
         "tables": parts.sparse.tables,
         "sparse": parts.sparse.state_dict(),
-        "sparse_opt": parts.sparse_opt.state_dict() if parts.sparse_opt else None,
         "dense": parts.dense_module.state_dict(),
         "dense_opt": parts.dense_opt.state_dict(),
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
@@ -115,8 +114,6 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
             f"the plan now gives it {parts.sparse.tables}"
         )
     parts.sparse.load_state_dict(state["sparse"])
-    if parts.sparse_opt is not None and state["sparse_opt"] is not None:
-        parts.sparse_opt.load_state_dict(state["sparse_opt"])
     parts.dense_module.load_state_dict(state["dense"])
     parts.dense_opt.load_state_dict(state["dense_opt"])
     for k, p in parts.exchange.policies.items():

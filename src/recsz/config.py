@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
 from recsz.codecs import available_codecs, get_codec
-from recsz.model.config import PRESETS, get_preset
+from recsz.model import PRESETS, ROW_OPTIMIZERS, get_preset
 
-CONFIG_VERSION = 2  # 2: --fwd-refs and --ref-cache-rows removed
+CONFIG_VERSION = 3  # 2: --fwd-refs removed; 3: batched tables, fused row optimizers
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -26,7 +26,6 @@ def opt(default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True
 
 CODECS = tuple(available_codecs())
 EB_POLICIES = ("none", "fixed", "table", "dual")
-OPTIMIZERS = ("sgd", "adagrad")
 
 
 @dataclass
@@ -40,7 +39,7 @@ class TrainConfig:
     batch_size: int | None = opt(None, "global batch, all ranks together (default: preset's)")
     lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)")
     emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)")
-    emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", OPTIMIZERS)
+    emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)")
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to a multiple of the ranks)")

@@ -42,7 +42,7 @@ from recsz.comm.embedding import Direction, EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, DataSource, make_source
-from recsz.model import DenseArch, SparseArch, get_preset
+from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.model.sharding import plan_tables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch
@@ -77,8 +77,7 @@ def _timed_allreduce(state: AllReduceTimer, bucket):
 class Parts:
     sparse: SparseArch
     dense: nn.Module  # DenseArch, or DDP around it
-    dense_opt: torch.optim.Optimizer
-    sparse_opt: torch.optim.Optimizer | None
+    dense_opt: torch.optim.Optimizer  # the tables' optimizer runs inside their backward
     exchange: EmbeddingExchange
     ar_timer: AllReduceTimer = field(default_factory=AllReduceTimer)
     dct: DCTState | None = None  # DCT-DP hook state, when --dp-comm dct
@@ -95,7 +94,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     mcfg = preset.model
     owners = plan_tables(mcfg.table_sizes, mcfg.emb_dim, ranks.world)
     plan = ShardPlan(owners, ranks.world)
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed).to(ranks.device)
+    emb_opt = RowOptimizer(cfg.resolved_emb_optimizer, cfg.resolved_emb_lr)
+    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt).to(ranks.device)
     dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
     timer = AllReduceTimer(world=ranks.world)
     dct_state: DCTState | None = None
@@ -108,12 +108,6 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         else:
             dense.register_comm_hook(timer, _timed_allreduce)
     dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved_lr)
-    sparse_opt: torch.optim.Optimizer | None = None
-    if len(sparse.tables):
-        if cfg.resolved_emb_optimizer == "adagrad":
-            sparse_opt = torch.optim.Adagrad(sparse.parameters(), lr=cfg.resolved_emb_lr)
-        else:
-            sparse_opt = torch.optim.SGD(sparse.parameters(), lr=cfg.resolved_emb_lr)
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
@@ -123,7 +117,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
     )
-    return Parts(sparse, dense, dense_opt, sparse_opt, exchange, timer, dct_state), owners
+    return Parts(sparse, dense, dense_opt, exchange, timer, dct_state), owners
 
 
 # ---- one step and evaluation ------------------------------------------------------------
@@ -141,12 +135,8 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
     logits = forward(parts, mine.dense, batch.ids, step)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, mine.labels)
     parts.dense_opt.zero_grad(set_to_none=True)
-    if parts.sparse_opt is not None:
-        parts.sparse_opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # also updates the tables (their optimizer is fused into it)
     parts.dense_opt.step()
-    if parts.sparse_opt is not None:
-        parts.sparse_opt.step()
     return float(loss.detach())
 
 
@@ -200,9 +190,6 @@ def _evaluate(
 # ---- the run ---------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train on this process's rank; returns the summary (same on every rank)."""
-    # Embedding optimizers build sparse gradients of well-formed indices; say so once
-    # rather than have torch warn on every step.
-    torch.sparse.check_sparse_tensor_invariants.disable()
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     try:

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsz.model import get_preset
 from recsz.train import main
 
 pytestmark = pytest.mark.slow
+SIZES = get_preset("tiny").model.table_sizes
 
 BASE = [
     "--steps",
@@ -58,8 +60,8 @@ def tables(out: Path, step: int = 20) -> dict[int, torch.Tensor]:
     got: dict[int, torch.Tensor] = {}
     for f in sorted(d.glob("rank-*.pt")):
         s = torch.load(f, weights_only=False)
-        for j, t in enumerate(s["tables"]):
-            got[t] = s["sparse"][f"bags.{j}.weight"]
+        sizes = [SIZES[t] for t in s["tables"]]
+        got.update(zip(s["tables"], s["sparse"]["weight"].split(sizes), strict=True))
     return got
 
 

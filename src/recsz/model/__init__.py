@@ -1,14 +1,18 @@
 """The DLRM model, split into a sharded sparse part and a replicated dense part."""
 
 from recsz.model.config import PRESETS, ModelConfig, Preset, get_preset
-from recsz.model.dlrm import DLRM, DenseArch, SparseArch, interact_features
+from recsz.model.dlrm import DLRM, DenseArch, interact_features
+from recsz.model.rowopt import ROW_OPTIMIZERS, RowOptimizer
+from recsz.model.tables import SparseArch
 
 __all__ = [
     "DLRM",
     "PRESETS",
+    "ROW_OPTIMIZERS",
     "DenseArch",
     "ModelConfig",
     "Preset",
+    "RowOptimizer",
     "SparseArch",
     "get_preset",
     "interact_features",

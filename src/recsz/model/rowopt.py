@@ -1,0 +1,72 @@
+"""Sparse optimizers fused into the embedding backward: they touch only the batch's rows.
+
+DLRM's tables hold millions of rows of which a batch reads a few thousand, so their
+update is a scatter into the rows the batch looked up (fbgemm's TableBatchedEmbeddingBags
+fuses it into the lookup's backward the same way). Duplicate rows are summed first, so
+each row gets one update from its whole gradient, as torch's sparse optimizers do.
+
+- ``sgd``: w -= lr g.
+- ``adagrad``: s += g*g (one accumulator per element); w -= lr g / (sqrt(s) + eps), as
+  ``torch.optim.Adagrad`` does with sparse gradients.
+- ``rowwise_adagrad``: s += mean(g*g) (one accumulator per row, D times less state);
+  w -= lr g / (sqrt(s) + eps), as fbgemm's ``EXACT_ROWWISE_ADAGRAD`` (TorchRec's and
+  MLPerf DLRM's default for the tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+
+#: Default eps of each: torch's Adagrad, fbgemm's row-wise Adagrad.
+_EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8}
+
+
+@dataclass(frozen=True)
+class RowOptimizer:
+    """An optimizer of embedding rows: its kind, learning rate and eps."""
+
+    kind: str
+    lr: float
+    eps: float | None = None  # None: the kind's default
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROW_OPTIMIZERS:
+            raise ValueError(
+                f"embedding optimizer {self.kind!r} is not one of: {', '.join(ROW_OPTIMIZERS)}"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"embedding learning rate must be positive, got {self.lr}")
+
+    def new_state(self, weight: torch.Tensor) -> torch.Tensor:
+        """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows)."""
+        if self.kind == "adagrad":
+            return torch.zeros_like(weight)
+        n = weight.shape[0] if self.kind == "rowwise_adagrad" else 0
+        return torch.zeros(n, dtype=weight.dtype, device=weight.device)
+
+    @torch.no_grad()
+    def step(
+        self, weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
+    ) -> None:
+        """Update ``weight`` in place from ``grad`` (n, D), the gradient of rows ``rows`` (n,),
+        which may repeat."""
+        if not rows.numel():
+            return
+        uniq, inv = torch.unique(rows, return_inverse=True)
+        g = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
+        if self.kind == "sgd":
+            weight.index_add_(0, uniq, g, alpha=-self.lr)
+            return
+        eps = _EPS[self.kind] if self.eps is None else self.eps
+        if self.kind == "adagrad":
+            s = state[uniq].addcmul_(g, g)
+            state[uniq] = s
+            weight.index_add_(0, uniq, g / s.sqrt().add_(eps), alpha=-self.lr)
+        else:
+            s = state[uniq].add_(g.square().mean(1))
+            state[uniq] = s
+            weight.index_add_(0, uniq, g * (self.lr / s.sqrt().add_(eps)).unsqueeze(1), alpha=-1)

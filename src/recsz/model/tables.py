@@ -1,0 +1,162 @@
+"""A rank's embedding tables as one batched module, with the optimizer fused into backward.
+
+All of a rank's tables live in one weight buffer, table j's rows starting at
+``offsets[j]``; one ``embedding_bag`` call looks every table up (the design of fbgemm's
+TableBatchedEmbeddingBags), and the backward applies the row optimizer
+(:mod:`recsz.model.rowopt`) to the rows the batch read, with no gradient tensor the size
+of the tables and no separate optimizer step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recsz.model.config import ModelConfig
+from recsz.model.rowopt import RowOptimizer
+
+
+def init_table(rows: int, dim: int, seed: int, table: int) -> torch.Tensor:
+    """The initial weights of one table, a function of (seed, table) only.
+
+    Seeding per table makes a table's start independent of which rank owns it, so the
+    sharded model starts exactly where the single-process one does. Uniform in
+    +-sqrt(1/rows) as in facebookresearch/dlrm.
+    """
+    g = torch.Generator().manual_seed(seed * 1009 + table)
+    bound = (1.0 / rows) ** 0.5
+    return torch.empty(rows, dim).uniform_(-bound, bound, generator=g)
+
+
+class SparseArch(nn.Module):
+    """Some or all of the embedding tables, pooled by sum, in one buffer.
+
+    Args:
+        cfg: the model (rows per table, dim).
+        tables: the global table indices held here, in order.
+        seed: initialization (per table, so any sharding starts from the same weights).
+        optimizer: the fused row optimizer; None freezes the tables (no gradient flows).
+    """
+
+    offsets: torch.Tensor  # (|tables|,) each table's first row in ``weight``
+    rows: torch.Tensor  # (|tables|,) rows per table, for one range check of all
+    optimizer_state: torch.Tensor  # the row optimizer's accumulator
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tables: Sequence[int],
+        seed: int,
+        optimizer: RowOptimizer | None = None,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.sizes = [cfg.table_sizes[t] for t in self.tables]
+        self.dim = cfg.emb_dim
+        self.optimizer = optimizer
+        start = torch.tensor([0, *self.sizes], dtype=torch.int64).cumsum(0)
+        weight = torch.empty(int(start[-1]), cfg.emb_dim)
+        for j, t in enumerate(self.tables):
+            weight[start[j] : start[j + 1]] = init_table(self.sizes[j], cfg.emb_dim, seed, t)
+        # A parameter so that .to() and state_dict() carry it, but no torch optimizer owns
+        # it: the backward updates it in place and leaves .grad empty.
+        self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
+        self.register_buffer("offsets", start[:-1].clone(), persistent=False)
+        self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
+        state = optimizer.new_state(weight) if optimizer else torch.zeros(0)
+        self.register_buffer("optimizer_state", state)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
+        if not self.tables or not ids.numel():
+            return self.weight.new_zeros(ids.shape[0], len(self.tables), self.dim)
+        mine = ids[:, self.tables]  # (B, T_r)
+        self._check_range(mine)
+        rows = (mine + self.offsets).view(-1)
+        return self._pool(rows, None, None).view(ids.shape[0], len(self.tables), self.dim)
+
+    def bags(
+        self,
+        ids: torch.Tensor,
+        lengths: torch.Tensor,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Bags of several ids: ``lengths`` (B, |tables|) ids per sample and table; ``ids``
+        (lengths.sum(),) laid out sample by sample, each sample's tables in order; optional
+        weight per id. -> pooled (B, |tables|, D), an empty bag pooling to zeros."""
+        b, n_t = lengths.shape
+        if n_t != len(self.tables):
+            raise ValueError(f"lengths has {n_t} tables, this module holds {len(self.tables)}")
+        if int(lengths.sum()) != ids.numel() or bool((lengths < 0).any()):
+            raise ValueError(
+                f"lengths (sum {int(lengths.sum())}) do not describe {ids.numel()} ids"
+            )
+        table_of = (
+            torch.arange(n_t, device=ids.device).repeat(b).repeat_interleave(lengths.view(-1))
+        )
+        bad = (ids < 0) | (ids >= self.rows[table_of])
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            j = int(table_of[i])
+            raise IndexError(
+                f"table {self.tables[j]}: id {int(ids[i])} outside [0, {self.sizes[j]})"
+            )
+        starts = torch.zeros(b * n_t, dtype=torch.int64, device=ids.device)
+        starts[1:] = lengths.view(-1)[:-1].cumsum(0)
+        out = self._pool(ids + self.offsets[table_of], starts, per_sample_weights)
+        return out.view(b, n_t, self.dim)
+
+    def _check_range(self, mine: torch.Tensor) -> None:
+        wrong = (mine < 0) | (mine >= self.rows)
+        if bool(wrong.any()):  # one check (one host sync on a GPU) for every table
+            j = int(wrong.any(0).nonzero()[0])
+            bad = int(mine[:, j][wrong[:, j]][0])
+            raise IndexError(f"table {self.tables[j]}: id {bad} outside [0, {self.sizes[j]})")
+
+    def _pool(
+        self, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.optimizer is None or not torch.is_grad_enabled():
+            return _bag(self.weight.detach(), rows, starts, psw)
+        return _FusedLookup.apply(self.weight, rows, starts, psw, self)
+
+
+def _bag(
+    weight: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None
+) -> torch.Tensor:
+    if starts is None:  # one row per bag
+        starts = torch.arange(rows.numel(), device=rows.device)
+    return F.embedding_bag(rows, weight, starts, mode="sum", per_sample_weights=psw)
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Pools rows forward; backward turns the pooled gradient into row gradients and
+    applies the row optimizer to them in place (returns no weight gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: torch.Tensor,
+        rows: torch.Tensor,
+        starts: torch.Tensor | None,
+        psw: torch.Tensor | None,
+        arch: SparseArch,
+    ) -> torch.Tensor:
+        ctx.rows, ctx.starts, ctx.psw, ctx.arch = rows, starts, psw, arch
+        return _bag(weight.detach(), rows, starts, psw)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        g = grad
+        if ctx.starts is not None:  # each id gets its bag's gradient
+            ends = torch.cat([ctx.starts[1:], ctx.starts.new_tensor([ctx.rows.numel()])])
+            g = grad.repeat_interleave(ends - ctx.starts, dim=0)
+        if ctx.psw is not None:
+            g = g * ctx.psw.unsqueeze(1)
+        arch = ctx.arch
+        arch.optimizer.step(arch.weight.data, arch.optimizer_state, ctx.rows, g)
+        return None, None, None, None, None
