@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.codecs import get_codec
+from recsz.codecs import available_codecs, get_codec
 from recsz.comm.embedding import Direction, EmbeddingExchange
 from recsz.comm.exchange import frame, unframe
-from recsz.comm.ids import unique_first
+from recsz.comm.ids import distinct_pairs, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args
 from recsz.policy import BoundPolicy, FixedBound
@@ -98,7 +98,7 @@ def test_lossless_exchange_is_the_identity_forward_and_backward(ids_aware: bool)
         for v in ids[:, t].unique():
             rows = ids[:, t] == v
             torch.testing.assert_close(pooled.grad[rows, t].sum(0), g[rows, t].sum(0))
-    assert ex.stats.ratio("fwd") > 1 and (ex.stats.ratio("bwd") > 1) == ids_aware
+    assert ex.stats.ratio("fwd") > 1 and (ex.stats.ratio("bwd") > 2) == ids_aware
 
 
 def test_bounded_exchange_keeps_the_bound_both_ways() -> None:
@@ -192,3 +192,32 @@ def test_summary_sums_bytes_and_averages_seconds_over_ranks() -> None:
     t = per_table([record(0, 1000, 100), record(1, 3000, 100)])
     assert t["0"]["fwd_ratio"] == 10.0 and t["1"]["fwd_ratio"] == 30.0
     assert t["0"]["bwd_ratio"] == 10.0 and t["0"]["bwd_class"] == "loose"
+
+
+# ---- blocks: every table of a slice at once ---------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(cols=st.lists(st.lists(st.integers(0, 9), min_size=7, max_size=7), min_size=0, max_size=4))
+def test_distinct_pairs_equal_unique_first_per_table(cols: list[list[int]]) -> None:
+    ids = torch.tensor(cols, dtype=torch.int64).reshape(len(cols), 7).t()  # (b=7, T)
+    u = distinct_pairs(ids)
+    firsts, invs, offset = [], [], 0
+    for t in range(ids.shape[1]):
+        inv, first, _ = unique_first(ids[:, t])
+        invs.append(inv + offset)
+        firsts.append(first + 7 * t)
+        offset += first.numel()
+        assert u.counts[t] == first.numel()
+    assert u.first.tolist() == (torch.cat(firsts).tolist() if firsts else [])
+    assert u.inverse.tolist() == (torch.cat(invs).tolist() if invs else [])
+
+
+@pytest.mark.parametrize("name", [n for n in available_codecs() if get_codec(n).joinable])
+def test_joinable_codecs_decode_a_block_as_its_tables(name: str) -> None:
+    """What the exchange relies on when it codes a destination's tables as one chunk."""
+    codec = get_codec(name)
+    assert not codec.error_bounded and not codec.threshold
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(n, 8, generator=g) * s for n, s in ((5, 1.0), (0, 1.0), (3, 100.0))]
+    joined = codec.decode(codec.encode(torch.cat(parts)))
+    alone = torch.cat([codec.decode(codec.encode(p)) for p in parts])
+    assert torch.equal(joined, alone)

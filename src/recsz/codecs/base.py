@@ -68,6 +68,10 @@ class Codec(ABC):
     #: Backward only: sends the entries the forward pass kept, so the exchange masks the
     #: gradient with the received embeddings' support (needs a ``threshold`` forward codec).
     forward_mask: ClassVar[bool] = False
+    #: Codes rows independently of each other and takes no bound, so a block of several
+    #: tables' rows coded as one chunk decodes to what per-table chunks would: the
+    #: exchange then codes a destination's tables together (one header, one call).
+    joinable: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> bool:

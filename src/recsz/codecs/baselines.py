@@ -50,6 +50,7 @@ class NoneCodec(Codec):
 
     codec_id = "none"
     lossless = True
+    joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         return _bytes_of(x)
@@ -62,6 +63,7 @@ class NoneCodec(Codec):
 
 class _CastCodec(Codec):
     target: torch.dtype
+    joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         return _bytes_of(x.to(self.target))
@@ -94,6 +96,7 @@ class FP8Codec(Codec):
     the n x d codes."""
 
     codec_id = "fp8"
+    joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -119,6 +122,7 @@ class Int8Codec(Codec):
     Body: n (offset, scale) pairs, then the n x d codes."""
 
     codec_id = "int8"
+    joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -145,6 +149,7 @@ class LZ4Codec(Codec):
 
     codec_id = "lz4"
     lossless = True
+    joinable = True
 
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         return lz4.frame.compress(tensor_bytes(x))
@@ -163,6 +168,7 @@ class ZstdCodec(Codec):
 
     codec_id = "zstd"
     lossless = True
+    joinable = True
 
     def __init__(self, level: int = 3) -> None:
         if not -7 <= level <= 22:

@@ -6,17 +6,19 @@ sample owner s holds d(loss)/d(emb) (b, T, D) and sends each table's rows back t
 owner, which places them into (B, |T_r|, D).
 
 Both directions go through one path (:meth:`EmbeddingExchange._send` and ``_receive``):
-a list of (destination, table, rows) chunks, each encoded on its own under its table's
-bound for the step (so every table keeps its own bound and codebook), framed into one
-buffer per destination, moved by :mod:`recsz.comm.exchange`, decoded, shape-checked. Each
-direction only chooses its rows and places what it receives.
+one :class:`Block` per peer (its tables' rows, table after table), each table's rows
+encoded as a chunk of its own under the table's bound for the step (so every table keeps
+its own bound and codebook; a ``joinable`` codec codes a whole block as one chunk), framed
+into one buffer per destination, moved by :mod:`recsz.comm.exchange`, decoded,
+shape-checked. Each direction only chooses its rows and places what it receives, with a
+few tensor operations per peer and none per table.
 
 Id-aware traffic: every rank reads the global batch, so both ends know every sample's
-ids. Forward, ``id_dedup`` sends one row per distinct id of a destination's slice (sorted
-id order), which the receiver expands with its own copy of the ids (exact for single-id
-bags). Backward, ``coalesce`` sums the gradients of samples sharing an id and sends one
-row per distinct id; the owner puts each sum on the id's first sample (the table's
-gradient, a sum over samples per id, is unchanged).
+ids. Forward, ``id_dedup`` sends one row per distinct id of each table in a destination's
+slice (sorted id order), which the receiver expands with its own copy of the ids (exact
+for single-id bags). Backward, ``coalesce`` sums the gradients of samples sharing an id and
+sends one row per distinct id; the owner puts each sum on the id's first sample (the
+table's gradient, a sum over samples per id, is unchanged).
 
 The loss on each rank is a mean over its b samples and DDP averages dense gradients
 over W ranks; the single-process loss is a mean over B = W b. So the gradient for the
@@ -36,13 +38,19 @@ from torch.profiler import record_function
 
 from recsz.codecs import Codec, decode_payload
 from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
-from recsz.comm.ids import unique_first
+from recsz.comm.ids import Distinct, distinct_pairs
 from recsz.comm.stats import CommStats, ShardPlan
 from recsz.policy import BoundPolicy
 
-#: (peer rank, table, rows (n, D)): a chunk to send (peer = destination) or received
-#: (peer = source).
-Chunk = tuple[int, int, torch.Tensor]
+
+class Block(NamedTuple):
+    """What one peer gets from this rank (peer = destination) or sent it (peer = source):
+    rows of ``tables``, ``sizes[i]`` rows of ``tables[i]``, one table after another."""
+
+    peer: int
+    tables: list[int]
+    rows: torch.Tensor  # (sum(sizes), D)
+    sizes: list[int]
 
 
 @dataclass(frozen=True)
@@ -52,14 +60,6 @@ class Direction:
     name: str
     codec: Codec
     policy: BoundPolicy
-
-
-class Distinct(NamedTuple):
-    """The distinct ids of one (sample owner, table) slice of b ids."""
-
-    inverse: torch.Tensor  # (b,): index of each sample's id among the distinct ids
-    first: torch.Tensor  # (n,): each distinct id's first sample
-    ids: torch.Tensor  # (n,): the distinct ids, sorted
 
 
 class EmbeddingExchange:
@@ -98,6 +98,7 @@ class EmbeddingExchange:
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
         self._distinct_of: dict[tuple[int, int], Distinct] = {}
+        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
@@ -111,38 +112,57 @@ class EmbeddingExchange:
         self,
         d: Direction,
         step: int,
-        chunks: list[Chunk],
+        blocks: list[Block],
         bound_src: dict[int, torch.Tensor],
         raw_bytes: int,
     ) -> PendingBytes:
-        """Encode (destination, table, rows) chunks, frame them per destination and start
-        the byte all-to-all.
+        """Encode one block per destination, frame each and start the byte all-to-all.
 
         A table's bound is set once per step from ``bound_src[table]`` (all the values of
         that table this rank sends), so every destination gets the same bound.
-        ``raw_bytes`` is what one chunk stood for before any id-aware reduction (the full
-        (b, D) fp32 slice), so ratios count those savings too.
+        ``raw_bytes`` is what one table's rows stood for before any id-aware reduction
+        (the full (b, D) fp32 slice), so ratios count those savings too.
         """
         t0 = time.perf_counter()
         ebs = {t: self._bound(d, t, step, x) for t, x in bound_src.items()}
+        joined = d.codec.joinable
+        xs: list[torch.Tensor] = []
+        for blk in blocks:
+            xs += [blk.rows.contiguous()] if joined else list(blk.rows.split(blk.sizes))
         # One call for every chunk of the step: the same payloads as one call each, but a
         # codec that codes on the device (CUDA) shares its launches and syncs.
-        xs = [x.contiguous() for _, _, x in chunks]
-        payloads = d.codec.encode_batch(xs, [ebs[t] for _, t, _ in chunks])
-        per_dest: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
-        for (dest, t, _), x, p in zip(chunks, xs, payloads, strict=True):
-            per_dest[dest].append(p)
-            eb = ebs[t]
-            if self.check_bounds and eb is not None and x.numel():
-                err = float((decode_payload(p).double() - x.double()).abs().max())
-                if err > eb:
-                    raise AssertionError(f"table {t} {d.name}: error {err} > bound {eb}")
-                self.stats.max_err[d.name] = max(self.stats.max_err[d.name], err / eb)
+        bounds: list[float | None] = (
+            [None] * len(xs) if joined else [ebs[t] for blk in blocks for t in blk.tables]
+        )
+        payloads = d.codec.encode_batch(xs, bounds)
+        framed, k = [], 0
+        for blk in blocks:
+            n = 1 if joined else len(blk.tables)
+            mine = payloads[k : k + n]
+            if self.check_bounds and not joined:
+                for t, x, p in zip(blk.tables, xs[k : k + n], mine, strict=True):
+                    self._check_bound(d, t, x, p, ebs[t])
             if self.training:
-                self.stats.count(d.name, t, raw_bytes, p.numel(), eb, dest != self.rank)
-        framed = [frame(ps) for ps in per_dest]
+                nbytes = [p.numel() for p in mine]
+                if joined:  # a joined payload's bytes shared out by rows
+                    rows = max(1, sum(blk.sizes))
+                    nbytes = [nbytes[0] * r // rows for r in blk.sizes]
+                for t, nb in zip(blk.tables, nbytes, strict=True):
+                    self.stats.count(d.name, t, raw_bytes, nb, ebs[t], blk.peer != self.rank)
+            framed.append(frame(mine))
+            k += n
         self._time_codec(t0)
         return start_all_to_all_bytes(framed, self.world)
+
+    def _check_bound(
+        self, d: Direction, t: int, x: torch.Tensor, p: torch.Tensor, eb: float | None
+    ) -> None:
+        if eb is None or not x.numel():
+            return
+        err = float((decode_payload(p).double() - x.double()).abs().max())
+        if err > eb:
+            raise AssertionError(f"table {t} {d.name}: error {err} > bound {eb}")
+        self.stats.max_err[d.name] = max(self.stats.max_err[d.name], err / eb)
 
     def _bound(self, d: Direction, table: int, step: int, x: torch.Tensor) -> float | None:
         if self.training:
@@ -159,34 +179,45 @@ class EmbeddingExchange:
         d: Direction,
         pending: PendingBytes,
         tables_from: Callable[[int], list[int]],
-        rows_of: Callable[[int, int], int],
+        sizes_from: Callable[[int], list[int]],
         dim: int,
-    ) -> list[Chunk]:
-        """Wait for the bytes and decode them: (source, table, rows) for every table each
-        source sends (``tables_from(source)``), each checked to be ``rows_of(source,
-        table)`` x ``dim``."""
+    ) -> list[Block]:
+        """Wait for the bytes and decode them into one block per source, holding the
+        tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
+        each."""
         with record_function(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
         if self.training:
             self.stats.a2a_s[d.name] += pending.waited_s
         t0 = time.perf_counter()
-        keys: list[tuple[int, int]] = []
+        joined = d.codec.joinable
+        srcs: list[int] = []
         payloads: list[torch.Tensor] = []
         for src, buf in enumerate(bufs):
-            tables = tables_from(src)
-            keys += [(src, t) for t in tables]
-            payloads += unframe(buf, len(tables), f"rank {src} ({d.name} all-to-all)")
+            n = 1 if joined else len(tables_from(src))
+            srcs += [src] * n
+            payloads += unframe(buf, n, f"rank {src} ({d.name} all-to-all)")
         with record_function(f"recsz.a2a_{d.name}.decode"):
-            decoded = self._decode_all(d, payloads, [src for src, _ in keys])
-        for (src, t), y in zip(keys, decoded, strict=True):
-            want = (rows_of(src, t), dim)
-            if tuple(y.shape) != want:
-                raise ValueError(
-                    f"rank {src} sent table {t} ({d.name}) as {tuple(y.shape)}, expected "
-                    f"{want} (do the ranks read the same batch?)"
-                )
+            decoded = self._decode_all(d, payloads, srcs)
+        blocks, k = [], 0
+        for src in range(self.world):
+            tables, sizes = tables_from(src), sizes_from(src)
+            parts = decoded[k : k + (1 if joined else len(tables))]
+            k += len(parts)
+            want = [(sum(sizes), dim)] if joined else [(n, dim) for n in sizes]
+            for i, (y, shape) in enumerate(zip(parts, want, strict=True)):
+                if tuple(y.shape) != shape:
+                    what = f"tables {tables}" if joined else f"table {tables[i]}"
+                    raise ValueError(
+                        f"rank {src} sent {what} ({d.name}) as {tuple(y.shape)}, expected "
+                        f"{shape} (do the ranks read the same batch?)"
+                    )
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
+            if rows is None:
+                rows = torch.empty(0, dim, device=bufs[src].device)
+            blocks.append(Block(src, tables, rows, sizes))
         self._time_codec(t0)
-        return [(src, t, y) for (src, t), y in zip(keys, decoded, strict=True)]
+        return blocks
 
     def _decode_all(
         self, d: Direction, payloads: list[torch.Tensor], srcs: list[int]
@@ -209,51 +240,71 @@ class EmbeddingExchange:
         if self.training:
             self.stats.codec_s += time.perf_counter() - t0
 
-    def _distinct(self, ids: torch.Tensor, rank: int, table: int) -> Distinct:
-        """The distinct ids of sample owner ``rank``'s slice of ``table``, computed once
-        per batch: the forward and the backward of a step need the same slices."""
+    def _distinct(self, ids: torch.Tensor, samples: int, owner: int) -> Distinct:
+        """The distinct ids of sample owner ``samples``'s slice of table owner ``owner``'s
+        tables, computed once per batch: the forward and the backward of a step need the
+        same slices."""
         if self._batch is None or self._batch[0] is not ids or self._batch[1] != ids._version:
             self._batch, self._distinct_of = (ids, ids._version), {}
-        if (rank, table) not in self._distinct_of:
+        key = (samples, owner)
+        if key not in self._distinct_of:
             b = ids.shape[0] // self.world
-            col = ids[rank * b : (rank + 1) * b, table]
-            self._distinct_of[(rank, table)] = Distinct(*unique_first(col))
-        return self._distinct_of[(rank, table)]
+            cols = ids[samples * b : (samples + 1) * b][:, self.plan.tables_of(owner)]
+            self._distinct_of[key] = distinct_pairs(cols)
+        return self._distinct_of[key]
+
+    def _tables_index(self, owner: int, device: torch.device) -> torch.Tensor:
+        """``owner``'s tables as an index tensor on ``device`` (made once)."""
+        key = (owner, device)
+        if key not in self._index:
+            self._index[key] = torch.tensor(self.plan.tables_of(owner), device=device)
+        return self._index[key]
+
+    def _sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
+        if dedup:
+            return self._distinct(ids, samples, owner).counts
+        return [ids.shape[0] // self.world] * len(self.plan.tables_of(owner))
 
     # ---- forward ------------------------------------------------------------------
     def start_forward(self, pooled: torch.Tensor, step: int, ids: torch.Tensor) -> Pending:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
         bytes fly while you compute."""
         data = pooled.detach()
-        bsz, _, dim = data.shape
+        bsz, n_mine, dim = data.shape
         b = bsz // self.world
-        chunks: list[Chunk] = []
+        blocks = []
         for dest in range(self.world):
-            for j, t in enumerate(self.mine):
-                rows = data[dest * b : (dest + 1) * b, j]
-                if self.id_dedup:
-                    rows = rows[self._distinct(ids, dest, t).first]
-                chunks.append((dest, t, rows))
+            mine = data[dest * b : (dest + 1) * b]  # (b, |T_r|, D)
+            if self.id_dedup:  # rows of the distinct ids, table by table
+                first = self._distinct(ids, dest, self.rank).first
+                rows = mine[first % b, first // b]
+            else:
+                rows = mine.transpose(0, 1).reshape(n_mine * b, dim)
+            sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
+            blocks.append(Block(dest, self.mine, rows, sizes))
         with record_function("recsz.a2a_fwd.encode"):
             bound_src = {t: data[:, j] for j, t in enumerate(self.mine)}
-            pending = self._send(self.fwd, step, chunks, bound_src, b * dim * 4)
+            pending = self._send(self.fwd, step, blocks, bound_src, b * dim * 4)
         return Pending(self, pooled, pending, step, ids)
 
     def finish_forward(self, pending: PendingBytes, ids: torch.Tensor, dim: int) -> torch.Tensor:
         b = ids.shape[0] // self.world
 
-        def rows_of(src: int, t: int) -> int:
-            return self._distinct(ids, self.rank, t).first.numel() if self.id_dedup else b
+        def sizes_from(src: int) -> list[int]:
+            return self._sizes(self.id_dedup, ids, self.rank, src)
 
-        received = self._receive(self.fwd, pending, self.plan.tables_of, rows_of, dim)
-        # Table-major, so each table's rows land contiguously (index_select writes them in
-        # place); the caller gets the (b, T, D) view.
+        received = self._receive(self.fwd, pending, self.plan.tables_of, sizes_from, dim)
+        # Table-major, so each table's rows land contiguously; the caller gets the
+        # (b, T, D) view.
         out = torch.empty(len(self.plan.owners), b, dim, device=ids.device)
-        for _, t, y in received:
-            if self.id_dedup:
-                torch.index_select(y, 0, self._distinct(ids, self.rank, t).inverse, out=out[t])
-            else:
-                out[t] = y
+        for blk in received:
+            if not blk.tables:
+                continue
+            rows = blk.rows
+            if self.id_dedup:  # every sample gets its id's row
+                rows = rows[self._distinct(ids, self.rank, blk.peer).inverse]
+            at = self._tables_index(blk.peer, out.device)
+            out.index_copy_(0, at, rows.view(len(blk.tables), b, dim).to(out.dtype))
         return out.transpose(0, 1)
 
     # ---- backward -----------------------------------------------------------------
@@ -264,34 +315,39 @@ class EmbeddingExchange:
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
         torch.div(grad.transpose(0, 1), self.world, out=by_table)
-        per_sample = dict(enumerate(by_table))  # table -> (b, D)
-        rows = dict(per_sample)
-        if self.coalesce:
-            for t, g in rows.items():
-                u = self._distinct(ids, self.rank, t)
-                rows[t] = g.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, g)
-        chunks = [
-            (dest, t, rows[t]) for dest in range(self.world) for t in self.plan.tables_of(dest)
-        ]
+        blocks = []
+        for dest in range(self.world):
+            tables = self.plan.tables_of(dest)
+            rows = by_table[self._tables_index(dest, grad.device)].view(-1, dim)
+            if self.coalesce:  # one summed row per distinct id, table by table
+                u = self._distinct(ids, self.rank, dest)
+                rows = rows.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, rows)
+            sizes = self._sizes(self.coalesce, ids, self.rank, dest)
+            blocks.append(Block(dest, tables, rows, sizes))
         with record_function("recsz.a2a_bwd.encode"):
             # Bounds come from the per-sample gradients, not the coalesced sums: each sum
             # then carries one error of at most eb where, uncoalesced, its k addends would
             # carry up to k eb. (A relative bound taken on the sums' range, which popular
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
-            pending = self._send(self.bwd, step, chunks, per_sample, b * dim * 4)
+            per_sample = dict(enumerate(by_table))  # table -> (b, D)
+            pending = self._send(self.bwd, step, blocks, per_sample, b * dim * 4)
 
-        def rows_of(src: int, t: int) -> int:
-            return self._distinct(ids, src, t).first.numel() if self.coalesce else b
+        def sizes_from(src: int) -> list[int]:
+            return self._sizes(self.coalesce, ids, src, self.rank)
 
-        received = self._receive(self.bwd, pending, lambda _src: self.mine, rows_of, dim)
-        out = grad.new_zeros(b * self.world, len(self.mine), dim)
-        column = {t: j for j, t in enumerate(self.mine)}
-        all_rows = torch.arange(b, device=grad.device)
-        for src, t, y in received:
-            at = self._distinct(ids, src, t).first if self.coalesce else all_rows
-            out[src * b + at, column[t], :] = y
-        return out
+        received = self._receive(self.bwd, pending, lambda _src: self.mine, sizes_from, dim)
+        n_mine, bsz = len(self.mine), b * self.world
+        out = grad.new_zeros(n_mine, bsz, dim)  # table-major; the caller gets (B, |T_r|, D)
+        for blk in received:
+            s = blk.peer
+            if self.coalesce:  # each sum on its id's first sample
+                first = self._distinct(ids, s, self.rank).first
+                at = (first // b) * bsz + s * b + first % b
+                out.view(-1, dim).index_copy_(0, at, blk.rows.to(out.dtype))
+            else:
+                out[:, s * b : (s + 1) * b] = blk.rows.view(n_mine, b, dim)
+        return out.transpose(0, 1)
 
 
 class Pending:

@@ -65,7 +65,7 @@ class Preset:
     batch_size: int  # global batch, samples per step across all ranks
     lr: float  # MLP learning rate (SGD)
     emb_lr: float  # embedding learning rate
-    emb_optimizer: str  # "sgd" or "adagrad" (sparse rows either way)
+    emb_optimizer: str  # a row optimizer (model/rowopt.py): sgd, adagrad, rowwise_adagrad
     notes: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, object]:
@@ -115,7 +115,7 @@ def _preset(name: str) -> Preset:
             batch_size=2048,
             lr=0.1,
             emb_lr=0.1 if tb else 0.05,
-            emb_optimizer="sgd" if tb else "adagrad",
+            emb_optimizer="sgd" if tb else "rowwise_adagrad",
             notes="MLPerf-style Terabyte model, max index range 10M"
             if tb
             else "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
