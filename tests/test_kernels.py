@@ -95,11 +95,12 @@ def test_forged_reference_payload_raises_payload_error() -> None:
     codec = get_codec("quant+lz")
     planes = np.array([0, 5, 0, 0, 0, 0, 0], np.uint8)  # refs [0, 5, 0], 4 zero codes
     body_core = pack_planes([(1, 3), (1, 4)], planes.tobytes(), None, ZSTD)
-    from recsz.codecs.payload import join_sections
+    from recsz.codecs.payload import assemble
 
-    body = join_sections([body_core, b"", b""])
-    head = codec._header(torch.Size([3, 2]), torch.float32, 0.1, body)
-    payload = torch.frombuffer(bytearray(head + body), dtype=torch.uint8)
+    def fields(n: int) -> bytes:
+        return codec._header_fields(torch.Size([3, 2]), torch.float32, 0.1, n)
+
+    payload = assemble(fields, [body_core, b"", b""])
     with pytest.raises(PayloadError, match="reference"):
         codec.decode(payload)
 

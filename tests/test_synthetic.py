@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+import threading
 
+import numpy as np
+import pytest
+import torch
+
+from recsz.data.source import Batch, SyntheticSource, make_source, prefetch
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import get_preset
 from recsz.train import main
@@ -72,3 +77,36 @@ def test_learnable_versus_shuffled_labels(tmp_path) -> None:
         source.SyntheticSource.__init__ = orig  # type: ignore[method-assign]
     assert auc > 0.72, auc
     assert abs(control - 0.5) < 0.04, control
+
+
+# ---- prefetching -------------------------------------------------------------------------
+def test_prefetch_gives_the_batches_train_batch_gives() -> None:
+    src = make_source("synthetic", SIZES, seed=3)
+    got = list(prefetch(src, range(4, 9), 16, torch.device("cpu")))
+    assert len(got) == 5
+    for step, b in zip(range(4, 9), got, strict=True):
+        want = src.train_batch(step, 16)
+        assert torch.equal(b.ids, want.ids) and torch.equal(b.dense, want.dense)
+        assert torch.equal(b.labels, want.labels)
+
+
+class Failing(SyntheticSource):
+    def train_batch(self, step: int, batch_size: int) -> Batch:
+        if step == 2:
+            raise ValueError("bad line 7 of data.tsv")
+        return super().train_batch(step, batch_size)
+
+
+def test_prefetch_raises_the_threads_error_and_stops_early() -> None:
+    src = Failing(SIZES, seed=0)
+    it = prefetch(src, range(5), 8, torch.device("cpu"))
+    assert len(next(it)) == 8
+    next(it)
+    with pytest.raises(ValueError, match="bad line 7"):
+        next(it)
+    # Leaving a loop early stops the thread (no thread left waiting on a full queue).
+    cpu = torch.device("cpu")
+    early = prefetch(make_source("synthetic", SIZES, seed=0), range(100), 8, cpu)
+    next(early)
+    early.close()
+    assert not any(t.name == "recsz-prefetch" for t in threading.enumerate())

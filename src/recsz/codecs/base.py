@@ -26,7 +26,6 @@ import inspect
 import json
 import math
 import struct
-import zlib
 from abc import ABC
 from typing import Any, ClassVar
 
@@ -37,13 +36,11 @@ from recsz.codecs.devframe import frame_device, open_device, outlier_bytes, read
 from recsz.codecs.payload import (
     DEVICE_FORMAT,
     DTYPES,
-    FORMAT_VERSION,
-    MAGIC,
     Header,
     PayloadError,
     as_bytes,
+    assemble,
     is_device_made,
-    join_sections,
     pack_outliers,
     parse_payload,
     split_sections,
@@ -223,27 +220,28 @@ class Codec(ABC):
             x, nonfinite = _without_nonfinite(x)
             if nonfinite is not None:
                 exact.append(nonfinite)
-        core: bytes = b""
+        core: bytes | np.ndarray = b""
         if x.numel():
             out = self._encode(x, eb_f)
             if isinstance(out, tuple):
                 out, missed = out
                 if missed.numel():
                     exact.append(missed)
-            core = as_bytes(out)
+            core = out
             if self.error_bounded and self.verify_bound:
                 h = Header(self.codec_id, self.version, {}, x.dtype, tuple(x.shape), eb_f, 0)
-                y = self._decode(np.frombuffer(core, np.uint8), h, device)
+                y = self._decode(np.frombuffer(as_bytes(core), np.uint8), h, device)
                 bad = (y.double() - x.double()).abs().view(-1) > eb_f
                 exact.append(torch.nonzero(bad).view(-1))
+        outliers: list[bytes] = [b"", b""]
         if exact:
             idx = torch.unique(torch.cat(exact)) if len(exact) > 1 else exact[0]
-            body = join_sections([core, *pack_outliers(idx, orig.view(-1)[idx])])
-        else:
-            body = join_sections([core, b"", b""])
-        payload = bytearray(self._header(x.shape, x.dtype, eb_f, body))
-        payload += body
-        return torch.frombuffer(payload, dtype=torch.uint8).to(device)
+            outliers = pack_outliers(idx, orig.view(-1)[idx])
+
+        def fields(body_len: int) -> bytes:
+            return self._header_fields(x.shape, x.dtype, eb_f, body_len)
+
+        return assemble(fields, [core, *outliers]).to(device)
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
@@ -337,10 +335,6 @@ class Codec(ABC):
             if idx.numel():
                 y.view(-1)[idx.to(y.device)] = val.to(y.device)
         return y
-
-    def _header(self, shape: torch.Size, dtype: torch.dtype, eb: float, body: bytes) -> bytes:
-        h = self._header_fields(shape, dtype, eb, len(body))
-        return MAGIC + struct.pack("<BI", FORMAT_VERSION, zlib.crc32(body, zlib.crc32(h))) + h
 
     def _header_fields(self, shape: torch.Size, dtype: torch.dtype, eb: float, blen: int) -> bytes:
         cid = self.codec_id.encode("ascii")

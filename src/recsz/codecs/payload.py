@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -227,6 +228,31 @@ def tensor_from_bytes(
 
 def as_bytes(b: bytes | np.ndarray) -> bytes:
     return b if isinstance(b, bytes) else np.ascontiguousarray(b).view(np.uint8).tobytes()
+
+
+def assemble(
+    fields_for: Callable[[int], bytes], sections: list[bytes | np.ndarray]
+) -> torch.Tensor:
+    """A format-1 payload, each byte written once: the prefix (magic, version, crc32 of
+    everything after it), ``fields_for(body length)`` (the header fields), then the body:
+    the section table (as :func:`join_sections` writes it) and the sections."""
+    views = [
+        np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.reshape(-1).view(np.uint8)
+        for p in (s if isinstance(s, bytes) else np.ascontiguousarray(s) for s in sections)
+    ]
+    table = bytes([len(views)]) + b"".join(uvarint(v.size) for v in views)
+    fields = fields_for(len(table) + sum(v.size for v in views))
+    crc = zlib.crc32(table, zlib.crc32(fields))
+    for v in views:
+        crc = zlib.crc32(v.data, crc)
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, crc) + fields + table
+    out = np.empty(len(head) + sum(v.size for v in views), np.uint8)
+    out[: len(head)] = np.frombuffer(head, np.uint8)
+    o = len(head)
+    for v in views:
+        out[o : o + v.size] = v
+        o += v.size
+    return torch.from_numpy(out)
 
 
 def join_sections(parts: list[bytes]) -> bytes:

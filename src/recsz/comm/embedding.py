@@ -37,7 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from recsz.codecs import Codec, decode_payload
-from recsz.comm.exchange import PendingBytes, frame, start_all_to_all_bytes, unframe
+from recsz.comm.exchange import PendingBytes, frame_parts, start_all_to_all_bytes, unframe
 from recsz.comm.ids import Distinct, distinct_pairs
 from recsz.comm.stats import CommStats, ShardPlan
 from recsz.policy import BoundPolicy
@@ -135,7 +135,8 @@ class EmbeddingExchange:
             [None] * len(xs) if joined else [ebs[t] for blk in blocks for t in blk.tables]
         )
         payloads = d.codec.encode_batch(xs, bounds)
-        framed, k = [], 0
+        framed: list[list[torch.Tensor]] = []
+        k = 0
         for blk in blocks:
             n = 1 if joined else len(blk.tables)
             mine = payloads[k : k + n]
@@ -149,7 +150,7 @@ class EmbeddingExchange:
                     nbytes = [nbytes[0] * r // rows for r in blk.sizes]
                 for t, nb in zip(blk.tables, nbytes, strict=True):
                     self.stats.count(d.name, t, raw_bytes, nb, ebs[t], blk.peer != self.rank)
-            framed.append(frame(mine))
+            framed.append(frame_parts(mine))
             k += n
         self._time_codec(t0)
         return start_all_to_all_bytes(framed, self.world)
@@ -269,17 +270,17 @@ class EmbeddingExchange:
     def start_forward(self, pooled: torch.Tensor, step: int, ids: torch.Tensor) -> Pending:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
         bytes fly while you compute."""
-        data = pooled.detach()
+        data = pooled.detach().contiguous()
         bsz, n_mine, dim = data.shape
         b = bsz // self.world
         blocks = []
         for dest in range(self.world):
-            mine = data[dest * b : (dest + 1) * b]  # (b, |T_r|, D)
             if self.id_dedup:  # rows of the distinct ids, table by table
-                first = self._distinct(ids, dest, self.rank).first
-                rows = mine[first % b, first // b]
+                first = self._distinct(ids, dest, self.rank).first  # table * b + sample
+                at = (dest * b + first % b) * n_mine + first // b
+                rows = data.view(-1, dim).index_select(0, at)
             else:
-                rows = mine.transpose(0, 1).reshape(n_mine * b, dim)
+                rows = data[dest * b : (dest + 1) * b].transpose(0, 1).reshape(n_mine * b, dim)
             sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
         with record_function("recsz.a2a_fwd.encode"):
@@ -302,7 +303,7 @@ class EmbeddingExchange:
                 continue
             rows = blk.rows
             if self.id_dedup:  # every sample gets its id's row
-                rows = rows[self._distinct(ids, self.rank, blk.peer).inverse]
+                rows = rows.index_select(0, self._distinct(ids, self.rank, blk.peer).inverse)
             at = self._tables_index(blk.peer, out.device)
             out.index_copy_(0, at, rows.view(len(blk.tables), b, dim).to(out.dtype))
         return out.transpose(0, 1)
@@ -318,7 +319,7 @@ class EmbeddingExchange:
         blocks = []
         for dest in range(self.world):
             tables = self.plan.tables_of(dest)
-            rows = by_table[self._tables_index(dest, grad.device)].view(-1, dim)
+            rows = by_table.index_select(0, self._tables_index(dest, grad.device)).view(-1, dim)
             if self.coalesce:  # one summed row per distinct id, table by table
                 u = self._distinct(ids, self.rank, dest)
                 rows = rows.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, rows)

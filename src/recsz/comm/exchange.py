@@ -18,13 +18,19 @@ import torch.distributed as dist
 _COUNT = struct.Struct("<I")
 
 
-def frame(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate byte tensors with a table of their lengths, so they can be split again."""
+def frame_parts(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Byte tensors preceded by a table of their lengths, so they can be split again; as
+    pieces, which the all-to-all concatenates once with every other destination's."""
     lens = [int(p.numel()) for p in parts]
     head = _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *lens)
     dev = parts[0].device if parts else torch.device("cpu")
     head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(dev)
-    return torch.cat([head_t, *[p.view(-1).to(dev) for p in parts]])
+    return [head_t, *[p.view(-1).to(dev) for p in parts]]
+
+
+def frame(parts: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`frame_parts` as one buffer."""
+    return torch.cat(frame_parts(parts))
 
 
 def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]:
@@ -69,23 +75,26 @@ class PendingBytes:
         return list(torch.split(self.out, self.recv_sizes))
 
 
-def start_all_to_all_bytes(send: list[torch.Tensor], world: int) -> PendingBytes:
-    """Exchange sizes (blocking), then start the byte all-to-all (async).
+def start_all_to_all_bytes(send: list[list[torch.Tensor]], world: int) -> PendingBytes:
+    """Exchange sizes (blocking), then start the byte all-to-all (async). ``send[r]`` holds
+    the pieces for rank r (e.g. :func:`frame_parts`), joined into one buffer here.
 
     With ``world == 1`` and no process group, the only destination is this rank, and
     the bytes are handed back as they are: the same code path runs in one process.
     """
     if len(send) != world:
         raise ValueError(f"need one buffer per rank ({world}), got {len(send)}")
+    flat = [p.view(-1) for pieces in send for p in pieces]
+    inp = torch.cat(flat) if len(flat) != 1 else flat[0]
+    sizes_l = [sum(int(p.numel()) for p in pieces) for pieces in send]
     if world == 1 and not dist.is_initialized():
-        return PendingBytes(send[0].view(-1), [int(send[0].numel())])
-    sizes = torch.tensor([int(s.numel()) for s in send], dtype=torch.int64)
+        return PendingBytes(inp, sizes_l)
+    sizes = torch.tensor(sizes_l, dtype=torch.int64)
     recv = torch.empty(world, dtype=torch.int64)
     t = time.perf_counter()
     dist.all_to_all_single(recv, sizes)
     size_s = time.perf_counter() - t
     recv_sizes = recv.tolist()
-    inp = torch.cat([s.view(-1) for s in send])
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=inp.device)
-    work = dist.all_to_all_single(out, inp, recv_sizes, sizes.tolist(), async_op=True)
+    work = dist.all_to_all_single(out, inp, recv_sizes, sizes_l, async_op=True)
     return PendingBytes(out, recv_sizes, work, waited_s=size_s)

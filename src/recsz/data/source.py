@@ -7,6 +7,8 @@ exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,9 @@ class Batch:
             return self
         moved = (t.to(device, non_blocking=True) for t in (self.dense, self.ids, self.labels))
         return Batch(*moved)
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.dense.pin_memory(), self.ids.pin_memory(), self.labels.pin_memory())
 
 
 def _to_batch(a: criteo.Arrays) -> Batch:
@@ -155,3 +160,52 @@ def make_source(
     if stats.skipped:
         print(f"{p}: skipped {stats.skipped} bad lines (first: {stats.first_error})")
     return ArraySource(arrays, seed, eval_frac, name=str(p))
+
+
+def prefetch(
+    source: DataSource, steps: range, batch_size: int, device: torch.device, depth: int = 2
+) -> Iterator[Batch]:
+    """The training batches of ``steps``, made ``depth`` ahead by a background thread, so
+    that reading and parsing overlap training. For a CUDA device each batch is pinned and
+    copied on a side stream, and handed over after that copy is ordered before the
+    consumer's work. An error in the thread is raised to the consumer; leaving the loop
+    early stops the thread."""
+    q: queue.Queue[tuple[Batch | None, BaseException | None]] = queue.Queue(depth)
+    stop = threading.Event()
+    cuda = device.type == "cuda"
+
+    def put(item: tuple[Batch | None, BaseException | None]) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        stream = torch.cuda.Stream(device) if cuda else None
+        try:
+            for step in steps:
+                batch = source.train_batch(step, batch_size)
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        batch = batch.pin_memory().to(device)
+                    stream.synchronize()
+                if not put((batch, None)):
+                    return
+        except BaseException as e:  # handed to the consumer, which raises it
+            put((None, e))
+
+    thread = threading.Thread(target=work, name="recsz-prefetch", daemon=True)
+    thread.start()
+    try:
+        for _ in steps:
+            batch, err = q.get()
+            if err is not None:
+                raise err
+            assert batch is not None
+            yield batch.to(device)
+    finally:
+        stop.set()
+        thread.join(timeout=5)
