@@ -338,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         "8192",
         "--eval-batch-size",
         "4096",
+        # Batches made in the loop and timed apart, as the DMP runner does: on a machine
+        # whose cores the ranks fill, a prefetch thread would take its time from training.
+        "--prefetch",
+        "0",
     ]
     print(
         f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "

@@ -32,6 +32,7 @@ _MAY_CHANGE = {
     "checkpoint_every",
     "check_bounds",
     "dist_timeout",
+    "prefetch",
     "device",  # a run may move between CPU and GPU (the state is mapped on load)
 }
 

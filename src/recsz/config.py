@@ -48,6 +48,7 @@ class TrainConfig:
     out: str | None = opt(None, "run directory: config.json, metrics.jsonl, summary.json")
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")
     nproc: int = opt(1, "local ranks to launch with torchrun (under torchrun the env decides)")
+    prefetch: int = opt(2, "batches a background thread makes ahead (0: in the loop, no thread)")
     # ---- the embedding all-to-all
     fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
     bwd_codec: str = opt("none", "codec of the backward (gradient) all-to-all", CODECS)
@@ -92,7 +93,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {v}")
-        for name in ("eval_every", "log_every", "checkpoint_every"):
+        for name in ("eval_every", "log_every", "checkpoint_every", "prefetch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0")
         if not 0.0 < self.dct_keep <= 1.0:

@@ -240,11 +240,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             return ranks.gather(report.rank_record(parts, ranks.rank, loss, train_s, data_s))
 
         fail_at = _parse_failure(cfg.inject_failure)
-        batches = prefetch(source, range(start, steps), bsz, ranks.device)
+        batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
-            # Batches are made ahead by a thread; data_s is the time spent waiting for one.
+            # data_s: the time spent waiting for a batch (making it, without --prefetch).
             t0 = time.perf_counter()
             batch = next(batches)
             data_s += time.perf_counter() - t0
@@ -290,7 +290,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 
 #: Fields that may differ between ranks of one job.
-_LOCAL_FIELDS = ("progress", "out", "nproc")
+_LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 
 
 def _parse_failure(spec: str | None) -> tuple[int, int] | None:

@@ -169,7 +169,11 @@ def prefetch(
     that reading and parsing overlap training. For a CUDA device each batch is pinned and
     copied on a side stream, and handed over after that copy is ordered before the
     consumer's work. An error in the thread is raised to the consumer; leaving the loop
-    early stops the thread."""
+    early stops the thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
+    if depth == 0:
+        for step in steps:
+            yield source.train_batch(step, batch_size).to(device)
+        return
     q: queue.Queue[tuple[Batch | None, BaseException | None]] = queue.Queue(depth)
     stop = threading.Event()
     cuda = device.type == "cuda"
