@@ -103,7 +103,11 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     dct_state: DCTState | None = None
     dense: nn.Module = dense_arch
     if ranks.world > 1:
-        dense = DDP(dense_arch, device_ids=[ranks.device] if ranks.device.type == "cuda" else None)
+        dense = DDP(
+            dense_arch,
+            device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
+            gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
+        )
         if cfg.dp_comm == "dct":
             dct_state = DCTState(ranks.world, cfg.dct_keep, cfg.dct_refresh)
             dense.register_comm_hook(dct_state, dct_hook)

@@ -66,7 +66,9 @@ def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
     z = torch.bmm(feats, feats.transpose(1, 2))  # (B, T+1, T+1)
     n = feats.shape[1]
     li, lj = torch.tril_indices(n, n, offset=-1, device=x.device)
-    return torch.cat([x, z[:, li, lj]], dim=1)
+    # One index_select over the flattened products: on the CPU ~2x faster, forward and
+    # backward, than advanced indexing z[:, li, lj] (which gives the same values).
+    return torch.cat([x, z.view(b, n * n).index_select(1, li * n + lj)], dim=1)
 
 
 class DenseArch(nn.Module):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from recsz.model.config import ModelConfig
 from recsz.model.rowopt import RowOptimizer
@@ -74,10 +75,12 @@ class SparseArch(nn.Module):
         """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
         if not self.tables or not ids.numel():
             return self.weight.new_zeros(ids.shape[0], len(self.tables), self.dim)
-        mine = ids[:, self.tables]  # (B, T_r)
-        self._check_range(mine)
-        rows = (mine + self.offsets).view(-1)
-        return self._pool(rows, None, None).view(ids.shape[0], len(self.tables), self.dim)
+        with record_function("recsz.lookup"):
+            mine = ids[:, self.tables]  # (B, T_r)
+            self._check_range(mine)
+            rows = (mine + self.offsets).view(-1)
+            out = self._pool(rows, None, None)
+        return out.view(ids.shape[0], len(self.tables), self.dim)
 
     def bags(
         self,
@@ -158,5 +161,6 @@ class _FusedLookup(torch.autograd.Function):
         if ctx.psw is not None:
             g = g * ctx.psw.unsqueeze(1)
         arch = ctx.arch
-        arch.optimizer.step(arch.weight.data, arch.optimizer_state, ctx.rows, g)
+        with record_function("recsz.table_update"):
+            arch.optimizer.step(arch.weight.data, arch.optimizer_state, ctx.rows, g)
         return None, None, None, None, None

@@ -1,0 +1,140 @@
+"""One training step, taken apart: where the time goes, per stage, and the one-process
+speed and accuracy against the reference DLRM's published settings.
+
+    python benchmarks/bench_step.py [--json-out PATH] [--steps N]
+
+(a) ``tiny`` preset, one process, codec ``none``, batch 32, one pass of plain SGD at lr 0.1
+    over the real 10k Criteo sample (the setting the reference DLRM, facebookresearch/dlrm
+    ``dlrm_s_pytorch.py``, was measured at: 0.53-0.72 s for its 249 steps, mean AUC 0.678
+    over 3 seeds), 3 seeds: seconds in the training loop and AUC.
+(b) ``bench`` preset (Terabyte dims), one process, batch 2048: the torch profiler's CPU time
+    per stage (lookup, exchange encode / decode, table update, the rest of forward and
+    backward, the dense optimizer), averaged over the profiled steps.
+Prints both tables and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from recsz import train
+from recsz.config import parse_train_args
+from recsz.data.source import make_source
+from recsz.model import get_preset
+from recsz.ranks import Ranks
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+REAL = SHARED / "criteo_kaggle_head10k.tsv"
+
+#: record_function labels of the stages (the rest of the step is "other").
+STAGES = {
+    "lookup": ["recsz.lookup"],
+    "exchange encode": ["recsz.a2a_fwd.encode", "recsz.a2a_bwd.encode"],
+    "exchange wait": ["recsz.a2a_fwd.wait", "recsz.a2a_bwd.wait"],
+    "exchange decode": ["recsz.a2a_fwd.decode", "recsz.a2a_bwd.decode"],
+    "table update (fused row optimizer)": ["recsz.table_update"],
+    "dense optimizer": ["bench.dense_opt"],
+}
+
+
+def one_process(seeds: list[int]) -> list[dict]:
+    rows = []
+    for seed in seeds:
+        with tempfile.TemporaryDirectory() as out:
+            argv = [
+                "--preset", "tiny", "--data", str(REAL), "--batch-size", "32",
+                "--emb-optimizer", "sgd", "--emb-lr", "0.1", "--lr", "0.1",
+                "--seed", str(seed), "--no-progress", "--out", out,
+            ]  # fmt: skip
+            t = time.perf_counter()
+            train.main(argv)
+            wall = time.perf_counter() - t
+            s = json.loads((Path(out) / "summary.json").read_text())
+        rows.append(
+            {
+                "seed": seed,
+                "steps": s["steps"],
+                "train_s": s["train_s"],
+                "train_plus_data_s": s["train_s"] + s["data_s"],
+                "process_s": wall,
+                "auc": s["auc"],
+            }
+        )
+    return rows
+
+
+def stages(steps: int) -> dict[str, float]:
+    """Milliseconds per step of each stage, one process, bench preset."""
+    cfg = parse_train_args(["--preset", "bench", "--prefetch", "0"])
+    ranks = Ranks.from_env(60.0, "cpu")
+    parts, _ = train.build_parts(cfg, ranks)
+    src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
+    bsz = cfg.resolved_batch_size
+    batches = [src.train_batch(s, bsz) for s in range(steps + 3)]
+    opt_step = parts.dense_opt.step
+
+    def timed_step() -> None:
+        with record_function("bench.dense_opt"):
+            opt_step()
+
+    parts.dense_opt.step = timed_step  # type: ignore[method-assign]
+    for s in range(3):
+        train.train_step(parts, batches[s], s, ranks)
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for s in range(3, steps + 3):
+            train.train_step(parts, batches[s], s, ranks)
+    step_ms = (time.perf_counter() - t) / steps * 1e3
+    totals = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages()}
+    out = {k: sum(totals.get(n, 0.0) for n in names) for k, names in STAGES.items()}
+    out["rest of forward and backward (MLPs, interaction, loss)"] = step_ms - sum(out.values())
+    out["step (profiled)"] = step_ms
+    ranks.close(True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json-out", default="bench_out/step.json")
+    ap.add_argument("--steps", type=int, default=10, help="profiled steps of (b)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)  # as each rank of a torchrun job here
+    result: dict = {"threads": 1}
+    if REAL.exists():
+        rows = one_process([0, 1, 2])
+        result["one_process_tiny"] = rows
+        print("\n(a) tiny, 1 process, codec none, batch 32, SGD lr 0.1, real 10k sample")
+        print("| seed | steps | train s | train + data s | AUC |\n|---|---|---|---|---|")
+        for r in rows:
+            print(
+                f"| {r['seed']} | {r['steps']} | {r['train_s']:.2f} | "
+                f"{r['train_plus_data_s']:.2f} | {r['auc']:.4f} |"
+            )
+        aucs = [r["auc"] for r in rows]
+        print(f"mean AUC {statistics.mean(aucs):.4f} (reference DLRM: 0.678, 0.53-0.72 s)")
+    else:
+        print(f"[skip] (a): {REAL} not found", file=sys.stderr)
+    st = stages(a.steps)
+    result["stages_ms_bench_1proc"] = st
+    print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step")
+    print("| stage | ms | share |\n|---|---|---|")
+    for k, v in st.items():
+        print(f"| {k} | {v:.1f} | {v / st['step (profiled)']:.0%} |")
+    out = Path(a.json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
