@@ -1,11 +1,10 @@
 """Distinct ids of a batch slice, as both ends of the exchange derive them.
 
-:func:`distinct_pairs` does every table of a slice at once.
-
-Id-aware traffic sends one row per distinct id in sorted id order; the sample owner and the
-table owner each derive the same order from the ids they both hold. This runs ~100 times a
-step (every table, both directions), so on the CPU it is a numpy stable argsort and one
-scan (~10x faster than ``torch.unique(return_inverse=True)`` on 1k ids).
+Id-aware traffic sends one row per distinct id of each table in sorted id order; the
+sample owner and the table owner each derive the same order from the ids they both hold.
+:func:`distinct_pairs` does every table of a (sample owner, table owner) slice in one pass;
+on the CPU :func:`unique_first` is a numpy stable argsort and one scan (~10x faster than
+``torch.unique(return_inverse=True)`` on 1k ids).
 """
 
 from __future__ import annotations
