@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,4 +101,52 @@ def launch(nproc: int, argv: list[str]) -> int:
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(cmd, env=env)
+    # The agent dies with this process (even a SIGKILL of it), and a SIGTERM or SIGINT
+    # sent here is passed on: torchrun's agent then stops its workers, and the workers
+    # stop by themselves when their agent is gone (watch_parent).
+    agent = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def forward(sig: int, _frame: object) -> None:
+        agent.send_signal(sig)
+
+    for sig in previous:
+        signal.signal(sig, forward)
+    try:
+        return agent.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """In a child before exec (Linux): SIGTERM it when its parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: watch_parent in the workers still acts
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def watch_parent(interval_s: float = 0.5) -> None:
+    """Stop this process when its parent (torchrun's agent) is gone, e.g. killed with
+    SIGKILL: a daemon thread notices that the process was re-parented and ends it, so no
+    rank trains on unsupervised. Call once, early, in a worker."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                print(
+                    f"recsz: rank {os.environ.get('RANK', '?')}: launcher (pid {parent}) "
+                    "is gone; stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    threading.Thread(target=watch, name="recsz-watch-parent", daemon=True).start()

@@ -45,7 +45,7 @@ from recsz.data.source import Batch, DataSource, make_source, prefetch
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.model.sharding import plan_tables
 from recsz.policy.factory import make_policy
-from recsz.ranks import Ranks, launch
+from recsz.ranks import Ranks, launch, watch_parent
 
 SYNTHETIC_DEFAULT_STEPS = 1000
 
@@ -320,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         return launch(cfg.nproc, argv)
     rank = os.environ.get("RANK", "0")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
+        watch_parent()
     try:
         run(cfg)
     except Exception as e:
