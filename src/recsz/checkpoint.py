@@ -1,15 +1,21 @@
 """Checkpoints: each rank saves what it owns; a marker written last makes one complete.
 
-Layout: RUN/checkpoints/step-000120/{rank-0.pt, rank-1.pt, ..., meta.json}. Every file is
-written under a temporary name and renamed, and rank 0 writes ``meta.json`` only after
-all ranks have renamed theirs (a barrier), so a crash mid-write leaves a directory
-without ``meta.json``, which :func:`load` ignores.
+Layout: RUN/checkpoints/step-000000120/{rank-0.pt, rank-1.pt, ..., meta.json}. Every file
+is written under a temporary name and renamed (the temporary file is removed if the write
+fails), and rank 0 writes ``meta.json`` only after all ranks have renamed theirs (a
+barrier). ``meta.json`` holds the step, the world size, the configuration, its fingerprint,
+the SHA-256 of every rank's file and its own, so a checkpoint whose files were damaged, truncated
+or swapped for another run's is refused with the file named. A directory without
+``meta.json`` (a crash mid-write) is ignored. After each save only the newest
+``keep_checkpoints`` complete checkpoints stay.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +30,14 @@ if TYPE_CHECKING:
 _MAY_CHANGE = {
     "steps",
     "resume",
+    "resume_fallback",
     "out",
     "progress",
     "eval_every",
     "log_every",
     "nproc",
     "checkpoint_every",
+    "keep_checkpoints",
     "check_bounds",
     "dist_timeout",
     "prefetch",
@@ -37,13 +45,53 @@ _MAY_CHANGE = {
 }
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file."""
+
+
+def fingerprint(cfg: TrainConfig) -> str:
+    """A digest of the configuration fields a resumed run must share."""
+    kept = {k: v for k, v in sorted(cfg.to_dict().items()) if k not in _MAY_CHANGE}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def record_digest(meta: dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint record without its own checksum (canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    """``write(tmp_path)`` then rename; the temporary file never outlives a failure."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write checkpoint file {path}: {e.strerror}") from e
+        raise
 
 
-def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> Path:
+def save(
+    out: Path,
+    parts: Parts,
+    cfg: TrainConfig,
+    ranks: Ranks,
+    step: int,
+    counters: dict[str, Any],
+) -> Path:
+    """Write this rank's state at ``step`` (and ``counters``: the run's totals so far, so a
+    resumed run reports the whole run); rank 0 completes the checkpoint and prunes."""
     d = out / "checkpoints" / f"step-{step:09d}"
     d.mkdir(parents=True, exist_ok=True)
     state = {
@@ -55,62 +103,124 @@ def save(out: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks, step: int) -> 
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
         "torch_rng": torch.get_rng_state(),
         "dct_dp": _dct_state(parts),
+        "stats": parts.exchange.stats,
+        "counters": counters,
     }
-    _atomic_save(state, d / f"rank-{ranks.rank}.pt")
-    ranks.barrier()
+    f = d / f"rank-{ranks.rank}.pt"
+    _atomic_write(f, lambda tmp: torch.save(state, tmp))
+    digests = ranks.gather(_digest(f))
     if ranks.rank == 0:
-        meta = {"step": step, "world_size": ranks.world, "config": cfg.to_dict()}
-        tmp = d / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=2))
-        os.replace(tmp, d / "meta.json")
+        meta = {
+            "step": step,
+            "world_size": ranks.world,
+            "fingerprint": fingerprint(cfg),
+            "files": {f"rank-{r}.pt": h for r, h in enumerate(digests)},
+            "config": cfg.to_dict(),
+        }
+        meta["checksum"] = record_digest(meta)
+        _atomic_write(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+        _prune(out / "checkpoints", cfg.keep_checkpoints)
     ranks.barrier()
     return d
 
 
+def _prune(base: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (0: all); drop incomplete ones older
+    than the newest complete one."""
+    done = complete(base.parent)
+    if not done:
+        return
+    drop = done[:-keep] if keep else []
+    drop += [p for p in base.iterdir() if p.is_dir() and p not in done and p.name < done[-1].name]
+    for p in drop:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 def _dct_state(parts: Parts) -> dict[str, Any] | None:
-    """DCT-DP residuals and thresholds: resuming without them would change the run."""
+    """DCT-DP residuals, thresholds and counters: resuming without them would change the
+    run."""
     d = parts.dct
     if d is None:
         return None
-    return {
-        "step": d.step,
-        "residual": d.residual,
-        "threshold": d.threshold,
-        "refreshed_at": d.refreshed_at,
-        "refreshes": d.refreshes,
-    }
+    keys = ("step", "residual", "threshold", "refreshed_at", "refreshes")
+    return {k: getattr(d, k) for k in (*keys, "bytes_dense", "bytes_sent", "seconds")}
+
+
+def complete(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories, oldest first."""
+    base = run_dir / "checkpoints"
+    if not base.is_dir():
+        return []
+    return sorted(p for p in base.iterdir() if (p / "meta.json").exists())
 
 
 def latest(run_dir: Path) -> Path | None:
     """The newest complete checkpoint directory of a run, or None."""
-    base = run_dir / "checkpoints"
-    if not base.is_dir():
-        return None
-    done = sorted(p for p in base.iterdir() if (p / "meta.json").exists())
+    done = complete(run_dir)
     return done[-1] if done else None
 
 
-def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
-    """Restore this rank's state from the newest complete checkpoint; return its step."""
-    d = latest(run_dir)
-    if d is None:
+def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read and verify checkpoint ``d`` for this rank: (meta, state); CheckpointError
+    names the file otherwise."""
+    meta_path = d / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("checksum") != record_digest(meta):
+            raise ValueError("checksum mismatch (damaged or edited)")
+        step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint record ({e})") from None
+    if world != ranks.world:
+        raise CheckpointError(
+            f"checkpoint {d} was written by {world} ranks, this job has {ranks.world}; "
+            f"resume with --nproc {world}"
+        )
+    if meta.get("fingerprint") != fingerprint(cfg):
+        saved, now = meta.get("config", {}), cfg.to_dict()
+        diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
+        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
+        raise CheckpointError(
+            f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
+        )
+    f = d / f"rank-{ranks.rank}.pt"
+    if not f.exists():
+        raise CheckpointError(f"{f}: missing")
+    if _digest(f) != files.get(f.name):
+        raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
+    try:
+        state = torch.load(f, weights_only=False, map_location=ranks.device)
+    except Exception as e:
+        raise CheckpointError(f"{f}: cannot be loaded ({type(e).__name__}: {e})") from None
+    meta["step"] = step
+    return meta, state
+
+
+def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
+    """Restore this rank's state from the newest complete checkpoint every rank verifies;
+    return its step and the run counters saved with it. A damaged newest checkpoint is an
+    error, unless ``cfg.resume_fallback``: then the newest intact one is used."""
+    done = complete(run_dir)
+    if not done:
         raise FileNotFoundError(
             f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
         )
-    meta = json.loads((d / "meta.json").read_text())
-    if meta["world_size"] != ranks.world:
-        raise ValueError(
-            f"checkpoint {d} was written by {meta['world_size']} ranks, this job "
-            f"has {ranks.world}; resume with --nproc {meta['world_size']}"
-        )
-    saved, now = meta["config"], cfg.to_dict()
-    diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
-    if diff:
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
-        raise ValueError(f"checkpoint {d} was written with another configuration ({detail})")
-    state = torch.load(d / f"rank-{ranks.rank}.pt", weights_only=False, map_location=ranks.device)
+    for d in reversed(done):
+        try:
+            meta, state = _check(d, cfg, ranks)
+            err = ""
+        except CheckpointError as e:
+            err = str(e)
+        errors = [e for e in ranks.gather(err) if e]
+        if not errors:
+            break
+        if not cfg.resume_fallback or d == done[0]:
+            hint = "" if cfg.resume_fallback else " (--resume-fallback: the last intact one)"
+            raise CheckpointError("; ".join(errors) + hint)
+        if ranks.rank == 0:
+            print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
     if state["tables"] != parts.sparse.tables:
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {d}: rank {ranks.rank} held tables {state['tables']}, "
             f"the plan now gives it {parts.sparse.tables}"
         )
@@ -119,8 +229,9 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> int:
     parts.dense_opt.load_state_dict(state["dense_opt"])
     for k, p in parts.exchange.policies.items():
         p.load_state_dict(state["policies"][k])
+    parts.exchange.stats = state["stats"]
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     if parts.dct is not None and state.get("dct_dp"):
         for k, v in state["dct_dp"].items():
             setattr(parts.dct, k, v)
-    return int(meta["step"])
+    return int(meta["step"]), state["counters"]

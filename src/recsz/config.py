@@ -75,6 +75,10 @@ class TrainConfig:
     dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job")
     checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)")
     resume: str | None = opt(None, "run dir to continue from its last complete checkpoint")
+    resume_fallback: bool = opt(
+        False, "resume from the newest intact checkpoint if the last is damaged"
+    )
+    keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)")
     check_bounds: bool = opt(False, "decode every payload on the sender and assert the bound")
     progress: bool = opt(True, "show a progress bar")
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
@@ -93,7 +97,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {v}")
-        for name in ("eval_every", "log_every", "checkpoint_every", "prefetch"):
+        for name in ("eval_every", "log_every", "checkpoint_every", "prefetch", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0")
         if not 0.0 < self.dct_keep <= 1.0:

@@ -158,10 +158,17 @@ def format_summary(s: dict[str, Any]) -> str:
 class Log:
     """Writes metrics.jsonl and prints lines, on rank 0 only (``out`` None elsewhere)."""
 
-    def __init__(self, out: Path | None, append: bool) -> None:
+    def __init__(self, out: Path | None, keep_until: int | None = None) -> None:
+        """A new log, or (``keep_until``, a resumed run) the existing one without its rows
+        after that step, which the resumed run writes again."""
         self.path = out / "metrics.jsonl" if out else None
-        if self.path and not append:
-            self.path.write_text("")
+        if not self.path:
+            return
+        kept = []
+        if keep_until is not None and self.path.exists():
+            rows = [json.loads(r) for r in self.path.read_text().splitlines() if r.strip()]
+            kept = [r for r in rows if r.get("step", 0) <= keep_until]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def line(self, text: str) -> None:
         tqdm.write(text)

@@ -211,14 +211,26 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None
-        start = 0
+        start, counters = 0, {"train_s": 0.0, "data_s": 0.0, "allreduce_s": 0.0}
         if cfg.resume:
-            start = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
+            start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             out = out or Path(cfg.resume)
+            if steps < start:
+                raise ValueError(
+                    f"--steps {steps} is below the step of the checkpoint resumed ({start})"
+                )
+            if steps == start:
+                msg = f"recsz: {cfg.resume} already finished its {steps} steps; nothing to do"
+                if ranks.rank == 0:
+                    print(msg, flush=True)
+                ok = True
+                return {"steps": steps, "already_finished": True}
+        parts.ar_timer.seconds = counters["allreduce_s"]
         if out and ranks.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
-        log = report.Log(out if ranks.rank == 0 else None, append=bool(cfg.resume))
+        # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
+        log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
         if ranks.rank == 0:
             log.line(
                 f"recsz: preset {cfg.preset}, data {source.name}, {ranks.world} rank(s), "
@@ -235,7 +247,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             leave=False,
         )
         losses: list[float] = []
-        train_s = data_s = 0.0
+        train_s, data_s = counters["train_s"], counters["data_s"]
 
         def gathered() -> list[dict]:
             """Every rank's counters, in one collective (metrics rows and the summary)."""
@@ -259,7 +271,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             done = step + 1
             row: dict[str, Any] = {}
             if done % cfg.log_every == 0 or done == steps:
-                row = {"step": done, **report.summarize(gathered(), done - start, bsz)}
+                row = {"step": done, **report.summarize(gathered(), done, bsz)}
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
                 row = {"step": done, **row, **{f"eval_{k}": v for k, v in ev.items()}}
@@ -267,11 +279,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 log.metrics(row)
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
             if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps):
-                checkpoint.save(out, parts, cfg, ranks, done)
+                run_totals = {"train_s": train_s, "data_s": data_s}
+                run_totals["allreduce_s"] = parts.ar_timer.seconds
+                checkpoint.save(out, parts, cfg, ranks, done, run_totals)
         bar.close()
         ev = evaluate(parts, source, cfg, steps, ranks)
         recs = gathered()
-        totals = report.summarize(recs, max(1, steps - start), bsz)
+        totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
         summary = {
             **ev,

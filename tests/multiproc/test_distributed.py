@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsz import checkpoint
 from recsz.model import get_preset
 from recsz.train import main
 
@@ -207,6 +208,17 @@ def test_resume_equals_straight_run(tmp_path: Path) -> None:
     )
     assert rc == 0
     assert_same_model(straight, split, 1e-6)
+
+    # The resumed run reports the whole run: its log has each training step once, as the
+    # straight run's, and its summary counts the bytes of every step.
+    def logged(d: Path) -> list[int]:  # the training rows (evaluations add rows of their own)
+        rows = [json.loads(r) for r in (d / "metrics.jsonl").read_text().splitlines()]
+        return [r["step"] for r in rows if "loss" in r]
+
+    assert logged(split) == logged(straight) == list(range(1, 21))
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (split, straight))
+    for k in ("bytes_raw", "bytes_payload", "bytes_sent", "fwd_ratio", "bwd_ratio"):
+        assert a[k] == b[k], k
     torch.testing.assert_close(
         torch.tensor(losses(split)[-10:]), torch.tensor(losses(straight)[-10:]), rtol=0, atol=1e-6
     )
@@ -217,6 +229,7 @@ def test_resume_refuses_other_world_size(tmp_path: Path) -> None:
     meta = next((tmp_path / "checkpoints").glob("step-*/meta.json"))
     m = json.loads(meta.read_text())
     m["world_size"] = 2  # as if 2 ranks had written it
+    m["checksum"] = checkpoint.record_digest(m)
     meta.write_text(json.dumps(m))
     with pytest.raises(ValueError, match="written by 2 ranks, this job has 1"):
         main([*BASE, "--resume", str(tmp_path)])

@@ -1,0 +1,135 @@
+"""Checkpoints in one process: verified on resume (damage, truncation, a foreign run),
+pruned, never leaving temporary files, and a resumed run's bookkeeping."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsz import checkpoint
+from recsz.train import main
+
+BASE = ["--steps", "4", "--batch-size", "32", "--checkpoint-every", "2", "--no-progress",
+        "--synthetic-eval", "256", "--log-every", "1"]  # fmt: skip
+
+
+def train(out: Path, *extra: str) -> dict:
+    assert main([*BASE, "--out", str(out), *extra]) == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    train(out)
+    return out
+
+
+def flipped(src: Path, tmp: Path, at: int) -> Path:
+    """A copy of run ``src`` whose newest checkpoint has byte ``at`` of a file flipped
+    (``at`` counts through rank-0.pt, then meta.json)."""
+    import shutil
+
+    dst = tmp / f"flip-{at}"
+    shutil.copytree(src, dst)
+    d = checkpoint.latest(dst)
+    assert d is not None
+    rank, meta = d / "rank-0.pt", d / "meta.json"
+    f, i = (rank, at) if at < rank.stat().st_size else (meta, at - rank.stat().st_size)
+    data = bytearray(f.read_bytes())
+    data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+    return dst
+
+
+def test_flipped_bytes_are_refused_with_the_file_named(run_dir: Path, tmp_path: Path) -> None:
+    d = checkpoint.latest(run_dir)
+    assert d is not None
+    n_rank = (d / "rank-0.pt").stat().st_size
+    n = n_rank + (d / "meta.json").stat().st_size
+    rng = random.Random(0)
+    spots = [0, n_rank - 1, n_rank, n - 1, *rng.sample(range(n), 6)]
+    for at in spots:
+        bad = flipped(run_dir, tmp_path, at)
+        name = "rank-0.pt" if at < n_rank else "meta.json"
+        with pytest.raises(ValueError, match=rf"step-000000004/{name}"):
+            main([*BASE, "--steps", "6", "--resume", str(bad)])
+
+
+def test_every_byte_flip_changes_the_digest_checked(run_dir: Path) -> None:
+    """The check behind the refusals, for every byte of the (small) record and a dense
+    sample of the state file, without loading a run each time."""
+    d = checkpoint.latest(run_dir)
+    assert d is not None
+    meta = (d / "meta.json").read_bytes()
+    for i in range(len(meta)):
+        data = bytearray(meta)
+        data[i] ^= 0x01
+        try:
+            m = json.loads(bytes(data))
+            ok = isinstance(m, dict) and m.get("checksum") == checkpoint.record_digest(m)
+        except ValueError:
+            ok = False
+        assert not ok, f"flip at byte {i} of meta.json goes unnoticed"
+
+
+def test_fallback_resumes_from_the_last_intact_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    bad = flipped(run_dir, tmp_path, 100)
+    with pytest.raises(ValueError, match="--resume-fallback"):
+        main([*BASE, "--steps", "6", "--resume", str(bad)])
+    s = train(bad, "--steps", "6", "--resume", str(bad), "--resume-fallback")
+    assert s["steps"] == 6
+    steps = [json.loads(r)["step"] for r in (bad / "metrics.jsonl").read_text().splitlines()]
+    assert steps.count(3) == 1 and steps.count(4) == 1  # rerun from step 2, once each
+
+
+def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    for size in (0, 1000):
+        dst = tmp_path / f"cut-{size}"
+        shutil.copytree(run_dir, dst)
+        f = checkpoint.latest(dst) / "rank-0.pt"  # type: ignore[operator]
+        f.write_bytes(f.read_bytes()[:size])
+        with pytest.raises(ValueError, match=r"rank-0\.pt: checksum mismatch"):
+            main([*BASE, "--steps", "6", "--resume", str(dst)])
+
+
+def test_old_checkpoints_are_pruned(tmp_path: Path) -> None:
+    train(tmp_path, "--steps", "10", "--keep-checkpoints", "2")
+    kept = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert sorted(kept) == ["step-000000008", "step-000000010"]
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    def full_disk(obj: object, f: object) -> None:
+        Path(str(f)).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"cannot write checkpoint file .*rank-0\.pt"):
+        main([*BASE, "--out", str(tmp_path)])
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    # A finished run resumed: nothing happens, summary.json stays as it was.
+    before = (run_dir / "summary.json").read_text()
+    assert main([*BASE, "--resume", str(run_dir)]) == 0
+    assert (run_dir / "summary.json").read_text() == before
+    # Fewer steps than the checkpoint: refused.
+    with pytest.raises(ValueError, match="--steps 3 is below the step of the checkpoint"):
+        main([*BASE, "--steps", "3", "--resume", str(run_dir)])
+    # Resumed to 6 steps: the summary counts all 6 steps' bytes, as a straight run does.
+    dst = tmp_path / "resumed"
+    shutil.copytree(run_dir, dst)
+    resumed = train(dst, "--steps", "6", "--resume", str(dst))
+    straight = train(tmp_path / "straight", "--steps", "6")
+    for k in ("bytes_raw", "bytes_payload", "fwd_ratio", "bwd_ratio", "auc"):
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
