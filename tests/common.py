@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from recsz.codecs import Codec, PayloadError, decode_payload, get_codec
@@ -81,3 +82,50 @@ def golden_input() -> torch.Tensor:
     x[17] = x[2]
     x[3, 3] = 7.5
     return x
+
+
+# ---- extreme bounds and values: every codec, every dtype ---------------------------------
+BATTERY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: Bounds at the edges: float32 subnormals, the smallest normal, near float32 overflow.
+EDGE_BOUNDS = (1e-45, 1e-42, 1e-39, 1.1754944e-38, 1e-30, 1e-8, 1.0, 1e30, 1e38, 1.7e38, 3.4e38)
+
+
+def extreme_case(rng: np.random.Generator) -> tuple[torch.Tensor, float]:
+    """A random small tensor of a random dtype, with values from subnormal to its largest
+    finite magnitude (and some NaN/Inf), and a bound from 1e-45 to 3.4e38."""
+    dtype = BATTERY_DTYPES[int(rng.integers(len(BATTERY_DTYPES)))]
+    big = float(torch.finfo(dtype).max)
+    shape = (int(rng.integers(0, 6)), int(rng.integers(1, 9)))
+    scale = 10.0 ** rng.uniform(-45, 39)
+    a = np.clip(rng.standard_normal(shape) * scale, -big, big)
+    specials = np.array([0.0, -0.0, big, -big, 1e-45, 1e-40, np.nan, np.inf, -np.inf, 1.0])
+    mask = rng.random(shape) < 0.2
+    a[mask] = rng.choice(specials, size=int(mask.sum()))
+    if rng.random() < 0.3:
+        eb = float(rng.choice(EDGE_BOUNDS))
+    else:
+        eb = float(10.0 ** rng.uniform(-45.5, 38.5))
+    return torch.from_numpy(a).to(dtype), eb
+
+
+def bound_violation(codec: Codec, x: torch.Tensor, eb: float) -> str | None:
+    """None when ``codec`` keeps its promise on (x, eb) (or refuses the bound stating the
+    range it accepts); otherwise what went wrong. Unbounded codecs must keep finite values
+    finite."""
+    try:
+        y = codec.decode(codec.encode(x, eb))
+    except ValueError as e:
+        if codec.error_bounded and "accept" in str(e):
+            return None
+        return f"{type(e).__name__}: {e}"
+    fin = torch.isfinite(x)
+    inf = torch.isinf(x)
+    if not torch.equal(torch.isnan(y), torch.isnan(x)) or not torch.equal(y[inf], x[inf]):
+        return "non-finite values changed"
+    if codec.error_bounded:
+        err = (y[fin].double() - x[fin].double()).abs()
+        if err.numel() and not float(err.max()) <= eb:
+            return f"error {float(err.max())} > bound {eb}"
+    elif not bool(torch.isfinite(y[fin]).all()):
+        return "finite values decoded as Inf or NaN"
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,9 +14,11 @@ from hypothesis.extra.numpy import arrays
 from recsz.codecs import PayloadError, available_codecs, decode_payload, get_codec
 from tests.common import (
     FIXTURES,
+    bound_violation,
     check_config_roundtrip,
     check_corruption,
     check_roundtrip,
+    extreme_case,
     golden_input,
 )
 
@@ -174,3 +177,30 @@ def test_casting_codecs_are_not_called_bounded() -> None:
     for name in ("fp16", "bf16", "fp8", "int8"):
         c = get_codec(name)
         assert not c.error_bounded and not c.lossless
+
+
+# ---- the edges: extreme bounds and values, every dtype (benchmarks/bench_bounds.py runs
+# the same cases by the million) -----------------------------------------------------------
+@pytest.mark.parametrize("name", CODECS)
+def test_extreme_bounds_and_values_keep_the_contract(name: str) -> None:
+    codec = get_codec(name)
+    rng = np.random.default_rng([7, len(name)])
+    for _ in range(150):
+        x, eb = extreme_case(rng)
+        v = bound_violation(codec, x, eb)
+        assert v is None, f"{name} on {x.dtype} {tuple(x.shape)} eb={eb!r}: {v}\n{x}"
+
+
+@pytest.mark.parametrize("name", BOUNDED)
+@pytest.mark.parametrize("eb", [1e-39, 1.7e38, 0.0, float("inf"), float("nan")])
+def test_bounds_outside_the_accepted_range_are_refused(name: str, eb: float) -> None:
+    with pytest.raises(ValueError, match=r"outside the accepted range \[1\.175494e-38, 1e\+38\]"):
+        get_codec(name).encode(torch.ones(2, 3), eb)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8", "int8", "tr-fp16", "tr-bf16"])
+def test_casts_saturate_instead_of_overflowing(name: str) -> None:
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[big, -big, 1.0, 0.0]])
+    y = get_codec(name).decode(get_codec(name).encode(x))
+    assert bool(torch.isfinite(y).all()), y

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs.base import Codec
+from recsz.codecs.base import Codec, saturating_cast
 from recsz.codecs.payload import Header, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
@@ -61,7 +61,7 @@ class _FbgemmCodec(Codec):
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
         _n, d = x.shape
         dp = self._padded_dim(d)
-        xf = x.float()
+        xf = saturating_cast(x, torch.float32)
         if dp != d:
             xf = torch.nn.functional.pad(xf, (0, dp - d))
         return tensor_bytes(self._codec(dp).encode(xf.contiguous()))
@@ -78,7 +78,7 @@ class _FbgemmCodec(Codec):
         y = self._codec(dp).decode(raw).float().reshape(-1)
         if y.numel() < n * dp:
             raise PayloadError(f"{self.codec_id}: decodes to {y.numel()} values, need {n * dp}")
-        return y[: n * dp].view(n, dp)[:, :d].contiguous().to(h.dtype).to(device)
+        return saturating_cast(y[: n * dp].view(n, dp)[:, :d].contiguous(), h.dtype).to(device)
 
 
 @register_codec

@@ -51,6 +51,23 @@ from recsz.codecs.payload import (
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
 
+#: The bounds a bounded codec accepts: from the smallest normal float32 (below it, steps
+#: of 2 eb are subnormal and lose the precision the bound needs) to 1e38 (2 eb, and codes
+#: times it, must stay finite in float32). Training floors relative bounds at 1e-30.
+EB_MIN = float(torch.finfo(torch.float32).tiny)
+EB_MAX = 1e38
+
+
+def saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``y`` as ``dtype``, finite values clamped to its largest finite magnitude (a plain
+    cast turns values beyond it into Inf, as fbgemm's FP16 comms do not)."""
+    big = torch.finfo(dtype).max
+    if torch.finfo(y.dtype).max > big:
+        # Clamp where the limit is exact: bfloat16 rounds float16's 65504 up to 65536.
+        wide = y if y.dtype == torch.float64 else y.float()
+        y = wide.clamp(-big, big)
+    return y.to(dtype)
+
 
 class Codec(ABC):
     """Base class: validation, header, non-finite handling; subclasses code the body."""
@@ -203,8 +220,11 @@ class Codec(ABC):
             raise ValueError(
                 f"{self.codec_id}: expected a 2-D tensor (rows, dim), got shape {tuple(x.shape)}"
             )
-        if self.error_bounded and (eb is None or not (eb > 0) or not np.isfinite(eb)):
-            raise ValueError(f"{self.codec_id}: error bound must be positive and finite, got {eb}")
+        if self.error_bounded and (eb is None or not EB_MIN <= eb <= EB_MAX):
+            raise ValueError(
+                f"{self.codec_id}: error bound {eb} is outside the accepted range "
+                f"[{EB_MIN:.7g}, {EB_MAX:g}]"
+            )
         return float(eb) if (self.error_bounded and eb is not None) else 0.0
 
     def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs.base import Codec
+from recsz.codecs.base import Codec, saturating_cast
 from recsz.codecs.payload import Header, PayloadError, tensor_bytes, tensor_from_bytes
 from recsz.codecs.registry import register_codec
 
@@ -66,12 +66,12 @@ class _CastCodec(Codec):
     joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        return _bytes_of(x.to(self.target))
+        return _bytes_of(saturating_cast(x, self.target))
 
     def _decode_tensor(
         self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
     ) -> torch.Tensor:
-        return _as(core, self.target, shape, self.codec_id).to(dtype)
+        return saturating_cast(_as(core, self.target, shape, self.codec_id), dtype)
 
 
 @register_codec
@@ -99,9 +99,10 @@ class FP8Codec(Codec):
     joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = saturating_cast(x, torch.float32)
         amax = xf.abs().amax(1, keepdim=True)
-        scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+        scale = amax / 448.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # 0, or underflowed
         q = (xf / scale).to(torch.float8_e4m3fn)
         return torch.cat([_bytes_of(scale), _bytes_of(q)])
 
@@ -113,7 +114,7 @@ class FP8Codec(Codec):
             raise PayloadError(f"fp8 body of {core.numel()} bytes does not fit {shape}")
         scale = _as(core[: 4 * n], torch.float32, (n, 1), "fp8 scales")
         q = _as(core[4 * n :], torch.float8_e4m3fn, (n, d), "fp8 codes")
-        return (q.float() * scale).to(dtype)
+        return saturating_cast(q.float() * scale, dtype)
 
 
 @register_codec
@@ -125,12 +126,14 @@ class Int8Codec(Codec):
     joinable = True
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = saturating_cast(x, torch.float32)
+        if bool(torch.isinf(xf.amax(1) - xf.amin(1)).any()):
+            xf = xf.double()  # a row's max - min overflows float32: work in float64
         lo = xf.amin(1, keepdim=True)
         span = xf.amax(1, keepdim=True) - lo
-        scale = torch.where(span > 0, span / 255.0, torch.ones_like(span))
+        scale = torch.where(span > 0, span / 255.0, torch.ones_like(span)).float().to(xf.dtype)
         q = torch.round((xf - lo) / scale).clamp(0, 255).to(torch.uint8)
-        return torch.cat([_bytes_of(torch.cat([lo, scale], 1)), _bytes_of(q)])
+        return torch.cat([_bytes_of(torch.cat([lo, scale], 1).float()), _bytes_of(q)])
 
     def _decode_tensor(
         self, core: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, eb: float
@@ -140,7 +143,10 @@ class Int8Codec(Codec):
             raise PayloadError(f"int8 body of {core.numel()} bytes does not fit {shape}")
         head = _as(core[: 8 * n], torch.float32, (n, 2), "int8 offsets")
         q = _as(core[8 * n :], torch.uint8, (n, d), "int8 codes").float()
-        return (q * head[:, 1:2] + head[:, 0:1]).to(dtype)
+        y = q * head[:, 1:2] + head[:, 0:1]
+        if not bool(torch.isfinite(y).all()):  # beyond float32: again in float64, saturated
+            y = saturating_cast(q.double() * head[:, 1:2].double() + head[:, 0:1].double(), y.dtype)
+        return saturating_cast(y, dtype)
 
 
 @register_codec

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from recsz.codecs.base import EB_MAX
+
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
 
@@ -37,7 +39,7 @@ def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
     if r == 0.0:  # constant slice: any bound is exact; keep codes small
         f = x[torch.isfinite(x)]
         r = float(f.abs().max()) if f.numel() else 0.0
-    return max(eb * r, MIN_ABS_BOUND)
+    return min(max(eb * r, MIN_ABS_BOUND), EB_MAX)  # EB_MAX: the codecs' largest bound
 
 
 class BoundPolicy:
