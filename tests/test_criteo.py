@@ -143,3 +143,95 @@ def test_preprocess_then_load_matches_read(tmp_path: Path, criteo_ragged: Path) 
 def test_iter_blocks_streams_in_bounded_blocks(criteo_10k: Path) -> None:
     sizes = [len(b) for b in criteo.iter_blocks(criteo_10k, SIZES, block_rows=4000)]
     assert sizes == [4000, 4000, 1999]
+
+
+# ---- input that used to escape validation -------------------------------------------------
+def _write_bytes(tmp_path: Path, lines: list[bytes]) -> Path:
+    p = tmp_path / "bad.tsv"
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    return p
+
+
+@pytest.mark.parametrize(
+    ("bad", "pattern"),
+    [
+        (GOOD.encode().replace(b"68fd1e64", b"68fd\xffe64", 1), r"bad\.tsv:3: byte 0xff at column"),
+        (GOOD.replace("\t3\t", "\t" + "9" * 400 + "\t", 1).encode(), r"bad\.tsv:3: .* too large"),
+        (GOOD.replace("\t3\t", "\t-" + "9" * 30 + "\t", 1).encode(), r"bad\.tsv:3: .* too large"),
+    ],
+)
+def test_bad_bytes_and_huge_numbers_are_named_and_skippable(
+    tmp_path: Path, bad: bytes, pattern: str
+) -> None:
+    p = _write_bytes(tmp_path, [GOOD.encode(), GOOD.encode(), bad, GOOD.encode()])
+    with pytest.raises(CriteoFormatError, match=pattern):
+        criteo.read(p, SIZES)
+    stats = criteo.ParseStats()
+    a = criteo.read(p, SIZES, skip_bad_lines=True, stats=stats)
+    assert len(a) == 3 and stats.skipped == 1 and ":3:" in stats.first_error
+
+
+def test_a_huge_field_makes_a_short_message(tmp_path: Path) -> None:
+    p = _write(tmp_path, [GOOD.replace("68fd1e64", "z" * 3_000_000, 1)])
+    with pytest.raises(CriteoFormatError) as e:
+        criteo.read(p, SIZES)
+    assert len(str(e.value)) < 300 and "3000000 characters" in str(e.value)
+
+
+def test_preprocess_refuses_empty_input_and_leaves_nothing(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    with pytest.raises(CriteoFormatError, match=r"empty\.tsv: no samples"):
+        criteo.preprocess(empty, tmp_path / "out", SIZES, progress=False)
+    bad = _write(tmp_path, [GOOD, "2" + GOOD[1:]])
+    with pytest.raises(CriteoFormatError, match=r"bad\.tsv:2"):
+        criteo.preprocess(bad, tmp_path / "out", SIZES, progress=False)
+    assert not list((tmp_path / "out").glob("*")), "no partial output after a failure"
+
+
+def test_damaged_preprocessed_arrays_are_named(tmp_path: Path, criteo_ragged: Path) -> None:
+    from recsz.data.source import make_source
+
+    out = tmp_path / "bin"
+    criteo.preprocess(criteo_ragged, out, SIZES, progress=False)
+    labels = out / "labels.f32"
+    good = labels.read_bytes()
+    labels.write_bytes(good[:-4])  # one row short
+    with pytest.raises(ValueError, match=r"labels\.f32: 3996 bytes, expected 4000"):
+        criteo.load(out, SIZES)
+    for value in (7.0, float("nan")):  # a label no Criteo line can have
+        arr = np.frombuffer(good, "<f4").copy()
+        arr[5] = value
+        labels.write_bytes(arr.tobytes())
+        src = make_source(str(out), SIZES, seed=0)
+        with pytest.raises(CriteoFormatError, match=r"bin: row \d+: label .* is not 0 or 1"):
+            for step in range(src.steps_per_epoch(100) or 0):
+                src.train_batch(step, 100)
+            list(src.eval_batches(100))
+    labels.write_bytes(good)
+    dense = out / "dense.f32"
+    arr = np.frombuffer(dense.read_bytes(), "<f4").copy()
+    arr[13 * 5 + 2] = np.inf
+    dense.write_bytes(arr.tobytes())
+    src = make_source(str(out), SIZES, seed=0)
+    with pytest.raises(CriteoFormatError, match="row 5: a dense value is not finite"):
+        for step in range(src.steps_per_epoch(100) or 0):
+            src.train_batch(step, 100)
+        list(src.eval_batches(100))
+
+
+def test_skipped_lines_reach_the_summary(tmp_path: Path, criteo_ragged: Path) -> None:
+    import json
+
+    from recsz.config import TrainConfig
+    from recsz.train import main
+
+    lines = criteo_ragged.read_text().splitlines()[:200]
+    lines[7] = "2" + lines[7][1:]
+    data = _write(tmp_path, lines)
+    out = tmp_path / "run"
+    argv = ["--data", str(data), "--skip-bad-lines", "--no-progress", "--out", str(out)]
+    assert main([*argv, "--steps", "2"]) == 0
+    assert json.loads((out / "summary.json").read_text())["skipped_lines"] == 1
+    with pytest.raises(ValueError, match="--eval-batch-size must be >= 1"):
+        TrainConfig(eval_batch_size=0)

@@ -155,3 +155,18 @@ def test_factory_wiring() -> None:
         make_policy(
             TrainConfig(fwd_codec="hybrid", eb_policy="dual", fwd_class_eb="0.1"), "fwd", 26
         )
+
+
+def test_absolute_bound_wider_than_the_data_warns() -> None:
+    import warnings
+
+    from recsz.policy import base
+
+    base._abs_checks["left"] = 10
+    x = torch.linspace(-1, 1, 64).view(8, 8)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert base.to_absolute(1e-3, "abs", x) == 1e-3  # narrower: silent
+        assert not seen
+        assert base.to_absolute(1e30, "abs", x) == 1e30
+    assert any("at least the range of the data" in str(w.message) for w in seen)

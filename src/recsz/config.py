@@ -89,7 +89,7 @@ class TrainConfig:
             v, choices = getattr(self, f.name), f.metadata["choices"]
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(choices)}")
-        for name in ("steps", "batch_size", "nproc", "dct_refresh"):
+        for name in ("steps", "batch_size", "nproc", "dct_refresh", "eval_batch_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {v}")

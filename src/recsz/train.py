@@ -291,6 +291,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             **ev,
             "steps": steps,
             "world_size": ranks.world,
+            "skipped_lines": source.skipped_lines,
             **totals,
             "per_table": totals.pop("tables"),
             **report.final_extras(recs, cfg.check_bounds),

@@ -39,6 +39,16 @@ class CriteoFormatError(ValueError):
     """A line of a Criteo file could not be parsed; the message names file:line:field."""
 
 
+#: Counts beyond this are not Criteo counts (they would overflow log1p and int64).
+_MAX_COUNT = 2**63 - 1
+
+
+def _show(s: str, limit: int = 40) -> str:
+    """A field for an error message: quoted, and cut when long (a 30 MB field must not
+    make a 30 MB message)."""
+    return repr(s) if len(s) <= limit else f"{s[:limit]!r}... ({len(s)} characters)"
+
+
 @dataclass
 class Arrays:
     """A block of samples: dense (N, 13) float32, cats (N, 26) int64, labels (N,) float32."""
@@ -94,7 +104,7 @@ def parse_line(
         fields = fields + [""] * (N_FIELDS - len(fields))
     lab = fields[0]
     if lab not in ("0", "1"):
-        raise CriteoFormatError(f"{where}: field 1 (label): {lab!r} is not 0 or 1")
+        raise CriteoFormatError(f"{where}: field 1 (label): {_show(lab)} is not 0 or 1")
     dense: list[float] = []
     for j in range(N_DENSE):
         s = fields[1 + j]
@@ -102,11 +112,15 @@ def parse_line(
             v = 0
         else:
             try:
-                v = int(s)
+                v = int(s) if len(s) <= 20 else _MAX_COUNT + 1
             except ValueError:
                 raise CriteoFormatError(
-                    f"{where}: field {2 + j} (I{j + 1}): {s!r} is not an integer"
+                    f"{where}: field {2 + j} (I{j + 1}): {_show(s)} is not an integer"
                 ) from None
+            if abs(v) > _MAX_COUNT:
+                raise CriteoFormatError(
+                    f"{where}: field {2 + j} (I{j + 1}): {_show(s)} is too large for a count"
+                )
         dense.append(math.log1p(v) if v > 0 else 0.0)
     ids: list[int] = []
     for j in range(N_CAT):
@@ -116,13 +130,14 @@ def parse_line(
             continue
         if len(s) > 8:
             raise CriteoFormatError(
-                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {s!r} is longer than 8 hex digits"
+                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {_show(s)} is longer than 8 hex "
+                "digits"
             )
         try:
             raw = int(s, 16)
         except ValueError:
             raise CriteoFormatError(
-                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {s!r} is not hexadecimal"
+                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {_show(s)} is not hexadecimal"
             ) from None
         ids.append(hash_category(raw, table_sizes[j]))
     return float(lab), dense, ids, padded
@@ -157,20 +172,19 @@ def iter_blocks(
         cats.clear()
         return blk
 
-    with open(path, encoding="ascii", errors="strict", newline="") as f:
-        lineno = 0
-        while True:
-            try:
-                line = f.readline()
-            except UnicodeDecodeError as e:
-                raise CriteoFormatError(f"{path}:{lineno + 1}: not ASCII text ({e})") from None
-            if not line:
-                break
-            lineno += 1
-            stats.bytes += len(line)
-            if line in ("\n", "\r\n"):
+    with open(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
+        for lineno, raw in enumerate(f, start=1):
+            stats.bytes += len(raw)
+            if raw in (b"\n", b"\r\n"):
                 continue  # blank line (e.g. at the end): nothing to read
             try:
+                try:
+                    line = raw.decode("ascii")
+                except UnicodeDecodeError as e:
+                    raise CriteoFormatError(
+                        f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at column {e.start + 1} "
+                        "is not ASCII"
+                    ) from None
                 y, d, c, padded = parse_line(line, table_sizes, f"{path}:{lineno}")
             except CriteoFormatError as e:
                 if not skip_bad_lines:
@@ -189,6 +203,12 @@ def iter_blocks(
         yield flush()
 
 
+def _skipped_note(stats: ParseStats) -> str:
+    if not stats.skipped:
+        return ""
+    return f" ({stats.skipped} bad lines skipped; first: {stats.first_error})"
+
+
 def read(
     path: str | os.PathLike[str],
     table_sizes: Sequence[int],
@@ -196,9 +216,10 @@ def read(
     stats: ParseStats | None = None,
 ) -> Arrays:
     """Read a whole raw file into arrays (the text itself is never held)."""
+    stats = stats if stats is not None else ParseStats()
     blocks = list(iter_blocks(path, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats))
     if not blocks:
-        raise CriteoFormatError(f"{path}: no samples")
+        raise CriteoFormatError(f"{path}: no samples" + _skipped_note(stats))
     return Arrays(
         np.concatenate([b.dense for b in blocks]),
         np.concatenate([b.cats for b in blocks]),
@@ -221,19 +242,26 @@ def preprocess(
     stats = ParseStats()
     total = os.path.getsize(raw)
     tmp = {k: out / f"{k}.tmp" for k in ("dense", "cats", "labels")}
-    with (
-        open(tmp["dense"], "wb") as fd,
-        open(tmp["cats"], "wb") as fc,
-        open(tmp["labels"], "wb") as fl,
-        tqdm(
-            total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess"
-        ) as bar,
-    ):
-        for blk in iter_blocks(raw, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
-            fd.write(blk.dense.astype("<f4").tobytes())
-            fc.write(blk.cats.astype("<i4").tobytes())
-            fl.write(blk.labels.astype("<f4").tobytes())
-            bar.update(stats.bytes - bar.n)
+    try:
+        with (
+            open(tmp["dense"], "wb") as fd,
+            open(tmp["cats"], "wb") as fc,
+            open(tmp["labels"], "wb") as fl,
+            tqdm(
+                total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess"
+            ) as bar,
+        ):
+            for blk in iter_blocks(raw, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
+                fd.write(blk.dense.astype("<f4").tobytes())
+                fc.write(blk.cats.astype("<i4").tobytes())
+                fl.write(blk.labels.astype("<f4").tobytes())
+                bar.update(stats.bytes - bar.n)
+        if stats.lines == 0:
+            raise CriteoFormatError(f"{raw}: no samples" + _skipped_note(stats))
+    except BaseException:
+        for t in tmp.values():  # no partial output survives a failure
+            t.unlink(missing_ok=True)
+        raise
     os.replace(tmp["dense"], out / "dense.f32")
     os.replace(tmp["cats"], out / "cats.i32")
     os.replace(tmp["labels"], out / "labels.f32")
@@ -264,6 +292,13 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
             f"{list(table_sizes)}; preprocess again with this preset"
         )
     n = int(meta["rows"])
+    for name, row_bytes in (("dense.f32", 4 * N_DENSE), ("cats.i32", 4 * N_CAT), ("labels.f32", 4)):
+        size = (d / name).stat().st_size if (d / name).exists() else -1
+        if size != n * row_bytes:
+            raise ValueError(
+                f"{d / name}: {size} bytes, expected {n * row_bytes} for the {n} rows of "
+                f"{meta_path} (truncated or from another run?)"
+            )
     dense = np.memmap(d / "dense.f32", dtype="<f4", mode="r", shape=(n, N_DENSE))
     cats = np.memmap(d / "cats.i32", dtype="<i4", mode="r", shape=(n, N_CAT))
     labels = np.memmap(d / "labels.f32", dtype="<f4", mode="r", shape=(n,))

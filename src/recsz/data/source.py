@@ -7,6 +7,7 @@ exactly the batches it would have seen.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -58,6 +59,7 @@ class DataSource:
 
     name: str
     n_train: int | None  # None: an endless stream
+    skipped_lines: int = 0  # malformed input lines left out (--skip-bad-lines)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
         raise NotImplementedError
@@ -98,7 +100,13 @@ class ArraySource(DataSource):
     """
 
     def __init__(
-        self, arrays: criteo.Arrays, seed: int, eval_frac: float = 0.2, name: str = "file"
+        self,
+        arrays: criteo.Arrays,
+        seed: int,
+        eval_frac: float = 0.2,
+        name: str = "file",
+        table_sizes: Sequence[int] = (),
+        skipped_lines: int = 0,
     ) -> None:
         if not 0.0 < eval_frac < 1.0:
             raise ValueError(f"eval_frac must be in (0, 1), got {eval_frac}")
@@ -109,6 +117,8 @@ class ArraySource(DataSource):
         self.arrays = arrays
         self.seed = seed
         self.name = name
+        self.table_sizes = list(table_sizes) or [2**62] * arrays.cats.shape[1]
+        self.skipped_lines = skipped_lines
         self.n_train = n - n_eval
         self._perm_epoch = -1
         self._perm = np.arange(0)
@@ -116,7 +126,24 @@ class ArraySource(DataSource):
     def _rows(self, idx: np.ndarray) -> Batch:
         a = self.arrays
         idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
-        return _to_batch(criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx]))
+        blk = criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
+        # Arrays may come from files edited or damaged after preprocessing: refuse values
+        # no Criteo line can produce, naming the row, before they reach a model.
+        bad_label = (blk.labels != 0) & (blk.labels != 1)
+        bad_dense = ~np.isfinite(blk.dense).all(1)
+        bad_ids = ((blk.cats < 0) | (blk.cats >= np.asarray(self.table_sizes))).any(1)
+        bad = bad_label | bad_dense | bad_ids
+        if bad.any():
+            i = int(np.argmax(bad))
+            what = (
+                f"label {blk.labels[i]!r} is not 0 or 1"
+                if bad_label[i]
+                else "a dense value is not finite"
+                if bad_dense[i]
+                else "a categorical id is outside its table"
+            )
+            raise criteo.CriteoFormatError(f"{self.name}: row {int(idx[i])}: {what}")
+        return _to_batch(blk)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
         assert self.n_train is not None
@@ -152,14 +179,16 @@ def make_source(
         return SyntheticSource(table_sizes, seed, synthetic_eval)
     p = Path(data)
     if p.is_dir():
-        return ArraySource(criteo.load(p, table_sizes), seed, eval_frac, name=str(p))
+        arrays = criteo.load(p, table_sizes)
+        skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))
+        return ArraySource(arrays, seed, eval_frac, str(p), table_sizes, skipped)
     if not p.exists():
         raise FileNotFoundError(f"--data {data}: no such file or directory")
     stats = criteo.ParseStats()
     arrays = criteo.read(p, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats)
     if stats.skipped:
         print(f"{p}: skipped {stats.skipped} bad lines (first: {stats.first_error})")
-    return ArraySource(arrays, seed, eval_frac, name=str(p))
+    return ArraySource(arrays, seed, eval_frac, str(p), table_sizes, stats.skipped)
 
 
 def prefetch(

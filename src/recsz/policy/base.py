@@ -8,6 +8,7 @@ slice, as the paper does (eb_abs = eb_rel x (max - min)).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -31,10 +32,31 @@ def value_range(x: torch.Tensor) -> float:
     return float(f.max() - f.min())
 
 
+_abs_checks = {"left": 1000}  # slices checked against an absolute bound, then no more
+
+
+def _warn_if_wider_than_data(eb: float, x: torch.Tensor) -> None:
+    """Warn (once) when an absolute bound spans the data's whole range: every value then
+    decodes to about the same number and training learns nothing (measured: AUC 0.49)."""
+    if _abs_checks["left"] <= 0:
+        return
+    _abs_checks["left"] -= 1
+    r = value_range(x)
+    if 0 < r <= eb:
+        _abs_checks["left"] = 0
+        warnings.warn(
+            f"absolute error bound {eb:g} is at least the range of the data it bounds "
+            f"({r:g}): the codec may send every value as the same number; use --eb-mode rel "
+            "or a bound well below the range",
+            stacklevel=3,
+        )
+
+
 def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
     """An absolute bound from ``eb`` read in ``mode`` ("abs" or "rel" to x's range)."""
     if mode == "abs":
-        return eb
+        _warn_if_wider_than_data(eb, x)
+        return min(eb, EB_MAX)
     r = value_range(x)
     if r == 0.0:  # constant slice: any bound is exact; keep codes small
         f = x[torch.isfinite(x)]
