@@ -63,7 +63,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hybrid-dual-fwd": (*_PLAIN, *_DUAL),
     "hybrid-dual-fwd+bwd": (*_PLAIN, *_DUAL, "--bwd-codec", "hybrid"),
     "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
-    "hybrid-dual+ids+dctdp": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "dct"),
+    # The MLP gradients too (--dp-comm): torch's fp16/bf16/PowerSGD hooks, DCT-DP, ours.
+    **{
+        f"hybrid-dual+ids+dp-{m}": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", m)
+        for m in ("fp16", "bf16", "powersgd", "dct", "eb")
+    },
     # TorchRec's own DistributedModelParallel (benchmarks/torchrec_dmp.py), table-wise,
     # with its quantized comms: the anchor as a practitioner would run it.
     "trdmp-fp32": ("--dmp", "fp32"),
@@ -86,7 +90,7 @@ QUICK = [
     "dct",
     "hybrid-dual-fwd",
     "hybrid-dual+ids",
-    "hybrid-dual+ids+dctdp",
+    "hybrid-dual+ids+dp-dct",
 ]
 
 #: Options of ours that the DMP runner takes too.

@@ -178,7 +178,9 @@ def record(rank: int, raw: int, sent: int) -> dict:
             "fwd": {rank: (raw, sent, 0.1, "base")},
             "bwd": {0: (raw, 2 * sent, 0.2, "loose")},
         },
-        "dp": None,
+        "allreduce_bytes": 0,
+        "allreduce_dense_bytes": 0,
+        "dct_refreshes": None,
         "events": [],
     }
 

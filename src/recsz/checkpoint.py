@@ -102,7 +102,7 @@ def save(
         "dense_opt": parts.dense_opt.state_dict(),
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
         "torch_rng": torch.get_rng_state(),
-        "dct_dp": _dct_state(parts),
+        "dp": parts.dp.state_dict(),
         "stats": parts.exchange.stats,
         "counters": counters,
     }
@@ -134,16 +134,6 @@ def _prune(base: Path, keep: int) -> None:
     drop += [p for p in base.iterdir() if p.is_dir() and p not in done and p.name < done[-1].name]
     for p in drop:
         shutil.rmtree(p, ignore_errors=True)
-
-
-def _dct_state(parts: Parts) -> dict[str, Any] | None:
-    """DCT-DP residuals, thresholds and counters: resuming without them would change the
-    run."""
-    d = parts.dct
-    if d is None:
-        return None
-    keys = ("step", "residual", "threshold", "refreshed_at", "refreshes")
-    return {k: getattr(d, k) for k in (*keys, "bytes_dense", "bytes_sent", "seconds")}
 
 
 def complete(run_dir: Path) -> list[Path]:
@@ -231,7 +221,5 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         p.load_state_dict(state["policies"][k])
     parts.exchange.stats = state["stats"]
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
-    if parts.dct is not None and state.get("dct_dp"):
-        for k, v in state["dct_dp"].items():
-            setattr(parts.dct, k, v)
+    parts.dp.load_state_dict(state["dp"])
     return int(meta["step"]), state["counters"]

@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
 from recsz.codecs import available_codecs, get_codec
+from recsz.comm.dp_hooks import DP_MODES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, get_preset
 
-CONFIG_VERSION = 3  # 2: --fwd-refs removed; 3: batched tables, fused row optimizers
+CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True) -> Any:
@@ -67,7 +68,11 @@ class TrainConfig:
     id_dedup: bool = opt(True, "forward: one vector per distinct id of a destination's slice")
     bwd_coalesce: bool = opt(True, "backward: sum the gradients of samples sharing an id first")
     # ---- the MLP all-reduce
-    dp_comm: str = opt("allreduce", "MLP gradients: DDP all-reduce or DCT-DP", ("allreduce", "dct"))
+    dp_comm: str = opt("allreduce", "MLP gradients' exchange (DDP hook)", DP_MODES)
+    powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations")
+    powersgd_warmup: int = opt(10, "powersgd: steps of plain all-reduce first (>= 2)")
+    dp_codec: str = opt("hybrid", "eb: codec of the gradient buckets", CODECS)
+    dp_eb: float = opt(0.01, "eb: bound relative to each bucket's range")
     dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)")
     dct_refresh: int = opt(1000, "DCT: iterations between threshold refreshes")
     # ---- the job
@@ -89,17 +94,28 @@ class TrainConfig:
             v, choices = getattr(self, f.name), f.metadata["choices"]
             if choices and v is not None and v not in choices:
                 raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(choices)}")
-        for name in ("steps", "batch_size", "nproc", "dct_refresh", "eval_batch_size"):
+        for name in (
+            "steps",
+            "batch_size",
+            "nproc",
+            "dct_refresh",
+            "eval_batch_size",
+            "powersgd_rank",
+        ):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {v}")
-        for name in ("lr", "emb_lr", "fwd_eb", "bwd_eb", "dist_timeout"):
+        for name in ("lr", "emb_lr", "fwd_eb", "bwd_eb", "dist_timeout", "dp_eb"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {v}")
         for name in ("eval_every", "log_every", "checkpoint_every", "prefetch", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0")
+        if self.powersgd_warmup < 2:
+            raise ValueError(
+                f"--powersgd-warmup must be >= 2 (torch's rule), got {self.powersgd_warmup}"
+            )
         if not 0.0 < self.dct_keep <= 1.0:
             raise ValueError(f"--dct-keep must be in (0, 1], got {self.dct_keep}")
         fwd, bwd = get_codec(self.fwd_codec), get_codec(self.bwd_codec)
@@ -113,8 +129,10 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda, but torch sees no CUDA device here")
-            if self.dp_comm == "dct":
-                raise ValueError("--dp-comm dct runs on the CPU only: not with --device cuda")
+            if self.dp_comm in ("dct", "eb"):
+                raise ValueError(
+                    f"--dp-comm {self.dp_comm} runs on the CPU only: not with --device cuda"
+                )
         if self.log_every == 0:
             self.log_every = 1
 

@@ -35,7 +35,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
             for t in which
         }
 
-    dct = parts.dct
+    dp = parts.dp
     return {
         "rank": rank,
         "loss": loss,
@@ -44,14 +44,16 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "a2a_fwd_s": st.a2a_s["fwd"],
         "a2a_bwd_s": st.a2a_s["bwd"],
         "codec_s": st.codec_s,
-        "allreduce_s": dct.seconds if dct else parts.ar_timer.seconds,
+        "allreduce_s": dp.seconds,
+        "allreduce_bytes": dp.bytes_sent,
+        "allreduce_dense_bytes": dp.bytes_dense,
         "raw": dict(st.raw),
         "sent": dict(st.sent),
         "wire": dict(st.wire),
         "max_err": dict(st.max_err),
         # Forward: the tables this rank owns; backward: every table (it sends them all).
         "tables": {"fwd": tables("fwd", ex.mine), "bwd": tables("bwd", list(st.table_raw["bwd"]))},
-        "dp": (dct.bytes_dense, dct.bytes_sent, dct.refreshes) if dct else None,
+        "dct_refreshes": dp.inner.refreshes if dp.mode == "dct" else None,
         "events": [
             {**e, "direction": d, "rank": rank}
             for d, p in ex.policies.items()
@@ -88,11 +90,12 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     row["bytes_sent"] = total("wire", "fwd") + total("wire", "bwd")
     row["fwd_ratio"] = ratio(total("raw", "fwd"), total("sent", "fwd"))
     row["bwd_ratio"] = ratio(total("raw", "bwd"), total("sent", "bwd"))
-    if recs[0]["dp"] is not None:
-        dense, sent = (sum(r["dp"][i] for r in recs) for i in (0, 1))
-        row["dp_ratio"] = ratio(dense, sent)
-        row["dp_bytes_sent"] = int(sent)
-        row["dp_threshold_refreshes"] = recs[0]["dp"][2]
+    # The MLP gradients' exchange: bytes every rank put on the wire, against a ring
+    # all-reduce of fp32 (dp_ratio).
+    row["allreduce_bytes"] = sum(r["allreduce_bytes"] for r in recs)
+    row["dp_ratio"] = ratio(sum(r["allreduce_dense_bytes"] for r in recs), row["allreduce_bytes"])
+    if recs[0]["dct_refreshes"] is not None:
+        row["dp_threshold_refreshes"] = recs[0]["dct_refreshes"]
     row["tables"] = per_table(recs)
     return row
 

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ from tqdm import tqdm
 
 from recsz import checkpoint, report
 from recsz.codecs import get_codec
-from recsz.comm.dct_dp import DCTState, dct_hook
+from recsz.comm.dp_hooks import DPComm
+from recsz.comm.dp_hooks import register as register_dp_hook
 from recsz.comm.embedding import Direction, EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
@@ -50,30 +51,6 @@ from recsz.ranks import Ranks, launch, watch_parent
 SYNTHETIC_DEFAULT_STEPS = 1000
 
 
-# ---- DDP all-reduce with timing ----------------------------------------------------------
-@dataclass
-class AllReduceTimer:
-    seconds: float = 0.0
-    world: int = 1
-
-
-def _timed_allreduce(state: AllReduceTimer, bucket):
-    """Averaging all-reduce of one gradient bucket, asynchronous like DDP's own (it runs
-    while backward computes the next buckets); ``state.seconds`` adds each bucket's time
-    from launch to completion, which overlaps that computation.
-
-    (No annotations: DDP checks them by identity, which string annotations fail.)
-    """
-    t = time.perf_counter()
-    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
-
-    def done(f: torch.futures.Future) -> torch.Tensor:
-        state.seconds += time.perf_counter() - t
-        return f.value()[0].div_(state.world)
-
-    return fut.then(done)
-
-
 # ---- model parts and optimizers -------------------------------------------------------
 @dataclass
 class Parts:
@@ -81,8 +58,7 @@ class Parts:
     dense: nn.Module  # DenseArch, or DDP around it
     dense_opt: torch.optim.Optimizer  # the tables' optimizer runs inside their backward
     exchange: EmbeddingExchange
-    ar_timer: AllReduceTimer = field(default_factory=AllReduceTimer)
-    dct: DCTState | None = None  # DCT-DP hook state, when --dp-comm dct
+    dp: DPComm  # the MLP gradients' exchange (DDP hook), its state and counters
 
     @property
     def dense_module(self) -> DenseArch:
@@ -99,8 +75,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     emb_opt = RowOptimizer(cfg.resolved_emb_optimizer, cfg.resolved_emb_lr)
     sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt).to(ranks.device)
     dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
-    timer = AllReduceTimer(world=ranks.world)
-    dct_state: DCTState | None = None
+    dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
     if ranks.world > 1:
         dense = DDP(
@@ -108,11 +83,17 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
         )
-        if cfg.dp_comm == "dct":
-            dct_state = DCTState(ranks.world, cfg.dct_keep, cfg.dct_refresh)
-            dense.register_comm_hook(dct_state, dct_hook)
-        else:
-            dense.register_comm_hook(timer, _timed_allreduce)
+        dp = register_dp_hook(
+            dense,
+            cfg.dp_comm,
+            ranks.world,
+            dct_keep=cfg.dct_keep,
+            dct_refresh=cfg.dct_refresh,
+            powersgd_rank=cfg.powersgd_rank,
+            powersgd_warmup=cfg.powersgd_warmup,
+            codec=get_codec(cfg.dp_codec),
+            eb=cfg.dp_eb,
+        )
     dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved_lr)
     exchange = EmbeddingExchange(
         plan,
@@ -123,7 +104,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
     )
-    return Parts(sparse, dense, dense_opt, exchange, timer, dct_state), owners
+    return Parts(sparse, dense, dense_opt, exchange, dp), owners
 
 
 # ---- one step and evaluation ------------------------------------------------------------
@@ -211,7 +192,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None
-        start, counters = 0, {"train_s": 0.0, "data_s": 0.0, "allreduce_s": 0.0}
+        start, counters = 0, {"train_s": 0.0, "data_s": 0.0}
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             out = out or Path(cfg.resume)
@@ -225,7 +206,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     print(msg, flush=True)
                 ok = True
                 return {"steps": steps, "already_finished": True}
-        parts.ar_timer.seconds = counters["allreduce_s"]
         if out and ranks.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
@@ -280,7 +260,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
             if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps):
                 run_totals = {"train_s": train_s, "data_s": data_s}
-                run_totals["allreduce_s"] = parts.ar_timer.seconds
                 checkpoint.save(out, parts, cfg, ranks, done, run_totals)
         bar.close()
         ev = evaluate(parts, source, cfg, steps, ranks)

@@ -10,6 +10,7 @@ can only match to ~1e-3 (measured), not to float tolerance.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -309,3 +310,24 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path: Path) -> None:
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert all(p.returncode != 0 for p in procs)
     assert any("ranks [1] were started with a configuration that differs" in o for o in outs)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "powersgd", "eb"])
+def test_every_dp_hook_trains_and_counts_its_bytes(single: Path, tmp_path: Path, mode: str) -> None:
+    """Each hook's run stays near the plain all-reduce's (``single`` equals it), sending
+    fewer bytes."""
+    s = run(tmp_path, "--dp-comm", mode, "--powersgd-warmup", "5", nproc=2)
+    assert s["allreduce_bytes"] > 0 and s["allreduce_s"] > 0
+    assert s["dp_ratio"] > (1.9 if mode != "powersgd" else 1.5), s["dp_ratio"]
+    ours, plain = losses(tmp_path), losses(single)
+    assert all(math.isfinite(v) for v in ours)
+    assert max(abs(a - b) for a, b in zip(ours, plain, strict=True)) < 0.05
+
+
+def test_eb_hook_with_a_lossless_codec_equals_the_all_reduce(single: Path, tmp_path: Path):
+    plain = tmp_path / "plain"
+    run(plain, nproc=2)
+    eb = tmp_path / "eb"
+    run(eb, "--dp-comm", "eb", "--dp-codec", "none", nproc=2)
+    assert losses(eb) == losses(plain)
+    assert_same_model(plain, eb, 0.0)
