@@ -78,15 +78,18 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
     if ranks.world > 1:
+        group = dist.new_group()  # the MLP gradients' own (DPComm.group)
         dense = DDP(
             dense_arch,
             device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
+            process_group=group,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
         )
         dp = register_dp_hook(
             dense,
             cfg.dp_comm,
             ranks.world,
+            group,
             dct_keep=cfg.dct_keep,
             dct_refresh=cfg.dct_refresh,
             powersgd_rank=cfg.powersgd_rank,

@@ -47,6 +47,10 @@ class DPComm:
     bytes_dense: int = 0
     inner: Any = None  # DCTState, PowerSGDState or EBState
     powersgd_min_rate: float = 2.0
+    #: A process group of its own: PowerSGD launches its second all-reduce from a callback,
+    #: at a moment that differs between ranks, and on the embedding exchange's group that
+    #: could interleave with its all-to-alls in another order on each rank (gloo then hangs).
+    group: Any = None
 
     def ring_bytes(self, n: int, itemsize: int) -> int:
         """What one rank sends in a ring all-reduce of n elements."""
@@ -79,21 +83,22 @@ class EBState:
     residual: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
 
 
-def register(ddp: Any, mode: str, world: int, **opts: Any) -> DPComm:
-    """Install ``mode``'s hook on a DistributedDataParallel module; return its state.
+def register(ddp: Any, mode: str, world: int, group: Any = None, **opts: Any) -> DPComm:
+    """Install ``mode``'s hook on a DistributedDataParallel module whose process group is
+    ``group`` (see :attr:`DPComm.group`); return its state.
 
     opts: ``powersgd_rank``, ``powersgd_warmup`` (powersgd), ``dct_keep``, ``dct_refresh``
     (dct), ``codec``, ``eb`` (eb)."""
     if mode not in DP_MODES:
         raise ValueError(f"--dp-comm {mode!r} is not one of: {', '.join(DP_MODES)}")
-    dp = DPComm(mode, world)
+    dp = DPComm(mode, world, group=group)
     if mode == "dct":
         dp.inner = DCTState(world, opts["dct_keep"], opts["dct_refresh"])
         ddp.register_comm_hook(dp, _dct)
         return dp
     if mode == "powersgd":
         dp.inner = powerSGD_hook.PowerSGDState(
-            process_group=None,
+            process_group=group,
             matrix_approximation_rank=opts["powersgd_rank"],
             start_powerSGD_iter=opts["powersgd_warmup"],
             min_compression_rate=dp.powersgd_min_rate,
@@ -123,7 +128,7 @@ def _hook(dp: DPComm, bucket):
     dp.bytes_dense += dp.ring_bytes(grad.numel(), 4)
     if dp.mode == "allreduce":
         dp.bytes_sent += dp.ring_bytes(grad.numel(), grad.element_size())
-        fut = dist.all_reduce(grad, async_op=True).get_future()
+        fut = dist.all_reduce(grad, group=dp.group, async_op=True).get_future()
         fut = fut.then(lambda f: f.value()[0].div_(dp.world))
     elif dp.mode in ("fp16", "bf16"):
         dp.bytes_sent += dp.ring_bytes(grad.numel(), 2)
@@ -132,7 +137,7 @@ def _hook(dp: DPComm, bucket):
             if dp.mode == "fp16"
             else default_hooks.bf16_compress_hook
         )
-        fut = cast(None, bucket)  # type: ignore[arg-type]  # None: the default group
+        fut = cast(dp.group, bucket)
     elif dp.mode == "powersgd":
         dp.bytes_sent += _powersgd_bytes(dp, bucket)
         fut = powerSGD_hook.powerSGD_hook(dp.inner, bucket)
@@ -177,15 +182,15 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     else:
         n = torch.tensor([payload.numel()], dtype=torch.int64)
         sizes = [torch.zeros_like(n) for _ in range(dp.world)]
-        dist.all_gather(sizes, n)
+        dist.all_gather(sizes, n, group=dp.group)
         top = int(max(int(s) for s in sizes))
         padded = torch.zeros(top, dtype=torch.uint8, device=payload.device)
         padded[: payload.numel()] = payload
         gathered = [torch.empty_like(padded) for _ in range(dp.world)]
-        dist.all_gather(gathered, padded)
+        dist.all_gather(gathered, padded, group=dp.group)
         out = torch.zeros_like(grad)
         for r, (s, p) in enumerate(zip(sizes, gathered, strict=True)):
-            y = mine if r == dist.get_rank() else st.codec.decode(p[: int(s)]).view(-1)
+            y = mine if r == dist.get_rank(dp.group) else st.codec.decode(p[: int(s)]).view(-1)
             out += y.to(grad.dtype)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out.div_(dp.world))
