@@ -135,6 +135,7 @@ class Row:
     codec_s: float
     compute_s: float
     wall_s: float
+    allreduce_bytes: int | None = None  # the MLP gradients' bytes (TorchRec runs: unknown)
 
 
 def can_shape() -> str | None:
@@ -385,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                         s["codec_s"],
                         s["compute_s"],
                         wall,
+                        s.get("allreduce_bytes"),
                     )
                     rows.append(r)
                     print(
