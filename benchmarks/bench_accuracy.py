@@ -52,6 +52,7 @@ class Result:
     fwd_ratio: float | None
     bwd_ratio: float | None
     seconds: float
+    allreduce_bytes: int | None = None  # --hooks: the MLP gradients' bytes, all ranks
 
 
 POLICIES = {
@@ -108,14 +109,33 @@ def plan(quick: bool, extra_policies: dict[str, tuple[str, ...]]) -> list[Run]:
     return runs
 
 
+def plan_hooks() -> list[Run]:
+    """--hooks: the MLP gradients' exchanges (--dp-comm) on 2 ranks, with the hybrid codec
+    and dual bounds both ways on the all-to-all, the real sample, 3 seeds; "none" is
+    uncompressed everywhere."""
+    real_file = SHARED / "criteo_kaggle_head10k.tsv"
+    if not real_file.exists():
+        print(f"[skip] real data: {real_file} not found", file=sys.stderr)
+        return []
+    dual = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual")
+    runs = []
+    for seed in (0, 1, 2):
+        base = ("--data", str(real_file), "--nproc", "2", "--seed", str(seed))
+        runs.append(Run("real10k", "none", "dp-allreduce", seed, base))
+        for m in ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb"):
+            runs.append(Run("real10k", "dual", f"dp-{m}", seed, (*base, *dual, "--dp-comm", m)))
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json-out", default="bench_out/accuracy.json")
+    ap.add_argument("--hooks", action="store_true", help="only the --dp-comm study (2 ranks)")
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
-    for run in plan(a.quick, {}):
+    for run in plan_hooks() if a.hooks else plan(a.quick, {}):
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             train_main([*run.flags, "--no-progress", "--out", tmp])
@@ -134,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             _num(s["fwd_ratio"]),
             _num(s["bwd_ratio"]),
             secs,
+            s.get("allreduce_bytes"),
         )
         results.append(r)
         print(
