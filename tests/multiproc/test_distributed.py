@@ -331,3 +331,17 @@ def test_eb_hook_with_a_lossless_codec_equals_the_all_reduce(single: Path, tmp_p
     run(eb, "--dp-comm", "eb", "--dp-codec", "none", nproc=2)
     assert losses(eb) == losses(plain)
     assert_same_model(plain, eb, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["eb"])
+def test_resume_keeps_the_hooks_error_feedback(tmp_path: Path, mode: str) -> None:
+    """A run split by a checkpoint ends where a straight one does: the hook's residuals
+    travel in the checkpoint, per parameter (DDP's buckets are laid out anew)."""
+    flags = ["--dp-comm", mode, "--powersgd-warmup", "3", "--nproc", "2"]
+    straight = tmp_path / "straight"
+    run(straight, *flags[:-2], nproc=2)
+    split = tmp_path / "split"
+    main([*BASE, "--steps", "10", "--checkpoint-every", "10", "--out", str(split), *flags])
+    assert main([*BASE, "--resume", str(split), *flags]) == 0
+    assert losses(split)[-10:] == losses(straight)[-10:]
+    assert_same_model(straight, split, 0.0)

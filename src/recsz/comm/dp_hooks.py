@@ -57,7 +57,8 @@ class DPComm:
         return int(2 * (self.world - 1) / self.world * n * itemsize)
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the residuals error feedback needs (PowerSGD's are not kept)."""
+        """Counters, and the state error feedback needs: residuals (dct, eb), PowerSGD's
+        errors, warm-start memories, step and random generator."""
         out: dict[str, Any] = {"seconds": self.seconds, "bytes_sent": self.bytes_sent}
         out["bytes_dense"] = self.bytes_dense
         if isinstance(self.inner, DCTState):
@@ -65,6 +66,8 @@ class DPComm:
             out["dct"] = {k: getattr(self.inner, k) for k in (*keys, "bytes_dense", "bytes_sent")}
         elif isinstance(self.inner, EBState):
             out["eb"] = {"residual": self.inner.residual}
+        elif isinstance(self.inner, powerSGD_hook.PowerSGDState):
+            out["powersgd"] = {k: getattr(self.inner, k) for k in _POWERSGD_KEYS}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -74,13 +77,21 @@ class DPComm:
             setattr(self.inner, k, v)
         if "eb" in state:
             self.inner.residual = state["eb"]["residual"]
+        for k, v in state.get("powersgd", {}).items():
+            setattr(self.inner, k, v)
+
+
+_POWERSGD_KEYS = ("iter", "error_dict", "p_memory_dict", "q_memory_dict", "rng")
 
 
 @dataclass
 class EBState:
     codec: Codec
     eb: float  # relative to each bucket's range
-    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
+    # Per parameter (its position in the model), not per bucket: DDP rebuilds its buckets
+    # after the first iteration, and a resumed run starts with the first layout again.
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)
+    param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
 
 
 def register(ddp: Any, mode: str, world: int, group: Any = None, **opts: Any) -> DPComm:
@@ -168,14 +179,21 @@ def _powersgd_bytes(dp: DPComm, bucket: Any) -> int:
 def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     st: EBState = dp.inner
     grad = bucket.buffer()
-    i = bucket.index()
-    res = st.residual.get(i)
-    acc = grad if res is None or res.numel() != grad.numel() else grad + res
+    params = bucket.parameters()
+    keys = [st.param_index.setdefault(id(p), len(st.param_index)) for p in params]
+    sizes = [p.numel() for p in params]
+    res = [st.residual.get(k) for k in keys]
+    acc = grad
+    if any(r is not None for r in res):
+        zero = [torch.zeros(n, dtype=grad.dtype, device=grad.device) for n in sizes]
+        acc = grad + torch.cat([z if r is None else r for r, z in zip(res, zero, strict=True)])
     flat = acc.detach().reshape(1, -1)
     eb = to_absolute(st.eb, "rel", flat) if st.codec.error_bounded else None
     payload = st.codec.encode(flat, eb)
     mine = st.codec.decode(payload).view(-1).to(grad.dtype)
-    st.residual[i] = acc - mine  # error feedback: what the codec lost is sent later
+    lost = acc - mine  # error feedback: what the codec lost is sent later
+    for k, part in zip(keys, torch.split(lost, sizes), strict=True):
+        st.residual[k] = part
     dp.bytes_sent += payload.numel() + 8
     if dp.world == 1:
         out = mine.clone()
