@@ -109,21 +109,26 @@ def plan(quick: bool, extra_policies: dict[str, tuple[str, ...]]) -> list[Run]:
     return runs
 
 
-def plan_hooks() -> list[Run]:
+def plan_hooks(synthetic: bool) -> list[Run]:
     """--hooks: the MLP gradients' exchanges (--dp-comm) on 2 ranks, with the hybrid codec
-    and dual bounds both ways on the all-to-all, the real sample, 3 seeds; "none" is
-    uncompressed everywhere."""
+    and dual bounds both ways on the all-to-all, 3 seeds, on the real sample (or with
+    --synthetic on 1,024,000 synthetic samples); "none" is uncompressed everywhere."""
     real_file = SHARED / "criteo_kaggle_head10k.tsv"
-    if not real_file.exists():
+    if synthetic:
+        name = "synthetic"
+        data: tuple[str, ...] = ("--data", "synthetic", "--batch-size", "1024", "--steps", "1000")
+    elif real_file.exists():
+        name, data = "real10k", ("--data", str(real_file))
+    else:
         print(f"[skip] real data: {real_file} not found", file=sys.stderr)
         return []
     dual = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual")
     runs = []
     for seed in (0, 1, 2):
-        base = ("--data", str(real_file), "--nproc", "2", "--seed", str(seed))
-        runs.append(Run("real10k", "none", "dp-allreduce", seed, base))
+        base = (*data, "--nproc", "2", "--seed", str(seed))
+        runs.append(Run(name, "none", "dp-allreduce", seed, base))
         for m in ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb"):
-            runs.append(Run("real10k", "dual", f"dp-{m}", seed, (*base, *dual, "--dp-comm", m)))
+            runs.append(Run(name, "dual", f"dp-{m}", seed, (*base, *dual, "--dp-comm", m)))
     return runs
 
 
@@ -132,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json-out", default="bench_out/accuracy.json")
     ap.add_argument("--hooks", action="store_true", help="only the --dp-comm study (2 ranks)")
+    ap.add_argument("--synthetic", action="store_true", help="--hooks on 1M synthetic samples")
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
-    for run in plan_hooks() if a.hooks else plan(a.quick, {}):
+    for run in plan_hooks(a.synthetic) if a.hooks else plan(a.quick, {}):
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             train_main([*run.flags, "--no-progress", "--out", tmp])
