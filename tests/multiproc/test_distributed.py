@@ -333,7 +333,7 @@ def test_eb_hook_with_a_lossless_codec_equals_the_all_reduce(single: Path, tmp_p
     assert_same_model(plain, eb, 0.0)
 
 
-@pytest.mark.parametrize("mode", ["eb"])
+@pytest.mark.parametrize("mode", ["eb", "dct"])
 def test_resume_keeps_the_hooks_error_feedback(tmp_path: Path, mode: str) -> None:
     """A run split by a checkpoint ends where a straight one does: the hook's residuals
     travel in the checkpoint, per parameter (DDP's buckets are laid out anew)."""

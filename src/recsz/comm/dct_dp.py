@@ -2,10 +2,10 @@
 
 A DistributedDataParallel communication hook (Gupta et al., KDD 2021, section 4). Per
 gradient bucket, each rank adds the residual it kept from earlier steps to its gradient,
-sends only the entries at or above a hard threshold, and keeps the rest as the new
-residual (error feedback: nothing is lost, only delayed). The threshold is the one that
-keeps the target fraction (top-k by magnitude), recomputed only every ``refresh``
-iterations.
+sends only the entries at or above a hard threshold (one per layer: per parameter
+tensor), and keeps the rest as the new residual (error feedback: nothing is lost, only
+delayed). The threshold is the one that keeps the target fraction (top-k by magnitude),
+recomputed only every ``refresh`` iterations.
 
 Why all-gather: every rank needs the *sum* of all ranks' sparse gradients, and their
 supports differ. Gathering each rank's (positions, values) and summing locally costs
@@ -27,7 +27,7 @@ from recsz.policy.dct import topk_threshold
 
 
 def sparsify(
-    acc: torch.Tensor, threshold: float
+    acc: torch.Tensor, threshold: float | torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split ``acc`` into sent (positions, values) and the residual kept for later.
 
@@ -51,8 +51,8 @@ class DCTState:
     # Keyed per parameter (by its position in the model), not per bucket: DDP rebuilds
     # its buckets after the first iteration, so bucket indices change what they hold.
     residual: dict[int, torch.Tensor] = field(default_factory=dict)
-    threshold: dict[tuple[int, ...], float] = field(default_factory=dict)
-    refreshed_at: dict[tuple[int, ...], int] = field(default_factory=dict)
+    threshold: dict[int, float] = field(default_factory=dict)  # per parameter
+    refreshed_at: dict[int, int] = field(default_factory=dict)
     param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
     refreshes: int = 0
     bytes_dense: int = 0  # what a ring all-reduce would have sent (2 (W-1)/W n 4 bytes)
@@ -82,12 +82,23 @@ def dct_hook(state: DCTState, bucket):
         ]
     )
     acc = grad + residual
-    due = keys not in state.threshold or state.step - state.refreshed_at[keys] >= state.refresh
-    if due:
-        state.threshold[keys] = topk_threshold(acc, state.keep) if state.keep < 1.0 else 0.0
-        state.refreshed_at[keys] = state.step
-        state.refreshes += 1
-    idx, vals, res = sparsify(acc, state.threshold[keys])
+    # One threshold per parameter tensor (layer), not per bucket: DDP lays its buckets out
+    # anew after the first iteration (and a resumed run starts from the first layout), so
+    # per-bucket thresholds would be recomputed at other steps than in an unbroken run.
+    refreshed = False
+    for k, part in zip(keys, torch.split(acc, sizes), strict=True):
+        if k not in state.threshold or state.step - state.refreshed_at[k] >= state.refresh:
+            state.threshold[k] = topk_threshold(part, state.keep) if state.keep < 1.0 else 0.0
+            state.refreshed_at[k] = state.step
+            refreshed = True
+    state.refreshes += int(refreshed)
+    thr = torch.cat(
+        [
+            torch.full((n,), state.threshold[k], dtype=acc.dtype)
+            for k, n in zip(keys, sizes, strict=True)
+        ]
+    )
+    idx, vals, res = sparsify(acc, thr)
     for k, part in zip(keys, torch.split(res, sizes), strict=True):
         state.residual[k] = part
     out = torch.zeros_like(grad)
