@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -49,22 +49,52 @@ def alive(pid: int) -> bool:
 
 
 def start_job(tmp_path: Path) -> tuple[subprocess.Popen, int, list[int]]:
-    """A long 2-rank job; returns the launcher, its agent and the two workers once up."""
+    """A long 2-rank job; returns the launcher, its agent and the two workers once rank 0
+    has printed its table owners (after a collective, so both ranks are up). A job that
+    cannot start fails within its --dist-timeout and closes the pipe: no wait here hangs."""
     cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", "--steps", "100000",
            "--batch-size", "64", "--no-progress", "--synthetic-eval", "256",
-           "--out", str(tmp_path)]  # fmt: skip
+           "--log-every", "100000", "--dist-timeout", "30", "--out", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        agents = children().get(launcher.pid, [])
-        workers = [w for a in agents for w in children().get(a, [])]
-        if agents and len(workers) >= 2 and (tmp_path / "metrics.jsonl").exists():
-            return launcher, agents[0], workers
-        time.sleep(0.3)
-    launcher.kill()
-    raise AssertionError("the job did not start within 60 s")
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    assert launcher.stdout is not None
+    seen = []
+    for line in launcher.stdout:
+        seen.append(line)
+        if line.startswith("table owners"):
+            break
+    else:
+        raise AssertionError("the job ended before starting:\n" + "".join(seen[-20:]))
+    agents = children().get(launcher.pid, [])
+    workers = [w for a in agents for w in children().get(a, [])]
+    assert len(agents) == 1 and len(workers) == 2, (agents, workers)
+    return launcher, agents[0], workers
+
+
+def wait_gone(pids: list[int], quiet_s: float) -> list[int]:
+    """Wait for the processes to end (pidfd: readable once a process has exited); give up
+    when none has ended for ``quiet_s`` seconds. Returns the ones still running."""
+    fds = {}
+    for p in pids:
+        try:
+            fds[os.pidfd_open(p)] = p
+        except ProcessLookupError:
+            continue  # already gone
+    try:
+        while fds:
+            ready, _, _ = select.select(list(fds), [], [], quiet_s)
+            if not ready:
+                break
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return [p for p in fds.values() if alive(p)]
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @pytest.mark.parametrize(
@@ -82,14 +112,11 @@ def test_no_rank_outlives_its_launcher(tmp_path: Path, victim: str, sig: int) ->
     job = [launcher.pid, agent, *workers, *descendants(launcher.pid)]
     try:
         os.kill({"launcher": launcher.pid, "agent": agent, "rank": workers[0]}[victim], sig)
-        deadline = time.time() + 10
-        while time.time() < deadline and any(alive(p) for p in job):
-            time.sleep(0.2)
-            launcher.poll()  # reap the launcher when it exits
-        left = [p for p in job if alive(p)]
+        # The issue's bound: nothing of the job left 10 s after the kill.
+        left = wait_gone(job, 10.0)
         assert not left, f"after {signal.Signals(sig).name} to the {victim}: {left} alive"
     finally:
         for p in job:
             with contextlib.suppress(OSError):
                 os.kill(p, signal.SIGKILL)
-        launcher.wait(timeout=10)
+        launcher.communicate()
