@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,67 @@ def sparsify(
     return idx, vals, residual
 
 
+def bucket_params(index: dict[int, int], bucket: Any, hook: str) -> tuple[list[int], list[int]]:
+    """Positions and sizes of a DDP bucket's parameters. Positions (``index``: id(param) ->
+    position in the model) do not change when DDP lays its buckets out anew after the first
+    iteration, or when a resumed run starts from the first layout; state kept across steps
+    (residuals, thresholds) is keyed by them."""
+    params = bucket.parameters()
+    keys = [index.setdefault(id(p), len(index)) for p in params]
+    sizes = [p.numel() for p in params]
+    n = bucket.buffer().numel()
+    if sum(sizes) != n:
+        raise RuntimeError(
+            f"{hook}: bucket of {n} entries holds parameters of {sum(sizes)}; cannot map residuals"
+        )
+    return keys, sizes
+
+
+def add_residual(
+    grad: torch.Tensor, residual: dict[int, torch.Tensor], keys: list[int], sizes: list[int]
+) -> torch.Tensor:
+    """A bucket's gradient plus the residual kept for each of its parameters (error
+    feedback; zero for a parameter with none yet)."""
+    if not any(k in residual for k in keys):
+        return grad
+    parts = [
+        residual[k].view(-1) if k in residual else grad.new_zeros(n)
+        for k, n in zip(keys, sizes, strict=True)
+    ]
+    return grad + torch.cat(parts)
+
+
+def keep_residual(
+    residual: dict[int, torch.Tensor], keys: list[int], sizes: list[int], flat: torch.Tensor
+) -> None:
+    """Store a bucket's new residual (flat, bucket layout) per parameter."""
+    for k, part in zip(keys, torch.split(flat, sizes), strict=True):
+        residual[k] = part
+
+
+def all_gather_ragged(
+    tensors: list[torch.Tensor], world: int, group: Any = None
+) -> list[list[torch.Tensor]]:
+    """Every rank's ``tensors`` (1-D, of one length per rank; lengths differ between ranks),
+    in rank order: lengths first, then each tensor padded to the longest (gloo's all_gather
+    needs equal sizes) and trimmed on arrival."""
+    n = torch.tensor([tensors[0].numel()], dtype=torch.int64)
+    lengths = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(lengths, n, group=group)
+    top = max(int(x) for x in lengths)
+    per_tensor = []
+    for t in tensors:
+        padded = t.new_zeros(top)
+        padded[: t.numel()] = t
+        got = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(got, padded, group=group)
+        per_tensor.append([g[: int(x)] for g, x in zip(got, lengths, strict=True)])
+    return [list(ts) for ts in zip(*per_tensor, strict=True)]
+
+
 @dataclass
 class DCTState:
-    """Hook state: residuals and thresholds per bucket, counters for the logs."""
+    """Hook state: residuals and thresholds per parameter, counters for the logs."""
 
     world: int
     keep: float = 0.01
@@ -67,21 +126,8 @@ def dct_hook(state: DCTState, bucket):
     """
     t0 = time.perf_counter()
     grad = bucket.buffer()
-    params = bucket.parameters()
-    keys = tuple(state.param_index.setdefault(id(p), len(state.param_index)) for p in params)
-    sizes = [p.numel() for p in params]
-    if sum(sizes) != grad.numel():
-        raise RuntimeError(
-            f"DCT-DP: bucket of {grad.numel()} entries holds parameters of "
-            f"{sum(sizes)}; cannot map residuals"
-        )
-    residual = torch.cat(
-        [
-            state.residual[k].view(-1) if k in state.residual else torch.zeros(n, dtype=grad.dtype)
-            for k, n in zip(keys, sizes, strict=True)
-        ]
-    )
-    acc = grad + residual
+    keys, sizes = bucket_params(state.param_index, bucket, "DCT-DP")
+    acc = add_residual(grad, state.residual, keys, sizes)
     # One threshold per parameter tensor (layer), not per bucket: DDP lays its buckets out
     # anew after the first iteration (and a resumed run starts from the first layout), so
     # per-bucket thresholds would be recomputed at other steps than in an unbroken run.
@@ -99,27 +145,13 @@ def dct_hook(state: DCTState, bucket):
         ]
     )
     idx, vals, res = sparsify(acc, thr)
-    for k, part in zip(keys, torch.split(res, sizes), strict=True):
-        state.residual[k] = part
+    keep_residual(state.residual, keys, sizes, res)
     out = torch.zeros_like(grad)
     if state.world == 1:
         out.index_add_(0, idx, vals)
     else:
-        n = torch.tensor([idx.numel()], dtype=torch.int64)
-        sizes = [torch.zeros_like(n) for _ in range(state.world)]
-        dist.all_gather(sizes, n)
-        top = int(max(s.item() for s in sizes))
-        pad_i = torch.zeros(top, dtype=torch.int64)
-        pad_v = torch.zeros(top, dtype=grad.dtype)
-        pad_i[: idx.numel()] = idx
-        pad_v[: vals.numel()] = vals
-        all_i = [torch.empty_like(pad_i) for _ in range(state.world)]
-        all_v = [torch.empty_like(pad_v) for _ in range(state.world)]
-        dist.all_gather(all_i, pad_i)
-        dist.all_gather(all_v, pad_v)
-        for s, ii, vv in zip(sizes, all_i, all_v, strict=True):
-            k = int(s.item())
-            out.index_add_(0, ii[:k], vv[:k])
+        for ii, vv in all_gather_ragged([idx, vals], state.world):
+            out.index_add_(0, ii, vv)
         state.bytes_sent += idx.numel() * (8 + grad.element_size()) + 8
     out.div_(state.world)
     state.bytes_dense += int(2 * (state.world - 1) / state.world * grad.numel() * 4)

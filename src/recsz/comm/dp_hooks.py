@@ -30,7 +30,14 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from recsz.codecs import Codec
-from recsz.comm.dct_dp import DCTState, dct_hook
+from recsz.comm.dct_dp import (
+    DCTState,
+    add_residual,
+    all_gather_ragged,
+    bucket_params,
+    dct_hook,
+    keep_residual,
+)
 from recsz.policy import to_absolute
 
 DP_MODES = ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb")
@@ -88,9 +95,7 @@ _POWERSGD_KEYS = ("iter", "error_dict", "p_memory_dict", "q_memory_dict", "rng")
 class EBState:
     codec: Codec
     eb: float  # relative to each bucket's range
-    # Per parameter (its position in the model), not per bucket: DDP rebuilds its buckets
-    # after the first iteration, and a resumed run starts with the first layout again.
-    residual: dict[int, torch.Tensor] = field(default_factory=dict)
+    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # per parameter
     param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
 
 
@@ -179,37 +184,21 @@ def _powersgd_bytes(dp: DPComm, bucket: Any) -> int:
 def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     st: EBState = dp.inner
     grad = bucket.buffer()
-    params = bucket.parameters()
-    keys = [st.param_index.setdefault(id(p), len(st.param_index)) for p in params]
-    sizes = [p.numel() for p in params]
-    res = [st.residual.get(k) for k in keys]
-    acc = grad
-    if any(r is not None for r in res):
-        zero = [torch.zeros(n, dtype=grad.dtype, device=grad.device) for n in sizes]
-        acc = grad + torch.cat([z if r is None else r for r, z in zip(res, zero, strict=True)])
+    keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
+    acc = add_residual(grad, st.residual, keys, sizes)
     flat = acc.detach().reshape(1, -1)
     eb = to_absolute(st.eb, "rel", flat) if st.codec.error_bounded else None
     payload = st.codec.encode(flat, eb)
     mine = st.codec.decode(payload).view(-1).to(grad.dtype)
-    lost = acc - mine  # error feedback: what the codec lost is sent later
-    for k, part in zip(keys, torch.split(lost, sizes), strict=True):
-        st.residual[k] = part
+    keep_residual(st.residual, keys, sizes, acc - mine)  # what the codec lost, sent later
     dp.bytes_sent += payload.numel() + 8
     if dp.world == 1:
         out = mine.clone()
     else:
-        n = torch.tensor([payload.numel()], dtype=torch.int64)
-        sizes = [torch.zeros_like(n) for _ in range(dp.world)]
-        dist.all_gather(sizes, n, group=dp.group)
-        top = int(max(int(s) for s in sizes))
-        padded = torch.zeros(top, dtype=torch.uint8, device=payload.device)
-        padded[: payload.numel()] = payload
-        gathered = [torch.empty_like(padded) for _ in range(dp.world)]
-        dist.all_gather(gathered, padded, group=dp.group)
         out = torch.zeros_like(grad)
-        for r, (s, p) in enumerate(zip(sizes, gathered, strict=True)):
-            y = mine if r == dist.get_rank(dp.group) else st.codec.decode(p[: int(s)]).view(-1)
-            out += y.to(grad.dtype)
+        me = dist.get_rank(dp.group)
+        for r, (p,) in enumerate(all_gather_ragged([payload], dp.world, dp.group)):
+            out += mine if r == me else st.codec.decode(p).view(-1).to(grad.dtype)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out.div_(dp.world))
     return fut
