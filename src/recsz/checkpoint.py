@@ -49,10 +49,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
+def _json_sha256(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
 def fingerprint(cfg: TrainConfig) -> str:
     """A digest of the configuration fields a resumed run must share."""
-    kept = {k: v for k, v in sorted(cfg.to_dict().items()) if k not in _MAY_CHANGE}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+    return _json_sha256({k: v for k, v in cfg.to_dict().items() if k not in _MAY_CHANGE})[:16]
 
 
 def _digest(path: Path) -> str:
@@ -65,8 +68,7 @@ def _digest(path: Path) -> str:
 
 def record_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of a checkpoint record without its own checksum (canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return _json_sha256({k: v for k, v in meta.items() if k != "checksum"})
 
 
 def _atomic_write(path: Path, write: Any) -> None:
@@ -150,8 +152,8 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read and verify checkpoint ``d`` for this rank: (meta, state); CheckpointError
+def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
+    """Read and verify checkpoint ``d`` for this rank: (step, state); CheckpointError
     names the file otherwise."""
     meta_path = d / "meta.json"
     try:
@@ -182,8 +184,7 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[dict[str, Any], dic
         state = torch.load(f, weights_only=False, map_location=ranks.device)
     except Exception as e:
         raise CheckpointError(f"{f}: cannot be loaded ({type(e).__name__}: {e})") from None
-    meta["step"] = step
-    return meta, state
+    return step, state
 
 
 def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
@@ -197,7 +198,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         )
     for d in reversed(done):
         try:
-            meta, state = _check(d, cfg, ranks)
+            step, state = _check(d, cfg, ranks)
             err = ""
         except CheckpointError as e:
             err = str(e)
@@ -222,4 +223,4 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     parts.exchange.stats = state["stats"]
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     parts.dp.load_state_dict(state["dp"])
-    return int(meta["step"]), state["counters"]
+    return step, state["counters"]
