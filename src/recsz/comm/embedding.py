@@ -213,9 +213,10 @@ class EmbeddingExchange:
                         f"rank {src} sent {what} ({d.name}) as {tuple(y.shape)}, expected "
                         f"{shape} (do the ranks read the same batch?)"
                     )
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts) if parts else None
-            if rows is None:
-                rows = torch.empty(0, dim, device=bufs[src].device)
+            if len(parts) == 1:
+                rows = parts[0]
+            else:  # a table per part, or none at all
+                rows = torch.cat(parts) if parts else torch.empty(0, dim, device=bufs[src].device)
             blocks.append(Block(src, tables, rows, sizes))
         self._time_codec(t0)
         return blocks
