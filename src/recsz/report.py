@@ -22,6 +22,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
     """
     ex = parts.exchange
     st = ex.stats
+    st.settle()
 
     def tables(direction: str, which: list[int]) -> dict[int, tuple]:
         desc = ex.policies[direction].describe()

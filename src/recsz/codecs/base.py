@@ -34,18 +34,19 @@ import torch
 
 from recsz.codecs.devframe import frame_device, open_device, outlier_bytes, read_outliers
 from recsz.codecs.payload import (
+    BLOCK_FORMAT,
     DEVICE_FORMAT,
     DTYPES,
     Header,
     PayloadError,
     as_bytes,
     assemble,
-    is_device_made,
     pack_outliers,
     parse_payload,
     split_sections,
     unpack_outliers,
     uvarint,
+    version_of,
     versions,
 )
 
@@ -265,8 +266,11 @@ class Codec(ABC):
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
-        if is_device_made(payload):
+        v = version_of(payload)
+        if v == DEVICE_FORMAT:
             return self._decode_device_checked([payload])[0]
+        if v == BLOCK_FORMAT:
+            return self.decode_segments([payload])[0]
         hdr, body = parse_payload(payload)
         if hdr.codec != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr.codec!r}, not {self.codec_id!r}")
@@ -295,17 +299,48 @@ class Codec(ABC):
     def decode_batch(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Decode many payloads; device-made ones of one device together."""
         out: list[torch.Tensor | None] = [None] * len(payloads)
-        groups: dict[torch.device, list[int]] = {}
+        groups: dict[tuple[int, torch.device], list[int]] = {}
         for i, (p, v) in enumerate(zip(payloads, versions(payloads), strict=True)):
-            if v == DEVICE_FORMAT:
-                groups.setdefault(p.device, []).append(i)
+            if v in (DEVICE_FORMAT, BLOCK_FORMAT):
+                groups.setdefault((v, p.device), []).append(i)
             else:
                 out[i] = self.decode(p)
-        for idx in groups.values():
-            ys = self._decode_device_checked([payloads[i] for i in idx])
+        for (v, _), idx in groups.items():
+            some = [payloads[i] for i in idx]
+            ys = (
+                self.decode_segments(some)
+                if v == BLOCK_FORMAT
+                else self._decode_device_checked(some)
+            )
             for i, y in zip(idx, ys, strict=True):
                 out[i] = y
         return [y for y in out if y is not None]
+
+    # ---- groups of segments (format 3) --------------------------------------------------
+    def segments_on(self, device: torch.device) -> bool:
+        """True when this codec codes a whole group of tables (each under its own bound)
+        as one payload on ``device``, sync-free: the exchange then gives it one group per
+        destination and the bounds as a device tensor (:meth:`encode_segments`)."""
+        return False
+
+    def encode_segments(
+        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor, trim: bool = True
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One payload per group (rows, rows per segment), ``ebs`` a bound per segment,
+        and the payloads' used lengths (a device tensor); ``trim=False``: payloads in
+        their whole capacity, with no host read."""
+        raise NotImplementedError(f"{self.codec_id} codes no groups of segments")
+
+    def decode_segments(
+        self,
+        payloads: list[torch.Tensor],
+        sizes: list[list[int]] | None = None,
+        dim: int = 0,
+        check: bool = True,
+    ) -> list[torch.Tensor]:
+        """The rows of each group payload; ``sizes``/``dim``: what the caller expects
+        (then nothing is read on the host but, with ``check``, one flag per call)."""
+        raise PayloadError(f"{self.codec_id} does not read format-{BLOCK_FORMAT} payloads")
 
     def _decode_device_checked(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         try:

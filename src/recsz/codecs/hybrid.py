@@ -28,13 +28,14 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import device_decode, device_encode, kernels
+from recsz.codecs import blocks, device_decode, device_encode, kernels
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import Header, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import SPLIT, magicless_zstd, pack_planes, unpack_planes
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+CODERS = ("auto", "blocks", "huffman")
 _DEDUP_MODES = {"off": 0, "on": 1, "auto": 2}
 _DECODE_ERRORS = {
     kernels.BAD_LITERAL_COUNT: "row references and literal codes do not fit the shape",
@@ -48,16 +49,17 @@ class QuantPipeline(Codec):
     error_bounded = True
     dedup: ClassVar[str] = "off"  # "off", "on", or "auto" (when repeats save more than refs)
     entropy: ClassVar[bool] = False
-    #: Entropy coder: "auto" = zstd / range coder on the CPU, Huffman on the tensor's
-    #: device elsewhere; "huffman" = the device path everywhere.
+    #: Entropy coder: "auto" = zstd / range coder on the CPU (format 1), bit-plane blocks
+    #: for float32 CUDA tensors (format 3), Huffman on the device for other CUDA dtypes;
+    #: "blocks" = format 3 on every device; "huffman" = the torch-op device path everywhere.
     default_coder: ClassVar[str] = "auto"
 
     def __init__(self, level: int = 1, coder: str | None = None) -> None:
         if not -7 <= level <= 22:
             raise ValueError(f"zstd level must be in [-7, 22], got {level}")
         coder = self.default_coder if coder is None else coder
-        if coder not in ("auto", "huffman"):
-            raise ValueError(f"coder must be 'auto' or 'huffman', got {coder!r}")
+        if coder not in CODERS:
+            raise ValueError(f"coder must be one of {CODERS}, got {coder!r}")
         self.level = int(level)
         self.coder = coder
         # Reused (de)compression contexts: creating one costs more than coding a chunk.
@@ -73,8 +75,32 @@ class QuantPipeline(Codec):
 
     def _device_path(self, x: torch.Tensor) -> bool:
         # The numba kernels code float32/float64 on the CPU; everything else (CUDA tensors,
-        # fp16/bf16, coder="huffman") takes the torch-op coder of recsz.codecs.device_*.
-        return x.device.type != "cpu" or self.coder == "huffman" or x.dtype not in _KERNEL_DTYPES
+        # fp16/bf16, coder="huffman"/"blocks") takes a device path: format 3 (blocks) for
+        # float32, the torch-op coder of recsz.codecs.device_* for the rest.
+        return x.device.type != "cpu" or self.coder != "auto" or x.dtype not in _KERNEL_DTYPES
+
+    def _blocks(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.float32 and self.segments_on(x.device)
+
+    def segments_on(self, device: torch.device) -> bool:
+        return self.coder == "blocks" or (self.coder == "auto" and device.type == "cuda")
+
+    def encode_segments(
+        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor, trim: bool = True
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        return blocks.encode_segments(self.codec_id, self.dedup != "off", groups, ebs, trim)
+
+    def decode_segments(
+        self,
+        payloads: list[torch.Tensor],
+        sizes: list[list[int]] | None = None,
+        dim: int = 0,
+        check: bool = True,
+    ) -> list[torch.Tensor]:
+        expect = None
+        if sizes is not None:
+            expect = blocks.layouts(self.codec_id, dim, sizes, self.dedup != "off")
+        return blocks.decode_segments(payloads, self.codec_id, expect, check)
 
     def warm_up(self) -> None:
         # Repeated rows exercise every kernel: quantize, dedup, range-coded references.
@@ -96,6 +122,9 @@ class QuantPipeline(Codec):
         return pack_planes(dims, planes, self._cctx, SPLIT), torch.from_numpy(missed)
 
     def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
+        if all(self._blocks(x) for x in xs):  # each chunk a group of one segment
+            e = torch.tensor(ebs, dtype=torch.float64).to(xs[0].device)
+            return self.encode_segments([(x, [x.shape[0]]) for x in xs], e)[0]
         return device_encode.encode_batch(self, xs, ebs)
 
     def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -34,6 +34,7 @@ from recsz.codecs.devbuf import word_hash
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
 DEVICE_FORMAT = 2  # made on the tensor's device: word_hash checksum
+BLOCK_FORMAT = 3  # groups of segments in bit-plane blocks (recsz.codecs.blockformat)
 HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
 PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
 DTYPES: dict[torch.dtype, int] = {
@@ -126,6 +127,12 @@ def parse_payload(
         host_body = rest[o:]
         size = int(host_body.size)
         body: np.ndarray | torch.Tensor = host_body
+    elif fver == BLOCK_FORMAT:  # recsz.codecs.blockformat; its codec checks the rest
+        from recsz.codecs.blockformat import read_layout
+
+        lay, _, _ = read_layout(buf if on_cpu else payload[:HEAD_WINDOW].cpu().numpy())
+        shape = (lay.rows, lay.dim)
+        return Header(lay.codec, 1, {}, DTYPE_BY_CODE[lay.dtype_code], shape, 0.0, 0), payload
     elif fver == DEVICE_FORMAT:
         if verify:
             got = word_hash(payload[PREFIX.size :]).cpu().numpy()
@@ -137,7 +144,8 @@ def parse_payload(
         size = int(body.numel())
     else:
         raise PayloadError(
-            f"payload format version {fver}, this build reads {FORMAT_VERSION} and {DEVICE_FORMAT}"
+            f"payload format version {fver}, this build reads {FORMAT_VERSION}, {DEVICE_FORMAT} "
+            f"and {BLOCK_FORMAT}"
         )
     if size != fields.body_len:
         raise PayloadError(

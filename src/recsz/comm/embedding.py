@@ -99,6 +99,7 @@ class EmbeddingExchange:
         self._batch: tuple[torch.Tensor, int] | None = None
         self._distinct_of: dict[tuple[int, int], Distinct] = {}
         self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._index_of_order: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
@@ -113,18 +114,23 @@ class EmbeddingExchange:
         d: Direction,
         step: int,
         blocks: list[Block],
-        bound_src: dict[int, torch.Tensor],
+        bound_src: tuple[list[int], torch.Tensor],
         raw_bytes: int,
     ) -> PendingBytes:
         """Encode one block per destination, frame each and start the byte all-to-all.
 
-        A table's bound is set once per step from ``bound_src[table]`` (all the values of
-        that table this rank sends), so every destination gets the same bound.
-        ``raw_bytes`` is what one table's rows stood for before any id-aware reduction
-        (the full (b, D) fp32 slice), so ratios count those savings too.
+        A table's bound is set once per step from its values in ``bound_src`` (tables,
+        and their values table-major: all that this rank sends of each), so every
+        destination gets the same bound. ``raw_bytes`` is what one table's rows stood for
+        before any id-aware reduction (the full (b, D) fp32 slice), so ratios count those
+        savings too. A codec that codes groups of segments (:meth:`Codec.segments_on`)
+        gets one group per destination and the bounds as a device tensor: no host sync.
         """
         t0 = time.perf_counter()
-        ebs = {t: self._bound(d, t, step, x) for t, x in bound_src.items()}
+        tables, values = bound_src
+        if d.codec.segments_on(values.device):
+            return self._send_groups(d, step, blocks, bound_src, raw_bytes, t0)
+        ebs = {t: self._bound(d, t, step, values[j]) for j, t in enumerate(tables)}
         joined = d.codec.joinable
         xs: list[torch.Tensor] = []
         for blk in blocks:
@@ -154,6 +160,65 @@ class EmbeddingExchange:
             k += n
         self._time_codec(t0)
         return start_all_to_all_bytes(framed, self.world)
+
+    def _send_groups(
+        self,
+        d: Direction,
+        step: int,
+        blocks: list[Block],
+        bound_src: tuple[list[int], torch.Tensor],
+        raw_bytes: int,
+        t0: float,
+    ) -> PendingBytes:
+        """:meth:`_send` for a codec of segment groups: bounds computed where the values
+        are, one payload per destination, sizes read once where bytes leave the rank."""
+        tables, values = bound_src
+        if self.training:  # adaptive policies probe (on the host) in their windows only
+            for j, t in enumerate(tables):
+                d.policy.observe(t, step, values[j])
+        all_ebs = d.policy.bounds(tables, step, values)
+        if all_ebs is None:
+            raise ValueError(
+                f"{d.name} codec {d.codec.codec_id!r} needs an error bound policy (--eb-policy)"
+            )
+        at = {t: j for j, t in enumerate(tables)}
+        order = tuple(at[t] for blk in blocks for t in blk.tables)
+        ebs = all_ebs[self._order_index(order, values.device)]
+        groups = [(blk.rows, blk.sizes) for blk in blocks]
+        payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
+        if self.check_bounds:
+            self._check_groups(d, blocks, payloads, ebs)
+        if self.training:
+            remote = [blk.peer != self.rank for blk in blocks]
+            tabs = [(blk.tables, blk.sizes) for blk in blocks]
+            self.stats.count_groups(d.name, tabs, raw_bytes, used, ebs, remote)
+        self._time_codec(t0)
+        return start_all_to_all_bytes([[p] for p in payloads], self.world)
+
+    def _order_index(self, order: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = (order, device)
+        if key not in self._index_of_order:
+            self._index_of_order[key] = torch.tensor(order, dtype=torch.int64, device=device)
+        return self._index_of_order[key]
+
+    def _check_groups(
+        self, d: Direction, blocks: list[Block], payloads: list[torch.Tensor], ebs: torch.Tensor
+    ) -> None:
+        sizes = [blk.sizes for blk in blocks]
+        dim = blocks[0].rows.shape[1]
+        got = d.codec.decode_segments(payloads, sizes, dim)
+        k = 0
+        for blk, y in zip(blocks, got, strict=True):
+            n = len(blk.tables)
+            eb = torch.repeat_interleave(ebs[k : k + n], torch.tensor(blk.sizes, device=ebs.device))
+            k += n
+            err = (y.double() - blk.rows.double()).abs().amax(1) if y.numel() else eb
+            fin = torch.isfinite(blk.rows).all(1) if y.numel() else eb > 0
+            if bool((err[fin] > eb[fin]).any()):
+                raise AssertionError(f"{d.name} to rank {blk.peer}: an error exceeds its bound")
+            if y.numel() and bool(fin.any()):
+                worst = float((err[fin] / eb[fin]).max())
+                self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
 
     def _check_bound(
         self, d: Direction, t: int, x: torch.Tensor, p: torch.Tensor, eb: float | None
@@ -191,6 +256,16 @@ class EmbeddingExchange:
         if self.training:
             self.stats.a2a_s[d.name] += pending.waited_s
         t0 = time.perf_counter()
+        if d.codec.segments_on(bufs[0].device if bufs else torch.device("cpu")):
+            sizes = [sizes_from(src) for src in range(self.world)]
+            # Payloads this process made itself never left its memory: no checks to read.
+            payloads = pending.pieces if pending.pieces is not None else bufs
+            with record_function(f"recsz.a2a_{d.name}.decode"):
+                rows = self._decode_groups(d, payloads, sizes, dim, pending.pieces is None)
+            self._time_codec(t0)
+            return [
+                Block(src, tables_from(src), rows[src], sizes[src]) for src in range(self.world)
+            ]
         joined = d.codec.joinable
         srcs: list[int] = []
         payloads: list[torch.Tensor] = []
@@ -220,6 +295,19 @@ class EmbeddingExchange:
             blocks.append(Block(src, tables, rows, sizes))
         self._time_codec(t0)
         return blocks
+
+    def _decode_groups(
+        self,
+        d: Direction,
+        payloads: list[torch.Tensor],
+        sizes: list[list[int]],
+        dim: int,
+        check: bool,
+    ) -> list[torch.Tensor]:
+        try:
+            return d.codec.decode_segments(payloads, sizes, dim, check)
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
 
     def _decode_all(
         self, d: Direction, payloads: list[torch.Tensor], srcs: list[int]
@@ -285,8 +373,9 @@ class EmbeddingExchange:
             sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
         with record_function("recsz.a2a_fwd.encode"):
-            bound_src = {t: data[:, j] for j, t in enumerate(self.mine)}
-            pending = self._send(self.fwd, step, blocks, bound_src, b * dim * 4)
+            pending = self._send(
+                self.fwd, step, blocks, (self.mine, data.transpose(0, 1)), b * dim * 4
+            )
         return Pending(self, pooled, pending, step, ids)
 
     def finish_forward(self, pending: PendingBytes, ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -332,7 +421,7 @@ class EmbeddingExchange:
             # carry up to k eb. (A relative bound taken on the sums' range, which popular
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
-            per_sample = dict(enumerate(by_table))  # table -> (b, D)
+            per_sample = (list(range(n_tables)), by_table)  # table-major (T, b, D)
             pending = self._send(self.bwd, step, blocks, per_sample, b * dim * 4)
 
         def sizes_from(src: int) -> list[int]:

@@ -61,17 +61,22 @@ def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]
 class PendingBytes:
     """Bytes in flight; ``wait()`` returns one tensor per source rank."""
 
-    out: torch.Tensor
+    out: torch.Tensor | None
     recv_sizes: list[int]
     work: object | None = None
     started: float = field(default_factory=time.perf_counter)
     waited_s: float = 0.0
+    #: With one rank and no process group: the pieces "sent" to this rank, as they were.
+    pieces: list[torch.Tensor] | None = None
 
     def wait(self) -> list[torch.Tensor]:
         t = time.perf_counter()
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
         self.waited_s += time.perf_counter() - t
+        if self.out is None:  # one rank: joined only for a caller that reads the bytes
+            assert self.pieces is not None
+            self.out = torch.cat(self.pieces) if len(self.pieces) != 1 else self.pieces[0]
         return list(torch.split(self.out, self.recv_sizes))
 
 
@@ -84,11 +89,11 @@ def start_all_to_all_bytes(send: list[list[torch.Tensor]], world: int) -> Pendin
     """
     if len(send) != world:
         raise ValueError(f"need one buffer per rank ({world}), got {len(send)}")
-    flat = [p.view(-1) for pieces in send for p in pieces]
-    inp = torch.cat(flat) if len(flat) != 1 else flat[0]
     sizes_l = [sum(int(p.numel()) for p in pieces) for pieces in send]
     if world == 1 and not dist.is_initialized():
-        return PendingBytes(inp, sizes_l)
+        return PendingBytes(None, sizes_l, pieces=[p.view(-1) for p in send[0]])
+    flat = [p.view(-1) for pieces in send for p in pieces]
+    inp = torch.cat(flat) if len(flat) != 1 else flat[0]
     sizes = torch.tensor(sizes_l, dtype=torch.int64)
     recv = torch.empty(world, dtype=torch.int64)
     t = time.perf_counter()

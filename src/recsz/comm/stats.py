@@ -6,6 +6,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class CommStats:
@@ -24,6 +26,7 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    _later: list[Any] = field(default_factory=list)
 
     def count(
         self, direction: str, table: int, raw: int, sent: int, eb: float | None, remote: bool
@@ -39,11 +42,37 @@ class CommStats:
         if eb is not None:
             self.last_eb[direction][table] = eb
 
+    def count_groups(
+        self,
+        direction: str,
+        groups: list[tuple[list[int], list[int]]],
+        raw: int,
+        used: torch.Tensor,
+        ebs: torch.Tensor,
+        remote: list[bool],
+    ) -> None:
+        """Group payloads sent (tables and their rows per group; lengths and bounds as
+        device tensors, read when the counters are next read: no sync in the step)."""
+        self._later.append((direction, groups, raw, used, ebs, remote))
+
+    def settle(self) -> None:
+        """Fold the counts kept on the device into the counters (a group's bytes shared
+        out by rows, as for a joined payload)."""
+        for direction, groups, raw, used, ebs, remote in self._later:
+            u, e, k = used.tolist(), ebs.tolist(), 0
+            for (tables, sizes), nb, far in zip(groups, u, remote, strict=True):
+                rows = max(1, sum(sizes))
+                for t, r in zip(tables, sizes, strict=True):
+                    self.count(direction, t, raw, int(nb) * r // rows, e[k], far)
+                    k += 1
+        self._later.clear()
+
     def ratio(self, direction: str) -> float:
         s = self.sent[direction]
         return self.raw[direction] / s if s else float("nan")
 
     def summary(self) -> dict[str, Any]:
+        self.settle()
         return {
             "fwd_ratio": self.ratio("fwd"),
             "bwd_ratio": self.ratio("bwd"),

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from recsz.codecs.stages import quantize
-from recsz.policy.base import BoundPolicy, to_absolute
+from recsz.policy.base import BoundPolicy, absolute_bounds, to_absolute
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -191,6 +191,11 @@ class DualBound(BoundPolicy):
         self._maybe_classify(step)
         eb = self.class_eb[self.class_of(table)] * self.multiplier(step)
         return to_absolute(eb, self.mode, x)
+
+    def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
+        self._maybe_classify(step)
+        m = self.multiplier(step)
+        return absolute_bounds([self.class_eb[self.class_of(t)] * m for t in tables], self.mode, x)
 
     def describe(self) -> dict[int, dict[str, Any]]:
         return {

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from recsz.codecs.base import EB_MAX
+from recsz.codecs.blocks import upload
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
@@ -29,7 +30,7 @@ def value_range(x: torch.Tensor) -> float:
     f = x[torch.isfinite(x)]
     if f.numel() == 0:
         return 0.0
-    return float(f.max() - f.min())
+    return float(f.max()) - float(f.min())  # in float64, as above
 
 
 _abs_checks = {"left": 1000}  # slices checked against an absolute bound, then no more
@@ -64,6 +65,23 @@ def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
     return min(max(eb * r, MIN_ABS_BOUND), EB_MAX)  # EB_MAX: the codecs' largest bound
 
 
+def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.Tensor:
+    """:func:`to_absolute` of many tables at once, where ``x`` lives and without a host
+    sync: ``factors[j]`` read in ``mode`` against table j's values ``x[j]`` (table-major,
+    any shape after the first dimension); float64, one reduction per end of the range."""
+    f = upload(factors, torch.float64, x.device)
+    if mode == "abs":
+        return f.clamp(max=EB_MAX)
+    dims = tuple(range(1, x.dim()))
+    inf = float("inf")
+    lo = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=inf).amin(dims).double()
+    hi = torch.nan_to_num(x, nan=-inf, posinf=-inf, neginf=-inf).amax(dims).double()
+    r = hi - lo
+    r = torch.where(r > 0, r, torch.maximum(lo.abs(), hi.abs()))  # constant: its magnitude
+    r = torch.where(torch.isfinite(r), r, 0.0)  # nothing finite
+    return (f * r).clamp(MIN_ABS_BOUND, EB_MAX)
+
+
 class BoundPolicy:
     """Base: no bound (lossless or casting codecs)."""
 
@@ -71,6 +89,15 @@ class BoundPolicy:
 
     def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
         return None
+
+    def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
+        """The bounds of many tables as a float64 tensor on x's device (``x[j]``: the
+        values of ``tables[j]``); policies that can compute them there without a host
+        sync override this."""
+        ebs = [self.bound(t, step, x[j]) for j, t in enumerate(tables)]
+        if any(e is None for e in ebs):
+            return None
+        return upload(ebs, torch.float64, x.device)
 
     def observe(self, table: int, step: int, x: torch.Tensor) -> None:
         """Feed the values of a chunk; adaptive policies learn from it."""
@@ -101,3 +128,6 @@ class FixedBound(BoundPolicy):
 
     def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
         return to_absolute(self.eb, self.mode, x)
+
+    def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
+        return absolute_bounds([self.eb] * len(tables), self.mode, x)

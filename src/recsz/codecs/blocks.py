@@ -1,0 +1,123 @@
+"""Format-3 payloads for a codec: groups of segments in, one payload per group out, on
+the tensors' device (CUDA: the Triton kernels of :mod:`recsz.codecs.blockcoder`; CPU: the
+numpy reference of :mod:`recsz.codecs.blockformat`, which writes the same bytes).
+
+A *group* is what one destination gets in one step: the rows of several tables (its
+segments), each table under its own bound. The exchange hands every group of a direction
+over in one call, with the bounds as one device tensor, so a GPU step codes a whole
+direction in a handful of launches and reads nothing back but, where bytes leave the
+rank, the payload sizes (``trim``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from recsz.codecs import blockformat as bf
+from recsz.codecs.payload import DTYPES, PayloadError
+
+#: dtypes the block coder takes: float32, and fp16/bf16 (exact in float32; decoded as
+#: float32, within the bound of the values sent).
+TAKES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
+    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def layouts(codec: str, dim: int, sizes: list[list[int]], dedup: bool) -> list[bf.Layout]:
+    return [bf.Layout(codec, DTYPES[torch.float32], dim, tuple(s), dedup) for s in sizes]
+
+
+def _kernels(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def encode_segments(
+    codec: str,
+    dedup: bool,
+    groups: list[tuple[torch.Tensor, list[int]]],
+    ebs: torch.Tensor,
+    trim: bool = True,
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One payload per group (rows (sum(sizes), D), sizes), and their used lengths (an
+    int64 tensor on the groups' device); ``ebs``: a bound per segment, every group's in
+    order. ``trim=False`` returns each payload in its whole capacity (no host read at
+    all: for payloads that never leave this process)."""
+    if not groups:
+        return [], torch.zeros(0, dtype=torch.int64)
+    dim = groups[0][0].shape[1]
+    for x, sizes in groups:
+        if x.dim() != 2 or x.shape[1] != dim or x.shape[0] != sum(sizes):
+            raise ValueError(
+                f"{codec}: group of shape {tuple(x.shape)} does not hold {sizes} x {dim}"
+            )
+        if x.dtype not in TAKES:
+            raise ValueError(f"{codec}: the block coder takes {TAKES}, got {x.dtype}")
+    if ebs.numel() != sum(len(s) for _, s in groups):
+        raise ValueError(
+            f"{codec}: {ebs.numel()} bounds for {sum(len(s) for _, s in groups)} segments"
+        )
+    lays = layouts(codec, dim, [s for _, s in groups], dedup)
+    xs = [x.detach().to(torch.float32).contiguous() for x, _ in groups]
+    dev = xs[0].device
+    if not _kernels(dev):
+        e = ebs.detach().to(torch.float64).cpu().numpy()
+        out, k = [], 0
+        for lay, x in zip(lays, xs, strict=True):
+            n = len(lay.seg_rows)
+            out.append(
+                torch.frombuffer(
+                    bytearray(bf.encode_group(lay, x.numpy(), e[k : k + n])), dtype=torch.uint8
+                )
+            )
+            k += n
+        return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
+    from recsz.codecs import blockcoder
+
+    buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev))
+    ends = used.tolist() if trim else [lay.capacity for lay in lays]
+    return [buf[b : b + int(n)] for b, n in zip(base, ends, strict=True)], used
+
+
+def decode_segments(
+    payloads: list[torch.Tensor],
+    codec: str,
+    expect: list[bf.Layout] | None = None,
+    check: bool = True,
+) -> list[torch.Tensor]:
+    """Rows of each payload, made by ``codec``. ``expect``: the layouts the caller knows
+    (then no header is read on the host; a payload that differs fails its checks).
+    ``check=False`` skips the one host read of the checks' flags, for payloads this
+    process made itself."""
+    if not payloads:
+        return []
+    dev = payloads[0].device
+    if not _kernels(dev):
+        out = []
+        for i, p in enumerate(payloads):
+            lay, y, _ = bf.decode_group(p.detach().cpu().numpy())
+            want = expect[i] if expect is not None else None
+            if lay.codec != codec or (want is not None and lay != want):
+                raise PayloadError(f"payload {i} holds {lay}, expected {want or codec}")
+            out.append(torch.from_numpy(y).to(dev))
+        return out
+    from recsz.codecs import blockcoder
+
+    lays = expect if expect is not None else blockcoder.read_layouts(payloads)
+    for i, lay in enumerate(lays):
+        if lay.codec != codec:
+            raise PayloadError(f"payload {i} was made by codec {lay.codec!r}, not {codec!r}")
+    rows, _, ok = blockcoder.decode(payloads, lays)
+    if check:
+        blockcoder.check(ok)
+    return rows
+
+
+def header(payload: np.ndarray) -> tuple[str, tuple[int, int], int]:
+    """(codec id, (rows, D), payload length it states) of a format-3 payload's first bytes."""
+    lay, dlen, _ = bf.read_layout(payload)
+    return lay.codec, (lay.rows, lay.dim), lay.data_at + dlen

@@ -1,0 +1,232 @@
+"""Format 3 (bit-plane blocks, one payload per group of tables): the Triton kernels
+(under ``TRITON_INTERPRET=1`` on the CPU, compiled on a GPU) write the bytes of the numpy
+reference, both decode within every bound, NaN/Inf come back exactly, damaged payloads
+are rejected, and the exchange codes a step through it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsz.codecs import PayloadError, get_codec
+from recsz.codecs import blockformat as bf
+from recsz.codecs.blocks import decode_segments, encode_segments
+from recsz.comm import EmbeddingExchange
+from recsz.comm.embedding import Direction
+from recsz.comm.stats import ShardPlan
+from recsz.policy import FixedBound
+from recsz.policy.adaptive import DualBound
+from recsz.policy.base import absolute_bounds, to_absolute
+from tests.common import bound_violation, extreme_case
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
+
+
+def kernels(lays, xs, ebs, device):
+    """Payloads by the Triton kernels (trimmed to their used length)."""
+    from recsz.codecs import blockcoder
+
+    xt = [torch.from_numpy(x).to(device) for x in xs]
+    buf, base, used = blockcoder.encode(lays, xt, torch.from_numpy(ebs).to(device))
+    return [buf[b : b + int(n)] for b, n in zip(base, used.tolist(), strict=True)]
+
+
+def adversarial(rng: np.random.Generator, rows: int, dim: int, eb: float) -> np.ndarray:
+    """Rows with exact ties at half-steps, repeats, specials, and codes at every width."""
+    kind = rng.integers(0, 4, (rows, dim))
+    half = (rng.integers(-40, 40, (rows, dim)) + 0.5) * 2 * eb  # exact ties (x / 2eb + 1/2)
+    wide = rng.integers(-(2**24), 2**24, (rows, dim)) * 2 * eb * rng.random((rows, 1))
+    x = np.where(kind == 0, half, np.where(kind == 1, wide, rng.standard_normal((rows, dim))))
+    x = x.astype(np.float32)
+    if rows > 2:
+        x[rng.integers(0, rows, rows // 2)] = x[0]  # many repeats of one row
+    spots = rng.random((rows, dim)) < 0.03
+    x[spots] = rng.choice(np.array(SPECIALS, np.float32), int(spots.sum()))
+    return x
+
+
+def check_within(x: np.ndarray, y: np.ndarray, eb_row: np.ndarray) -> None:
+    assert np.array_equal(np.isnan(x), np.isnan(y))
+    inf = np.isinf(x)
+    assert np.array_equal(x[inf], y[inf])
+    fin = np.isfinite(x)
+    err = np.abs(np.where(fin, y, 0).astype(np.float64) - np.where(fin, x, 0).astype(np.float64))
+    assert (err <= eb_row[:, None]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [1, 7, 16, 31, 32, 33, 64])
+@pytest.mark.parametrize("dedup", [True, False])
+def test_kernels_write_the_reference_bytes_on_adversarial_groups(
+    device: str, dim: int, dedup: bool
+) -> None:
+    rng = np.random.default_rng(dim * 2 + dedup)
+    seg_sets = [[9, 0, 23], [0], [1], [40]]  # empty groups and tables, one row, more
+    lays, xs, ebl = [], [], []
+    for segs in seg_sets:
+        ebs = 10.0 ** rng.uniform(-4, 0, len(segs))
+        parts = [adversarial(rng, n, dim, e) for n, e in zip(segs, ebs, strict=True)]
+        xs.append(np.concatenate(parts) if parts else np.zeros((0, dim), np.float32))
+        lays.append(bf.Layout("hybrid", 0, dim, tuple(segs), dedup))
+        ebl.append(ebs)
+    got = kernels(lays, xs, np.concatenate(ebl), device)
+    for lay, x, ebs, p in zip(lays, xs, ebl, got, strict=True):
+        ref = bf.encode_group(lay, x, ebs)
+        assert p.cpu().numpy().tobytes() == ref
+        _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
+        check_within(x, y, np.repeat(ebs, lay.seg_rows))
+    from recsz.codecs import blockcoder
+
+    rows, _, ok = blockcoder.decode(got, lays)
+    assert ok.all()
+    for p, r in zip(got, rows, strict=True):
+        _, y, _ = bf.decode_group(p.cpu().numpy())
+        assert np.array_equal(r.cpu().numpy().view(np.uint32), y.view(np.uint32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_kernels_match_the_reference_on_random_extreme_chunks(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x, eb = extreme_case(rng)
+    x = x.float().numpy()
+    eb = min(max(eb, bf_eb_min()), 1e38)
+    lay = bf.Layout("quant+lz", 0, x.shape[1], (x.shape[0],), bool(rng.integers(2)))
+    ebs = np.array([eb])
+    (p,) = kernels([lay], [x], ebs, "cpu")
+    ref = bf.encode_group(lay, x, ebs)
+    assert p.numpy().tobytes() == ref
+    _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
+    check_within(x, y, np.full(x.shape[0], eb))
+
+
+def bf_eb_min() -> float:
+    return float(torch.finfo(torch.float32).tiny)
+
+
+def test_all_duplicate_rows_cost_little_and_decode_exactly() -> None:
+    x = np.tile(np.linspace(-1, 1, 64, dtype=np.float32), (256, 1))
+    lay = bf.Layout("hybrid", 0, 64, (256,), True)
+    p = bf.encode_group(lay, x, np.array([1e-3]))
+    assert len(p) < x.nbytes / 40
+    _, y, _ = bf.decode_group(np.frombuffer(p, np.uint8))
+    assert (np.abs(y - x) <= 1e-3).all() and (y == y[0]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_damaged_payloads_are_rejected(device: str) -> None:
+    rng = np.random.default_rng(5)
+    x = adversarial(rng, 20, 16, 0.01)
+    lay = bf.Layout("hybrid", 0, 16, (12, 8), True)
+    good = bf.encode_group(lay, x, np.array([0.01, 0.02]))
+    c = get_codec("hybrid", coder="blocks")
+    for i in range(0, len(good), 7):
+        bad = bytearray(good)
+        bad[i] ^= 1 << (i % 8)
+        t = torch.frombuffer(bad, dtype=torch.uint8).to(device)
+        with pytest.raises(PayloadError):
+            decode_segments([t], "hybrid", [lay] if i % 2 else None)
+        with pytest.raises(PayloadError):
+            c.decode(t)
+        assert not kernel_flags(t, lay)  # the kernels' checks, on whichever device
+    for cut in (0, 7, 40, len(good) - 4):
+        t = torch.tensor(list(good[:cut]), dtype=torch.uint8).to(device)
+        with pytest.raises(PayloadError):
+            decode_segments([t], "hybrid", [lay])
+        assert not kernel_flags(t, lay)
+    other = get_codec("quant", coder="blocks")
+    with pytest.raises(PayloadError, match="made by codec"):
+        other.decode(torch.frombuffer(bytearray(good), dtype=torch.uint8).to(device))
+
+
+def kernel_flags(t: torch.Tensor, lay: bf.Layout) -> bool:
+    """The kernels' verdict: False when a check flags the payload or it is refused."""
+    from recsz.codecs import blockcoder
+
+    try:
+        _, _, ok = blockcoder.decode([t], [lay])
+    except PayloadError:
+        return False
+    return bool(ok.all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_untrimmed_payloads_decode_like_trimmed_ones(device: str) -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(10, 8, generator=g).to(device), torch.randn(3, 8, generator=g).to(device)]
+    ebs = torch.tensor([0.01, 0.1, 0.05], dtype=torch.float64, device=device)
+    groups = [(xs[0], [4, 6]), (xs[1], [3])]
+    full, used = encode_segments("hybrid", True, groups, ebs, trim=False)
+    cut, _ = encode_segments("hybrid", True, groups, ebs, trim=True)
+    assert [p.numel() for p in cut] == used.tolist()
+    for a, b in zip(decode_segments(full, "hybrid"), decode_segments(cut, "hybrid"), strict=True):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_codecs_on_format_3_keep_every_bound(seed: int) -> None:
+    x, eb = extreme_case(np.random.default_rng(seed))
+    assert bound_violation(get_codec("hybrid", coder="blocks"), x.float(), eb) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["abs", "rel"]))
+def test_device_bounds_equal_the_host_ones(seed: int, mode: str) -> None:
+    x, _ = extreme_case(np.random.default_rng(seed))
+    x = x.float()
+    if not x.numel():
+        return
+    t = torch.stack([x, x * 2, torch.full_like(x, 3.0)])
+    got = absolute_bounds([0.01, 0.02, 0.5], mode, t).tolist()
+    with warnings.catch_warnings():  # the host path's warning about wide bounds
+        warnings.simplefilter("ignore")
+        want = [to_absolute(f, mode, v) for f, v in zip([0.01, 0.02, 0.5], t, strict=True)]
+    assert got == want
+
+
+def test_dual_policy_bounds_equal_its_per_table_bounds() -> None:
+    p = DualBound(
+        n_tables=3,
+        class_eb={"tight": 0.01, "base": 0.03, "loose": 0.05},
+        overrides={1: "loose"},
+        decay_t=10,
+    )
+    x = torch.randn(3, 40, 8)
+    assert p.bounds([0, 1, 2], 3, x).tolist() == [p.bound(t, 3, x[t]) for t in range(3)]
+
+
+# ---- the exchange through format 3 ----------------------------------------------------
+def one_rank(**kw: bool) -> EmbeddingExchange:
+    return EmbeddingExchange(
+        ShardPlan([0, 0, 0], 1),
+        0,
+        Direction("fwd", get_codec("hybrid", coder="blocks"), FixedBound(0.05, "rel")),
+        Direction("bwd", get_codec("hybrid", coder="blocks"), FixedBound(0.05, "rel")),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("ids_aware", [False, True])
+def test_exchange_codes_groups_within_their_bounds_both_ways(ids_aware: bool) -> None:
+    ex = one_rank(check_bounds=True, id_dedup=ids_aware, coalesce=ids_aware)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 6, (32, 3), generator=g)
+    table = torch.randn(3, 6, 4, generator=g)
+    pooled = torch.stack([table[t, ids[:, t]] for t in range(3)], 1).requires_grad_()
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    for t in range(3):
+        eb = to_absolute(0.05, "rel", pooled.detach()[:, t])
+        assert float((emb.detach()[:, t] - pooled.detach()[:, t]).abs().max()) <= eb
+    (emb * torch.randn_like(emb)).sum().backward()
+    assert pooled.grad is not None and pooled.grad.shape == pooled.shape
+    s = ex.stats.summary()
+    assert s["fwd_ratio"] > 1 and 0 < ex.stats.max_err["fwd"] <= 1
+    assert set(ex.stats.last_eb["fwd"]) == {0, 1, 2}
