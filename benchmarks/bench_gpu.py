@@ -1,16 +1,22 @@
-"""GPU measurements: the hybrid codec on CUDA tensors, and a one-GPU training step.
+"""The GPU codec (format 3, Triton kernels) on a step's traffic, and a one-GPU training step.
 
     python benchmarks/bench_gpu.py [--quick] [--traffic FILE] [--json-out PATH]
-    python benchmarks/bench_gpu.py --save-traffic FILE   # on a machine with ../shared/data
+    python benchmarks/bench_gpu.py --save-traffic FILE   # here, where ../shared/data is
 
-1. Checks: a CUDA payload is format 2, has the same bytes as the device path run on the
-   CPU (``coder="huffman"``), decodes to the same values, within the bound; host syncs
-   per encode/decode are counted with torch's sync debug mode (the data never crosses).
-2. Codec throughput on CUDA (per-table chunks of one batch, as the exchange codes them,
-   and the same batch as one chunk under the median table's bound, to show how the
-   per-chunk overhead amortizes), ratio beside the CPU hybrid codec on the same data.
-3. One DLRM training step on one GPU (the ``bench`` preset, batch 2048): embedding
-   outputs and their gradients go through the codec as the exchange would send them.
+Per data (synthetic: the bench preset's 26 tables x dim 64 looked up by the synthetic
+generator; real: a dim-32 DLRM trained briefly on the real Criteo sample) and batch
+(2048, 8192), the step buffer (batch x 26 tables x dim rows, one group of 26 segments,
+as the exchange codes a direction at one rank) is coded under the dual policy's base
+bound (relative 0.03 per table):
+
+- encode / decode GB/s (fp32 bytes in; CUDA events, median of 50), the bare
+  ``x.half()`` / ``.float()`` as the floor; bound computation timed apart;
+- ratio, the CPU ``hybrid`` codec's ratio on the same data, max error / bound;
+- host syncs per encode + decode (``torch.cuda.set_sync_debug_mode``) and CUDA kernel
+  launches per call (profiler);
+- break-even link rate: bytes saved / codec seconds (Gbit/s);
+- a one-GPU training step (the real ``EmbeddingExchange`` at world size 1, bench
+  preset) with the codec both ways, over the same step with ``none``, and its syncs.
 
 Needs a CUDA device; without one it says so and exits 0 (CI has none).
 """
@@ -18,7 +24,6 @@ Needs a CUDA device; without one it says so and exits 0 (CI has none).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
@@ -30,14 +35,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsz.codecs import blockformat as bf
 from recsz.codecs import get_codec
+from recsz.comm import EmbeddingExchange
+from recsz.comm.embedding import Direction
+from recsz.comm.stats import ShardPlan
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
-from recsz.policy import to_absolute
+from recsz.policy import BoundPolicy
+from recsz.policy.adaptive import DualBound
+from recsz.policy.base import absolute_bounds
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEV = torch.device("cuda")
+REL = 0.03
 
 
 def _sync() -> None:
@@ -45,36 +57,31 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-@functools.cache
-def _device_codec(name: str) -> Any:
-    """The codec as it runs on DEV (on the CPU, the device path is forced: a dry run)."""
-    if DEV.type == "cpu" and name in ("hybrid", "quant", "quant+lz"):
-        return get_codec(name, coder="huffman")
-    return get_codec(name)
-
-
-def _timed(fn: Any, repeats: int) -> tuple[float, Any]:
-    out = fn()  # warm-up
+def timed(fn: Any, repeats: int) -> float:
+    """Median seconds of fn (CUDA events on a GPU, wall clock on the CPU)."""
+    fn()
     _sync()
     ts = []
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        _sync()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts), out
-
-
-def synth_chunks(dim: int, batch: int) -> list[torch.Tensor]:
-    from bench_codecs import BenchConfig, synth_traffic
-
-    return synth_traffic(dim, BenchConfig(synth_batch=batch))
+        if DEV.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
 
 
 def count_syncs(fn: Any) -> int:
     """Host synchronizations inside fn, as torch's sync debug mode reports them."""
     if DEV.type != "cuda":
         return -1
+    _sync()
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -85,258 +92,256 @@ def count_syncs(fn: Any) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def checks(chunks: list[torch.Tensor], rel: float) -> dict[str, Any]:
-    # One configuration on both sides: the header carries it.
-    gpu = get_codec("hybrid", coder="huffman")
-    cpu = get_codec("hybrid", coder="huffman")
-    same = bound = 0
-    for c in chunks:
-        eb = to_absolute(rel, "rel", c)
-        pg = gpu.encode(c.to(DEV), eb)
-        pc = cpu.encode(c, eb)
-        same += int(torch.equal(pg.cpu(), pc) and int(pg[3]) == 2)
-        yg = gpu.decode(pg)
-        ok = yg.device.type == DEV.type and torch.equal(yg.cpu(), cpu.decode(pc))
-        bound += int(ok and float((yg.cpu().double() - c.double()).abs().max()) <= eb)
-    x = chunks[0].to(DEV)
-    eb = to_absolute(rel, "rel", chunks[0])
-    p = gpu.encode(x, eb)
-    return {
-        "chunks": len(chunks),
-        "same_bytes_as_cpu": same,
-        "decoded_equal_and_bounded": bound,
-        "syncs_per_encode": count_syncs(lambda: gpu.encode(x, eb)),
-        "syncs_per_decode": count_syncs(lambda: gpu.decode(p)),
-    }
+def count_launches(fn: Any) -> int:
+    """CUDA kernels (and memcpy/memset) one call of fn launches (torch profiler)."""
+    if DEV.type != "cuda":
+        return -1
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _time_codec(
-    codec: Any, chunks: list[torch.Tensor], ebs: list[float | None], repeats: int, batch: bool
-) -> tuple[float, float, int]:
-    """Median encode and decode seconds over all chunks, and the bytes sent: one call
-    per chunk, or one call for all (``batch``: what the exchange does)."""
-    if batch:
-        t_enc, pays = _timed(lambda: codec.encode_batch(chunks, ebs), repeats)
-        t_dec, _ = _timed(lambda: codec.decode_batch(pays), repeats)
-    else:
-        t_enc, pays = _timed(
-            lambda: [codec.encode(c, b) for c, b in zip(chunks, ebs, strict=True)], repeats
-        )
-        t_dec, _ = _timed(lambda: [codec.decode(p) for p in pays], repeats)
-    return t_enc, t_dec, sum(int(p.numel()) for p in pays)
-
-
-def profile(chunks: list[torch.Tensor], rel: float) -> str:
-    """Where a batched encode and decode of the chunks spend their time (torch profiler)."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as prof
-
-    codec = _device_codec("hybrid")
-    dev_chunks = [c.to(DEV) for c in chunks]
-    ebs = [to_absolute(rel, "rel", c) for c in chunks]
-    pays = codec.encode_batch(dev_chunks, ebs)
-    codec.decode_batch(pays)
+    fn()
     _sync()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV.type == "cuda" else [])
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        _sync()
+    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def synthetic_step(batch: int) -> torch.Tensor:
+    from bench_codecs import BenchConfig, synth_traffic
+
+    return torch.stack(synth_traffic(64, BenchConfig(synth_batch=batch)), 1)  # (B, 26, 64)
+
+
+def cpu_hybrid_ratio(step: torch.Tensor) -> float:
+    """The CPU hybrid codec (format 1), per table chunk, under the same bounds."""
+    codec = get_codec("hybrid")
+    t = step.transpose(0, 1).contiguous()
+    ebs = absolute_bounds([REL] * t.shape[0], "rel", t).tolist()
+    sent = sum(int(codec.encode(t[j], e).numel()) for j, e in enumerate(ebs))
+    return step.numel() * 4 / sent
+
+
+def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float) -> list[dict]:
+    """Every measured number of the codec on one step buffer."""
+    b, n_tables, dim = step_cpu.shape
+    step = step_cpu.to(DEV)
+    t = step.transpose(0, 1)  # table-major view, as the exchange hands it to the policy
+    rows_in = t.reshape(n_tables * b, dim)  # the group's rows: table after table
+    raw = rows_in.numel() * 4
+    sizes = [b] * n_tables
+    ebs = absolute_bounds([REL] * n_tables, "rel", t)
     out = []
-    for name, fn in [
-        ("encode", lambda: codec.encode_batch(dev_chunks, ebs)),
-        ("decode", lambda: codec.decode_batch(pays)),
-    ]:
-        with prof(activities=acts, with_stack=False) as p:
-            fn()
-            _sync()
-        key = "self_cuda_time_total" if DEV.type == "cuda" else "self_cpu_time_total"
-        out.append(f"== {name}\n" + p.key_averages().table(sort_by=key, row_limit=14))
-        out.append(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10))
-    return "\n".join(out)
-
-
-def codec_rows(chunks: list[torch.Tensor], data: str, rel: float, repeats: int) -> list[dict]:
-    rows = []
-    raw = sum(c.numel() * 4 for c in chunks)
-    ebs: list[float | None] = [to_absolute(rel, "rel", c) for c in chunks]
-    whole = torch.cat(chunks)
-    eb_whole = statistics.median(e for e in ebs if e is not None)  # the typical table's
-    dev_chunks = [c.to(DEV) for c in chunks]
-    for name in ["hybrid", "quant+huffman", "quant", "fp16", "bf16", "none"]:
-        codec = _device_codec(name)
-        bounded = codec.error_bounded
-        e = ebs if bounded else [None] * len(chunks)
-        t_enc, t_dec, sent = _time_codec(codec, dev_chunks, e, repeats, batch=False)
-        t_encb, t_decb, _ = _time_codec(codec, dev_chunks, e, repeats, batch=True)
-        t_enc1, t_dec1, sent1 = _time_codec(
-            codec, [whole.to(DEV)], [eb_whole if bounded else None], repeats, batch=False
-        )
-        rows.append(
-            {
-                "codec": name,
-                "device": DEV.type,
-                "data": data,
-                "eb_rel": rel if bounded else None,
-                "ratio": raw / sent,
-                "encode_MBps": raw / 1e6 / t_enc,
-                "decode_MBps": raw / 1e6 / t_dec,
-                "encode_MBps_batched": raw / 1e6 / t_encb,
-                "decode_MBps_batched": raw / 1e6 / t_decb,
-                "ratio_one_chunk": raw / sent1,
-                "encode_MBps_one_chunk": raw / 1e6 / t_enc1,
-                "decode_MBps_one_chunk": raw / 1e6 / t_dec1,
-            }
-        )
-    cpu = get_codec("hybrid")
-    cpu.warm_up()
-    t_enc, t_dec, sent = _time_codec(cpu, chunks, ebs, repeats, batch=False)
-    rows.append(
+    t_half = timed(lambda: rows_in.half(), repeats)
+    h = rows_in.half()
+    t_float = timed(lambda: h.float(), repeats)
+    out.append(
         {
-            "codec": "hybrid",
-            "device": "cpu (1 thread)",
-            "data": data,
-            "eb_rel": rel,
-            "ratio": raw / sent,
-            "encode_MBps": raw / 1e6 / t_enc,
-            "decode_MBps": raw / 1e6 / t_dec,
+            "codec": "x.half() (floor)",
+            "encode_gbps": raw / t_half / 1e9,
+            "decode_gbps": raw / t_float / 1e9,
+            "ratio": 2.0,
         }
     )
-    return rows
+    t_bounds = timed(lambda: absolute_bounds([REL] * n_tables, "rel", t), repeats)
+    for name in ["hybrid", "quant"]:
+        codec = get_codec(name)
+        groups = [(rows_in, sizes)]
 
+        def enc(codec: Any = codec, groups: Any = groups) -> Any:
+            return codec.encode_segments(groups, ebs, trim=False)
 
-class _Through(torch.autograd.Function):
-    """Forward: each table's (B, D) slice through the codec; backward: its gradient."""
+        pays, used = enc()
 
-    @staticmethod
-    def forward(ctx: Any, pooled: torch.Tensor, name: str, fwd: float, bwd: float) -> torch.Tensor:
-        ctx.name, ctx.bwd = name, bwd
-        return _roundtrip(pooled, name, fwd)
+        def dec(codec: Any = codec, pays: Any = pays) -> Any:
+            return codec.decode_segments(pays, [sizes], dim, check=False)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return _roundtrip(grad, ctx.name, ctx.bwd), None, None, None
-
-
-def _roundtrip(x: torch.Tensor, name: str, rel: float) -> torch.Tensor:
-    """Every table's slice through the codec in one batched call, as the exchange would."""
-    codec = _device_codec(name)
-    chunks = [x[:, t].contiguous() for t in range(x.shape[1])]
-    ebs = [to_absolute(rel, "rel", c) if codec.error_bounded else None for c in chunks]
-    return torch.stack(codec.decode_batch(codec.encode_batch(chunks, ebs)), 1)
-
-
-def train_rows(steps: int, batch: int) -> list[dict]:
-    preset = get_preset("bench")
-    cfg = preset.model
-    gen = SyntheticCriteo(cfg.table_sizes, seed=0)
-    blocks = [gen.block(0, i * batch, batch) for i in range(4)]
-    data = [
-        (
-            torch.from_numpy(b.dense).float().to(DEV),
-            torch.from_numpy(b.cats).to(DEV),
-            torch.from_numpy(b.labels).float().to(DEV),
+        t_enc, t_dec = timed(enc, repeats), timed(dec, repeats)
+        t_trim = timed(
+            lambda codec=codec, groups=groups: codec.encode_segments(groups, ebs), repeats
         )
-        for b in blocks
-    ]
+        sent = int(used.sum())
+        y = dec()[0]
+        eb_row = torch.repeat_interleave(ebs, b)
+        err = ((y.double() - rows_in.double()).abs().amax(1) / eb_row).max()
+        trimmed, _ = codec.encode_segments(groups, ebs)
+        ref = bf.encode_group(
+            bf.Layout(name, 0, dim, tuple(sizes), codec.dedup != "off"),
+            rows_in.cpu().numpy(),
+            ebs.cpu().numpy(),
+        )
+        saved = raw - sent
+        out.append(
+            {
+                "codec": name,
+                "encode_gbps": raw / t_enc / 1e9,
+                "decode_gbps": raw / t_dec / 1e9,
+                "encode_trimmed_gbps": raw / t_trim / 1e9,
+                "bounds_ms": t_bounds * 1e3,
+                "ratio": raw / sent,
+                "cpu_hybrid_ratio": cpu_ratio,
+                "max_err_over_eb": float(err),
+                "same_bytes_as_cpu_reference": trimmed[0].cpu().numpy().tobytes() == ref,
+                "syncs_per_step": count_syncs(lambda enc=enc, dec=dec: (enc(), dec())),
+                "launches_encode": count_launches(enc),
+                "launches_decode": count_launches(dec),
+                "break_even_gbit": saved * 8 / (t_enc + t_dec) / 1e9,
+            }
+        )
+    for r in out:
+        r.update({"data": data, "batch": b, "tables": n_tables, "dim": dim, "raw_MB": raw / 1e6})
+    return out
+
+
+def train_rows(batch: int, steps: int) -> list[dict]:
+    """One GPU, the bench preset, the real exchange at world size 1 in both directions."""
+    cfg = get_preset("bench").model
+    gen = SyntheticCriteo(cfg.table_sizes, seed=0)
+    data = []
+    for i in range(4):
+        blk = gen.block(0, i * batch, batch)
+        data.append(
+            (
+                torch.from_numpy(blk.dense).float().to(DEV),
+                torch.from_numpy(blk.cats).to(DEV),
+                torch.from_numpy(blk.labels).float().to(DEV),
+            )
+        )
     rows = []
-    for name in ["none", "fp16", "hybrid"]:
-        sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("sgd", 0.05)).to(DEV)
+    for name in ["none", "fp16", "hybrid", "quant"]:
+        sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("rowwise_adagrad", 0.05))
+        sparse = sparse.to(DEV)
         dense = DenseArch(cfg, 0).to(DEV)
         opt = torch.optim.SGD(dense.parameters(), lr=0.05)
+        codec = get_codec(name)
+
+        def policy(codec: Any = codec) -> BoundPolicy:
+            if not codec.error_bounded:
+                return BoundPolicy()
+            return DualBound(
+                cfg.n_tables, {"tight": 0.01, "base": 0.03, "loose": 0.05}, probe_steps=2, every=0
+            )
+
+        ex = EmbeddingExchange(
+            ShardPlan([0] * cfg.n_tables, 1),
+            0,
+            Direction("fwd", codec, policy()),
+            Direction("bwd", codec, policy()),
+            id_dedup=False,
+        )
 
         def step(
-            k: int,
-            sparse: SparseArch = sparse,
-            dense: DenseArch = dense,
-            opt: Any = opt,
-            name: str = name,
-        ) -> float:
+            k: int, sparse: Any = sparse, dense: Any = dense, opt: Any = opt, ex: Any = ex
+        ) -> None:
             d, ids, y = data[k % len(data)]
-            pooled = sparse(ids)
-            if name != "none":
-                pooled = _Through.apply(pooled, name, 0.03, 0.05)
-            loss = nn.functional.binary_cross_entropy_with_logits(dense(d, pooled), y)
+            pending = ex.start_forward(sparse(ids), k, ids)
+            loss = nn.functional.binary_cross_entropy_with_logits(dense(d, pending), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            return float(loss.detach())
 
-        for k in range(3):
+        for k in range(4):  # past the policy's probe window
             step(k)
-        _sync()
-        ts = []
-        for k in range(steps):
-            t = time.perf_counter()
-            step(k)
-            _sync()
-            ts.append(time.perf_counter() - t)
-        rows.append({"config": name, "batch": batch, "step_ms": 1e3 * statistics.median(ts)})
+        ms = timed(lambda step=step: step(5), steps) * 1e3
+        rows.append(
+            {
+                "config": name,
+                "batch": batch,
+                "step_ms": ms,
+                "syncs_per_step": count_syncs(lambda step=step: step(6)),
+            }
+        )
     base = rows[0]["step_ms"]
     for r in rows:
-        r["vs_none"] = r["step_ms"] / base
+        r["step_ratio"] = r["step_ms"] / base
     return rows
+
+
+def save_traffic(path: Path) -> int:
+    """Real pooled embeddings (8192 samples x 26 tables x 32) and the CPU ratio on them."""
+    from bench_codecs import BenchConfig, _real_model
+
+    setup = _real_model()
+    if setup is None:
+        print("no real data (../shared/data) here")
+        return 1
+    model, src, opt = setup
+    for s in range(BenchConfig().train_steps):
+        b = src.train_batch(s, 32)
+        loss = nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.ids), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        pooled = torch.cat([model.sparse(src.train_batch(i, 2048).ids) for i in range(4)])
+    ratios = {n: cpu_hybrid_ratio(pooled[:n]) for n in (2048, 8192)}
+    torch.save({"pooled": pooled.contiguous(), "cpu_hybrid_ratio": ratios}, path)
+    print(f"saved {tuple(pooled.shape)} to {path}; CPU hybrid ratios {ratios}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, batch 2048 only")
     ap.add_argument("--traffic", type=Path, help="real traffic saved by --save-traffic")
     ap.add_argument("--save-traffic", type=Path, help="capture real Criteo traffic and exit")
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
-    ap.add_argument("--profile", type=Path, help="write a profile of batched hybrid here, exit")
-    ap.add_argument("--batch", type=int, default=2048, help="samples per batch (synthetic, train)")
     args = ap.parse_args(argv)
     global DEV
     DEV = torch.device(args.device)
     if args.save_traffic:
-        from bench_codecs import BenchConfig, real_traffic
-
-        chunks = real_traffic(BenchConfig())
-        if chunks is None:
-            print("no real data (../shared/data) here")
-            return 1
-        torch.save([c.clone() for c in chunks], args.save_traffic)
-        print(f"saved {len(chunks)} chunks to {args.save_traffic}")
-        return 0
+        return save_traffic(args.save_traffic)
     if DEV.type == "cuda" and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here; nothing measured")
         return 0
-    repeats = 1 if DEV.type == "cpu" else 5 if args.quick else 20
+    repeats = 2 if DEV.type == "cpu" else 10 if args.quick else 50
+    batches = [256] if DEV.type == "cpu" else [2048] if args.quick else [2048, 8192]
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        "eb_rel": REL,
     }
-    synth = synth_chunks(64, args.batch)
-    if args.profile:
-        args.profile.write_text(profile(synth, 0.03))
-        print(args.profile.read_text()[-6000:])
-        return 0
     real = torch.load(args.traffic) if args.traffic and args.traffic.exists() else None
-    result["checks"] = checks(synth[:8] + (real[:8] if real else []), 0.03)
-    print("checks:", json.dumps(result["checks"]))
-    rows = codec_rows(synth, "synthetic d64 b2048", 0.03, repeats)
-    if real:
-        rows += codec_rows(real[:26], "real Criteo lookups", 0.03, repeats)
+    rows: list[dict] = []
+    for bs in batches:
+        synth = synthetic_step(bs)
+        rows += codec_rows(synth, "synthetic", repeats, cpu_hybrid_ratio(synth))
+        if real is not None and bs <= real["pooled"].shape[0]:
+            cpu_ratio = real["cpu_hybrid_ratio"].get(bs, float("nan"))
+            rows += codec_rows(real["pooled"][:bs], "real Criteo", repeats, cpu_ratio)
+        print_rows(rows[-6:])
+    for r in rows:
+        r["device"] = result["device"]
     result["codecs"] = rows
-    result["train"] = train_rows(2 if DEV.type == "cpu" else 10 if args.quick else 30, args.batch)
+    result["train"] = []
+    for bs in batches:
+        result["train"] += train_rows(bs, 3 if DEV.type == "cpu" else 20)
+    for r in result["train"]:
+        r["device"] = result["device"]
+        print(
+            f"train b={r['batch']:5} {r['config']:7} {r['step_ms']:8.2f} ms "
+            f"x{r['step_ratio']:.3f} syncs {r['syncs_per_step']}"
+        )
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1))
-    hdr = f"{'codec':14} {'device':15} {'data':22} {'ratio':>7} {'enc MB/s':>9} {'dec MB/s':>9}"
-    print(hdr + f" {'batched enc':>11} {'dec':>7} {'1-chunk ratio':>13} {'enc':>7} {'dec':>7}")
-    for r in rows:
-        one = (
-            f" {r['encode_MBps_batched']:11.0f} {r['decode_MBps_batched']:7.0f}"
-            f" {r['ratio_one_chunk']:13.2f} {r['encode_MBps_one_chunk']:7.0f}"
-            f" {r['decode_MBps_one_chunk']:7.0f}"
-            if "ratio_one_chunk" in r
-            else ""
-        )
-        print(
-            f"{r['codec']:14} {r['device']:15} {r['data']:22} {r['ratio']:7.2f}"
-            f" {r['encode_MBps']:9.0f} {r['decode_MBps']:9.0f}{one}"
-        )
-    for r in result["train"]:
-        print(f"train step {r['config']:8} {r['step_ms']:8.2f} ms  ({r['vs_none']:.2f}x none)")
     return 0
+
+
+def print_rows(rows: list[dict]) -> None:
+    for r in rows:
+        print(
+            f"{r['data']:12} b={r['batch']:5} {r['codec']:17} enc {r['encode_gbps']:8.1f} "
+            f"dec {r['decode_gbps']:8.1f} GB/s ratio {r['ratio']:6.2f}"
+            + (
+                f" (cpu {r['cpu_hybrid_ratio']:.2f}) err/eb {r['max_err_over_eb']:.3f} "
+                f"syncs {r['syncs_per_step']} launches {r['launches_encode']}/"
+                f"{r['launches_decode']} break-even {r['break_even_gbit']:.0f} Gbit/s "
+                f"same-bytes {r['same_bytes_as_cpu_reference']}"
+                if "bounds_ms" in r
+                else ""
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -230,3 +230,30 @@ def test_exchange_codes_groups_within_their_bounds_both_ways(ids_aware: bool) ->
     s = ex.stats.summary()
     assert s["fwd_ratio"] > 1 and 0 < ex.stats.max_err["fwd"] <= 1
     assert set(ex.stats.last_eb["fwd"]) == {0, 1, 2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_one_gpu_exchange_step_never_syncs_the_host() -> None:
+    """World size 1 on a GPU: bounds, encode, decode, both directions, no host sync."""
+    classes = {"tight": 0.01, "base": 0.03, "loose": 0.05}
+
+    def direction(name: str) -> Direction:
+        return Direction(name, get_codec("hybrid"), DualBound(3, classes, probe_steps=0, every=0))
+
+    ex = EmbeddingExchange(ShardPlan([0, 0, 0], 1), 0, direction("fwd"), direction("bwd"))
+    ids = torch.randint(0, 6, (64, 3), device="cuda")
+    pooled = torch.randn(64, 3, 16, device="cuda", requires_grad=True)
+
+    def step(k: int) -> None:
+        emb = ex.start_forward(pooled, k, ids).wait()
+        (emb * emb).sum().backward()
+
+    step(0)  # compiles the kernels, fills the caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert ex.stats.summary()["fwd_ratio"] > 1

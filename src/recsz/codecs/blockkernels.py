@@ -3,7 +3,7 @@ bytes; :mod:`recsz.codecs.blockcoder` launches these). They run on a GPU, and on
 under ``TRITON_INTERPRET=1``, where CI checks them against the numpy reference.
 
 Blocks are addressed through a *source map*: entry b >= 0 is code block b of the step's
-element stream, entry b < 0 is reference block -b - 1, so a group's code and reference
+element stream, entry b < 0 is reference block -b - 1, so a group's reference and code
 blocks sit together in its payload while the kernels read two plain streams.
 Floating point: the only products are q x 2eb, each rounded before any sum (no fused
 multiply-add can change a result); x / 2eb is a correctly rounded float64 division.
@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 LANES: tl.constexpr = 32
-MAX_WIDTH: tl.constexpr = 25  # zig-zagged codes of |q| <= 2^24 - 1
+MAX_WIDTH: tl.constexpr = 14  # wider blocks are stored raw
+RAW: tl.constexpr = 15
 F32_MAX: tl.constexpr = 3.4028234663852886e38
 
 
@@ -54,46 +55,35 @@ def _values(src, mb, code_ptr, ref_ptr):
 
 @triton.jit
 def widths_kernel(src_ptr, code_ptr, ref_ptr, raw_ptr, w_ptr, nb, B: tl.constexpr):
-    """Width byte of each block: bit length of its largest value, 255 if raw."""
+    """Width of each block: the bit length of its largest value; RAW where that exceeds
+    MAX_WIDTH or the block holds an element the quantizer missed."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mb = b < nb
     src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
     v = _values(src, mb, code_ptr, ref_ptr)
     top = tl.max(v, axis=1)
     w = tl.zeros([B], dtype=tl.int32)
-    for j in tl.static_range(MAX_WIDTH + 1):
+    for j in tl.static_range(26):
         w += ((top >> j) != 0).to(tl.int32)
-    raw = tl.load(raw_ptr + src, mask=mb & (src >= 0), other=0) != 0
-    tl.store(w_ptr + b, tl.where(raw, 255, w).to(tl.uint8), mask=mb)
+    raw = (tl.load(raw_ptr + src, mask=mb & (src >= 0), other=0) != 0) | (w > MAX_WIDTH)
+    tl.store(w_ptr + b, tl.where(raw, RAW, w).to(tl.uint8), mask=mb)
 
 
 @triton.jit
 def pack_kernel(
-    src_ptr,
-    code_ptr,
-    ref_ptr,
-    xbits_ptr,
-    w_ptr,
-    off_ptr,
-    wpos_ptr,
-    base_ptr,
-    out8_ptr,
-    out32_ptr,
-    part_ptr,
-    nb,
-    B: tl.constexpr,
-):
-    """Write each block's planes (or raw words) at its byte offset and its width byte at
-    its place; ``part`` gets the checksum's share of the block's data words."""
+    src_ptr, code_ptr, ref_ptr, xbits_ptr, w_ptr, off_ptr, base_ptr, out32_ptr, part_ptr,
+    nb, B: tl.constexpr,
+):  # fmt: skip
+    """Write each block's planes, or its raw words (float32 bits, or the references), at
+    its byte offset; ``part`` gets the checksum's share of the block's data words."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mb = b < nb
     lane = tl.arange(0, LANES)
     src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
     w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
     off = tl.load(off_ptr + b, mask=mb, other=0)
-    wpos = tl.load(wpos_ptr + b, mask=mb, other=0)
     base = tl.load(base_ptr + b, mask=mb, other=0)  # the payload's first byte
-    raw = w == 255
+    raw = w == RAW
     v = _values(src, mb, code_ptr, ref_ptr)
     word0 = off // 4
     i0 = ((off - base - 8) // 4).to(tl.uint32)  # checksum index of the first word
@@ -103,32 +93,20 @@ def pack_kernel(
         keep = mb & (j < w) & ~raw
         tl.store(out32_ptr + word0 + j, plane.to(tl.int32, bitcast=True), mask=keep)
         part += tl.where(keep, plane * (2 * (i0 + j) + 1), 0)
-    xa = src[:, None] * LANES + lane[None, :]
-    rm = (mb & raw & (src >= 0))[:, None]
-    xb = tl.load(xbits_ptr + xa, mask=rm, other=0)
-    tl.store(out32_ptr + word0[:, None] + lane[None, :], xb, mask=rm)
-    xu = xb.to(tl.uint32, bitcast=True)
+    is_code = (src >= 0)[:, None]
+    rm = (mb & raw)[:, None]
+    xb = tl.load(xbits_ptr + src[:, None] * LANES + lane[None, :], mask=rm & is_code, other=0)
+    xu = tl.where(is_code, xb.to(tl.uint32, bitcast=True), v)
+    tl.store(out32_ptr + word0[:, None] + lane[None, :], xu.to(tl.int32, bitcast=True), mask=rm)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
-    tl.store(out8_ptr + wpos, w.to(tl.uint8), mask=mb)
     tl.store(part_ptr + b, part.to(tl.int32, bitcast=True), mask=mb)
 
 
 @triton.jit
 def unpack_kernel(
-    src_ptr,
-    w_ptr,
-    off_ptr,
-    base_ptr,
-    in32_ptr,
-    n_words,
-    eb_ptr,
-    dim,
-    out_ptr,
-    ref_ptr,
-    part_ptr,
-    nb,
-    B: tl.constexpr,
-):
+    src_ptr, w_ptr, off_ptr, base_ptr, in32_ptr, n_words, eb_ptr, dim,
+    out_ptr, ref_ptr, part_ptr, nb, B: tl.constexpr,
+):  # fmt: skip
     """Decode each block into the element stream (dequantized, or raw words as they are)
     or the reference stream; ``part`` gets the checksum's share of its data words."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
@@ -138,7 +116,7 @@ def unpack_kernel(
     w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
     off = tl.load(off_ptr + b, mask=mb, other=0)
     base = tl.load(base_ptr + b, mask=mb, other=0)
-    raw = w == 255
+    raw = w == RAW
     word0 = off // 4
     i0 = ((off - base - 8) // 4).to(tl.uint32)
     v = tl.zeros([B, LANES], dtype=tl.uint32)
@@ -155,6 +133,7 @@ def unpack_kernel(
     xu = xb.to(tl.uint32, bitcast=True)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
     tl.store(part_ptr + b, part.to(tl.int32, bitcast=True), mask=mb)
+    v = tl.where(raw[:, None], xu, v)
     is_code = src >= 0
     at = src[:, None] * LANES + lane[None, :]
     zi = v.to(tl.int32, bitcast=True)

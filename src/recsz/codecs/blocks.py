@@ -100,9 +100,10 @@ def decode_segments(
         out = []
         for i, p in enumerate(payloads):
             lay, y, _ = bf.decode_group(p.detach().cpu().numpy())
-            want = expect[i] if expect is not None else None
-            if lay.codec != codec or (want is not None and lay != want):
-                raise PayloadError(f"payload {i} holds {lay}, expected {want or codec}")
+            if lay.codec != codec:
+                raise PayloadError(f"payload {i} was made by codec {lay.codec!r}, not {codec!r}")
+            if expect is not None and lay != expect[i]:
+                raise PayloadError(f"payload {i} holds {lay}, expected {expect[i]}")
             out.append(torch.from_numpy(y).to(dev))
         return out
     from recsz.codecs import blockcoder
@@ -115,9 +116,3 @@ def decode_segments(
     if check:
         blockcoder.check(ok)
     return rows
-
-
-def header(payload: np.ndarray) -> tuple[str, tuple[int, int], int]:
-    """(codec id, (rows, D), payload length it states) of a format-3 payload's first bytes."""
-    lay, dlen, _ = bf.read_layout(payload)
-    return lay.codec, (lay.rows, lay.dim), lay.data_at + dlen

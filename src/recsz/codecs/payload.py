@@ -130,7 +130,7 @@ def parse_payload(
     elif fver == BLOCK_FORMAT:  # recsz.codecs.blockformat; its codec checks the rest
         from recsz.codecs.blockformat import read_layout
 
-        lay, _, _ = read_layout(buf if on_cpu else payload[:HEAD_WINDOW].cpu().numpy())
+        lay = read_layout(buf if on_cpu else payload[:HEAD_WINDOW].cpu().numpy())[0]
         shape = (lay.rows, lay.dim)
         return Header(lay.codec, 1, {}, DTYPE_BY_CODE[lay.dtype_code], shape, 0.0, 0), payload
     elif fver == DEVICE_FORMAT:
