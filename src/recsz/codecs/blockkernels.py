@@ -14,10 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LANES: tl.constexpr = 32
-MAX_WIDTH: tl.constexpr = 14  # wider blocks are stored raw
-RAW: tl.constexpr = 15
-F32_MAX: tl.constexpr = 3.4028234663852886e38
+LANES = tl.constexpr(32)
+MAX_WIDTH = tl.constexpr(14)  # wider blocks are stored raw
+RAW = tl.constexpr(15)
+F32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
@@ -141,7 +141,7 @@ def unpack_kernel(
     eb = tl.load(eb_ptr + at // dim, mask=(mb & is_code)[:, None], other=1.0)
     # Clamped: a valid payload never needs it; a damaged one must not overflow (its
     # checksum fails).
-    y = tl.clamp(q.to(tl.float64) * (eb * 2.0), -F32_MAX, F32_MAX).to(tl.float32)
+    y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -F32_MAX), F32_MAX).to(tl.float32)
     y = tl.where(raw[:, None], xb.to(tl.float32, bitcast=True), y)
     tl.store(out_ptr + at, y, mask=(mb & is_code)[:, None])
     ref_at = (-src - 1)[:, None] * LANES + lane[None, :]
