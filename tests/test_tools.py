@@ -112,7 +112,7 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
         assert key in hybrid, key
     assert hybrid["ratio"] > 5 and hybrid["same_bytes_as_cpu_reference"]
     assert 0 < hybrid["max_err_over_eb"] <= 1
-    assert {r["config"] for r in result["train"]} == {"none", "fp16", "hybrid", "quant"}
+    assert {r["config"] for r in result["train"]} == {"direct", "none", "fp16", "hybrid", "quant"}
     assert all("step_ratio" in r for r in result["train"])
 
 

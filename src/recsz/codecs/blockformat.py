@@ -57,6 +57,7 @@ RAW = 15  # width of a raw block (values stored as they are: float32 bits, refer
 MAX_WIDTH = 14  # wider blocks are stored raw
 F32_MAX = float(np.finfo(np.float32).max)
 LANES = 32
+MASK32 = 0xFFFFFFFF
 FIELDS = struct.Struct("<7I")
 DEDUP = 1
 #: Odd 64-bit multipliers of the row hash (fixed: both ends and every build agree).

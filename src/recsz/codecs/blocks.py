@@ -46,7 +46,8 @@ def encode_segments(
     """One payload per group (rows (sum(sizes), D), sizes), and their used lengths (an
     int64 tensor on the groups' device); ``ebs``: a bound per segment, every group's in
     order. ``trim=False`` returns each payload in its whole capacity (no host read at
-    all: for payloads that never leave this process)."""
+    all: for payloads that never leave this process and are decoded before the next call
+    with the same shapes, which may reuse their memory)."""
     if not groups:
         return [], torch.zeros(0, dtype=torch.int64)
     dim = groups[0][0].shape[1]
@@ -78,9 +79,11 @@ def encode_segments(
         return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
     from recsz.codecs import blockcoder
 
-    buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev))
+    # Untrimmed payloads never leave this process: they may live in the buffers of a
+    # CUDA graph that the next call of the same shapes reuses (blockcoder, static).
+    buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev), static=not trim)
     ends = used.tolist() if trim else [lay.capacity for lay in lays]
-    return [buf[b : b + int(n)] for b, n in zip(base, ends, strict=True)], used
+    return [buf[b : b + int(n)] for b, n in zip(base, ends, strict=True)], used.clone()
 
 
 def decode_segments(
@@ -92,7 +95,8 @@ def decode_segments(
     """Rows of each payload, made by ``codec``. ``expect``: the layouts the caller knows
     (then no header is read on the host; a payload that differs fails its checks).
     ``check=False`` skips the one host read of the checks' flags, for payloads this
-    process made itself."""
+    process made itself (the rows then may live in memory that the next call with the
+    same payload buffer reuses)."""
     if not payloads:
         return []
     dev = payloads[0].device
@@ -112,7 +116,7 @@ def decode_segments(
     for i, lay in enumerate(lays):
         if lay.codec != codec:
             raise PayloadError(f"payload {i} was made by codec {lay.codec!r}, not {codec!r}")
-    rows, _, ok = blockcoder.decode(payloads, lays)
+    rows, _, ok = blockcoder.decode(payloads, lays, static=not check)
     if check:
         blockcoder.check(ok)
     return rows
