@@ -248,14 +248,14 @@ def test_a_one_gpu_exchange_step_never_syncs_the_host() -> None:
         emb = ex.start_forward(pooled, k, ids).wait()
         (emb * emb).sum().backward()
 
-    step(0)  # compiles the kernels, fills the caches
-    step(1)  # captures the CUDA graphs
+    for k in range(4):  # compiles the kernels, fills the caches, captures the graphs
+        step(k)
     torch.cuda.synchronize()
     with warnings.catch_warnings():  # "a prototype feature" (torch warns on every use)
         warnings.simplefilter("ignore", UserWarning)
         torch.cuda.set_sync_debug_mode("error")
     try:
-        step(2)
+        step(4)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
