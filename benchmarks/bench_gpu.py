@@ -109,6 +109,24 @@ def count_launches(fn: Any) -> int:
     return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+def top_kernels(fn: Any, n: int = 12) -> list[tuple[str, float]]:
+    """The n GPU kernels one call of fn spends most time in (name, microseconds)."""
+    if DEV.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        _sync()
+    times: dict[str, float] = {}
+    for e in p.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
+    return sorted(times.items(), key=lambda kv: -kv[1])[:n]
+
+
 def synthetic_step(batch: int) -> torch.Tensor:
     from bench_codecs import BenchConfig, synth_traffic
 
@@ -188,6 +206,8 @@ def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float
                 "launches_encode": count_launches(enc),
                 "launches_decode": count_launches(dec),
                 "break_even_gbit": saved * 8 / (t_enc + t_dec) / 1e9,
+                "top_kernels_encode": top_kernels(enc) if b >= 8192 else [],
+                "top_kernels_decode": top_kernels(dec) if b >= 8192 else [],
             }
         )
     for r in out:

@@ -6,6 +6,9 @@ are rejected, and the exchange codes a step through it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -260,3 +263,12 @@ def test_a_one_gpu_exchange_step_never_syncs_the_host() -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert ex.stats.summary()["fwd_ratio"] > 1
+
+
+def test_kernels_compile_for_a_hopper_gpu() -> None:
+    """The interpreter accepts code that compiled Triton refuses (globals, intrinsics):
+    compile every kernel for sm_90 here, with Triton's own ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "tests.compile_kernels"], env=env,
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr

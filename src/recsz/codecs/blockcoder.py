@@ -30,7 +30,14 @@ import triton
 
 from recsz.codecs import blockformat as bf
 from recsz.codecs import blockplan as bp
-from recsz.codecs.blockkernels import pack_kernel, quantize_kernel, unpack_kernel, widths_kernel
+from recsz.codecs.blockkernels import (
+    pack_kernel,
+    quantize_kernel,
+    row_key_kernel,
+    same_rows_kernel,
+    unpack_kernel,
+    widths_kernel,
+)
 from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
@@ -106,17 +113,17 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
         rank, literal = bp.literal_rank(p, lit)
         ref = torch.where(lit, 0, rank[rep.clamp(min=0)] - rank[t["rfirst"]] + 1)
         refs[t["rslot"]] = ref.to(torch.int32)
-        at = torch.where(lit, t["rrow0"] + rank, p.rows)  # duplicates: to a spare row
-        x = x.new_zeros(p.rows + 1, dim).index_copy_(0, at, x)[:-1]
-        eb_row = eb_row.new_ones(p.rows + 1).index_copy_(0, at, eb_row)[:-1]
+        at = torch.where(lit, t["rrow0"] + rank, p.rows)  # duplicates: to a spare slot
+        rows = torch.arange(p.rows, device=dev)
+        row_map = rows.new_full((p.rows + 1,), -1).index_copy_(0, at, rows)[:-1]
     else:
-        literal = t["npad"]
+        literal, row_map = t["npad"], torch.arange(p.rows, device=dev)
     n = x.numel()
     zz = torch.empty(n, dtype=torch.int32, device=dev)
     bad = torch.empty(n, dtype=torch.int8, device=dev)
     if n:
         grid = (triton.cdiv(n, ELEMS),)
-        quantize_kernel[grid](x, eb_row, zz, bad, n, dim, bf.QMAX, BLOCK=ELEMS)
+        quantize_kernel[grid](x, row_map, eb_row, zz, bad, n, dim, bf.QMAX, BLOCK=ELEMS)
     raw = bad.view(-1, bf.LANES).amax(1)
     n_blocks, data_at = bp.block_counts(p, literal)
     nb = p.blocks
@@ -134,8 +141,8 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
     hi = torch.where(2 * k + 1 < n_blocks[wg], w[(first + 1).clamp(max=max(nb - 1, 0))], 0)
     out[t["wpos"]] = lo | (hi << 4)
     if nb:
-        pack_kernel[grid](t["src"], zz, refs, x.view(torch.int32), w, off, t["bbase"],
-                          out.view(torch.int32), parts, nb, B=BLOCKS)  # fmt: skip
+        pack_kernel[grid](t["src"], zz, refs, x.view(torch.int32), row_map, dim, w, off,
+                          t["bbase"], out.view(torch.int32), parts, nb, B=BLOCKS)  # fmt: skip
     out[t["ipos"]] = t["ival"]
     out[t["eb_pos"]] = ebs.view(torch.uint8)
     out[t["field_pos"]] = torch.stack([_u32(literal), _u32(data_len)], 1).view(torch.uint8).view(-1)
@@ -144,21 +151,31 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
     return out, data_at + data_len
 
 
+ROWS = 32  # rows per dedup-kernel program
+DB = 32  # dims per step of its loop
+
+
 def _duplicates(p: bp.Plan, bits: torch.Tensor) -> torch.Tensor:
-    """blockformat.duplicates as torch operations on the device."""
+    """blockformat.duplicates on the device: keys by a kernel, a stable sort, the first
+    row of each run of equal keys as the target, checked bit for bit by a kernel."""
     t = p.t
-    n = bits.shape[0]
+    n, dim = bits.shape
     r = torch.arange(n, device=p.dev)
-    h = (bits.to(torch.int64) * t["mult"]).sum(1)
-    key = (h & ((1 << bf.HASH_BITS) - 1)) | (t["piece"] << bf.HASH_BITS)
-    key = torch.where(t["rpad"], -(r + 1), key)
+    key = torch.empty(n, dtype=torch.int64, device=p.dev)
+    grid = (triton.cdiv(n, ROWS),)
+    if n:
+        row_key_kernel[grid](bits, t["mult"], t["piece"], t["rpad"], key, n,
+                             (1 << bf.HASH_BITS) - 1, bf.HASH_BITS, dim=dim, ROWS=ROWS,
+                             DB=DB)  # fmt: skip
     ks, perm = torch.sort(key, stable=True)
     start = torch.ones(n, dtype=torch.bool, device=p.dev)
     start[1:] = ks[1:] != ks[:-1]
     rep = perm[torch.cummax(torch.where(start, r, 0), 0).values]
-    same = (bits[perm] == bits[rep]).all(1) & ~start
+    same = torch.empty(n, dtype=torch.int8, device=p.dev)
+    if n:
+        same_rows_kernel[grid](bits, perm, rep, same, n, dim=dim, ROWS=ROWS, DB=DB)
     out = torch.full((n,), -1, dtype=torch.int64, device=p.dev)
-    out[perm] = torch.where(same, rep, -1)
+    out[perm] = torch.where((same != 0) & ~start, rep, -1)
     return out
 
 
@@ -239,11 +256,11 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bad += (stated_len != data_len) | (t["base"] + data_at + data_len > t["end"])
     ebs = buf[t["eb_pos"]].view(torch.float64)
     eb_row = torch.cat([ebs, ebs.new_ones(1)])[t["rext"]]
-    y = torch.zeros(p.rows * dim, dtype=torch.float32, device=dev)
+    y = torch.empty(p.rows * dim, dtype=torch.float32, device=dev)  # pass 2 writes all
     refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
     parts = torch.zeros(p.blocks, dtype=torch.int32, device=dev)
     if p.dedup:  # the references first: the literal rows' bounds depend on them
-        _unpack(p, words, w * (t["src"] < 0), off, eb_row, y, refs, parts)
+        _unpack(p, words, w * (t["src"] < 0), off, eb_row, y, refs, parts, codes=False)
         ref = refs[t["rslot"]].to(torch.int64)
         lit = ref == 0
         rank, count = bp.literal_rank(p, lit)
@@ -251,7 +268,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         at = torch.where(lit, t["rrow0"] + rank, p.rows)
         eb_row = eb_row.new_ones(p.rows + 1).index_copy_(0, at, eb_row)[:-1]
         w = w * (t["src"] >= 0)
-    _unpack(p, words, w, off, eb_row, y, refs, parts)
+    _unpack(p, words, w, off, eb_row, y, refs, parts, refs_too=not p.dedup)
     total = (bp.head_hash(p, words, data_at) + bp.part_hash(p, parts)) & bf.MASK32
     bad += total != (buf[t["ck_pos"]].view(torch.int32).to(torch.int64) & bf.MASK32)
     out = y.view(p.rows, dim)
@@ -273,14 +290,17 @@ def _unpack(
     y: torch.Tensor,
     refs: torch.Tensor,
     parts: torch.Tensor,
+    codes: bool = True,
+    refs_too: bool = True,
 ) -> None:
-    """The unpack kernel over the blocks of nonzero width; adds their checksum parts."""
+    """The unpack kernel over the blocks of nonzero width; adds their checksum parts.
+    ``codes`` / ``refs_too``: write the element / reference stream."""
     if not p.blocks:
         return
     part = torch.zeros_like(parts)
     unpack_kernel[(triton.cdiv(p.blocks, BLOCKS),)](
         p.t["src"], w, off, p.t["bbase"], words, words.numel(), eb_row, p.dim,
-        y, refs, part, p.blocks, B=BLOCKS,
+        y, refs, part, p.blocks, B=BLOCKS, CODES=codes, REFS=refs_too,
     )  # fmt: skip
     parts += part
 

@@ -21,12 +21,15 @@ F32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def quantize_kernel(x_ptr, eb_ptr, zz_ptr, bad_ptr, n, dim, qmax, BLOCK: tl.constexpr):
-    """Zig-zagged codes and miss flags of n float32 elements; eb per row (float64)."""
+def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, bad_ptr, n, dim, qmax, BLOCK: tl.constexpr):
+    """Zig-zagged codes and miss flags of the n elements of the literal rows: row c is
+    row map[c] of x (float32; -1: a zero row); eb per row of x (float64)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float64)
-    eb = tl.load(eb_ptr + offs // dim, mask=m, other=1.0)
+    row = tl.load(map_ptr + offs // dim, mask=m, other=-1)
+    m2 = m & (row >= 0)
+    x = tl.load(x_ptr + row * dim + offs % dim, mask=m2, other=0.0).to(tl.float64)
+    eb = tl.load(eb_ptr + row, mask=m2, other=1.0)
     step = eb * 2.0
     qf = tl.floor(x / step + 0.5)
     ok = tl.abs(qf) <= qmax
@@ -71,8 +74,8 @@ def widths_kernel(src_ptr, code_ptr, ref_ptr, raw_ptr, w_ptr, nb, B: tl.constexp
 
 @triton.jit
 def pack_kernel(
-    src_ptr, code_ptr, ref_ptr, xbits_ptr, w_ptr, off_ptr, base_ptr, out32_ptr, part_ptr,
-    nb, B: tl.constexpr,
+    src_ptr, code_ptr, ref_ptr, xbits_ptr, map_ptr, dim, w_ptr, off_ptr, base_ptr, out32_ptr,
+    part_ptr, nb, B: tl.constexpr,
 ):  # fmt: skip
     """Write each block's planes, or its raw words (float32 bits, or the references), at
     its byte offset; ``part`` gets the checksum's share of the block's data words."""
@@ -95,7 +98,9 @@ def pack_kernel(
         part += tl.where(keep, plane * (2 * (i0 + j) + 1), 0)
     is_code = (src >= 0)[:, None]
     rm = (mb & raw)[:, None]
-    xb = tl.load(xbits_ptr + src[:, None] * LANES + lane[None, :], mask=rm & is_code, other=0)
+    at = src[:, None] * LANES + lane[None, :]  # literal element: row map[at // dim] of x
+    row = tl.load(map_ptr + at // dim, mask=rm & is_code, other=-1)
+    xb = tl.load(xbits_ptr + row * dim + at % dim, mask=rm & is_code & (row >= 0), other=0)
     xu = tl.where(is_code, xb.to(tl.uint32, bitcast=True), v)
     tl.store(out32_ptr + word0[:, None] + lane[None, :], xu.to(tl.int32, bitcast=True), mask=rm)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
@@ -105,7 +110,7 @@ def pack_kernel(
 @triton.jit
 def unpack_kernel(
     src_ptr, w_ptr, off_ptr, base_ptr, in32_ptr, n_words, eb_ptr, dim,
-    out_ptr, ref_ptr, part_ptr, nb, B: tl.constexpr,
+    out_ptr, ref_ptr, part_ptr, nb, B: tl.constexpr, CODES: tl.constexpr, REFS: tl.constexpr,
 ):  # fmt: skip
     """Decode each block into the element stream (dequantized, or raw words as they are)
     or the reference stream; ``part`` gets the checksum's share of its data words."""
@@ -143,6 +148,51 @@ def unpack_kernel(
     # checksum fails).
     y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -F32_MAX), F32_MAX).to(tl.float32)
     y = tl.where(raw[:, None], xb.to(tl.float32, bitcast=True), y)
-    tl.store(out_ptr + at, y, mask=(mb & is_code)[:, None])
-    ref_at = (-src - 1)[:, None] * LANES + lane[None, :]
-    tl.store(ref_ptr + ref_at, zi, mask=(mb & ~is_code)[:, None])
+    if CODES:
+        tl.store(out_ptr + at, y, mask=(mb & is_code)[:, None])
+    if REFS:
+        ref_at = (-src - 1)[:, None] * LANES + lane[None, :]
+        tl.store(ref_ptr + ref_at, zi, mask=(mb & ~is_code)[:, None])
+
+
+@triton.jit
+def row_key_kernel(
+    bits_ptr, mult_ptr, piece_ptr, pad_ptr, key_ptr, n_rows, hash_mask, shift,
+    dim: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
+    """Each row's dedup key: (sum_d uint32 bits x mult[d]) & mask | piece << shift,
+    int64 arithmetic wrapping; -(row + 1) for pad rows (never matched)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mr = r < n_rows
+    h = tl.zeros([ROWS], dtype=tl.int64)
+    for d0 in tl.static_range(0, dim, DB):
+        d = d0 + tl.arange(0, DB)
+        md = d < dim
+        v = tl.load(
+            bits_ptr + r[:, None] * dim + d[None, :], mask=mr[:, None] & md[None, :], other=0
+        )
+        m = tl.load(mult_ptr + d, mask=md, other=0)
+        h += tl.sum((v.to(tl.int64) & 0xFFFFFFFF) * m[None, :], axis=1)
+    piece = tl.load(piece_ptr + r, mask=mr, other=0)
+    pad = tl.load(pad_ptr + r, mask=mr, other=1)
+    key = tl.where(pad != 0, -(r + 1), (h & hash_mask) | (piece << shift))
+    tl.store(key_ptr + r, key, mask=mr)
+
+
+@triton.jit
+def same_rows_kernel(
+    bits_ptr, a_ptr, b_ptr, out_ptr, n, dim: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr
+):  # fmt: skip
+    """out[i] = row a[i] of bits equals row b[i], bit for bit."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mi = i < n
+    ra = tl.load(a_ptr + i, mask=mi, other=0)
+    rb = tl.load(b_ptr + i, mask=mi, other=0)
+    diff = tl.zeros([ROWS], dtype=tl.int32)
+    for d0 in tl.static_range(0, dim, DB):
+        d = d0 + tl.arange(0, DB)
+        m = mi[:, None] & (d < dim)[None, :]
+        va = tl.load(bits_ptr + ra[:, None] * dim + d[None, :], mask=m, other=0)
+        vb = tl.load(bits_ptr + rb[:, None] * dim + d[None, :], mask=m, other=0)
+        diff += tl.sum((va != vb).to(tl.int32), axis=1)
+    tl.store(out_ptr + i, (diff == 0).to(tl.int8), mask=mi)

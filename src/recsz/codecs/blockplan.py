@@ -154,7 +154,7 @@ def _derive(p: Plan) -> None:
     t["rgroup"] = group_of(t["npad"], p.rows)
     t["rlocal"] = r - t["row0"][t["rgroup"]]
     t["rfirst"] = (torch.cumsum(t["counts"], 0) - t["counts"])[t["piece"]]
-    t["rpad"] = t["is_pad"][t["piece"]] != 0
+    t["rpad"] = t["is_pad"][t["piece"]].to(torch.int8)
     t["rslot"] = t["rb0"][t["rgroup"]] * bf.LANES + t["rlocal"]
     t["rrow0"] = t["row0"][t["rgroup"]]
     t["rext"] = t["ext"][t["piece"]]
