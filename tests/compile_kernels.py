@@ -17,7 +17,7 @@ PTRS = {"src_ptr": "*i64", "w_ptr": "*u8", "off_ptr": "*i64", "base_ptr": "*i64"
 KERNELS = {
     k.quantize_kernel: (
         {"x_ptr": "*fp32", "map_ptr": "*i64", "eb_ptr": "*fp64", "zz_ptr": "*i32",
-         "bad_ptr": "*i8", "n": "i64", "dim": "i32", "qmax": "i32", "BLOCK": "constexpr"},
+         "raw_ptr": "*i8", "n": "i64", "dim": "i32", "qmax": "i32", "BLOCK": "constexpr"},
         {"BLOCK": 2048},
     ),
     k.widths_kernel: (

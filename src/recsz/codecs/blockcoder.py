@@ -70,7 +70,7 @@ def _replay(p: bp.Plan, run: Any, static: bool) -> Any:
         return run()
     if p.graph is None:
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):  # batches load aside
             outs = run()
         p.graph = (g, outs)
     g, outs = p.graph
@@ -120,11 +120,10 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
         literal, row_map = t["npad"], torch.arange(p.rows, device=dev)
     n = x.numel()
     zz = torch.empty(n, dtype=torch.int32, device=dev)
-    bad = torch.empty(n, dtype=torch.int8, device=dev)
+    raw = torch.empty(n // bf.LANES, dtype=torch.int8, device=dev)
     if n:
         grid = (triton.cdiv(n, ELEMS),)
-        quantize_kernel[grid](x, row_map, eb_row, zz, bad, n, dim, bf.QMAX, BLOCK=ELEMS)
-    raw = bad.view(-1, bf.LANES).amax(1)
+        quantize_kernel[grid](x, row_map, eb_row, zz, raw, n, dim, bf.QMAX, BLOCK=ELEMS)
     n_blocks, data_at = bp.block_counts(p, literal)
     nb = p.blocks
     w = torch.zeros(nb, dtype=torch.uint8, device=dev)
@@ -170,7 +169,9 @@ def _duplicates(p: bp.Plan, bits: torch.Tensor) -> torch.Tensor:
     ks, perm = torch.sort(key, stable=True)
     start = torch.ones(n, dtype=torch.bool, device=p.dev)
     start[1:] = ks[1:] != ks[:-1]
-    rep = perm[torch.cummax(torch.where(start, r, 0), 0).values]
+    run = torch.cumsum(start.to(torch.int64), 0) - 1  # each sorted row's run
+    first = r.new_zeros(n + 1).index_copy_(0, torch.where(start, run, n), r)  # run -> its start
+    rep = perm[first[run]]
     same = torch.empty(n, dtype=torch.int8, device=p.dev)
     if n:
         same_rows_kernel[grid](bits, perm, rep, same, n, dim=dim, ROWS=ROWS, DB=DB)
@@ -242,7 +243,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, dim, dev, buf = p.t, p.dim, p.dev, p.t["buf"]
     words = buf.view(torch.int32)
     bad = torch.zeros(p.g, dtype=torch.int64, device=dev)
-    bad.index_add_(0, t["igroup"], (buf[t["ipos"]] != t["ival"]).to(torch.int64))
+    bad += bp.segment_sum(buf[t["ipos"]] != t["ival"], t["ibounds"])
     fields = buf[t["field_pos"]].view(torch.int32).to(torch.int64).view(p.g, 2) & bf.MASK32
     stated_l, stated_len = fields[:, 0], fields[:, 1]
     bad += stated_l > t["npad"]
@@ -275,7 +276,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if p.dedup:
         want = torch.where(lit, rank, rank[t["rfirst"]] + ref - 1)
         wrong = ~lit & ((ref < 0) | (want >= rank))
-        bad.index_add_(0, t["rgroup"], wrong.to(torch.int64))
+        bad += bp.segment_sum(wrong, t["rbounds"])
         want = torch.minimum(torch.where(wrong, 0, want), t["npad"][t["rgroup"]] - 1)
         out = out.index_select(0, t["rrow0"] + want)
     return out, ebs, bad == 0

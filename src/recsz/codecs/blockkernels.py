@@ -21,9 +21,10 @@ F32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 @triton.jit
-def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, bad_ptr, n, dim, qmax, BLOCK: tl.constexpr):
-    """Zig-zagged codes and miss flags of the n elements of the literal rows: row c is
-    row map[c] of x (float32; -1: a zero row); eb per row of x (float64)."""
+def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, raw_ptr, n, dim, qmax, BLOCK: tl.constexpr):
+    """Zig-zagged codes of the n elements of the literal rows (row c is row map[c] of x,
+    float32; -1: a zero row; eb per row of x, float64), and per 32-value block whether
+    the quantizer missed any of its elements (then the block is stored raw)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     row = tl.load(map_ptr + offs // dim, mask=m, other=-1)
@@ -41,7 +42,9 @@ def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, bad_ptr, n, dim, qmax, BLOCK
     q = qf.to(tl.int32)
     zz = (q << 1) ^ (q >> 31)
     tl.store(zz_ptr + offs, tl.where(ok, zz, 0), mask=m)
-    tl.store(bad_ptr + offs, (~ok).to(tl.int8), mask=m)
+    missed = tl.max(tl.reshape((~ok).to(tl.int8), (BLOCK // LANES, LANES)), axis=1)
+    blk = tl.program_id(0).to(tl.int64) * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)
+    tl.store(raw_ptr + blk, missed, mask=blk * LANES < n)
 
 
 @triton.jit

@@ -97,7 +97,7 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
         ),
         "ck_pos": _spans([b + 4 for b in base], [4] * len(lays)),
         "ipos": ipos,
-        "igroup": ig,
+        "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
         "mult": bf.HASH_MULT[: lays[0].dim],
     }
     arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "counts": counts,
@@ -168,6 +168,8 @@ def _derive(p: Plan) -> None:
     t["wpos"] = ranges(t["base"] + t["wat"], t["wb"], wb_total)
     t["wg"] = group_of(t["wb"], wb_total)
     t["wk"] = t["wpos"] - (t["base"] + t["wat"])[t["wg"]]
+    t["rbounds"] = _pad1(torch.cumsum(t["npad"], 0), (1, 0))
+    t["hbounds"] = _pad1(torch.cumsum(t["hh"], 0), (1, 0))
     hh_total = int(sum((lay.data_at(lay.padded) - 8) // 4 for lay in p.lays))
     first = (t["base"] + 8) // 4
     t["hidx"] = ranges(first, t["hh"], hh_total)
@@ -203,7 +205,14 @@ def head_hash(p: Plan, words: torch.Tensor, data_at: torch.Tensor) -> torch.Tens
     hg, i = p.t["hg"], p.t["hi"]
     keep = i < (data_at[hg] - 8) // 4
     v = (words[p.t["hidx"].clamp(max=words.numel() - 1)].to(torch.int64) & bf.MASK32) * (2 * i + 1)
-    return torch.zeros(p.g, dtype=torch.int64, device=p.dev).index_add_(0, hg, v * keep)
+    return segment_sum(v * keep, p.t["hbounds"])
+
+
+def segment_sum(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """Sums of v over consecutive segments [bounds[g], bounds[g + 1]) (int64, wrapping):
+    a prefix sum, not atomics (a few segments of many values would contend)."""
+    cz = _pad1(torch.cumsum(v.to(torch.int64), 0), (1, 0))
+    return cz[bounds[1:]] - cz[bounds[:-1]]
 
 
 def part_hash(p: Plan, parts: torch.Tensor) -> torch.Tensor:
