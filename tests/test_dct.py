@@ -64,8 +64,8 @@ def test_mp_backward_uses_the_forward_mask() -> None:
         Direction("bwd", get_codec("dct-mask"), BoundPolicy()),
     )
     g = torch.Generator().manual_seed(0)
-    pooled = torch.randn(8, 2, 4, generator=g).requires_grad_()
-    ids = torch.arange(16).view(8, 2)  # all distinct: no id-aware reduction here
+    pooled = torch.randn(64, 2, 4, generator=g).requires_grad_()
+    ids = torch.arange(128).view(64, 2)  # all distinct: no id-aware reduction here
     emb = ex.start_forward(pooled, step=0, ids=ids).wait()
     kept = emb.detach() != 0
     assert 0 < kept.sum() < kept.numel()

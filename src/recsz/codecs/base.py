@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from recsz.codecs import framing
 from recsz.codecs.devframe import frame_device, open_device, outlier_bytes, read_outliers
 from recsz.codecs.payload import (
     BLOCK_FORMAT,
@@ -270,7 +271,7 @@ class Codec(ABC):
         if v == DEVICE_FORMAT:
             return self._decode_device_checked([payload])[0]
         if v == BLOCK_FORMAT:
-            return self.decode_segments([payload])[0]
+            return self._decode_blocks([payload])[0]
         hdr, body = parse_payload(payload)
         if hdr.codec != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr.codec!r}, not {self.codec_id!r}")
@@ -308,7 +309,7 @@ class Codec(ABC):
         for (v, _), idx in groups.items():
             some = [payloads[i] for i in idx]
             ys = (
-                self.decode_segments(some)
+                self._decode_blocks(some)
                 if v == BLOCK_FORMAT
                 else self._decode_device_checked(some)
             )
@@ -316,20 +317,24 @@ class Codec(ABC):
                 out[i] = y
         return [y for y in out if y is not None]
 
-    # ---- groups of segments (format 3) --------------------------------------------------
+    # ---- groups of tables: what one destination gets in a step ------------------------
     def segments_on(self, device: torch.device) -> bool:
-        """True when this codec codes a whole group of tables (each under its own bound)
-        as one payload on ``device``, sync-free: the exchange then gives it one group per
-        destination and the bounds as a device tensor (:meth:`encode_segments`)."""
+        """True when this codec codes a group of tables in a format of its own on
+        ``device``, sync-free (format 3); otherwise a group is framed chunks."""
         return False
 
     def encode_segments(
-        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor, trim: bool = True
+        self,
+        groups: list[tuple[torch.Tensor, list[int]]],
+        ebs: torch.Tensor | None,
+        trim: bool = True,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One payload per group (rows, rows per segment), ``ebs`` a bound per segment,
-        and the payloads' used lengths (a device tensor); ``trim=False``: payloads in
-        their whole capacity, with no host read."""
-        raise NotImplementedError(f"{self.codec_id} codes no groups of segments")
+        """One payload per group (rows, rows per table), ``ebs`` a bound per table (all
+        groups in order; None for codecs that take none), and the payloads' lengths.
+        ``trim=False``: payloads may keep their whole capacity and live in memory that
+        the next call of the same shapes reuses (for payloads that never leave this
+        process); by default a chunk per table, framed (:mod:`recsz.codecs.framing`)."""
+        return framing.encode_groups(self, groups, ebs)
 
     def decode_segments(
         self,
@@ -338,8 +343,12 @@ class Codec(ABC):
         dim: int = 0,
         check: bool = True,
     ) -> list[torch.Tensor]:
-        """The rows of each group payload; ``sizes``/``dim``: what the caller expects
-        (then nothing is read on the host but, with ``check``, one flag per call)."""
+        """The rows of each group payload; ``sizes``/``dim``: what the caller expects.
+        ``check=False``: the payloads are this process's own (no checks need reading)."""
+        return framing.decode_groups(self, payloads, sizes, dim)
+
+    def _decode_blocks(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode format-3 payloads (codecs that write them override this)."""
         raise PayloadError(f"{self.codec_id} does not read format-{BLOCK_FORMAT} payloads")
 
     def _decode_device_checked(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:

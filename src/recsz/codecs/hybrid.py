@@ -86,8 +86,15 @@ class QuantPipeline(Codec):
         return self.coder == "blocks" or (self.coder == "auto" and device.type == "cuda")
 
     def encode_segments(
-        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor, trim: bool = True
+        self,
+        groups: list[tuple[torch.Tensor, list[int]]],
+        ebs: torch.Tensor | None,
+        trim: bool = True,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if not groups or not self.segments_on(groups[0][0].device):
+            return super().encode_segments(groups, ebs, trim)
+        if ebs is None:
+            raise ValueError(f"{self.codec_id} needs an error bound per table")
         return blocks.encode_segments(self.codec_id, self.dedup != "off", groups, ebs, trim)
 
     def decode_segments(
@@ -97,10 +104,15 @@ class QuantPipeline(Codec):
         dim: int = 0,
         check: bool = True,
     ) -> list[torch.Tensor]:
+        if not payloads or not self.segments_on(payloads[0].device):
+            return super().decode_segments(payloads, sizes, dim, check)
         expect = None
         if sizes is not None:
             expect = blocks.layouts(self.codec_id, dim, sizes, self.dedup != "off")
         return blocks.decode_segments(payloads, self.codec_id, expect, check)
+
+    def _decode_blocks(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        return blocks.decode_segments(payloads, self.codec_id)
 
     def warm_up(self) -> None:
         # Repeated rows exercise every kernel: quantize, dedup, range-coded references.

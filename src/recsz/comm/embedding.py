@@ -36,8 +36,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-from recsz.codecs import Codec, decode_payload
-from recsz.comm.exchange import PendingBytes, frame_parts, start_all_to_all_bytes, unframe
+from recsz.codecs import Codec
+from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
 from recsz.comm.stats import CommStats, ShardPlan
 from recsz.policy import BoundPolicy
@@ -117,76 +117,35 @@ class EmbeddingExchange:
         bound_src: tuple[list[int], torch.Tensor],
         raw_bytes: int,
     ) -> PendingBytes:
-        """Encode one block per destination, frame each and start the byte all-to-all.
+        """Encode one block per destination and start the byte all-to-all.
 
         A table's bound is set once per step from its values in ``bound_src`` (tables,
         and their values table-major: all that this rank sends of each), so every
-        destination gets the same bound. ``raw_bytes`` is what one table's rows stood for
-        before any id-aware reduction (the full (b, D) fp32 slice), so ratios count those
-        savings too. A codec that codes groups of segments (:meth:`Codec.segments_on`)
-        gets one group per destination and the bounds as a device tensor: no host sync.
+        destination gets the same bound; the policy computes them where the values are
+        (on a GPU: no host sync). ``raw_bytes`` is what one table's rows stood for before
+        any id-aware reduction (the full (b, D) fp32 slice), so ratios count those
+        savings too. The codec turns each block into one payload
+        (:meth:`Codec.encode_segments`), the sizes are read once where bytes leave the
+        rank, and stay on the device otherwise.
         """
         t0 = time.perf_counter()
-        tables, values = bound_src
-        if d.codec.segments_on(values.device):
-            return self._send_groups(d, step, blocks, bound_src, raw_bytes, t0)
-        ebs = {t: self._bound(d, t, step, values[j]) for j, t in enumerate(tables)}
-        joined = d.codec.joinable
-        xs: list[torch.Tensor] = []
-        for blk in blocks:
-            xs += [blk.rows.contiguous()] if joined else list(blk.rows.split(blk.sizes))
-        # One call for every chunk of the step: the same payloads as one call each, but a
-        # codec that codes on the device (CUDA) shares its launches and syncs.
-        bounds: list[float | None] = (
-            [None] * len(xs) if joined else [ebs[t] for blk in blocks for t in blk.tables]
-        )
-        payloads = d.codec.encode_batch(xs, bounds)
-        framed: list[list[torch.Tensor]] = []
-        k = 0
-        for blk in blocks:
-            n = 1 if joined else len(blk.tables)
-            mine = payloads[k : k + n]
-            if self.check_bounds and not joined:
-                for t, x, p in zip(blk.tables, xs[k : k + n], mine, strict=True):
-                    self._check_bound(d, t, x, p, ebs[t])
-            if self.training:
-                nbytes = [p.numel() for p in mine]
-                if joined:  # a joined payload's bytes shared out by rows
-                    rows = max(1, sum(blk.sizes))
-                    nbytes = [nbytes[0] * r // rows for r in blk.sizes]
-                for t, nb in zip(blk.tables, nbytes, strict=True):
-                    self.stats.count(d.name, t, raw_bytes, nb, ebs[t], blk.peer != self.rank)
-            framed.append(frame_parts(mine))
-            k += n
-        self._time_codec(t0)
-        return start_all_to_all_bytes(framed, self.world)
-
-    def _send_groups(
-        self,
-        d: Direction,
-        step: int,
-        blocks: list[Block],
-        bound_src: tuple[list[int], torch.Tensor],
-        raw_bytes: int,
-        t0: float,
-    ) -> PendingBytes:
-        """:meth:`_send` for a codec of segment groups: bounds computed where the values
-        are, one payload per destination, sizes read once where bytes leave the rank."""
         tables, values = bound_src
         if self.training:  # adaptive policies probe (on the host) in their windows only
             for j, t in enumerate(tables):
                 d.policy.observe(t, step, values[j])
         all_ebs = d.policy.bounds(tables, step, values)
-        if all_ebs is None:
+        if all_ebs is None and d.codec.error_bounded:
             raise ValueError(
                 f"{d.name} codec {d.codec.codec_id!r} needs an error bound policy (--eb-policy)"
             )
-        at = {t: j for j, t in enumerate(tables)}
-        order = tuple(at[t] for blk in blocks for t in blk.tables)
-        ebs = all_ebs[self._order_index(order, values.device)]
+        ebs = None
+        if all_ebs is not None:
+            at = {t: j for j, t in enumerate(tables)}
+            order = tuple(at[t] for blk in blocks for t in blk.tables)
+            ebs = all_ebs[self._order_index(order, all_ebs.device)]
         groups = [(blk.rows, blk.sizes) for blk in blocks]
         payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
-        if self.check_bounds:
+        if self.check_bounds and ebs is not None:
             self._check_groups(d, blocks, payloads, ebs)
         if self.training:
             remote = [blk.peer != self.rank for blk in blocks]
@@ -204,41 +163,24 @@ class EmbeddingExchange:
     def _check_groups(
         self, d: Direction, blocks: list[Block], payloads: list[torch.Tensor], ebs: torch.Tensor
     ) -> None:
-        sizes = [blk.sizes for blk in blocks]
+        """Decode what is about to be sent and assert every bound (``check_bounds``)."""
         dim = blocks[0].rows.shape[1]
-        got = d.codec.decode_segments(payloads, sizes, dim)
+        got = d.codec.decode_segments(payloads, [blk.sizes for blk in blocks], dim)
         k = 0
         for blk, y in zip(blocks, got, strict=True):
             n = len(blk.tables)
-            eb = torch.repeat_interleave(ebs[k : k + n], torch.tensor(blk.sizes, device=ebs.device))
+            sizes = torch.tensor(blk.sizes, device=ebs.device)
+            eb = torch.repeat_interleave(ebs[k : k + n], sizes).to(y.device)
             k += n
-            err = (y.double() - blk.rows.double()).abs().amax(1) if y.numel() else eb
-            fin = torch.isfinite(blk.rows).all(1) if y.numel() else eb > 0
+            if not y.numel():
+                continue
+            err = (y.double() - blk.rows.double()).abs().amax(1)
+            fin = torch.isfinite(blk.rows).all(1)
             if bool((err[fin] > eb[fin]).any()):
                 raise AssertionError(f"{d.name} to rank {blk.peer}: an error exceeds its bound")
-            if y.numel() and bool(fin.any()):
+            if bool(fin.any()):
                 worst = float((err[fin] / eb[fin]).max())
                 self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
-
-    def _check_bound(
-        self, d: Direction, t: int, x: torch.Tensor, p: torch.Tensor, eb: float | None
-    ) -> None:
-        if eb is None or not x.numel():
-            return
-        err = float((decode_payload(p).double() - x.double()).abs().max())
-        if err > eb:
-            raise AssertionError(f"table {t} {d.name}: error {err} > bound {eb}")
-        self.stats.max_err[d.name] = max(self.stats.max_err[d.name], err / eb)
-
-    def _bound(self, d: Direction, table: int, step: int, x: torch.Tensor) -> float | None:
-        if self.training:
-            d.policy.observe(table, step, x)
-        eb = d.policy.bound(table, step, x)
-        if d.codec.error_bounded and eb is None:
-            raise ValueError(
-                f"{d.name} codec {d.codec.codec_id!r} needs an error bound policy (--eb-policy)"
-            )
-        return eb
 
     def _receive(
         self,
@@ -256,75 +198,26 @@ class EmbeddingExchange:
         if self.training:
             self.stats.a2a_s[d.name] += pending.waited_s
         t0 = time.perf_counter()
-        if d.codec.segments_on(bufs[0].device if bufs else torch.device("cpu")):
-            sizes = [sizes_from(src) for src in range(self.world)]
-            # Payloads this process made itself never left its memory: no checks to read.
-            payloads = pending.pieces if pending.pieces is not None else bufs
-            with record_function(f"recsz.a2a_{d.name}.decode"):
-                rows = self._decode_groups(d, payloads, sizes, dim, pending.pieces is None)
-            self._time_codec(t0)
-            return [
-                Block(src, tables_from(src), rows[src], sizes[src]) for src in range(self.world)
-            ]
-        joined = d.codec.joinable
-        srcs: list[int] = []
-        payloads: list[torch.Tensor] = []
-        for src, buf in enumerate(bufs):
-            n = 1 if joined else len(tables_from(src))
-            srcs += [src] * n
-            payloads += unframe(buf, n, f"rank {src} ({d.name} all-to-all)")
+        sizes = [sizes_from(src) for src in range(self.world)]
+        # Payloads this process made itself never left its memory: no checks to read.
+        own = pending.pieces is not None
+        payloads = pending.pieces if own else bufs
         with record_function(f"recsz.a2a_{d.name}.decode"):
-            decoded = self._decode_all(d, payloads, srcs)
-        blocks, k = [], 0
-        for src in range(self.world):
-            tables, sizes = tables_from(src), sizes_from(src)
-            parts = decoded[k : k + (1 if joined else len(tables))]
-            k += len(parts)
-            want = [(sum(sizes), dim)] if joined else [(n, dim) for n in sizes]
-            for i, (y, shape) in enumerate(zip(parts, want, strict=True)):
-                if tuple(y.shape) != shape:
-                    what = f"tables {tables}" if joined else f"table {tables[i]}"
-                    raise ValueError(
-                        f"rank {src} sent {what} ({d.name}) as {tuple(y.shape)}, expected "
-                        f"{shape} (do the ranks read the same batch?)"
-                    )
-            if len(parts) == 1:
-                rows = parts[0]
-            else:  # a table per part, or none at all
-                rows = torch.cat(parts) if parts else torch.empty(0, dim, device=bufs[src].device)
-            blocks.append(Block(src, tables, rows, sizes))
+            try:
+                rows = d.codec.decode_segments(payloads, sizes, dim, check=not own)
+            except ValueError as e:
+                raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+        blocks = []
+        for src, (y, want) in enumerate(zip(rows, sizes, strict=True)):
+            if tuple(y.shape) != (sum(want), dim):
+                raise ValueError(
+                    f"rank {src} sent tables {tables_from(src)} ({d.name}) as "
+                    f"{tuple(y.shape)}, expected {(sum(want), dim)} (do the ranks read the "
+                    "same batch?)"
+                )
+            blocks.append(Block(src, tables_from(src), y, want))
         self._time_codec(t0)
         return blocks
-
-    def _decode_groups(
-        self,
-        d: Direction,
-        payloads: list[torch.Tensor],
-        sizes: list[list[int]],
-        dim: int,
-        check: bool,
-    ) -> list[torch.Tensor]:
-        try:
-            return d.codec.decode_segments(payloads, sizes, dim, check)
-        except ValueError as e:
-            raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
-
-    def _decode_all(
-        self, d: Direction, payloads: list[torch.Tensor], srcs: list[int]
-    ) -> list[torch.Tensor]:
-        """Decode every payload in one call; on a bad one, decode them one by one so that
-        the error names the rank that sent it."""
-        try:
-            return d.codec.decode_batch(payloads)
-        except ValueError:
-            for p, src in zip(payloads, srcs, strict=True):
-                try:
-                    d.codec.decode(p)
-                except ValueError as e:
-                    raise ValueError(
-                        f"rank {self.rank}: payload from rank {src} ({d.name}): {e}"
-                    ) from e
-            raise
 
     def _time_codec(self, t0: float) -> None:
         if self.training:

@@ -8,53 +8,15 @@ receiver cannot predict them: a small int64 all-to-all of the sizes goes first, 
 
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-_COUNT = struct.Struct("<I")
+from recsz.codecs.framing import frame, unframe
 
-
-def frame_parts(parts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Byte tensors preceded by a table of their lengths, so they can be split again; as
-    pieces, which the all-to-all concatenates once with every other destination's."""
-    lens = [int(p.numel()) for p in parts]
-    head = _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *lens)
-    dev = parts[0].device if parts else torch.device("cpu")
-    head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(dev)
-    return [head_t, *[p.view(-1).to(dev) for p in parts]]
-
-
-def frame(parts: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`frame_parts` as one buffer."""
-    return torch.cat(frame_parts(parts))
-
-
-def unframe(buf: torch.Tensor, expected: int, source: str) -> list[torch.Tensor]:
-    """Split a framed buffer; ``source`` names the sender in any error."""
-    # Only the length table is read on the host; the payloads stay where they are.
-    raw = buf[: _COUNT.size + 8 * expected].cpu().numpy()
-    if raw.size < _COUNT.size:
-        raise ValueError(f"{source}: framed buffer of {raw.size} bytes is truncated")
-    (n,) = _COUNT.unpack_from(raw.data, 0)
-    if n != expected:
-        raise ValueError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
-    if raw.size < _COUNT.size + 8 * n:
-        raise ValueError(f"{source}: framed buffer of {buf.numel()} bytes is truncated")
-    lens = struct.unpack_from(f"<{n}Q", raw.data, _COUNT.size)
-    o = _COUNT.size + 8 * n
-    if o + sum(lens) != buf.numel():
-        raise ValueError(
-            f"{source}: chunk lengths do not add up to the {buf.numel()} bytes received"
-        )
-    out = []
-    for ln in lens:
-        out.append(buf[o : o + ln])
-        o += ln
-    return out
+__all__ = ["PendingBytes", "frame", "start_all_to_all_bytes", "unframe"]
 
 
 @dataclass
@@ -82,7 +44,7 @@ class PendingBytes:
 
 def start_all_to_all_bytes(send: list[list[torch.Tensor]], world: int) -> PendingBytes:
     """Exchange sizes (blocking), then start the byte all-to-all (async). ``send[r]`` holds
-    the pieces for rank r (e.g. :func:`frame_parts`), joined into one buffer here.
+    the pieces for rank r, joined into one buffer here.
 
     With ``world == 1`` and no process group, the only destination is this rank, and
     the bytes are handed back as they are: the same code path runs in one process.

@@ -48,26 +48,44 @@ class CommStats:
         groups: list[tuple[list[int], list[int]]],
         raw: int,
         used: torch.Tensor,
-        ebs: torch.Tensor,
+        ebs: torch.Tensor | None,
         remote: list[bool],
     ) -> None:
-        """Group payloads sent (tables and their rows per group; lengths and bounds as
-        device tensors, read when the counters are next read: no sync in the step)."""
-        self._later.append((direction, groups, raw, used, ebs, remote))
+        """Group payloads sent (tables and their rows per group), their lengths and the
+        tables' bounds; kept as they are when on a device and read when the counters
+        next are (:meth:`settle`): no sync in the step. A group's bytes are shared out
+        to its tables by rows."""
+        entry = (direction, groups, raw, used, ebs, remote)
+        if used.device.type == "cpu" and (ebs is None or ebs.device.type == "cpu"):
+            self._fold(*entry)
+        else:
+            self._later.append(entry)
 
     def settle(self) -> None:
-        """Fold the counts kept on the device into the counters (a group's bytes shared
-        out by rows, as for a joined payload)."""
-        for direction, groups, raw, used, ebs, remote in self._later:
-            u, e, k = used.tolist(), ebs.tolist(), 0
-            for (tables, sizes), nb, far in zip(groups, u, remote, strict=True):
-                rows = max(1, sum(sizes))
-                for t, r in zip(tables, sizes, strict=True):
-                    self.count(direction, t, raw, int(nb) * r // rows, e[k], far)
-                    k += 1
+        """Fold the counts kept on the device into the counters."""
+        for entry in self._later:
+            self._fold(*entry)
         self._later.clear()
 
+    def _fold(
+        self,
+        direction: str,
+        groups: list[tuple[list[int], list[int]]],
+        raw: int,
+        used: torch.Tensor,
+        ebs: torch.Tensor | None,
+        remote: list[bool],
+    ) -> None:
+        u, k = used.tolist(), 0
+        e = ebs.tolist() if ebs is not None else [None] * sum(len(t) for t, _ in groups)
+        for (tables, sizes), nb, far in zip(groups, u, remote, strict=True):
+            rows = max(1, sum(sizes))
+            for t, r in zip(tables, sizes, strict=True):
+                self.count(direction, t, raw, int(nb) * r // rows, e[k], far)
+                k += 1
+
     def ratio(self, direction: str) -> float:
+        self.settle()
         s = self.sent[direction]
         return self.raw[direction] / s if s else float("nan")
 

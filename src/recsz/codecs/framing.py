@@ -1,0 +1,120 @@
+"""Several payloads in one buffer, and groups of tables coded as framed chunks.
+
+``frame`` puts byte tensors after a table of their lengths so that ``unframe`` can split
+them again. :func:`encode_groups` / :func:`decode_groups` are what a codec without a
+group format of its own does with a group of tables (:meth:`Codec.encode_segments`): a
+chunk per table under its own bound (one chunk for a whole group when the codec is
+``joinable``), framed into one payload per group.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING
+
+import torch
+
+from recsz.codecs.blocks import upload
+from recsz.codecs.payload import PayloadError
+
+if TYPE_CHECKING:
+    from recsz.codecs.base import Codec
+
+_COUNT = struct.Struct("<I")
+
+
+def frame(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Byte tensors preceded by a table of their lengths, as one buffer."""
+    lens = [int(p.numel()) for p in parts]
+    head = _COUNT.pack(len(parts)) + struct.pack(f"<{len(parts)}Q", *lens)
+    dev = parts[0].device if parts else torch.device("cpu")
+    head_t = upload(bytearray(head), torch.uint8, dev)
+    return torch.cat([head_t, *[p.view(-1).to(dev) for p in parts]])
+
+
+def unframe(buf: torch.Tensor, expected: int | None, source: str) -> list[torch.Tensor]:
+    """Split a framed buffer (``expected`` parts, or as many as it says); ``source``
+    names the sender in any error."""
+    raw = buf[: _COUNT.size + 8 * (expected or 0)].cpu().numpy()
+    if raw.size < _COUNT.size:
+        raise PayloadError(f"{source}: framed buffer of {raw.size} bytes is truncated")
+    (n,) = _COUNT.unpack_from(raw.data, 0)
+    if expected is None:
+        raw = buf[: _COUNT.size + 8 * n].cpu().numpy()
+    elif n != expected:
+        raise PayloadError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
+    if raw.size < _COUNT.size + 8 * n:
+        raise PayloadError(f"{source}: framed buffer of {buf.numel()} bytes is truncated")
+    lens = struct.unpack_from(f"<{n}Q", raw.data, _COUNT.size)
+    o = _COUNT.size + 8 * n
+    if o + sum(lens) != buf.numel():
+        raise PayloadError(
+            f"{source}: chunk lengths do not add up to the {buf.numel()} bytes received"
+        )
+    out = []
+    for ln in lens:
+        out.append(buf[o : o + ln])
+        o += ln
+    return out
+
+
+def encode_groups(
+    codec: Codec, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One framed payload per group and their lengths: a chunk per table (its bound from
+    ``ebs``), or per group for a ``joinable`` codec; one ``encode_batch`` for all."""
+    bounds = ebs.tolist() if ebs is not None else None
+    xs: list[torch.Tensor] = []
+    per_chunk: list[float | None] = []
+    counts, k = [], 0
+    for rows, sizes in groups:
+        if codec.joinable:
+            xs.append(rows.contiguous())
+            per_chunk.append(None)
+            counts.append(1)
+        else:
+            xs += list(rows.split(sizes))
+            per_chunk += bounds[k : k + len(sizes)] if bounds is not None else [None] * len(sizes)
+            counts.append(len(sizes))
+        k += len(sizes)
+    payloads = codec.encode_batch(xs, per_chunk)
+    out, i = [], 0
+    for n in counts:
+        out.append(frame(payloads[i : i + n]))
+        i += n
+    return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
+
+
+def decode_groups(
+    codec: Codec, payloads: list[torch.Tensor], sizes: list[list[int]] | None, dim: int
+) -> list[torch.Tensor]:
+    """The rows of each framed group payload (checked against ``sizes`` x ``dim`` when
+    given); one ``decode_batch`` for all."""
+    chunks: list[torch.Tensor] = []
+    counts = []
+    for i, p in enumerate(payloads):
+        n = None if sizes is None else 1 if codec.joinable else len(sizes[i])
+        parts = unframe(p, n, f"payload {i}")
+        chunks += parts
+        counts.append(len(parts))
+    decoded = codec.decode_batch(chunks)
+    out, k = [], 0
+    for i, n in enumerate(counts):
+        mine = decoded[k : k + n]
+        k += n
+        if sizes is not None and not codec.joinable:
+            for t, (y, rows) in enumerate(zip(mine, sizes[i], strict=True)):
+                if tuple(y.shape) != (rows, dim):
+                    raise PayloadError(
+                        f"payload {i}: table {t} of the group decodes to {tuple(y.shape)}, "
+                        f"expected {(rows, dim)}"
+                    )
+        dev = payloads[i].device
+        out.append(
+            mine[0]
+            if len(mine) == 1
+            else torch.cat(mine)
+            if mine
+            else torch.empty(0, dim, device=dev)
+        )
+    return out
