@@ -32,8 +32,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs import framing
-from recsz.codecs.devframe import frame_device, open_device, outlier_bytes, read_outliers
+from recsz.codecs import devframe, framing
+from recsz.codecs.devframe import without_nonfinite
 from recsz.codecs.payload import (
     BLOCK_FORMAT,
     DEVICE_FORMAT,
@@ -164,39 +164,13 @@ class Codec(ABC):
         (format 2): NaN/Inf travel exactly as outliers, as on the host path."""
         if not self._tensor_body():
             raise NotImplementedError(f"{type(self).__name__} has no device path")
-        cores: list[list[bytes | torch.Tensor]] = []
-        outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-        for x in xs:
-            x = x.detach().contiguous()
-            clean, nonfinite = _without_nonfinite(x)
-            cores.append([self._encode_tensor(clean)] if x.numel() else [])
-            outs.append(outlier_bytes(x.view(-1), nonfinite) if nonfinite is not None else None)
-        shapes = [tuple(x.shape) for x in xs]
-        return frame_device(self, xs[0].dtype, shapes, ebs, cores, outs, xs[0].device)
+        return devframe.encode_bodies(self, self._encode_tensor, xs, ebs)
 
     def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Decode format-2 payloads of one device together."""
         if not self._tensor_body():
             raise PayloadError(f"{self.codec_id} does not read device-made payloads")
-        buf, frames, _ = open_device(self, payloads)
-        pos, val = read_outliers(buf, frames)
-        out, k = [], 0
-        for f in frames:
-            n = math.prod(f.shape)
-            if n == 0:
-                out.append(torch.empty(f.shape, dtype=f.dtype, device=buf.device))
-                continue
-            a = f.base + f.core[0]
-            y = self._decode_tensor(buf[a : a + f.core[1]], f.shape, f.dtype, f.eb)
-            if f.n_outliers:
-                p, v = pos[k : k + f.n_outliers], val[k : k + f.n_outliers]
-                k += f.n_outliers
-                if bool(((p < 0) | (p >= n)).any()):
-                    raise PayloadError("outlier position outside the tensor")
-                y = y.contiguous()
-                y.view(-1)[p] = v.to(f.dtype)
-            out.append(y)
-        return out
+        return devframe.decode_bodies(self, self._decode_tensor, payloads)
 
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step
@@ -239,7 +213,7 @@ class Codec(ABC):
         exact: list[torch.Tensor] = []  # flat positions carried exactly
         orig = x
         if not self._takes_nonfinite(x):
-            x, nonfinite = _without_nonfinite(x)
+            x, nonfinite = without_nonfinite(x)
             if nonfinite is not None:
                 exact.append(nonfinite)
         core: bytes | np.ndarray = b""
@@ -416,17 +390,3 @@ class Codec(ABC):
                 uvarint(blen),
             ]
         )
-
-
-def _without_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``x`` (contiguous) with NaN/Inf zeroed, and their flat positions (None when every
-    element is finite): those elements travel exactly, whatever the codec. A finite sum
-    means every element is finite (NaN/Inf propagate): one cheap pass in the usual case."""
-    flat = x.view(-1)
-    if not flat.numel() or bool(torch.isfinite(flat.sum())):
-        return x, None
-    bad = ~torch.isfinite(flat)
-    pos = torch.nonzero(bad).view(-1)
-    if not pos.numel():  # the sum overflowed, every element is finite
-        return x, None
-    return x.masked_fill(bad.view(x.shape), 0), pos

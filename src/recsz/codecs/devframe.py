@@ -11,6 +11,7 @@ rounds only when a parser asks for bytes beyond the first window).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,3 +241,63 @@ def read_outliers(buf: torch.Tensor, frames: list[Frame]) -> tuple[torch.Tensor,
         empty = torch.empty(0, dtype=torch.int64, device=buf.device)
         return empty, empty.to(torch.float64)
     return torch.cat(pos), torch.cat(val).view(torch.float64)
+
+
+def encode_bodies(
+    codec: Any,
+    body: Callable[[torch.Tensor], torch.Tensor],
+    xs: list[torch.Tensor],
+    ebs: list[float],
+) -> list[torch.Tensor]:
+    """Format-2 payloads of chunks whose body ``codec`` makes with torch operations
+    (``body``); NaN/Inf travel exactly as outliers."""
+    cores: list[list[bytes | torch.Tensor]] = []
+    outs: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for x in xs:
+        x = x.detach().contiguous()
+        clean, nonfinite = without_nonfinite(x)
+        cores.append([body(clean)] if x.numel() else [])
+        outs.append(outlier_bytes(x.view(-1), nonfinite) if nonfinite is not None else None)
+    shapes = [tuple(x.shape) for x in xs]
+    return frame_device(codec, xs[0].dtype, shapes, ebs, cores, outs, xs[0].device)
+
+
+def decode_bodies(
+    codec: Any,
+    body: Callable[[torch.Tensor, tuple[int, ...], torch.dtype, float], torch.Tensor],
+    payloads: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """Inverse of :func:`encode_bodies` (``body`` decodes one), outliers patched in."""
+    buf, frames, _ = open_device(codec, payloads)
+    pos, val = read_outliers(buf, frames)
+    out, k = [], 0
+    for f in frames:
+        n = math.prod(f.shape)
+        if n == 0:
+            out.append(torch.empty(f.shape, dtype=f.dtype, device=buf.device))
+            continue
+        a = f.base + f.core[0]
+        y = body(buf[a : a + f.core[1]], f.shape, f.dtype, f.eb)
+        if f.n_outliers:
+            p, v = pos[k : k + f.n_outliers], val[k : k + f.n_outliers]
+            k += f.n_outliers
+            if bool(((p < 0) | (p >= n)).any()):
+                raise PayloadError("outlier position outside the tensor")
+            y = y.contiguous()
+            y.view(-1)[p] = v.to(f.dtype)
+        out.append(y)
+    return out
+
+
+def without_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (contiguous) with NaN/Inf zeroed, and their flat positions (None when every
+    element is finite): those elements travel exactly, whatever the codec. A finite sum
+    means every element is finite (NaN/Inf propagate): one cheap pass in the usual case."""
+    flat = x.view(-1)
+    if not flat.numel() or bool(torch.isfinite(flat.sum())):
+        return x, None
+    bad = ~torch.isfinite(flat)
+    pos = torch.nonzero(bad).view(-1)
+    if not pos.numel():  # the sum overflowed, every element is finite
+        return x, None
+    return x.masked_fill(bad.view(x.shape), 0), pos
