@@ -76,23 +76,30 @@ def widths_kernel(src_ptr, code_ptr, ref_ptr, raw_ptr, w_ptr, nb, B: tl.constexp
 
 
 @triton.jit
+def _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B: tl.constexpr):
+    """This program's blocks: index, mask, source map entry, width, byte offset, and the
+    checksum index of its first word (from its payload's first byte)."""
+    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mb = b < nb
+    src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
+    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
+    off = tl.load(off_ptr + b, mask=mb, other=0)
+    base = tl.load(base_ptr + b, mask=mb, other=0)
+    return b, mb, src, w, off, ((off - base - 8) // 4).to(tl.uint32)
+
+
+@triton.jit
 def pack_kernel(
     src_ptr, code_ptr, ref_ptr, xbits_ptr, map_ptr, dim, w_ptr, off_ptr, base_ptr, out32_ptr,
     part_ptr, nb, B: tl.constexpr,
 ):  # fmt: skip
     """Write each block's planes, or its raw words (float32 bits, or the references), at
     its byte offset; ``part`` gets the checksum's share of the block's data words."""
-    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mb = b < nb
+    b, mb, src, w, off, i0 = _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B)
     lane = tl.arange(0, LANES)
-    src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
-    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
-    off = tl.load(off_ptr + b, mask=mb, other=0)
-    base = tl.load(base_ptr + b, mask=mb, other=0)  # the payload's first byte
     raw = w == RAW
     v = _values(src, mb, code_ptr, ref_ptr)
     word0 = off // 4
-    i0 = ((off - base - 8) // 4).to(tl.uint32)  # checksum index of the first word
     part = tl.zeros([B], dtype=tl.uint32)
     for j in tl.static_range(MAX_WIDTH):
         plane = tl.sum((((v >> j) & 1) << lane[None, :].to(tl.uint32)), axis=1).to(tl.uint32)
@@ -117,16 +124,10 @@ def unpack_kernel(
 ):  # fmt: skip
     """Decode each block into the element stream (dequantized, or raw words as they are)
     or the reference stream; ``part`` gets the checksum's share of its data words."""
-    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mb = b < nb
+    b, mb, src, w, off, i0 = _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B)
     lane = tl.arange(0, LANES)
-    src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
-    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
-    off = tl.load(off_ptr + b, mask=mb, other=0)
-    base = tl.load(base_ptr + b, mask=mb, other=0)
     raw = w == RAW
     word0 = off // 4
-    i0 = ((off - base - 8) // 4).to(tl.uint32)
     v = tl.zeros([B, LANES], dtype=tl.uint32)
     part = tl.zeros([B], dtype=tl.uint32)
     for j in tl.static_range(MAX_WIDTH):

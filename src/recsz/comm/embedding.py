@@ -39,7 +39,7 @@ from torch.profiler import record_function
 from recsz.codecs import Codec
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
-from recsz.comm.stats import CommStats, ShardPlan
+from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.policy import BoundPolicy
 
 
@@ -150,7 +150,7 @@ class EmbeddingExchange:
         if self.training:
             remote = [blk.peer != self.rank for blk in blocks]
             tabs = [(blk.tables, blk.sizes) for blk in blocks]
-            self.stats.count_groups(d.name, tabs, raw_bytes, used, ebs, remote)
+            self.stats.count_groups(GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote))
         self._time_codec(t0)
         return start_all_to_all_bytes([[p] for p in payloads], self.world)
 

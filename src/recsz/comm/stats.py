@@ -4,9 +4,22 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+
+class GroupsSent(NamedTuple):
+    """One direction's payloads of a step: per group (destination) its tables and their
+    rows, the raw bytes one table's rows stood for, the payloads' lengths, the tables'
+    bounds (all groups in order, or None) and whether each group left the rank."""
+
+    direction: str
+    groups: list[tuple[list[int], list[int]]]
+    raw: int
+    used: torch.Tensor
+    ebs: torch.Tensor | None
+    remote: list[bool]
 
 
 @dataclass
@@ -26,7 +39,7 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    _later: list[Any] = field(default_factory=list)
+    _later: list[GroupsSent] = field(default_factory=list)
 
     def count(
         self, direction: str, table: int, raw: int, sent: int, eb: float | None, remote: bool
@@ -42,46 +55,29 @@ class CommStats:
         if eb is not None:
             self.last_eb[direction][table] = eb
 
-    def count_groups(
-        self,
-        direction: str,
-        groups: list[tuple[list[int], list[int]]],
-        raw: int,
-        used: torch.Tensor,
-        ebs: torch.Tensor | None,
-        remote: list[bool],
-    ) -> None:
-        """Group payloads sent (tables and their rows per group), their lengths and the
-        tables' bounds; kept as they are when on a device and read when the counters
-        next are (:meth:`settle`): no sync in the step. A group's bytes are shared out
-        to its tables by rows."""
-        entry = (direction, groups, raw, used, ebs, remote)
-        if used.device.type == "cpu" and (ebs is None or ebs.device.type == "cpu"):
-            self._fold(*entry)
+    def count_groups(self, sent: GroupsSent) -> None:
+        """Group payloads sent; kept as they are when their lengths or bounds are on a
+        device, and read when the counters next are (:meth:`settle`): no sync in the
+        step."""
+        if sent.used.device.type == "cpu" and (sent.ebs is None or sent.ebs.device.type == "cpu"):
+            self._fold(sent)
         else:
-            self._later.append(entry)
+            self._later.append(sent)
 
     def settle(self) -> None:
         """Fold the counts kept on the device into the counters."""
-        for entry in self._later:
-            self._fold(*entry)
+        for sent in self._later:
+            self._fold(sent)
         self._later.clear()
 
-    def _fold(
-        self,
-        direction: str,
-        groups: list[tuple[list[int], list[int]]],
-        raw: int,
-        used: torch.Tensor,
-        ebs: torch.Tensor | None,
-        remote: list[bool],
-    ) -> None:
-        u, k = used.tolist(), 0
-        e = ebs.tolist() if ebs is not None else [None] * sum(len(t) for t, _ in groups)
-        for (tables, sizes), nb, far in zip(groups, u, remote, strict=True):
+    def _fold(self, s: GroupsSent) -> None:
+        """A group's bytes shared out to its tables by rows."""
+        u, k = s.used.tolist(), 0
+        e = s.ebs.tolist() if s.ebs is not None else [None] * sum(len(t) for t, _ in s.groups)
+        for (tables, sizes), nb, far in zip(s.groups, u, s.remote, strict=True):
             rows = max(1, sum(sizes))
             for t, r in zip(tables, sizes, strict=True):
-                self.count(direction, t, raw, int(nb) * r // rows, e[k], far)
+                self.count(s.direction, t, s.raw, int(nb) * r // rows, e[k], far)
                 k += 1
 
     def ratio(self, direction: str) -> float:
