@@ -13,7 +13,7 @@ import types
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
-from recsz.codecs import available_codecs, get_codec
+from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, get_preset
 
@@ -53,6 +53,12 @@ class TrainConfig:
     # ---- the embedding all-to-all
     fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
     bwd_codec: str = opt("none", "codec of the backward (gradient) all-to-all", CODECS)
+    coder: str = opt(
+        "auto",
+        "payloads of the quantizing codecs: auto (CPU: format 1, zstd-coded; GPU: format 3, "
+        "bit-plane blocks by Triton kernels) or blocks (format 3 everywhere)",
+        ("auto", "blocks"),
+    )
     eb_policy: str = opt("fixed", "error-bound policy of bounded codecs", EB_POLICIES)
     fwd_eb: float = opt(0.03, "forward bound (relative to the slice's range in rel mode)")
     bwd_eb: float = opt(0.03, "backward bound")
@@ -89,6 +95,11 @@ class TrainConfig:
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)
 
+    def codec(self, direction: str) -> Codec:
+        """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
+        name = self.fwd_codec if direction == "fwd" else self.bwd_codec
+        return get_codec_with(name, coder=self.coder)
+
     def __post_init__(self) -> None:
         for f in fields(self):
             v, choices = getattr(self, f.name), f.metadata["choices"]
@@ -118,7 +129,7 @@ class TrainConfig:
             )
         if not 0.0 < self.dct_keep <= 1.0:
             raise ValueError(f"--dct-keep must be in (0, 1], got {self.dct_keep}")
-        fwd, bwd = get_codec(self.fwd_codec), get_codec(self.bwd_codec)
+        fwd, bwd = self.codec("fwd"), self.codec("bwd")
         if bwd.forward_mask and not fwd.threshold:
             raise ValueError(
                 f"--bwd-codec {self.bwd_codec} sends the forward's kept entries; it needs a "

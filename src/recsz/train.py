@@ -101,8 +101,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
-        Direction("fwd", get_codec(cfg.fwd_codec), make_policy(cfg, "fwd", mcfg.n_tables)),
-        Direction("bwd", get_codec(cfg.bwd_codec), make_policy(cfg, "bwd", mcfg.n_tables)),
+        Direction("fwd", cfg.codec("fwd"), make_policy(cfg, "fwd", mcfg.n_tables)),
+        Direction("bwd", cfg.codec("bwd"), make_policy(cfg, "bwd", mcfg.n_tables)),
         check_bounds=cfg.check_bounds,
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,

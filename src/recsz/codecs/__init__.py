@@ -9,7 +9,13 @@ from recsz.codecs import hybrid as _hybrid  # noqa: F401  (registers hybrid and 
 from recsz.codecs import sparse as _sparse  # noqa: F401  (registers dct, sparse, dct-mask)
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import PayloadError, parse_payload
-from recsz.codecs.registry import available_codecs, decode_payload, get_codec, register_codec
+from recsz.codecs.registry import (
+    available_codecs,
+    decode_payload,
+    get_codec,
+    get_codec_with,
+    register_codec,
+)
 
 __all__ = [
     "Codec",
@@ -17,6 +23,7 @@ __all__ = [
     "available_codecs",
     "decode_payload",
     "get_codec",
+    "get_codec_with",
     "parse_payload",
     "register_codec",
 ]

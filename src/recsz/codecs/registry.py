@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -35,6 +36,14 @@ def get_codec(name: str, **config: Any) -> Codec:
             f"unknown codec {name!r}; available: {', '.join(available_codecs())}"
         ) from None
     return cls.from_config(config)
+
+
+def get_codec_with(name: str, **options: Any) -> Codec:
+    """:func:`get_codec` with those ``options`` the codec's constructor takes (the rest
+    do not apply to it), e.g. ``coder`` for the quantizing codecs only."""
+    get_codec(name)  # the unknown-name error
+    takes = inspect.signature(_REGISTRY[name].__init__).parameters
+    return get_codec(name, **{k: v for k, v in options.items() if k in takes})
 
 
 def decode_payload(payload: torch.Tensor) -> torch.Tensor:
