@@ -208,6 +208,10 @@ class Codec(ABC):
         eb_f = self._validated(x, eb)
         if self._device_path(x):
             return self._encode_batch_device([x], [eb_f])[0]
+        return self._encode_on_host(x, eb_f)
+
+    def _encode_on_host(self, x: torch.Tensor, eb_f: float) -> torch.Tensor:
+        """The host path of :meth:`encode` (format 1), the payload on x's device."""
         device = x.device
         x = x.detach().contiguous()
         exact: list[torch.Tensor] = []  # flat positions carried exactly

@@ -7,17 +7,16 @@ table), then entropy-codes; ``quant``, ``quant+lz`` and ``quant+zstd`` expose si
 so the contribution of each can be measured. Every variant writes the same body layout,
 which records the stages it used, so decoding depends on the bytes alone.
 
-The entropy stage codes each integer stream on its own: the literal codes by zstd
-(Huffman-coded literals) over byte planes of the zig-zagged codes, the row references by an
-adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only where it is smaller than
-the raw planes.
+On the CPU (format 1) the entropy stage codes each integer stream on its own: the literal
+codes by zstd (Huffman-coded literals) over byte planes of the zig-zagged codes, the row
+references by an adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only
+where it is smaller than the raw planes; fused numba kernels (:mod:`recsz.codecs.kernels`)
+do everything but zstd. fp16/bf16 chunks are coded from their float32 values and checked
+in their own precision (misses travel exactly).
 
-Float32/float64 tensors on the CPU take fused numba kernels (:mod:`recsz.codecs.kernels`)
-for everything but zstd (format 1). CUDA tensors, and fp16/bf16 ones, take the torch-op
-coder instead; CUDA tensors never leave their device: quantization, dedup, and a canonical
-Huffman coder written in torch operations (:mod:`recsz.codecs.huffman`) build the payload
-there (format 2); only sizes and the 256-count histograms cross to the host. ``quant+huffman``
-(and ``coder="huffman"``) takes that path on any device, so CPU tests cover it.
+float32 on a GPU (and ``coder="blocks"`` anywhere) takes format 3
+(:mod:`recsz.codecs.blocks`): a destination's tables in one payload, bit-plane blocks made
+by Triton kernels without a host sync. Other dtypes on a GPU go through the host.
 """
 
 from __future__ import annotations
@@ -28,14 +27,14 @@ import numpy as np
 import torch
 import zstandard
 
-from recsz.codecs import blocks, device_decode, device_encode, kernels
+from recsz.codecs import blocks, kernels
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import Header, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import SPLIT, magicless_zstd, pack_planes, unpack_planes
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
-CODERS = ("auto", "blocks", "huffman")
+CODERS = ("auto", "blocks")
 _DEDUP_MODES = {"off": 0, "on": 1, "auto": 2}
 _DECODE_ERRORS = {
     kernels.BAD_LITERAL_COUNT: "row references and literal codes do not fit the shape",
@@ -49,9 +48,8 @@ class QuantPipeline(Codec):
     error_bounded = True
     dedup: ClassVar[str] = "off"  # "off", "on", or "auto" (when repeats save more than refs)
     entropy: ClassVar[bool] = False
-    #: Entropy coder: "auto" = zstd / range coder on the CPU (format 1), bit-plane blocks
-    #: for float32 CUDA tensors (format 3), Huffman on the device for other CUDA dtypes;
-    #: "blocks" = format 3 on every device; "huffman" = the torch-op device path everywhere.
+    #: Payload format: "auto" = format 1 (zstd, range coder) on the CPU, format 3 for
+    #: float32 on a GPU; "blocks" = format 3 on every device (what GPUs send).
     default_coder: ClassVar[str] = "auto"
 
     def __init__(self, level: int = 1, coder: str | None = None) -> None:
@@ -74,10 +72,8 @@ class QuantPipeline(Codec):
         return cfg
 
     def _device_path(self, x: torch.Tensor) -> bool:
-        # The numba kernels code float32/float64 on the CPU; everything else (CUDA tensors,
-        # fp16/bf16, coder="huffman"/"blocks") takes a device path: format 3 (blocks) for
-        # float32, the torch-op coder of recsz.codecs.device_* for the rest.
-        return x.device.type != "cpu" or self.coder != "auto" or x.dtype not in _KERNEL_DTYPES
+        # Format 3 where it applies; other tensors off the CPU are coded on the host.
+        return self._blocks(x) or x.device.type != "cpu"
 
     def _blocks(self, x: torch.Tensor) -> bool:
         return x.dtype == torch.float32 and self.segments_on(x.device)
@@ -124,23 +120,28 @@ class QuantPipeline(Codec):
         return not self._device_path(x)
 
     def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
-        a = x.numpy()
+        narrow = x.dtype not in _KERNEL_DTYPES  # fp16/bf16: coded from float32
+        a = (x.float() if narrow else x).numpy()
         qmax = kernels.QMAX32 if a.dtype == np.float32 else kernels.QMAX64
         step = np.array([2.0 * eb], a.dtype)
         planes, w_refs, n_refs, w_codes, n_codes, missed = kernels.encode_rows(
             a, step, eb, _DEDUP_MODES[self.dedup], qmax
         )
         dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
-        return pack_planes(dims, planes, self._cctx, SPLIT), torch.from_numpy(missed)
+        body = pack_planes(dims, planes, self._cctx, SPLIT)
+        miss = torch.from_numpy(missed)
+        if narrow:  # decoded values round to x's dtype: check them there
+            h = Header(self.codec_id, self.version, {}, x.dtype, tuple(x.shape), eb, 0)
+            y = self._decode(np.frombuffer(body, np.uint8), h, x.device)
+            far = torch.nonzero(((y.double() - x.double()).abs() > eb).view(-1)).view(-1)
+            miss = torch.cat([miss.to(torch.int64), far])
+        return body, miss
 
     def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
-        if all(self._blocks(x) for x in xs):  # each chunk a group of one segment
+        if all(self._blocks(x) for x in xs):  # each chunk a group of one table
             e = torch.tensor(ebs, dtype=torch.float64).to(xs[0].device)
             return self.encode_segments([(x, [x.shape[0]]) for x in xs], e)[0]
-        return device_encode.encode_batch(self, xs, ebs)
-
-    def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return device_decode.decode_batch(self, payloads)
+        return [self._encode_on_host(x.cpu(), e).to(x.device) for x, e in zip(xs, ebs, strict=True)]
 
     def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         # Host-made (format 1) payloads of any h.dtype: the kernel reconstructs q * 2eb in the
@@ -183,19 +184,9 @@ class QuantLZCodec(QuantPipeline):
 
 
 @register_codec
-class QuantHuffmanCodec(QuantPipeline):
-    """Quantization + canonical Huffman coding (the paper's entropy stage), coded on the
-    tensor's device on every device: the GPU codec, runnable (slowly) on the CPU."""
-
-    codec_id = "quant+huffman"
-    entropy = True
-    default_coder = "huffman"
-
-
-@register_codec
 class QuantEntropyCodec(QuantPipeline):
-    """Quantization + entropy coding (zstd on byte planes; on CUDA, like every quantizing
-    codec there, Huffman on the device), no vector dedup."""
+    """Quantization + entropy coding (zstd on byte planes; on a GPU, like every quantizing
+    codec there, bit-plane blocks), no vector dedup."""
 
     codec_id = "quant+zstd"
     entropy = True

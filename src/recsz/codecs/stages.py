@@ -1,9 +1,9 @@
 """The stages the hybrid codec chains: quantization, vector deduplication, integer packing.
 
 :func:`quantize` / :func:`dequantize` are the plain torch reference of the quantizer that
-the numba kernels (:mod:`recsz.codecs.kernels`, CPU) and the torch-op device coder
-(:mod:`recsz.codecs.device_encode`) fuse with the bound check and row deduplication; the
-tests hold both to it, and the adaptive policy uses it to probe a table's traffic. The
+the numba kernels (:mod:`recsz.codecs.kernels`, CPU) fuse with the bound check and row
+deduplication; the tests hold them to it, and the adaptive policy uses it to probe a
+table's traffic (format 3, :mod:`recsz.codecs.blockformat`, has its own reference). The
 packing stage (byte planes, entropy modes, stream coders) is where format-1 bytes are made.
 """
 
@@ -91,10 +91,8 @@ def repeats_pay(n: int, n_lit: int, d: int) -> bool:
 #: the adaptive range coder of :mod:`recsz.codecs.rangecoder` where that is smaller).
 RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
 #: Per-stream coders inside a SPLIT block.
-PLANES, ZSTD_PLANES, RANGE_REFS = 0, 1, 2  # (3 was hybrid-ac's arithmetic coder)
-#: Canonical Huffman over byte planes, coded on the tensor's device (recsz.codecs.huffman);
-#: only in device-made (format 2) payloads.
-HUFF_PLANES = 4
+PLANES, ZSTD_PLANES, RANGE_REFS = 0, 1, 2  # (3: hybrid-ac's arithmetic coder; 4: the
+# torch-op Huffman coder of format 2, both retired)
 
 
 def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
