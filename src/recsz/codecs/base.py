@@ -32,11 +32,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from recsz.codecs import devframe, framing
-from recsz.codecs.devframe import without_nonfinite
+from recsz.codecs import castframe, framing
 from recsz.codecs.payload import (
     BLOCK_FORMAT,
-    DEVICE_FORMAT,
+    CAST_FORMAT,
     DTYPES,
     Header,
     PayloadError,
@@ -66,8 +65,9 @@ def saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     big = torch.finfo(dtype).max
     if torch.finfo(y.dtype).max > big:
         # Clamp where the limit is exact: bfloat16 rounds float16's 65504 up to 65536.
+        # Infinities stay infinite (and NaN NaN): only finite values saturate.
         wide = y if y.dtype == torch.float64 else y.float()
-        y = wide.clamp(-big, big)
+        y = torch.where(torch.isinf(wide), wide, wide.clamp(-big, big))
     return y.to(dtype)
 
 
@@ -154,23 +154,23 @@ class Codec(ABC):
     verify_bound: ClassVar[bool] = False
 
     def _device_path(self, x: torch.Tensor) -> bool:
-        """True when this codec codes ``x`` where it lives (format 2): payload built and
-        parsed with device tensors, only sizes and tables crossing to the host. By default
-        for tensors off the CPU, when the codec's body is made by torch operations."""
+        """True when :meth:`_encode_batch_device` codes ``x``: by default tensors off the
+        CPU of codecs whose body is made by torch operations."""
         return x.device.type != "cpu" and self._tensor_body()
 
-    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
-        """Encode :meth:`_device_path` chunks of one device, dtype and width together
-        (format 2): NaN/Inf travel exactly as outliers, as on the host path."""
-        if not self._tensor_body():
-            raise NotImplementedError(f"{type(self).__name__} has no device path")
-        return devframe.encode_bodies(self, self._encode_tensor, xs, ebs)
+    def cast_width(self, dtype: torch.dtype) -> int | None:
+        """Bytes per value of a body that is a plain cast of each value, NaN and Inf kept
+        (format 4 then carries it from a GPU with no host sync); None otherwise."""
+        return None
 
-    def _decode_batch_device(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Decode format-2 payloads of one device together."""
-        if not self._tensor_body():
-            raise PayloadError(f"{self.codec_id} does not read device-made payloads")
-        return devframe.decode_bodies(self, self._decode_tensor, payloads)
+    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
+        """Encode :meth:`_device_path` chunks of one device: format 4 for casts, each chunk
+        a group of one table; other codecs code on the host (format 1)."""
+        if all(self.cast_width(x.dtype) is not None for x in xs):
+            return castframe.encode(
+                self.codec_id, self._encode_tensor, [(x, [len(x)]) for x in xs]
+            )[0]
+        return [self._encode_on_host(x.cpu(), e).to(x.device) for x, e in zip(xs, ebs, strict=True)]
 
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step
@@ -246,10 +246,8 @@ class Codec(ABC):
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
         v = version_of(payload)
-        if v == DEVICE_FORMAT:
-            return self._decode_device_checked([payload])[0]
-        if v == BLOCK_FORMAT:
-            return self._decode_blocks([payload])[0]
+        if v in (BLOCK_FORMAT, CAST_FORMAT):
+            return self._decode_formats(v, [payload])[0]
         hdr, body = parse_payload(payload)
         if hdr.codec != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr.codec!r}, not {self.codec_id!r}")
@@ -280,17 +278,12 @@ class Codec(ABC):
         out: list[torch.Tensor | None] = [None] * len(payloads)
         groups: dict[tuple[int, torch.device], list[int]] = {}
         for i, (p, v) in enumerate(zip(payloads, versions(payloads), strict=True)):
-            if v in (DEVICE_FORMAT, BLOCK_FORMAT):
+            if v in (BLOCK_FORMAT, CAST_FORMAT):
                 groups.setdefault((v, p.device), []).append(i)
             else:
                 out[i] = self.decode(p)
         for (v, _), idx in groups.items():
-            some = [payloads[i] for i in idx]
-            ys = (
-                self._decode_blocks(some)
-                if v == BLOCK_FORMAT
-                else self._decode_device_checked(some)
-            )
+            ys = self._decode_formats(v, [payloads[i] for i in idx])
             for i, y in zip(idx, ys, strict=True):
                 out[i] = y
         return [y for y in out if y is not None]
@@ -298,8 +291,8 @@ class Codec(ABC):
     # ---- groups of tables: what one destination gets in a step ------------------------
     def segments_on(self, device: torch.device) -> bool:
         """True when this codec codes a group of tables in a format of its own on
-        ``device``, sync-free (format 3); otherwise a group is framed chunks."""
-        return False
+        ``device``, sync-free (format 3 or 4); otherwise a group is framed chunks."""
+        return device.type == "cuda" and self.cast_width(torch.float32) is not None
 
     def encode_segments(
         self,
@@ -312,6 +305,8 @@ class Codec(ABC):
         ``trim=False``: payloads may keep their whole capacity and live in memory that
         the next call of the same shapes reuses (for payloads that never leave this
         process); by default a chunk per table, framed (:mod:`recsz.codecs.framing`)."""
+        if groups and self.segments_on(groups[0][0].device):
+            return castframe.encode(self.codec_id, self._encode_tensor, groups)
         return framing.encode_groups(self, groups, ebs)
 
     def decode_segments(
@@ -323,19 +318,28 @@ class Codec(ABC):
     ) -> list[torch.Tensor]:
         """The rows of each group payload; ``sizes``/``dim``: what the caller expects.
         ``check=False``: the payloads are this process's own (no checks need reading)."""
+        if payloads and self.segments_on(payloads[0].device):
+            expect = [(sum(s), dim) for s in sizes] if sizes is not None else None
+            return self._decode_casts(payloads, expect, check)
         return framing.decode_groups(self, payloads, sizes, dim)
+
+    def _decode_formats(self, version: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Decode format-3 or -4 payloads, whatever the device."""
+        if version == CAST_FORMAT:
+            return self._decode_casts(payloads, None, True)
+        return self._decode_blocks(payloads)
+
+    def _decode_casts(
+        self, payloads: list[torch.Tensor], expect: list[tuple[int, int]] | None, check: bool
+    ) -> list[torch.Tensor]:
+        if self.cast_width(torch.float32) is None:
+            raise PayloadError(f"{self.codec_id} does not read format-{CAST_FORMAT} payloads")
+        width = self.cast_width
+        return castframe.decode(self.codec_id, self._decode_tensor, width, payloads, expect, check)
 
     def _decode_blocks(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Decode format-3 payloads (codecs that write them override this)."""
         raise PayloadError(f"{self.codec_id} does not read format-{BLOCK_FORMAT} payloads")
-
-    def _decode_device_checked(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        try:
-            return self._decode_batch_device(payloads)
-        except PayloadError:
-            raise
-        except Exception as e:  # a malformed body must never escape as another error
-            raise PayloadError(f"{self.codec_id}: corrupt body ({type(e).__name__}: {e})") from e
 
     # ---- internals ------------------------------------------------------------------
     @functools.cached_property
@@ -394,3 +398,17 @@ class Codec(ABC):
                 uvarint(blen),
             ]
         )
+
+
+def without_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (contiguous) with NaN/Inf zeroed, and their flat positions (None when every
+    element is finite): those elements travel exactly, whatever the codec. A finite sum
+    means every element is finite (NaN/Inf propagate): one cheap pass in the usual case."""
+    flat = x.view(-1)
+    if not flat.numel() or bool(torch.isfinite(flat.sum())):
+        return x, None
+    bad = ~torch.isfinite(flat)
+    pos = torch.nonzero(bad).view(-1)
+    if not pos.numel():  # the sum overflowed, every element is finite
+        return x, None
+    return x.masked_fill(bad.view(x.shape), 0), pos

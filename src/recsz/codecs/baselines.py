@@ -52,6 +52,9 @@ class NoneCodec(Codec):
     lossless = True
     joinable = True
 
+    def cast_width(self, dtype: torch.dtype) -> int | None:
+        return torch.empty(0, dtype=dtype).element_size()
+
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         return _bytes_of(x)
 
@@ -64,6 +67,9 @@ class NoneCodec(Codec):
 class _CastCodec(Codec):
     target: torch.dtype
     joinable = True
+
+    def cast_width(self, dtype: torch.dtype) -> int | None:
+        return torch.empty(0, dtype=self.target).element_size()
 
     def _encode_tensor(self, x: torch.Tensor) -> torch.Tensor:
         return _bytes_of(saturating_cast(x, self.target))

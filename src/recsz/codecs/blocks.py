@@ -24,7 +24,7 @@ TAKES = (torch.float32, torch.float16, torch.bfloat16)
 
 def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
-    t = torch.as_tensor(np.asarray(values), dtype=dtype)
+    t = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: values may be read-only
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

@@ -7,11 +7,10 @@ Layout (little endian; varint = LEB128, so small chunks pay few header bytes)::
              empty for {}) | dtype u8 | ndim u8 | shape (ndim varints) | eb f64
            | body length varint
 
-Format 1's checksum is a CRC32. Format 2 is the same layout made on the tensor's device
-(:meth:`recsz.codecs.base.Codec._device_path`): its checksum is
-:func:`recsz.codecs.devbuf.word_hash`, because a CRC is sequential and a weighted word sum is
-one parallel reduction; decoding reads only the header and stream tables on the host and
-leaves the data where it is.
+Format 1's checksum is a CRC32. Payloads made on a GPU have layouts of their own, found by
+the version byte: format 3 (the quantizing codecs, :mod:`recsz.codecs.blockformat`) and
+format 4 (the casts, :mod:`recsz.codecs.castframe`), checksummed by a weighted word sum (one
+parallel reduction). Format 2 (the torch-op device framing) is retired.
 
 Body = sections (u8 count, varint lengths): the codec's own bytes, then the positions and
 exact values of "outliers" (:mod:`recsz.codecs.base` says which elements those are).
@@ -29,12 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from recsz.codecs.devbuf import word_hash
-
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
-DEVICE_FORMAT = 2  # made on the tensor's device: word_hash checksum
-BLOCK_FORMAT = 3  # groups of segments in bit-plane blocks (recsz.codecs.blockformat)
+RETIRED_FORMAT = 2  # the torch-op device framing, no longer written or read
+BLOCK_FORMAT = 3  # groups of tables in bit-plane blocks (recsz.codecs.blockformat)
+CAST_FORMAT = 4  # the casts' bodies made on a device (recsz.codecs.castframe)
 HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
 PREFIX = struct.Struct("<3sBI")  # magic, format version, crc32 of everything after it
 DTYPES: dict[torch.dtype, int] = {
@@ -93,18 +91,13 @@ def version_ok(payload: torch.Tensor) -> bool:
     return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= PREFIX.size
 
 
-def is_device_made(payload: torch.Tensor) -> bool:
-    """Format 2 (made on the tensor's device), told by the version byte alone."""
-    return version_of(payload) == DEVICE_FORMAT
-
-
 def parse_payload(
     payload: torch.Tensor, verify: bool = True
 ) -> tuple[Header, np.ndarray | torch.Tensor]:
     """Check and parse a payload's header; return (header, body).
 
-    The body is host bytes for format 1, and stays on the payload's device for format 2
-    (only the first bytes, where the headers are, are copied to the host). ``verify=False``
+    The body is host bytes for format 1; for formats 3 and 4 the header is read from the
+    payload's first bytes and the whole payload returned as the body. ``verify=False``
     skips the checksum, for a caller that only needs the header and hands the payload to
     a codec's ``decode``, which checks it."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
@@ -133,19 +126,17 @@ def parse_payload(
         lay = read_layout(buf if on_cpu else payload[:HEAD_WINDOW].cpu().numpy())[0]
         shape = (lay.rows, lay.dim)
         return Header(lay.codec, 1, {}, DTYPE_BY_CODE[lay.dtype_code], shape, 0.0, 0), payload
-    elif fver == DEVICE_FORMAT:
-        if verify:
-            got = word_hash(payload[PREFIX.size :]).cpu().numpy()
-            if not np.array_equal(got, buf[4:8]):
-                raise PayloadError("checksum mismatch: payload corrupted or truncated")
-        fields, o = parse_header(buf[PREFIX.size : HEAD_WINDOW])
-        o += PREFIX.size
-        body = payload[o:]  # stays on its device
-        size = int(body.numel())
+    elif fver == CAST_FORMAT:  # recsz.codecs.castframe; its codec checks the rest
+        from recsz.codecs.castframe import read_header
+
+        codec, dtype, n, d, _ = read_header(payload)
+        return Header(codec, 1, {}, dtype, (n, d), 0.0, 0), payload
+    elif fver == RETIRED_FORMAT:
+        raise PayloadError("format-2 payloads (the retired torch-op device coder) are not read")
     else:
         raise PayloadError(
-            f"payload format version {fver}, this build reads {FORMAT_VERSION}, {DEVICE_FORMAT} "
-            f"and {BLOCK_FORMAT}"
+            f"payload format version {fver}, this build reads {FORMAT_VERSION}, "
+            f"{BLOCK_FORMAT} and {CAST_FORMAT}"
         )
     if size != fields.body_len:
         raise PayloadError(

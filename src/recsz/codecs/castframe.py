@@ -1,0 +1,154 @@
+"""Format 4: the casts' payloads (``none``, ``fp16``, ``bf16``) made where the tensor lives,
+by torch operations, with no host sync.
+
+A group of tables is one body: the codec's bytes of all its rows (casts code each value on
+its own, so tables need no boundaries). Every size follows from the shapes, so nothing is
+read from the device, and NaN and +-Inf travel in the body itself (float32, float16 and
+bfloat16 hold them; finite values beyond fp16's range saturate). The same code runs on the
+CPU, so both write the same bytes. Layout (little endian)::
+
+    "RSZ" | 4 | u32 checksum of every word after these 8 bytes (as format 3's)
+    u8 len(codec id) | codec id | zeros to a multiple of 4
+    u32 dtype code, D, N | body: N x D values | zeros to a multiple of 4
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from recsz.codecs.blocks import upload
+from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError
+
+FORMAT = 4
+_FIELDS = struct.Struct("<3I")
+_MASK32 = 0xFFFFFFFF
+
+Body = Callable[[torch.Tensor], torch.Tensor]
+Unbody = Callable[[torch.Tensor, tuple[int, ...], torch.dtype, float], torch.Tensor]
+
+
+def _head(codec: str, dtype: torch.dtype, n: int, d: int) -> bytes:
+    """Everything before the body, the checksum zero."""
+    cid = codec.encode("ascii")
+    pre = bytes([len(cid)]) + cid
+    pre += bytes(-len(pre) % 4)
+    return MAGIC + bytes([FORMAT, 0, 0, 0, 0]) + pre + _FIELDS.pack(DTYPES[dtype], d, n)
+
+
+def _checksums(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
+    """Each payload's sum of words x (2i + 1) mod 2^32, i counted from its byte 8."""
+    words = buf.view(torch.int32)
+    first = [(s + 8) // 4 for s in starts]
+    lens = [e // 4 - f for f, e in zip(first, ends, strict=True)]
+    dev = buf.device
+    lt = upload(lens, torch.int64, dev)
+    total = int(sum(lens))
+    shift = upload(first, torch.int64, dev) - (torch.cumsum(lt, 0) - lt)
+    i = torch.arange(total, device=dev)
+    idx = i + torch.repeat_interleave(shift, lt, output_size=total)
+    local = idx - torch.repeat_interleave(upload(first, torch.int64, dev), lt, output_size=total)
+    v = (words[idx].to(torch.int64) & _MASK32) * (2 * local + 1)
+    cz = torch.nn.functional.pad(torch.cumsum(v, 0), (1, 0))
+    bounds = np.concatenate([[0], np.cumsum(lens)])
+    b = upload(bounds, torch.int64, dev)
+    return (cz[b[1:]] - cz[b[:-1]]) & _MASK32
+
+
+def _as_u32_bytes(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32).view(torch.uint8)
+
+
+def encode(
+    codec: str, body: Body, groups: list[tuple[torch.Tensor, list[int]]]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One format-4 payload per group (its rows, all tables), and their lengths."""
+    dev = groups[0][0].device
+    heads, bodies, starts, ends, at = [], [], [], [], 0
+    for rows, _ in groups:
+        n, d = rows.shape
+        h = _head(codec, rows.dtype, n, d)
+        core = body(rows.detach().contiguous()).view(-1)
+        pad = -(len(h) + core.numel()) % 4
+        heads.append(h)
+        bodies.append((core, pad))
+        starts.append(at)
+        at += len(h) + core.numel() + pad
+        ends.append(at)
+    head_t = upload(np.frombuffer(b"".join(heads), np.uint8), torch.uint8, dev)
+    pieces, o = [], 0
+    for h, (core, pad) in zip(heads, bodies, strict=True):
+        pieces += [head_t[o : o + len(h)], core, core.new_zeros(pad)]
+        o += len(h)
+    buf = torch.cat(pieces)
+    sums = _checksums(buf, starts, ends)
+    pos = upload(np.concatenate([np.arange(s + 4, s + 8) for s in starts]), torch.int64, dev)
+    buf[pos] = _as_u32_bytes(sums).view(-1)
+    lens = [e - s for s, e in zip(starts, ends, strict=True)]
+    return [buf[s:e] for s, e in zip(starts, ends, strict=True)], torch.tensor(lens)
+
+
+def read_header(p: torch.Tensor) -> tuple[str, torch.dtype, int, int, int]:
+    """(codec id, dtype, N, D, body offset) from a payload's first bytes (host)."""
+    raw = p[:300].cpu().numpy().tobytes()
+    try:
+        if raw[:3] != MAGIC or raw[3] != FORMAT:
+            raise PayloadError(f"not a format-{FORMAT} payload")
+        clen = raw[8]
+        codec = raw[9 : 9 + clen].decode("ascii")
+        at = 9 + clen + (-(1 + clen) % 4)
+        dcode, d, n = _FIELDS.unpack_from(raw, at)
+    except (IndexError, struct.error, UnicodeDecodeError) as e:
+        raise PayloadError(f"malformed format-{FORMAT} header: {e}") from None
+    if dcode not in DTYPE_BY_CODE:
+        raise PayloadError(f"unknown dtype code {dcode}")
+    return codec, DTYPE_BY_CODE[dcode], n, d, at + _FIELDS.size
+
+
+def decode(
+    codec: str,
+    unbody: Unbody,
+    itemsize: Callable[[torch.dtype], int],
+    payloads: list[torch.Tensor],
+    expect: list[tuple[int, int]] | None = None,
+    check: bool = True,
+) -> list[torch.Tensor]:
+    """The rows of each payload; ``expect``: (N, D) of each (float32; then no header is
+    read on the host, a payload that differs fails its checks)."""
+    out, starts, ends, heads, got = [], [], [], [], []
+    at = 0
+    for i, p in enumerate(payloads):
+        if expect is None:
+            cid, dtype, n, d, _ = read_header(p)
+            if cid != codec:
+                raise PayloadError(f"payload {i} was made by codec {cid!r}, not {codec!r}")
+        else:
+            (n, d), dtype = expect[i], torch.float32
+        h = _head(codec, dtype, n, d)
+        size = len(h) + n * d * itemsize(dtype)
+        if p.numel() != size + (-size % 4):
+            raise PayloadError(f"payload {i}: {p.numel()} bytes, its shape needs {size}")
+        out.append(unbody(p[len(h) : size], (n, d), dtype, 0.0))
+        heads.append(np.frombuffer(h, np.uint8))
+        starts.append(at)
+        at += p.numel()
+        ends.append(at)
+        got.append(p)
+    if check and payloads:
+        buf = torch.cat(got)
+        dev = buf.device
+        sums = _checksums(buf, starts, ends)
+        ck = upload(np.concatenate([np.arange(s + 4, s + 8) for s in starts]), torch.int64, dev)
+        stored = buf[ck].view(torch.int32).to(torch.int64) & _MASK32
+        keep = np.concatenate(
+            [np.r_[0:4, 8 : h.size] + s for h, s in zip(heads, starts, strict=True)]
+        )
+        want = np.concatenate([h[np.r_[0:4, 8 : h.size]] for h in heads])
+        same = buf[upload(keep, torch.int64, dev)] == upload(want, torch.uint8, dev)
+        ok = bool((sums == stored).all() & same.all())
+        if not ok:
+            raise PayloadError(f"format-{FORMAT} payload corrupted or truncated (checks failed)")
+    return out
