@@ -334,7 +334,10 @@ class Codec(ABC):
     ) -> list[torch.Tensor]:
         if self.cast_width(torch.float32) is None:
             raise PayloadError(f"{self.codec_id} does not read format-{CAST_FORMAT} payloads")
-        width = self.cast_width
+
+        def width(dtype: torch.dtype) -> int:
+            return self.cast_width(dtype) or 0
+
         return castframe.decode(self.codec_id, self._decode_tensor, width, payloads, expect, check)
 
     def _decode_blocks(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:

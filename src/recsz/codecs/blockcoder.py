@@ -188,20 +188,21 @@ def common_buffer(payloads: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]
     """One uint8 buffer holding every payload at a 4-byte aligned offset: their own
     storage when they share one (slices of a received buffer), else a copy."""
     st = payloads[0].untyped_storage()
-    offs = [p.storage_offset() for p in payloads]
+    offs = [int(p.storage_offset()) for p in payloads]
     if (
         all(p.untyped_storage().data_ptr() == st.data_ptr() and p.is_contiguous() for p in payloads)
         and all(o % 4 == 0 for o in offs)
         and st.nbytes() % 4 == 0
     ):
         buf = torch.empty(0, dtype=torch.uint8, device=payloads[0].device)
-        return buf.set_(st, 0, (st.nbytes(),)), offs
-    parts, offs, at = [], [], 0
+        return buf.set_(st, 0, (st.nbytes(),), (1,)), offs
+    parts: list[torch.Tensor] = []
+    offs, at = [], 0
     for q in payloads:
-        pad = -q.numel() % 4
+        pad = -int(q.numel()) % 4
         parts += [q.reshape(-1), q.new_zeros(pad)]
         offs.append(at)
-        at += q.numel() + pad
+        at += int(q.numel()) + pad
     return torch.cat(parts), offs
 
 

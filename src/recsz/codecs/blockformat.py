@@ -232,7 +232,7 @@ def pack_blocks(vals: np.ndarray, raw: np.ndarray, xbits: np.ndarray) -> tuple[n
 
 
 def _blocks_of(a: np.ndarray, n_blocks: int, dtype: type) -> np.ndarray:
-    out = np.zeros(n_blocks * LANES, dtype)
+    out: np.ndarray = np.zeros(n_blocks * LANES, dtype)
     out[: a.size] = a.reshape(-1)
     return out.reshape(n_blocks, LANES)
 
@@ -249,7 +249,7 @@ def encode_group(lay: Layout, x: np.ndarray, ebs: np.ndarray) -> bytes:
     if lay.dedup:
         rep = duplicates(xp.view(np.uint32), piece, piece < len(lay.seg_rows))
         lit = rep < 0
-        rank = np.cumsum(lit) - lit
+        rank: np.ndarray = np.cumsum(lit) - lit
         ref = np.where(lit, 0, rank[np.maximum(rep, 0)] - rank[first[piece]] + 1)
         blocks.append(_blocks_of(ref.astype(np.uint32), lay.ref_blocks, np.uint32))
         raws.append(np.zeros(lay.ref_blocks, bool))
@@ -258,7 +258,7 @@ def encode_group(lay: Layout, x: np.ndarray, ebs: np.ndarray) -> bytes:
     zz, bad = quantize(xp[lit], eb_row[lit])
     nc = lay.code_blocks(nl)
     blocks.append(_blocks_of(zz, nc, np.uint32))
-    raws.append(_blocks_of(bad, nc, bool).any(1))
+    raws.append(np.asarray(_blocks_of(bad, nc, bool).any(1)))
     xbits.append(_blocks_of(xp[lit].view(np.uint32), nc, np.uint32))
     w, data = pack_blocks(np.concatenate(blocks), np.concatenate(raws), np.concatenate(xbits))
     body = bytearray(lay.head())

@@ -10,6 +10,7 @@ host memory, so the coder's work can be captured once as a CUDA graph and replay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class Plan:
     base: list[int]
     dev: torch.device
     t: dict[str, torch.Tensor] = field(default_factory=dict)
-    graph: object | None = None  # a captured CUDA graph and its outputs (blockcoder)
+    graph: tuple[Any, Any] | None = None  # a captured CUDA graph and its outputs
     calls: int = 0
 
     @property
@@ -66,7 +67,7 @@ class Plan:
 def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.device) -> Plan:
     """The plan of payloads ``lays`` at bytes ``base`` (each ending by ``ends``)."""
     p = Plan(lays, base, dev)
-    cols = {k: [] for k in _GROUP_COLS}
+    cols: dict[str, list[int]] = {k: [] for k in _GROUP_COLS}
     counts, ext, is_pad, wb, hh = [], [], [], [], []
     row0 = cb0 = rb0 = bs = s = 0
     for lay, b, e in zip(lays, base, ends, strict=True):
@@ -105,9 +106,9 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
     flat = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays.values()])
     dev_flat = upload(flat, torch.int64, dev)
     at = 0
-    for k, a in arrays.items():
+    for name, a in arrays.items():
         n = np.asarray(a).size
-        p.t[k] = dev_flat[at : at + n]
+        p.t[name] = dev_flat[at : at + n]
         at += n
     p.t["ival"] = upload(ival, torch.uint8, dev)
     _derive(p)

@@ -201,7 +201,7 @@ class EmbeddingExchange:
         sizes = [sizes_from(src) for src in range(self.world)]
         # Payloads this process made itself never left its memory: no checks to read.
         own = pending.pieces is not None
-        payloads = pending.pieces if own else bufs
+        payloads = pending.pieces if pending.pieces is not None else bufs
         with record_function(f"recsz.a2a_{d.name}.decode"):
             try:
                 rows = d.codec.decode_segments(payloads, sizes, dim, check=not own)
