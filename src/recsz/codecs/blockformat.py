@@ -133,7 +133,7 @@ class Layout:
         return pre + f + struct.pack(f"<{k}I", *self.seg_rows)
 
 
-L_AT, DLEN_AT = 20, 24  # the device-written fields, from fields_at
+L_AT = 20  # L and data_len, written by the device coder: from fields_at
 
 
 def _up4(n: int) -> int:

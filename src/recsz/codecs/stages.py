@@ -78,13 +78,6 @@ def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
     return y if dtype == wd else y.to(dtype)
 
 
-# ---- vector deduplication ("vector LZ") -----------------------------------------------
-def repeats_pay(n: int, n_lit: int, d: int) -> bool:
-    """Whether n rows of d codes, n_lit of them literal, are smaller sent as literals plus
-    references: a reference costs about one code, a repeated row saves d."""
-    return (n - n_lit) * d > n
-
-
 # ---- integer packing and entropy coding ------------------------------------------------
 #: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
 #: or each stream coded on its own (SPLIT: its own Huffman table, and for row references

@@ -9,7 +9,7 @@ receiver cannot predict them: a small int64 all-to-all of the sizes goes first, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,6 @@ class PendingBytes:
     out: torch.Tensor | None
     recv_sizes: list[int]
     work: object | None = None
-    started: float = field(default_factory=time.perf_counter)
     waited_s: float = 0.0
     #: With one rank and no process group: the pieces "sent" to this rank, as they were.
     pieces: list[torch.Tensor] | None = None
