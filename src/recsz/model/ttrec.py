@@ -1,0 +1,150 @@
+"""TT-Rec: an embedding table as a tensor train (Yin et al., MLSys 2021, arXiv 2101.11714).
+
+A table of N rows x D dims is held as d cores; core k has shape (R[k-1], p[k], q[k], R[k])
+with R[0] = R[d] = 1, prod(p) >= N (the rows past N are never looked up) and prod(q) = D.
+Row i, written in the mixed radix p (most significant digit first) as (i_1, ..., i_d), is
+the chain product G_1[:, i_1] G_2[:, i_2] ... G_d[:, i_d]: a (1 x q_1 ... q_d x 1) tensor,
+i.e. D values. Memory: sum_k R[k-1] p_k q_k R[k] instead of N x D.
+
+Forward, in pure PyTorch: the batch's distinct ids only; per core one gather of the slices
+of their digits; the chain as batched matrix products; the rows pooled into bags by
+``embedding_bag`` over those distinct rows (offsets and per-sample weights as torch's).
+Backward by autograd through the same operations (the cores are ordinary parameters, so
+any torch optimizer trains them).
+
+Initialization ("sampled", TT-Rec's proposal): Gaussian cores scaled so that the rebuilt
+rows have the variance of DLRM's uniform(-1/sqrt(N), 1/sqrt(N)) init; "normal" uses
+N(0, 1/sqrt(N)) per core element and "uniform" uniform cores of the same per-element
+spread, both unscaled for the chain (for comparison).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+TT_INITS = ("sampled", "normal", "uniform")
+
+
+def factorize(n: int, parts: int) -> list[int]:
+    """``parts`` integers, as equal as possible, whose product is at least n (row digits)."""
+    if n < 1 or parts < 1:
+        raise ValueError(f"cannot split {n} rows into {parts} factors")
+    out: list[int] = []
+    left = n
+    for k in range(parts, 0, -1):
+        f = max(1, math.ceil(left ** (1.0 / k) - 1e-9))
+        out.append(f)
+        left = math.ceil(left / f)
+    return out
+
+
+def split_dim(d: int, parts: int) -> list[int]:
+    """``parts`` integers whose product is exactly d, as equal as possible (column digits)."""
+    if d < 1 or parts < 1:
+        raise ValueError(f"cannot split dim {d} into {parts} factors")
+    primes, x, f = [], d, 2
+    while f * f <= x:
+        while x % f == 0:
+            primes.append(f)
+            x //= f
+        f += 1
+    if x > 1:
+        primes.append(x)
+    out = [1] * parts
+    for pr in sorted(primes, reverse=True):  # largest prime to the smallest part
+        out[out.index(min(out))] *= pr
+    return sorted(out)
+
+
+class TTEmbeddingBag(nn.Module):
+    """A tensor-train table with ``nn.EmbeddingBag``'s lookup (mode "sum").
+
+    Args:
+        num_embeddings, embedding_dim: N and D.
+        rank: the inner TT ranks R[1..d-1].
+        cores: d (2 to 4).
+        init: one of ``TT_INITS``.
+        generator: for the initialization.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        rank: int = 8,
+        cores: int = 3,
+        init: str = "sampled",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        if not 2 <= cores <= 4:
+            raise ValueError(f"a TT table has 2 to 4 cores, got {cores}")
+        if rank < 1:
+            raise ValueError(f"TT rank must be >= 1, got {rank}")
+        if init not in TT_INITS:
+            raise ValueError(f"TT init {init!r} is not one of {TT_INITS}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.p = factorize(num_embeddings, cores)
+        self.q = split_dim(embedding_dim, cores)
+        self.ranks = [1] + [rank] * (cores - 1) + [1]
+        self.cores = nn.ParameterList(
+            nn.Parameter(torch.empty(self.ranks[k], self.p[k], self.q[k], self.ranks[k + 1]))
+            for k in range(cores)
+        )
+        # Mixed-radix place values of the row digits (most significant first).
+        place = [math.prod(self.p[k + 1 :]) for k in range(cores)]
+        self.place: torch.Tensor
+        self.register_buffer("place", torch.tensor(place, dtype=torch.int64), persistent=False)
+        self.reset_parameters(init, generator)
+
+    def reset_parameters(
+        self, init: str = "sampled", generator: torch.Generator | None = None
+    ) -> None:
+        bound = 1.0 / math.sqrt(self.num_embeddings)
+        with torch.no_grad():
+            for c in self.cores:
+                if init == "uniform":
+                    c.uniform_(-bound, bound, generator=generator)
+                elif init == "normal":
+                    c.normal_(0.0, bound, generator=generator)
+                else:  # each row element: a sum over prod(R) chains of d Gaussian products
+                    target = bound**2 / 3.0  # variance of uniform(-bound, bound)
+                    paths = math.prod(self.ranks[1:-1])
+                    std = (target / paths) ** (1.0 / (2 * len(self.cores)))
+                    c.normal_(0.0, std, generator=generator)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(c.numel() for c in self.cores)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The (len(ids), D) rows of ``ids`` (int64, each in [0, N))."""
+        digits = (ids.unsqueeze(1) // self.place) % torch.tensor(self.p, device=ids.device)
+        v = self.cores[0][0].index_select(0, digits[:, 0])  # (U, q1, R1)
+        for k in range(1, len(self.cores)):
+            g = self.cores[k].index_select(1, digits[:, k]).permute(1, 0, 2, 3)  # (U, R, qk, R')
+            u, r, qk, r2 = g.shape
+            q_sofar = v.shape[1]
+            v = torch.bmm(v, g.reshape(u, r, qk * r2)).reshape(u, q_sofar * qk, r2)
+        return v.reshape(len(ids), self.embedding_dim)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor | None = None,
+        per_sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled (sum) rows: ``ids`` 2-D (bags of equal size) or 1-D with ``offsets``."""
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise ValueError(f"TT table of {self.num_embeddings} rows: id out of range")
+        uniq, inverse = torch.unique(ids, return_inverse=True)
+        return nn.functional.embedding_bag(
+            inverse, self.rows(uniq), offsets, mode="sum", per_sample_weights=per_sample_weights
+        )
+
+    def full_weight(self) -> torch.Tensor:
+        """The dense (N, D) table (for tests and export)."""
+        return self.rows(torch.arange(self.num_embeddings, device=self.place.device))

@@ -1,0 +1,118 @@
+"""TT-Rec tables: the lookup is EmbeddingBag over the rebuilt table, gradients are
+autograd's through it, the factor shapes cover any N, the init has DLRM's spread."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from recsz.model.ttrec import TTEmbeddingBag, factorize, split_dim
+
+
+@given(st.integers(1, 10**7), st.integers(2, 4))
+def test_row_factors_cover_every_row(n: int, parts: int) -> None:
+    p = factorize(n, parts)
+    assert len(p) == parts and math.prod(p) >= n
+    assert math.prod(p) < 2 * n + 2**parts  # not wastefully large
+
+
+@given(st.integers(1, 512), st.integers(2, 4))
+def test_dim_factors_multiply_to_the_dim(d: int, parts: int) -> None:
+    q = split_dim(d, parts)
+    assert len(q) == parts and math.prod(q) == d
+
+
+def table(n: int = 37, d: int = 12, rank: int = 3, cores: int = 3) -> TTEmbeddingBag:
+    g = torch.Generator().manual_seed(0)
+    return TTEmbeddingBag(n, d, rank=rank, cores=cores, generator=g).double()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.integers(1, 200),
+    st.integers(1, 3),
+    st.integers(2, 4),
+    st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    st.booleans(),
+)
+def test_lookup_equals_embedding_bag_over_the_full_table(
+    n: int, rank: int, cores: int, bag_sizes: list[int], weighted: bool
+) -> None:
+    t = table(n, 8, rank, cores)
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, n, (sum(bag_sizes),), generator=g)
+    offsets = torch.tensor([0, *bag_sizes[:-1]]).cumsum(0)
+    w = torch.rand(ids.numel(), generator=g, dtype=torch.float64) if weighted else None
+    ref = nn.functional.embedding_bag(ids, t.full_weight(), offsets, mode="sum",
+                                      per_sample_weights=w)  # fmt: skip
+    torch.testing.assert_close(t(ids, offsets, w), ref)
+
+
+def test_single_ids_with_repeats_are_the_rows() -> None:
+    t = table()
+    ids = torch.tensor([[5], [5], [36], [0], [5]])
+    torch.testing.assert_close(t(ids), t.full_weight()[ids[:, 0]])
+
+
+def test_core_gradients_equal_autograd_through_the_full_table() -> None:
+    t = table()
+    ids = torch.tensor([3, 3, 7, 30, 36, 0])
+    offsets = torch.tensor([0, 2, 4])
+    g = torch.randn(3, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (t(ids, offsets) * g).sum().backward()
+    fast = [c.grad.clone() for c in t.cores]
+    t.zero_grad()
+    (nn.functional.embedding_bag(ids, t.full_weight(), offsets, mode="sum") * g).sum().backward()
+    for a, c in zip(fast, t.cores, strict=True):
+        torch.testing.assert_close(a, c.grad)
+
+
+def test_gradcheck_on_tiny_shapes() -> None:
+    t = table(n=10, d=4, rank=2, cores=2)
+    ids, offsets = torch.tensor([1, 9, 9, 4]), torch.tensor([0, 1])
+
+    inputs = tuple(c.detach().clone().requires_grad_() for c in t.cores)
+    assert torch.autograd.gradcheck(lambda *c: torch.func.functional_call(
+        t, {f"cores.{k}": v for k, v in enumerate(c)}, (ids, offsets)), inputs)  # fmt: skip
+
+
+def test_sgd_and_adagrad_steps_match_the_reference_update() -> None:
+    for make in (lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)):
+        t = table()
+        before = [c.detach().clone() for c in t.cores]
+        opt = make(t.parameters())
+        ids, offsets = torch.tensor([1, 2, 2, 30]), torch.tensor([0, 2])
+        t(ids, offsets).pow(2).sum().backward()
+        grads = [c.grad.clone() for c in t.cores]
+        opt.step()
+        for b, g, c in zip(before, grads, t.cores, strict=True):
+            if isinstance(opt, torch.optim.SGD):
+                want = b - 0.1 * g
+            else:  # Adagrad, first step: state = g^2
+                want = b - 0.1 * g / (g.abs() + 1e-10)
+            torch.testing.assert_close(c.detach(), want)
+
+
+def test_sampled_init_has_the_spread_of_dlrm_uniform_init() -> None:
+    n = 50_000
+    t = TTEmbeddingBag(n, 64, rank=16, cores=3, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rows = t.rows(torch.randint(0, n, (4000,)))
+    want = 1.0 / (3 * n)
+    assert 0.7 < float(rows.var()) / want < 1.3
+    cores = [1 * 37 * 4 * 16, 16 * 37 * 4 * 16, 16 * 37 * 4 * 1]  # p = 37^3 >= n, q = 4^3
+    assert t.num_parameters == sum(cores) and t.num_parameters * 70 < n * 64
+
+
+def test_bad_arguments_and_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 to 4 cores"):
+        TTEmbeddingBag(10, 4, cores=5)
+    with pytest.raises(ValueError, match="init"):
+        TTEmbeddingBag(10, 4, init="zeros")
+    with pytest.raises(ValueError, match="out of range"):
+        table(n=10, d=4)(torch.tensor([[10]]))
