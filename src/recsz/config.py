@@ -15,7 +15,7 @@ from typing import Any, get_type_hints
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES
-from recsz.model import PRESETS, ROW_OPTIMIZERS, get_preset
+from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, TTSpec, get_preset
 
 CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
 
@@ -41,6 +41,10 @@ class TrainConfig:
     lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)")
     emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)")
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
+    tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)")
+    tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables")
+    tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table (2 to 4)")
+    tt_init: str = opt("sampled", "TT-Rec: initialization of the cores", TT_INITS)
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)")
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to a multiple of the ranks)")
@@ -95,6 +99,14 @@ class TrainConfig:
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)
 
+    def tt_spec(self) -> TTSpec | None:
+        """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""
+        if not self.tt_tables:
+            return None
+        sizes = get_preset(self.preset).model.table_sizes
+        largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
+        return TTSpec(frozenset(largest), self.tt_rank, self.tt_cores, self.tt_init)
+
     def codec(self, direction: str) -> Codec:
         """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
@@ -112,6 +124,7 @@ class TrainConfig:
             "dct_refresh",
             "eval_batch_size",
             "powersgd_rank",
+            "tt_rank",
         ):
             v = getattr(self, name)
             if v is not None and v < 1:
@@ -120,6 +133,11 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {v}")
+        if not 2 <= self.tt_cores <= 4:
+            raise ValueError(f"--tt-cores must be 2 to 4, got {self.tt_cores}")
+        n_tables = get_preset(self.preset).model.n_tables
+        if not 0 <= self.tt_tables <= n_tables:
+            raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
         for name in ("eval_every", "log_every", "checkpoint_every", "prefetch", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must be >= 0")

@@ -47,6 +47,8 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "codec_s": st.codec_s,
         "allreduce_s": dp.seconds,
         "allreduce_bytes": dp.bytes_sent,
+        "embedding_bytes": parts.sparse.bytes_held,
+        "embedding_bytes_dense": parts.sparse.dense_bytes,
         "allreduce_dense_bytes": dp.bytes_dense,
         "raw": dict(st.raw),
         "sent": dict(st.sent),
@@ -94,6 +96,8 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     # The MLP gradients' exchange: bytes every rank put on the wire, against a ring
     # all-reduce of fp32 (dp_ratio).
     row["allreduce_bytes"] = sum(r["allreduce_bytes"] for r in recs)
+    row["embedding_bytes"] = sum(r["embedding_bytes"] for r in recs)
+    row["embedding_bytes_dense"] = sum(r["embedding_bytes_dense"] for r in recs)
     row["dp_ratio"] = ratio(sum(r["allreduce_dense_bytes"] for r in recs), row["allreduce_bytes"])
     if recs[0]["dct_refreshes"] is not None:
         row["dp_threshold_refreshes"] = recs[0]["dct_refreshes"]

@@ -43,7 +43,7 @@ from recsz.comm.embedding import Direction, EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, DataSource, make_source, prefetch
-from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
+from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
 from recsz.model.sharding import plan_tables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch, watch_parent
@@ -70,10 +70,19 @@ class Parts:
 def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     preset = get_preset(cfg.preset)
     mcfg = preset.model
-    owners = plan_tables(mcfg.table_sizes, mcfg.emb_dim, ranks.world)
+    tt = cfg.tt_spec()
+    # A TT table is charged what its cores hold, as rows of the table's width.
+    charged = [
+        -(-tt_parameters(n, mcfg.emb_dim, tt.rank, tt.cores) // mcfg.emb_dim)
+        if tt is not None and t in tt.tables
+        else n
+        for t, n in enumerate(mcfg.table_sizes)
+    ]
+    owners = plan_tables(charged, mcfg.emb_dim, ranks.world)
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved_emb_optimizer, cfg.resolved_emb_lr)
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt).to(ranks.device)
+    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt)
+    sparse = sparse.to(ranks.device)
     dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch

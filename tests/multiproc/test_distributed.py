@@ -161,6 +161,36 @@ def test_format_3_payloads_cross_ranks_within_their_bounds(tmp_path: Path) -> No
     assert 0.4 < s["auc"] < 1.0
 
 
+def tt_state(out: Path, step: int = 20) -> dict[str, object]:
+    """Every rank's TT cores and their optimizers' state, from its checkpoint file."""
+    d = out / "checkpoints" / f"step-{step:09d}"
+    got: dict[str, object] = {}
+    for f in sorted(d.glob("rank-*.pt")):
+        sparse = torch.load(f, weights_only=False)["sparse"]
+        got.update({f"{f.name}:{k}": v for k, v in sparse.items() if k.startswith("tt.")})
+    return got
+
+
+def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """TT-Rec tables (the 5 largest, so both ranks hold some): 2 ranks with a lossless
+    codec train exactly as one process; resuming from a checkpoint changes nothing."""
+    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad")
+    one = run(tmp_path / "one", *tt)
+    two = run(tmp_path / "two", *tt, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")),
+        rtol=0, atol=1e-5,
+    )  # fmt: skip
+    assert one["embedding_bytes"] == two["embedding_bytes"] < one["embedding_bytes_dense"]
+    split = tmp_path / "split"
+    main([*BASE, *tt, "--steps", "10", "--checkpoint-every", "10", "--out", str(split)])
+    assert main([*BASE, *tt, "--resume", str(split)]) == 0
+    a, b = tt_state(tmp_path / "one"), tt_state(split)
+    assert sorted(a) == sorted(b) and len(a) > 1
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+
+
 def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
     cmd = [
         sys.executable,

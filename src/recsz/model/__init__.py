@@ -4,16 +4,21 @@ from recsz.model.config import PRESETS, ModelConfig, Preset, get_preset
 from recsz.model.dlrm import DLRM, DenseArch, interact_features
 from recsz.model.rowopt import ROW_OPTIMIZERS, RowOptimizer
 from recsz.model.tables import SparseArch
+from recsz.model.ttrec import TT_INITS, TTEmbeddingBag, TTSpec, tt_parameters
 
 __all__ = [
     "DLRM",
     "PRESETS",
     "ROW_OPTIMIZERS",
+    "TT_INITS",
     "DenseArch",
     "ModelConfig",
     "Preset",
     "RowOptimizer",
     "SparseArch",
+    "TTEmbeddingBag",
+    "TTSpec",
     "get_preset",
     "interact_features",
+    "tt_parameters",
 ]

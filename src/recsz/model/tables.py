@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from recsz.model.config import ModelConfig
 from recsz.model.rowopt import RowOptimizer
+from recsz.model.ttrec import TTSpec, TTTables
 
 
 def init_table(rows: int, dim: int, seed: int, table: int) -> torch.Tensor:
@@ -43,7 +44,9 @@ class SparseArch(nn.Module):
         optimizer: the fused row optimizer; None freezes the tables (no gradient flows).
     """
 
-    offsets: torch.Tensor  # (|tables|,) each table's first row in ``weight``
+    offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
+    dense_pos: torch.Tensor  # where the dense tables' columns go in the output
+    tt_pos: torch.Tensor  # where the TT tables' columns go
     rows: torch.Tensor  # (|tables|,) rows per table, for one range check of all
     optimizer_state: torch.Tensor  # the row optimizer's accumulator
 
@@ -53,16 +56,29 @@ class SparseArch(nn.Module):
         tables: Sequence[int],
         seed: int,
         optimizer: RowOptimizer | None = None,
+        tt: TTSpec | None = None,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
-        self.sizes = [cfg.table_sizes[t] for t in self.tables]
+        tt_set = tt.tables if tt is not None else frozenset()
+        self.dense_tables = [t for t in self.tables if t not in tt_set]
+        self.sizes = [cfg.table_sizes[t] for t in self.dense_tables]
         self.dim = cfg.emb_dim
         self.optimizer = optimizer
+        self.dense_bytes = 4 * cfg.emb_dim * sum(cfg.table_sizes[t] for t in self.tables)
         start = torch.tensor([0, *self.sizes], dtype=torch.int64).cumsum(0)
         weight = torch.empty(int(start[-1]), cfg.emb_dim)
-        for j, t in enumerate(self.tables):
+        for j, t in enumerate(self.dense_tables):
             weight[start[j] : start[j + 1]] = init_table(self.sizes[j], cfg.emb_dim, seed, t)
+        self.tt = TTTables(cfg, [t for t in self.tables if t in tt_set], seed, optimizer, tt)
+        pos = {t: j for j, t in enumerate(self.tables)}
+        self.register_buffer(
+            "dense_pos", torch.tensor([pos[t] for t in self.dense_tables]), persistent=False
+        )
+        self.register_buffer(
+            "tt_pos", torch.tensor([pos[t] for t in self.tt.tables], dtype=torch.int64),
+            persistent=False,
+        )  # fmt: skip
         # A parameter so that .to() and state_dict() carry it, but no torch optimizer owns
         # it: the backward updates it in place and leaves .grad empty.
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
@@ -71,16 +87,31 @@ class SparseArch(nn.Module):
         state = optimizer.new_state(weight) if optimizer else torch.zeros(0)
         self.register_buffer("optimizer_state", state)
 
+    @property
+    def bytes_held(self) -> int:
+        """What this rank's tables hold: the dense rows and the TT cores (float32)."""
+        return 4 * (self.weight.numel() + self.tt.num_parameters)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
-        if not self.tables or not ids.numel():
-            return self.weight.new_zeros(ids.shape[0], len(self.tables), self.dim)
+        if not self.tt.tables:
+            return self._dense(ids)
+        b = ids.shape[0]
+        out = self.weight.new_zeros(b, len(self.tables), self.dim)
+        if self.dense_tables:
+            out = out.index_copy(1, self.dense_pos, self._dense(ids))
+        return out.index_copy(1, self.tt_pos, self.tt(ids))
+
+    def _dense(self, ids: torch.Tensor) -> torch.Tensor:
+        n = len(self.dense_tables)
+        if not n or not ids.numel():
+            return self.weight.new_zeros(ids.shape[0], n, self.dim)
         with record_function("recsz.lookup"):
-            mine = ids[:, self.tables]  # (B, T_r)
+            mine = ids[:, self.dense_tables]  # (B, T_dense)
             self._check_range(mine)
             rows = (mine + self.offsets).view(-1)
             out = self._pool(rows, None, None)
-        return out.view(ids.shape[0], len(self.tables), self.dim)
+        return out.view(ids.shape[0], n, self.dim)
 
     def bags(
         self,
@@ -92,6 +123,8 @@ class SparseArch(nn.Module):
         (lengths.sum(),) laid out sample by sample, each sample's tables in order; optional
         weight per id. -> pooled (B, |tables|, D), an empty bag pooling to zeros."""
         b, n_t = lengths.shape
+        if self.tt.tables:
+            raise NotImplementedError("bags of several ids in TT tables are not supported yet")
         if n_t != len(self.tables):
             raise ValueError(f"lengths has {n_t} tables, this module holds {len(self.tables)}")
         if int(lengths.sum()) != ids.numel() or bool((lengths < 0).any()):
@@ -118,7 +151,8 @@ class SparseArch(nn.Module):
         if bool(wrong.any()):  # one check (one host sync on a GPU) for every table
             j = int(wrong.any(0).nonzero()[0])
             bad = int(mine[:, j][wrong[:, j]][0])
-            raise IndexError(f"table {self.tables[j]}: id {bad} outside [0, {self.sizes[j]})")
+            t = self.dense_tables[j]
+            raise IndexError(f"table {t}: id {bad} outside [0, {self.sizes[j]})")
 
     def _pool(
         self, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None

@@ -21,9 +21,14 @@ spread, both unscaled for the chain (for comparison).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+
+from recsz.model.config import ModelConfig
+from recsz.model.rowopt import RowOptimizer
 
 TT_INITS = ("sampled", "normal", "uniform")
 
@@ -148,3 +153,81 @@ class TTEmbeddingBag(nn.Module):
     def full_weight(self) -> torch.Tensor:
         """The dense (N, D) table (for tests and export)."""
         return self.rows(torch.arange(self.num_embeddings, device=self.place.device))
+
+
+def tt_parameters(n: int, d: int, rank: int, cores: int) -> int:
+    """The number of core values of an N x D table as ``cores`` cores of ``rank``."""
+    p, q = factorize(n, cores), split_dim(d, cores)
+    r = [1] + [rank] * (cores - 1) + [1]
+    return sum(r[k] * p[k] * q[k] * r[k + 1] for k in range(cores))
+
+
+@dataclass(frozen=True)
+class TTSpec:
+    """Which tables are tensor trains, and their shape and initialization."""
+
+    tables: frozenset[int]
+    rank: int = 8
+    cores: int = 3
+    init: str = "sampled"
+
+
+class TTTables(nn.Module):
+    """A rank's TT tables. Like the dense tables they update themselves in the backward:
+    each core's optimizer (SGD, or Adagrad for both Adagrad kinds: a core has no rows)
+    steps as soon as its gradient is complete; its state travels in ``state_dict``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tables: list[int],
+        seed: int,
+        optimizer: RowOptimizer | None,
+        spec: TTSpec | None,
+    ) -> None:
+        super().__init__()
+        self.tables = list(tables)
+        self.bags = nn.ModuleList()
+        self._opts: list[torch.optim.Optimizer] = []
+        if not self.tables:
+            return
+        assert spec is not None
+        for t in self.tables:
+            g = torch.Generator().manual_seed(seed * 1009 + t)
+            self.bags.append(TTEmbeddingBag(cfg.table_sizes[t], cfg.emb_dim, spec.rank,
+                                            spec.cores, spec.init, generator=g))  # fmt: skip
+        for p in self.parameters():
+            if optimizer is None:
+                p.requires_grad_(False)
+                continue
+            opt: torch.optim.Optimizer
+            if optimizer.kind == "sgd":
+                opt = torch.optim.SGD([p], lr=optimizer.lr)
+            else:
+                opt = torch.optim.Adagrad([p], lr=optimizer.lr, eps=optimizer.eps or 1e-10)
+            p.register_post_accumulate_grad_hook(_stepper(opt))
+            self._opts.append(opt)
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids (B, T_all) -> pooled (B, |tables|, D) of these tables."""
+        cols = [m(ids[:, t].reshape(-1, 1)) for t, m in zip(self.tables, self.bags, strict=True)]
+        return torch.stack(cols, 1)
+
+    def get_extra_state(self) -> Any:
+        return [o.state_dict() for o in self._opts]
+
+    def set_extra_state(self, state: Any) -> None:
+        for o, s in zip(self._opts, state, strict=True):
+            o.load_state_dict(s)
+
+
+def _stepper(opt: torch.optim.Optimizer) -> Any:
+    def step(_: torch.Tensor) -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
