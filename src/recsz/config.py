@@ -45,6 +45,7 @@ class TrainConfig:
     tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables")
     tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table (2 to 4)")
     tt_init: str = opt("sampled", "TT-Rec: initialization of the cores", TT_INITS)
+    tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: --emb-lr's)")
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)")
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to a multiple of the ranks)")
@@ -105,7 +106,7 @@ class TrainConfig:
             return None
         sizes = get_preset(self.preset).model.table_sizes
         largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
-        return TTSpec(frozenset(largest), self.tt_rank, self.tt_cores, self.tt_init)
+        return TTSpec(frozenset(largest), self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
 
     def codec(self, direction: str) -> Codec:
         """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
@@ -129,7 +130,7 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {v}")
-        for name in ("lr", "emb_lr", "fwd_eb", "bwd_eb", "dist_timeout", "dp_eb"):
+        for name in ("lr", "emb_lr", "fwd_eb", "bwd_eb", "dist_timeout", "dp_eb", "tt_lr"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{_flag(name)} must be positive, got {v}")

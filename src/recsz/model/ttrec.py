@@ -170,6 +170,7 @@ class TTSpec:
     rank: int = 8
     cores: int = 3
     init: str = "sampled"
+    lr: float | None = None  # the cores' learning rate (None: the row optimizer's)
 
 
 class TTTables(nn.Module):
@@ -201,10 +202,11 @@ class TTTables(nn.Module):
                 p.requires_grad_(False)
                 continue
             opt: torch.optim.Optimizer
+            lr = spec.lr or optimizer.lr
             if optimizer.kind == "sgd":
-                opt = torch.optim.SGD([p], lr=optimizer.lr)
+                opt = torch.optim.SGD([p], lr=lr)
             else:
-                opt = torch.optim.Adagrad([p], lr=optimizer.lr, eps=optimizer.eps or 1e-10)
+                opt = torch.optim.Adagrad([p], lr=lr, eps=optimizer.eps or 1e-10)
             p.register_post_accumulate_grad_hook(_stepper(opt))
             self._opts.append(opt)
 
