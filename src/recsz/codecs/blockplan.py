@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from recsz.codecs import blockformat as bf
-from recsz.codecs.blocks import upload
-from recsz.codecs.payload import MAGIC
+from recsz.codecs.payload import MAGIC, upload
 
 _pad1 = torch.nn.functional.pad
 _GROUP_COLS = ("nrb", "nb", "cb0", "rb0", "bs", "base", "wat", "row0", "npad", "ebat", "fat", "end")

@@ -11,7 +11,6 @@ rank, the payload sizes (``trim``).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from recsz.codecs import blockformat as bf
@@ -20,12 +19,6 @@ from recsz.codecs.payload import DTYPES, PayloadError
 #: dtypes the block coder takes: float32, and fp16/bf16 (exact in float32; decoded as
 #: float32, within the bound of the values sent).
 TAKES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
-    t = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: values may be read-only
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def layouts(codec: str, dim: int, sizes: list[list[int]], dedup: bool) -> list[bf.Layout]:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from recsz.codecs.blocks import upload
-from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError
+from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, upload
 
 FORMAT = 4
 _FIELDS = struct.Struct("<3I")

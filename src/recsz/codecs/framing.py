@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from recsz.codecs.blocks import upload
-from recsz.codecs.payload import PayloadError
+from recsz.codecs.payload import PayloadError, upload
 
 if TYPE_CHECKING:
     from recsz.codecs.base import Codec

@@ -61,6 +61,12 @@ class Header:
     body_len: int
 
 
+def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
+    t = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: values may be read-only
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def version_of(payload: torch.Tensor) -> int:
     """The format version byte (0 for what is no payload at all): a view on the CPU, one
     small copy from a device."""

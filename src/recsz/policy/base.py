@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from recsz.codecs.base import EB_MAX
-from recsz.codecs.blocks import upload
+from recsz.codecs.payload import upload
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
