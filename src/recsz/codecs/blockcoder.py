@@ -56,12 +56,6 @@ def _plan(key: tuple, make: Any) -> bp.Plan:
     return p
 
 
-def _u32(v: torch.Tensor) -> torch.Tensor:
-    """Values modulo 2^32 as int32 (their bytes are the u32's)."""
-    v = v & bf.MASK32
-    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
-
-
 def _replay(p: bp.Plan, run: Any, static: bool) -> Any:
     """run() eagerly, or, from the second call on a GPU with ``static``, through a CUDA
     graph captured from it."""
@@ -144,9 +138,11 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
                           t["bbase"], out.view(torch.int32), parts, nb, B=BLOCKS)  # fmt: skip
     out[t["ipos"]] = t["ival"]
     out[t["eb_pos"]] = ebs.view(torch.uint8)
-    out[t["field_pos"]] = torch.stack([_u32(literal), _u32(data_len)], 1).view(torch.uint8).view(-1)
+    out[t["field_pos"]] = (
+        torch.stack([bp.as_u32(literal), bp.as_u32(data_len)], 1).view(torch.uint8).view(-1)
+    )
     total = bp.head_hash(p, out.view(torch.int32), data_at) + bp.part_hash(p, parts)
-    out[t["ck_pos"]] = _u32(total).view(torch.uint8)
+    out[t["ck_pos"]] = bp.as_u32(total).view(torch.uint8)
     return out, data_at + data_len
 
 

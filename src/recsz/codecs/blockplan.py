@@ -169,12 +169,19 @@ def _derive(p: Plan) -> None:
     t["wg"] = group_of(t["wb"], wb_total)
     t["wk"] = t["wpos"] - (t["base"] + t["wat"])[t["wg"]]
     t["rbounds"] = _pad1(torch.cumsum(t["npad"], 0), (1, 0))
-    t["hbounds"] = _pad1(torch.cumsum(t["hh"], 0), (1, 0))
+    t["bbounds"] = _pad1(torch.cumsum(t["nb"], 0), (1, 0))
     hh_total = int(sum((lay.data_at(lay.padded) - 8) // 4 for lay in p.lays))
-    first = (t["base"] + 8) // 4
-    t["hidx"] = ranges(first, t["hh"], hh_total)
-    t["hg"] = group_of(t["hh"], hh_total)
-    t["hi"] = t["hidx"] - first[t["hg"]]
+    t["hidx"], t["hg"], t["hi"], t["hbounds"] = word_spans((t["base"] + 8) // 4, t["hh"], hh_total)
+
+
+def word_spans(
+    first: torch.Tensor, lens: torch.Tensor, total: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The words of spans ``[first[g], first[g] + lens[g])``: their indices, span, index
+    within the span, and the spans' bounds in that list (for :func:`word_sums`)."""
+    idx = ranges(first, lens, total)
+    g = group_of(lens, total)
+    return idx, g, idx - first[g], _pad1(torch.cumsum(lens, 0), (1, 0))
 
 
 def literal_rank(p: Plan, lit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,10 +209,23 @@ def offsets(p: Plan, w: torch.Tensor, data_at: torch.Tensor) -> tuple[torch.Tens
 
 def head_hash(p: Plan, words: torch.Tensor, data_at: torch.Tensor) -> torch.Tensor:
     """Checksum share of each payload's words from byte 8 to its data (header, widths)."""
-    hg, i = p.t["hg"], p.t["hi"]
-    keep = i < (data_at[hg] - 8) // 4
-    v = (words[p.t["hidx"].clamp(max=words.numel() - 1)].to(torch.int64) & bf.MASK32) * (2 * i + 1)
-    return segment_sum(v * keep, p.t["hbounds"])
+    i = p.t["hi"]
+    keep = i < (data_at[p.t["hg"]] - 8) // 4
+    idx = p.t["hidx"].clamp(max=words.numel() - 1)
+    return word_sums(words, idx, i, p.t["hbounds"], keep)
+
+
+def word_sums(
+    words: torch.Tensor,
+    idx: torch.Tensor,
+    local: torch.Tensor,
+    bounds: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The checksum of formats 3 and 4 over spans of words (:func:`word_spans`): per span,
+    the sum of words[idx] x (2 local + 1) (only where ``keep``), modulo 2^32."""
+    v = (words[idx].to(torch.int64) & bf.MASK32) * (2 * local + 1)
+    return segment_sum(v if keep is None else v * keep, bounds) & bf.MASK32
 
 
 def segment_sum(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
@@ -216,5 +236,11 @@ def segment_sum(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 
 
 def part_hash(p: Plan, parts: torch.Tensor) -> torch.Tensor:
-    cz = _pad1(torch.cumsum(parts.to(torch.int64) & bf.MASK32, 0), (1, 0))
-    return cz[p.t["bs"] + p.t["nb"]] - cz[p.t["bs"]]
+    """Checksum share of each payload's blocks (the kernels' per-block parts)."""
+    return segment_sum(parts.to(torch.int64) & bf.MASK32, p.t["bbounds"])
+
+
+def as_u32(v: torch.Tensor) -> torch.Tensor:
+    """Values modulo 2^32 as int32 (their bytes are the u32's)."""
+    v = v & bf.MASK32
+    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)

@@ -20,11 +20,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from recsz.codecs import blockformat as bf
+from recsz.codecs import blockplan as bp
 from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, upload
 
 FORMAT = 4
 _FIELDS = struct.Struct("<3I")
-_MASK32 = 0xFFFFFFFF
 
 Body = Callable[[torch.Tensor], torch.Tensor]
 Unbody = Callable[[torch.Tensor, tuple[int, ...], torch.dtype, float], torch.Tensor]
@@ -39,26 +40,12 @@ def _head(codec: str, dtype: torch.dtype, n: int, d: int) -> bytes:
 
 
 def _checksums(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
-    """Each payload's sum of words x (2i + 1) mod 2^32, i counted from its byte 8."""
-    words = buf.view(torch.int32)
+    """Each payload's checksum (format 3's: words from its byte 8 to its end)."""
     first = [(s + 8) // 4 for s in starts]
     lens = [e // 4 - f for f, e in zip(first, ends, strict=True)]
-    dev = buf.device
-    lt = upload(lens, torch.int64, dev)
-    total = int(sum(lens))
-    shift = upload(first, torch.int64, dev) - (torch.cumsum(lt, 0) - lt)
-    i = torch.arange(total, device=dev)
-    idx = i + torch.repeat_interleave(shift, lt, output_size=total)
-    local = idx - torch.repeat_interleave(upload(first, torch.int64, dev), lt, output_size=total)
-    v = (words[idx].to(torch.int64) & _MASK32) * (2 * local + 1)
-    cz = torch.nn.functional.pad(torch.cumsum(v, 0), (1, 0))
-    bounds = np.concatenate([[0], np.cumsum(lens)])
-    b = upload(bounds, torch.int64, dev)
-    return (cz[b[1:]] - cz[b[:-1]]) & _MASK32
-
-
-def _as_u32_bytes(v: torch.Tensor) -> torch.Tensor:
-    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32).view(torch.uint8)
+    first_t, lens_t = upload(np.array([first, lens]), torch.int64, buf.device)
+    idx, _, local, bounds = bp.word_spans(first_t, lens_t, int(sum(lens)))
+    return bp.word_sums(buf.view(torch.int32), idx, local, bounds)
 
 
 def encode(
@@ -85,7 +72,7 @@ def encode(
     buf = torch.cat(pieces)
     sums = _checksums(buf, starts, ends)
     pos = upload(np.concatenate([np.arange(s + 4, s + 8) for s in starts]), torch.int64, dev)
-    buf[pos] = _as_u32_bytes(sums).view(-1)
+    buf[pos] = bp.as_u32(sums).view(torch.uint8)
     lens = [e - s for s, e in zip(starts, ends, strict=True)]
     return [buf[s:e] for s, e in zip(starts, ends, strict=True)], torch.tensor(lens)
 
@@ -141,7 +128,7 @@ def decode(
         dev = buf.device
         sums = _checksums(buf, starts, ends)
         ck = upload(np.concatenate([np.arange(s + 4, s + 8) for s in starts]), torch.int64, dev)
-        stored = buf[ck].view(torch.int32).to(torch.int64) & _MASK32
+        stored = buf[ck].view(torch.int32).to(torch.int64) & bf.MASK32
         keep = np.concatenate(
             [np.r_[0:4, 8 : h.size] + s for h, s in zip(heads, starts, strict=True)]
         )
