@@ -306,7 +306,7 @@ class Codec(ABC):
         the next call of the same shapes reuses (for payloads that never leave this
         process); by default a chunk per table, framed (:mod:`recsz.codecs.framing`)."""
         if groups and self.segments_on(groups[0][0].device):
-            return castframe.encode(self.codec_id, self._encode_tensor, groups)
+            return self._encode_own_groups(groups, ebs, trim)
         return framing.encode_groups(self, groups, ebs)
 
     def decode_segments(
@@ -319,9 +319,21 @@ class Codec(ABC):
         """The rows of each group payload; ``sizes``/``dim``: what the caller expects.
         ``check=False``: the payloads are this process's own (no checks need reading)."""
         if payloads and self.segments_on(payloads[0].device):
-            expect = [(sum(s), dim) for s in sizes] if sizes is not None else None
-            return self._decode_casts(payloads, expect, check)
+            return self._decode_own_groups(payloads, sizes, dim, check)
         return framing.decode_groups(self, payloads, sizes, dim)
+
+    def _encode_own_groups(
+        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None, trim: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """:meth:`encode_segments` where :meth:`segments_on`: format 4 (the casts); a
+        codec with a group format of its own overrides this and the decoder below."""
+        return castframe.encode(self.codec_id, self._encode_tensor, groups)
+
+    def _decode_own_groups(
+        self, payloads: list[torch.Tensor], sizes: list[list[int]] | None, dim: int, check: bool
+    ) -> list[torch.Tensor]:
+        expect = [(sum(s), dim) for s in sizes] if sizes is not None else None
+        return self._decode_casts(payloads, expect, check)
 
     def _decode_formats(self, version: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Decode format-3 or -4 payloads, whatever the device."""

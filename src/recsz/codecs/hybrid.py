@@ -81,27 +81,16 @@ class QuantPipeline(Codec):
     def segments_on(self, device: torch.device) -> bool:
         return self.coder == "blocks" or (self.coder == "auto" and device.type == "cuda")
 
-    def encode_segments(
-        self,
-        groups: list[tuple[torch.Tensor, list[int]]],
-        ebs: torch.Tensor | None,
-        trim: bool = True,
+    def _encode_own_groups(
+        self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None, trim: bool
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
-        if not groups or not self.segments_on(groups[0][0].device):
-            return super().encode_segments(groups, ebs, trim)
         if ebs is None:
             raise ValueError(f"{self.codec_id} needs an error bound per table")
         return blocks.encode_segments(self.codec_id, self.dedup != "off", groups, ebs, trim)
 
-    def decode_segments(
-        self,
-        payloads: list[torch.Tensor],
-        sizes: list[list[int]] | None = None,
-        dim: int = 0,
-        check: bool = True,
+    def _decode_own_groups(
+        self, payloads: list[torch.Tensor], sizes: list[list[int]] | None, dim: int, check: bool
     ) -> list[torch.Tensor]:
-        if not payloads or not self.segments_on(payloads[0].device):
-            return super().decode_segments(payloads, sizes, dim, check)
         expect = None
         if sizes is not None:
             expect = blocks.layouts(self.codec_id, dim, sizes, self.dedup != "off")
