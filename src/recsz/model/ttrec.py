@@ -102,7 +102,9 @@ class TTEmbeddingBag(nn.Module):
         # Mixed-radix place values of the row digits (most significant first).
         place = [math.prod(self.p[k + 1 :]) for k in range(cores)]
         self.place: torch.Tensor
+        self.radix: torch.Tensor
         self.register_buffer("place", torch.tensor(place, dtype=torch.int64), persistent=False)
+        self.register_buffer("radix", torch.tensor(self.p, dtype=torch.int64), persistent=False)
         self.reset_parameters(init, generator)
 
     def reset_parameters(
@@ -127,7 +129,7 @@ class TTEmbeddingBag(nn.Module):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The (len(ids), D) rows of ``ids`` (int64, each in [0, N))."""
-        digits = (ids.unsqueeze(1) // self.place) % torch.tensor(self.p, device=ids.device)
+        digits = (ids.unsqueeze(1) // self.place) % self.radix
         v = self.cores[0][0].index_select(0, digits[:, 0])  # (U, q1, R1)
         for k in range(1, len(self.cores)):
             g = self.cores[k].index_select(1, digits[:, k]).permute(1, 0, 2, 3)  # (U, R, qk, R')
