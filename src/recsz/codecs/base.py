@@ -47,7 +47,6 @@ from recsz.codecs.payload import (
     unpack_outliers,
     uvarint,
     version_of,
-    versions,
 )
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
@@ -152,35 +151,18 @@ class Codec(ABC):
     #: Subclasses whose bound is not exact by construction set this: the encoder then
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
-
-    def _device_path(self, x: torch.Tensor) -> bool:
-        """True when :meth:`_encode_batch_device` codes ``x``: by default tensors off the
-        CPU of codecs whose body is made by torch operations."""
-        return x.device.type != "cpu" and self._tensor_body()
+    #: ``_encode`` reports NaN/Inf elements among its outlier positions itself (its bound
+    #: check rejects them), so the separate finiteness pass is skipped.
+    takes_nonfinite: ClassVar[bool] = False
 
     def cast_width(self, dtype: torch.dtype) -> int | None:
         """Bytes per value of a body that is a plain cast of each value, NaN and Inf kept
         (format 4 then carries it from a GPU with no host sync); None otherwise."""
         return None
 
-    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
-        """Encode :meth:`_device_path` chunks of one device: format 4 for casts, each chunk
-        a group of one table; other codecs code on the host (format 1)."""
-        if all(self.cast_width(x.dtype) is not None for x in xs):
-            return castframe.encode(
-                self.codec_id, self._encode_tensor, [(x, [len(x)]) for x in xs]
-            )[0]
-        return [self._encode_on_host(x.cpu(), e).to(x.device) for x, e in zip(xs, ebs, strict=True)]
-
     def warm_up(self) -> None:  # noqa: B027  (a hook: most codecs have nothing to warm)
         """Pay one-time costs (loading compiled kernels) now rather than in the first step
         a benchmark times. No-op unless a codec has such costs."""
-
-    def _takes_nonfinite(self, x: torch.Tensor) -> bool:
-        """True when ``_encode`` reports NaN/Inf elements of ``x`` among its outlier
-        positions itself, so the separate finiteness pass can be skipped (a codec whose
-        bound check rejects every non-finite element gets this for free)."""
-        return False
 
     # ---- public API -----------------------------------------------------------------
     def _validated(self, x: torch.Tensor, eb: float | None) -> float:
@@ -206,17 +188,18 @@ class Codec(ABC):
     def encode(self, x: torch.Tensor, eb: float | None = None) -> torch.Tensor:
         """Encode ``x`` (2-D float) under absolute bound ``eb`` into a uint8 payload."""
         eb_f = self._validated(x, eb)
-        if self._device_path(x):
-            return self._encode_batch_device([x], [eb_f])[0]
-        return self._encode_on_host(x, eb_f)
+        if self._own_format(x):  # a group of one table
+            ebs = torch.tensor([eb_f], dtype=torch.float64).to(x.device)
+            return self._encode_own_groups([(x.detach(), [x.shape[0]])], ebs, True)[0][0]
+        return self._encode_on_host(x.detach().cpu(), eb_f).to(x.device)
 
     def _encode_on_host(self, x: torch.Tensor, eb_f: float) -> torch.Tensor:
-        """The host path of :meth:`encode` (format 1), the payload on x's device."""
+        """Format 1 of a CPU tensor (bodies coded on the host)."""
         device = x.device
-        x = x.detach().contiguous()
+        x = x.contiguous()
         exact: list[torch.Tensor] = []  # flat positions carried exactly
         orig = x
-        if not self._takes_nonfinite(x):
+        if not self.takes_nonfinite:
             x, nonfinite = without_nonfinite(x)
             if nonfinite is not None:
                 exact.append(nonfinite)
@@ -246,53 +229,25 @@ class Codec(ABC):
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
         v = version_of(payload)
-        if v in (BLOCK_FORMAT, CAST_FORMAT):
-            return self._decode_formats(v, [payload])[0]
+        if v == CAST_FORMAT:
+            return self._decode_casts([payload], None, True)[0]
+        if v == BLOCK_FORMAT:
+            return self._decode_blocks([payload])[0]
         hdr, body = parse_payload(payload)
         if hdr.codec != self.codec_id:
             raise PayloadError(f"payload was made by codec {hdr.codec!r}, not {self.codec_id!r}")
         assert isinstance(body, np.ndarray)
         return self._decode_body(hdr, body, payload.device)
 
-    def encode_batch(self, xs: list[torch.Tensor], ebs: list[float | None]) -> list[torch.Tensor]:
-        """Encode many chunks: the payloads ``encode`` gives for each, but chunks that a
-        codec codes on their device (CUDA) share its launches and synchronizations."""
-        if len(xs) != len(ebs):
-            raise ValueError(f"{len(xs)} tensors but {len(ebs)} bounds")
-        out: list[torch.Tensor | None] = [None] * len(xs)
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        bounds = [self._validated(x, e) for x, e in zip(xs, ebs, strict=True)]
-        for i, x in enumerate(xs):
-            if self._device_path(x):
-                groups.setdefault((x.device, x.dtype, x.shape[1]), []).append(i)
-            else:
-                out[i] = self.encode(x, ebs[i])
-        for idx in groups.values():
-            ps = self._encode_batch_device([xs[i] for i in idx], [bounds[i] for i in idx])
-            for i, p in zip(idx, ps, strict=True):
-                out[i] = p
-        return [p for p in out if p is not None]
-
-    def decode_batch(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Decode many payloads; device-made ones of one device together."""
-        out: list[torch.Tensor | None] = [None] * len(payloads)
-        groups: dict[tuple[int, torch.device], list[int]] = {}
-        for i, (p, v) in enumerate(zip(payloads, versions(payloads), strict=True)):
-            if v in (BLOCK_FORMAT, CAST_FORMAT):
-                groups.setdefault((v, p.device), []).append(i)
-            else:
-                out[i] = self.decode(p)
-        for (v, _), idx in groups.items():
-            ys = self._decode_formats(v, [payloads[i] for i in idx])
-            for i, y in zip(idx, ys, strict=True):
-                out[i] = y
-        return [y for y in out if y is not None]
-
     # ---- groups of tables: what one destination gets in a step ------------------------
     def segments_on(self, device: torch.device) -> bool:
         """True when this codec codes a group of tables in a format of its own on
         ``device``, sync-free (format 3 or 4); otherwise a group is framed chunks."""
         return device.type == "cuda" and self.cast_width(torch.float32) is not None
+
+    def _own_format(self, x: torch.Tensor) -> bool:
+        """True when rows like ``x`` are coded in this codec's own group format."""
+        return self.segments_on(x.device)
 
     def encode_segments(
         self,
@@ -305,7 +260,7 @@ class Codec(ABC):
         ``trim=False``: payloads may keep their whole capacity and live in memory that
         the next call of the same shapes reuses (for payloads that never leave this
         process); by default a chunk per table, framed (:mod:`recsz.codecs.framing`)."""
-        if groups and self.segments_on(groups[0][0].device):
+        if groups and self._own_format(groups[0][0]):
             return self._encode_own_groups(groups, ebs, trim)
         return framing.encode_groups(self, groups, ebs)
 
@@ -334,12 +289,6 @@ class Codec(ABC):
     ) -> list[torch.Tensor]:
         expect = [(sum(s), dim) for s in sizes] if sizes is not None else None
         return self._decode_casts(payloads, expect, check)
-
-    def _decode_formats(self, version: int, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Decode format-3 or -4 payloads, whatever the device."""
-        if version == CAST_FORMAT:
-            return self._decode_casts(payloads, None, True)
-        return self._decode_blocks(payloads)
 
     def _decode_casts(
         self, payloads: list[torch.Tensor], expect: list[tuple[int, int]] | None, check: bool

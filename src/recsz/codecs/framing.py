@@ -61,7 +61,7 @@ def encode_groups(
     codec: Codec, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """One framed payload per group and their lengths: a chunk per table (its bound from
-    ``ebs``), or per group for a ``joinable`` codec; one ``encode_batch`` for all."""
+    ``ebs``), or per group for a ``joinable`` codec."""
     bounds = ebs.tolist() if ebs is not None else None
     xs: list[torch.Tensor] = []
     per_chunk: list[float | None] = []
@@ -76,7 +76,7 @@ def encode_groups(
             per_chunk += bounds[k : k + len(sizes)] if bounds is not None else [None] * len(sizes)
             counts.append(len(sizes))
         k += len(sizes)
-    payloads = codec.encode_batch(xs, per_chunk)
+    payloads = [codec.encode(x, e) for x, e in zip(xs, per_chunk, strict=True)]
     out, i = [], 0
     for n in counts:
         out.append(frame(payloads[i : i + n]))
@@ -88,7 +88,7 @@ def decode_groups(
     codec: Codec, payloads: list[torch.Tensor], sizes: list[list[int]] | None, dim: int
 ) -> list[torch.Tensor]:
     """The rows of each framed group payload (checked against ``sizes`` x ``dim`` when
-    given); one ``decode_batch`` for all."""
+    given)."""
     chunks: list[torch.Tensor] = []
     counts = []
     for i, p in enumerate(payloads):
@@ -96,7 +96,7 @@ def decode_groups(
         parts = unframe(p, n, f"payload {i}")
         chunks += parts
         counts.append(len(parts))
-    decoded = codec.decode_batch(chunks)
+    decoded = [codec.decode(c) for c in chunks]
     out, k = [], 0
     for i, n in enumerate(counts):
         mine = decoded[k : k + n]

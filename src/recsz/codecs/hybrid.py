@@ -71,11 +71,11 @@ class QuantPipeline(Codec):
             cfg["coder"] = self.coder
         return cfg
 
-    def _device_path(self, x: torch.Tensor) -> bool:
-        # Format 3 where it applies; other tensors off the CPU are coded on the host.
-        return self._blocks(x) or x.device.type != "cpu"
+    #: The kernel's bound check fails for NaN/Inf, which makes them outliers.
+    takes_nonfinite = True
 
-    def _blocks(self, x: torch.Tensor) -> bool:
+    def _own_format(self, x: torch.Tensor) -> bool:
+        # Format 3 for float32; other dtypes are coded on the host.
         return x.dtype == torch.float32 and self.segments_on(x.device)
 
     def segments_on(self, device: torch.device) -> bool:
@@ -104,10 +104,6 @@ class QuantPipeline(Codec):
         x = torch.arange(64, dtype=torch.float32).view(16, 4).remainder_(3)
         self.decode(self.encode(x, 0.1))
 
-    def _takes_nonfinite(self, x: torch.Tensor) -> bool:
-        # The kernel's bound check fails for NaN/Inf, which makes them outliers.
-        return not self._device_path(x)
-
     def _encode(self, x: torch.Tensor, eb: float) -> tuple[bytes, torch.Tensor]:
         narrow = x.dtype not in _KERNEL_DTYPES  # fp16/bf16: coded from float32
         a = (x.float() if narrow else x).numpy()
@@ -125,12 +121,6 @@ class QuantPipeline(Codec):
             far = torch.nonzero(((y.double() - x.double()).abs() > eb).view(-1)).view(-1)
             miss = torch.cat([miss.to(torch.int64), far])
         return body, miss
-
-    def _encode_batch_device(self, xs: list[torch.Tensor], ebs: list[float]) -> list[torch.Tensor]:
-        if all(self._blocks(x) for x in xs):  # each chunk a group of one table
-            e = torch.tensor(ebs, dtype=torch.float64).to(xs[0].device)
-            return self.encode_segments([(x, [x.shape[0]]) for x in xs], e)[0]
-        return [self._encode_on_host(x.cpu(), e).to(x.device) for x, e in zip(xs, ebs, strict=True)]
 
     def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
         # Host-made (format 1) payloads of any h.dtype: the kernel reconstructs q * 2eb in the

@@ -77,22 +77,6 @@ def version_of(payload: torch.Tensor) -> int:
     return int(payload[3])
 
 
-def versions(payloads: list[torch.Tensor]) -> list[int]:
-    """version_of of each payload, those on devices read with one copy for all."""
-    out = [0] * len(payloads)
-    remote = []
-    for i, p in enumerate(payloads):
-        if isinstance(p, torch.Tensor) and p.device.type != "cpu" and version_ok(p):
-            remote.append(i)
-        else:
-            out[i] = version_of(p)
-    if remote:
-        got = torch.stack([payloads[i][3] for i in remote]).cpu().tolist()
-        for i, v in zip(remote, got, strict=True):
-            out[i] = int(v)
-    return out
-
-
 def version_ok(payload: torch.Tensor) -> bool:
     return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= PREFIX.size
 
