@@ -72,60 +72,36 @@ class Preset:
         return asdict(self)
 
 
-def _preset(name: str) -> Preset:
-    if name == "tiny":
-        return Preset(
-            ModelConfig(
-                table_sizes=table_sizes_for(KAGGLE_COUNTS, 20_000, oversize=4),
-                emb_dim=16,
-                bottom_mlp=(64, 32, 16),
-                top_mlp=(64, 32, 1),
-            ),
-            batch_size=32,
-            lr=0.1,
-            emb_lr=0.05,
-            emb_optimizer="adagrad",
-            notes="CI and demo size; defaults measured on the real 10k Criteo sample",
-        )
-    if name == "kaggle":
-        return Preset(
-            ModelConfig(
-                table_sizes=table_sizes_for(KAGGLE_COUNTS, 10**9),
-                emb_dim=32,
-                bottom_mlp=(512, 256, 64, 32),
-                top_mlp=(512, 256, 1),
-            ),
-            batch_size=128,
-            lr=0.1,
-            emb_lr=0.1,
-            emb_optimizer="sgd",
-            notes="the published compression study's Kaggle configuration",
-        )
-    if name in ("terabyte", "bench"):
-        # bench: Terabyte dims on small hashed tables, link-bound rather than memory-bound
-        # on CPU.
-        tb = name == "terabyte"
-        return Preset(
-            ModelConfig(
-                table_sizes=table_sizes_for(TERABYTE_COUNTS, 10_000_000 if tb else 50_000),
-                emb_dim=64,
-                bottom_mlp=(512, 256, 64),
-                top_mlp=(512, 512, 256, 1),
-            ),
-            batch_size=2048,
-            lr=0.1,
-            emb_lr=0.1 if tb else 0.05,
-            emb_optimizer="sgd" if tb else "rowwise_adagrad",
-            notes="MLPerf-style Terabyte model, max index range 10M"
-            if tb
-            else "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
-        )
-    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-
-
-PRESETS = ("tiny", "kaggle", "terabyte", "bench")
+# name: (distinct counts, row cap, oversize, dim, bottom MLP, top MLP), batch (global), lr,
+# emb_lr, emb_optimizer, notes. bench: Terabyte dims on small hashed tables, link-bound
+# rather than memory-bound on CPU.
+_PRESETS = {
+    "tiny": (
+        (KAGGLE_COUNTS, 20_000, 4, 16, (64, 32, 16), (64, 32, 1)),
+        32, 0.1, 0.05, "adagrad",
+        "CI and demo size; defaults measured on the real 10k Criteo sample",
+    ),
+    "kaggle": (
+        (KAGGLE_COUNTS, 10**9, 1, 32, (512, 256, 64, 32), (512, 256, 1)),
+        128, 0.1, 0.1, "sgd", "the published compression study's Kaggle configuration",
+    ),
+    "terabyte": (
+        (TERABYTE_COUNTS, 10_000_000, 1, 64, (512, 256, 64), (512, 512, 256, 1)),
+        2048, 0.1, 0.1, "sgd", "MLPerf-style Terabyte model, max index range 10M",
+    ),
+    "bench": (
+        (TERABYTE_COUNTS, 50_000, 1, 64, (512, 256, 64), (512, 512, 256, 1)),
+        2048, 0.1, 0.05, "rowwise_adagrad",
+        "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
+    ),
+}  # fmt: skip
+PRESETS = tuple(_PRESETS)
 
 
 def get_preset(name: str) -> Preset:
     """The preset of that name (``tiny``, ``kaggle``, ``terabyte``, ``bench``)."""
-    return _preset(name)
+    if name not in _PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    (counts, cap, oversize, dim, bottom, top), batch, lr, emb_lr, emb_opt, notes = _PRESETS[name]
+    model = ModelConfig(table_sizes_for(counts, cap, oversize), dim, bottom, top)
+    return Preset(model, batch, lr, emb_lr, emb_opt, notes)
