@@ -159,6 +159,21 @@ def test_flags_round_trip_through_the_config(
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_every_limit_is_enforced_at_its_edge() -> None:
+    """Each field's limits: the edge value passes where inclusive, a step beyond fails
+    with a message naming the flag."""
+    limited = [f for f in fields(TrainConfig) if f.metadata["limits"]]
+    assert len(limited) >= 20
+    for f in limited:
+        for kind, edge in f.metadata["limits"].items():
+            step = 1 if isinstance(f.default, int) else 1e-9
+            outside = edge + step if kind == "le" else edge - step if kind == "ge" else edge
+            with pytest.raises(ValueError, match=f"--{f.name.replace('_', '-')} must be"):
+                TrainConfig(**{f.name: outside})
+            if kind != "gt":
+                TrainConfig(**{f.name: edge})
+
+
 # ---- reports: built from per-rank records ----------------------------------------------
 def record(rank: int, raw: int, sent: int) -> dict:
     return {

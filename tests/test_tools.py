@@ -30,7 +30,8 @@ def test_cli_reports_bad_input_without_a_traceback(
     monkeypatch.delenv("RECSZ_TRACEBACK", raising=False)
     assert cli_main(["train", "--dct-keep", "5", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "recsz train: error: --dct-keep must be in (0, 1]" in err and "Traceback" not in err
+    assert "recsz train: error: --dct-keep must be > 0 and <= 1, got 5" in err
+    assert "Traceback" not in err
     assert cli_main(["train", "--data", "/nonexistent/x.tsv", "--no-progress"]) == 2
     assert "no such file" in capsys.readouterr().err
     monkeypatch.setenv("RECSZ_TRACEBACK", "1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import types
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
@@ -20,9 +21,20 @@ from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, TTSpec, get_preset
 CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True) -> Any:
-    """A config field: its default, its help text and, where fixed, its allowed values."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+def opt(
+    default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True, **limits: float
+) -> Any:
+    """A config field: its default, its help text and, where fixed, its allowed values:
+    ``choices``, or ``limits`` (``ge``, ``gt``, ``le``: v >= , > , <= the value)."""
+    meta = {"help": help, "choices": choices, "cli": cli, "limits": limits}
+    return field(default=default, metadata=meta)
+
+
+_LIMITS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
+
+
+def _limits_text(limits: dict[str, float]) -> str:
+    return " and ".join(f"{_LIMITS[k][1]} {x:g}" for k, x in limits.items())
 
 
 CODECS = tuple(available_codecs())
@@ -36,25 +48,25 @@ class TrainConfig:
     # ---- model, data, schedule
     preset: str = opt("tiny", "model shape and training defaults", PRESETS)
     data: str = opt("synthetic", "synthetic | a raw Criteo TSV | a `recsz preprocess` dir")
-    steps: int | None = opt(None, "optimizer steps (default: a pass over a file, 1000 synthetic)")
-    batch_size: int | None = opt(None, "global batch, all ranks together (default: preset's)")
-    lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)")
-    emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)")
+    steps: int | None = opt(None, "optimizer steps (default: one epoch, 1000 synthetic)", ge=1)
+    batch_size: int | None = opt(None, "global batch, all ranks (default: preset's)", ge=1)
+    lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)", gt=0)
+    emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)", gt=0)
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
-    tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)")
-    tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables")
-    tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table (2 to 4)")
+    tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)", ge=0)
+    tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables", ge=1)
+    tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table", ge=2, le=4)
     tt_init: str = opt("sampled", "TT-Rec: initialization of the cores", TT_INITS)
-    tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: --emb-lr's)")
+    tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: emb-lr)", gt=0)
     seed: int = opt(0, "model init, data order, synthetic teacher")
-    eval_every: int = opt(0, "steps between evaluations (0: only at the end)")
-    eval_batch_size: int = opt(4096, "evaluation batch (rounded up to a multiple of the ranks)")
+    eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
+    eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
     synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set")
-    log_every: int = opt(20, "steps between metrics.jsonl rows")
+    log_every: int = opt(20, "steps between metrics.jsonl rows", ge=0)
     out: str | None = opt(None, "run directory: config.json, metrics.jsonl, summary.json")
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")
-    nproc: int = opt(1, "local ranks to launch with torchrun (under torchrun the env decides)")
-    prefetch: int = opt(2, "batches a background thread makes ahead (0: in the loop, no thread)")
+    nproc: int = opt(1, "local ranks to launch (under torchrun its env decides)", ge=1)
+    prefetch: int = opt(2, "batches a thread makes ahead (0: in the loop, no thread)", ge=0)
     # ---- the embedding all-to-all
     fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
     bwd_codec: str = opt("none", "codec of the backward (gradient) all-to-all", CODECS)
@@ -65,8 +77,8 @@ class TrainConfig:
         ("auto", "blocks"),
     )
     eb_policy: str = opt("fixed", "error-bound policy of bounded codecs", EB_POLICIES)
-    fwd_eb: float = opt(0.03, "forward bound (relative to the slice's range in rel mode)")
-    bwd_eb: float = opt(0.03, "backward bound")
+    fwd_eb: float = opt(0.03, "forward bound (relative to the slice's range in rel mode)", gt=0)
+    bwd_eb: float = opt(0.03, "backward bound", gt=0)
     eb_mode: str = opt("rel", "bounds relative to each slice's range, or absolute", ("rel", "abs"))
     fwd_class_eb: str = opt("0.01,0.03,0.05", "table/dual: tight,base,loose forward bounds")
     bwd_class_eb: str = opt("0.01,0.03,0.05", "table/dual: tight,base,loose backward bounds")
@@ -80,21 +92,21 @@ class TrainConfig:
     bwd_coalesce: bool = opt(True, "backward: sum the gradients of samples sharing an id first")
     # ---- the MLP all-reduce
     dp_comm: str = opt("allreduce", "MLP gradients' exchange (DDP hook)", DP_MODES)
-    powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations")
-    powersgd_warmup: int = opt(10, "powersgd: steps of plain all-reduce first (>= 2)")
+    powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations", ge=1)
+    powersgd_warmup: int = opt(10, "powersgd: steps of plain all-reduce first", ge=2)
     dp_codec: str = opt("hybrid", "eb: codec of the gradient buckets", CODECS)
-    dp_eb: float = opt(0.01, "eb: bound relative to each bucket's range")
-    dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)")
-    dct_refresh: int = opt(1000, "DCT: iterations between threshold refreshes")
+    dp_eb: float = opt(0.01, "eb: bound relative to each bucket's range", gt=0)
+    dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)", gt=0, le=1)
+    dct_refresh: int = opt(1000, "DCT: iterations between threshold refreshes", ge=1)
     # ---- the job
     device: str = opt("cpu", "cuda: one GPU a rank (LOCAL_RANK), NCCL payloads", ("cpu", "cuda"))
-    dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job")
-    checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)")
+    dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job", gt=0)
+    checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)", ge=0)
     resume: str | None = opt(None, "run dir to continue from its last complete checkpoint")
     resume_fallback: bool = opt(
         False, "resume from the newest intact checkpoint if the last is damaged"
     )
-    keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)")
+    keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)", ge=0)
     check_bounds: bool = opt(False, "decode every payload on the sender and assert the bound")
     progress: bool = opt(True, "show a progress bar")
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
@@ -115,39 +127,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            v, choices = getattr(self, f.name), f.metadata["choices"]
-            if choices and v is not None and v not in choices:
-                raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(choices)}")
-        for name in (
-            "steps",
-            "batch_size",
-            "nproc",
-            "dct_refresh",
-            "eval_batch_size",
-            "powersgd_rank",
-            "tt_rank",
-        ):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{_flag(name)} must be >= 1, got {v}")
-        for name in ("lr", "emb_lr", "fwd_eb", "bwd_eb", "dist_timeout", "dp_eb", "tt_lr"):
-            v = getattr(self, name)
-            if v is not None and not v > 0:
-                raise ValueError(f"{_flag(name)} must be positive, got {v}")
-        if not 2 <= self.tt_cores <= 4:
-            raise ValueError(f"--tt-cores must be 2 to 4, got {self.tt_cores}")
+            v, m = getattr(self, f.name), f.metadata
+            if v is not None and m["choices"] and v not in m["choices"]:
+                raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(m['choices'])}")
+            if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
+                raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
         n_tables = get_preset(self.preset).model.n_tables
-        if not 0 <= self.tt_tables <= n_tables:
+        if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
-        for name in ("eval_every", "log_every", "checkpoint_every", "prefetch", "keep_checkpoints"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{_flag(name)} must be >= 0")
-        if self.powersgd_warmup < 2:
-            raise ValueError(
-                f"--powersgd-warmup must be >= 2 (torch's rule), got {self.powersgd_warmup}"
-            )
-        if not 0.0 < self.dct_keep <= 1.0:
-            raise ValueError(f"--dct-keep must be in (0, 1], got {self.dct_keep}")
         fwd, bwd = self.codec("fwd"), self.codec("bwd")
         if bwd.forward_mask and not fwd.threshold:
             raise ValueError(
@@ -219,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = f.metadata["help"]
         if f.metadata["choices"]:
             help_text += f" ({', '.join(f.metadata['choices'])})"
+        if f.metadata["limits"]:
+            help_text += f" ({_limits_text(f.metadata['limits'])})"
         kw: dict[str, Any] = {"default": f.default, "help": help_text}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction

@@ -29,7 +29,7 @@ owner actually uses, and a lossless run equals the single-process one.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -98,8 +98,7 @@ class EmbeddingExchange:
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
         self._distinct_of: dict[tuple[int, int], Distinct] = {}
-        self._index: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._index_of_order: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
@@ -142,7 +141,7 @@ class EmbeddingExchange:
         if all_ebs is not None:
             at = {t: j for j, t in enumerate(tables)}
             order = tuple(at[t] for blk in blocks for t in blk.tables)
-            ebs = all_ebs[self._order_index(order, all_ebs.device)]
+            ebs = all_ebs[self._index_of(order, all_ebs.device)]
         groups = [(blk.rows, blk.sizes) for blk in blocks]
         payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
         if self.check_bounds and ebs is not None:
@@ -154,11 +153,12 @@ class EmbeddingExchange:
         self._time_codec(t0)
         return start_all_to_all_bytes([[p] for p in payloads], self.world)
 
-    def _order_index(self, order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        key = (order, device)
-        if key not in self._index_of_order:
-            self._index_of_order[key] = torch.tensor(order, dtype=torch.int64, device=device)
-        return self._index_of_order[key]
+    def _index_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
+        """``order`` as an index tensor on ``device`` (made once)."""
+        key = (tuple(order), device)
+        if key not in self._index:
+            self._index[key] = torch.tensor(order, dtype=torch.int64, device=device)
+        return self._index[key]
 
     def _check_groups(
         self, d: Direction, blocks: list[Block], payloads: list[torch.Tensor], ebs: torch.Tensor
@@ -236,13 +236,6 @@ class EmbeddingExchange:
             self._distinct_of[key] = distinct_pairs(cols)
         return self._distinct_of[key]
 
-    def _tables_index(self, owner: int, device: torch.device) -> torch.Tensor:
-        """``owner``'s tables as an index tensor on ``device`` (made once)."""
-        key = (owner, device)
-        if key not in self._index:
-            self._index[key] = torch.tensor(self.plan.tables_of(owner), device=device)
-        return self._index[key]
-
     def _sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
         if dedup:
             return self._distinct(ids, samples, owner).counts
@@ -287,7 +280,7 @@ class EmbeddingExchange:
             rows = blk.rows
             if self.id_dedup:  # every sample gets its id's row
                 rows = rows.index_select(0, self._distinct(ids, self.rank, blk.peer).inverse)
-            at = self._tables_index(blk.peer, out.device)
+            at = self._index_of(blk.tables, out.device)
             out.index_copy_(0, at, rows.view(len(blk.tables), b, dim).to(out.dtype))
         return out.transpose(0, 1)
 
@@ -302,7 +295,7 @@ class EmbeddingExchange:
         blocks = []
         for dest in range(self.world):
             tables = self.plan.tables_of(dest)
-            rows = by_table.index_select(0, self._tables_index(dest, grad.device)).view(-1, dim)
+            rows = by_table.index_select(0, self._index_of(tables, grad.device)).view(-1, dim)
             if self.coalesce:  # one summed row per distinct id, table by table
                 u = self._distinct(ids, self.rank, dest)
                 rows = rows.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, rows)
