@@ -78,7 +78,7 @@ def stages(steps: int) -> dict[str, float]:
     ranks = Ranks.from_env(60.0, "cpu")
     parts, _ = train.build_parts(cfg, ranks)
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
-    bsz = cfg.resolved_batch_size
+    bsz = cfg.resolved("batch_size")
     batches = [src.train_batch(s, bsz) for s in range(steps + 3)]
     opt_step = parts.dense_opt.step
 

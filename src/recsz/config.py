@@ -153,22 +153,11 @@ class TrainConfig:
         if self.log_every == 0:
             self.log_every = 1
 
-    # Resolved values (preset defaults filled in).
-    @property
-    def resolved_batch_size(self) -> int:
-        return self.batch_size or get_preset(self.preset).batch_size
-
-    @property
-    def resolved_lr(self) -> float:
-        return self.lr or get_preset(self.preset).lr
-
-    @property
-    def resolved_emb_lr(self) -> float:
-        return self.emb_lr or get_preset(self.preset).emb_lr
-
-    @property
-    def resolved_emb_optimizer(self) -> str:
-        return self.emb_optimizer or get_preset(self.preset).emb_optimizer
+    def resolved(self, name: str) -> Any:
+        """A field that defaults to the preset's (``batch_size``, ``lr``, ``emb_lr``,
+        ``emb_optimizer``): its value, or the preset's where it is None."""
+        v = getattr(self, name)
+        return getattr(get_preset(self.preset), name) if v is None else v
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

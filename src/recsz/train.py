@@ -80,7 +80,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     ]
     owners = plan_tables(charged, mcfg.emb_dim, ranks.world)
     plan = ShardPlan(owners, ranks.world)
-    emb_opt = RowOptimizer(cfg.resolved_emb_optimizer, cfg.resolved_emb_lr)
+    emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt)
     sparse = sparse.to(ranks.device)
     dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
@@ -106,7 +106,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             codec=get_codec(cfg.dp_codec),
             eb=cfg.dp_eb,
         )
-    dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved_lr)
+    dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved("lr"))
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
@@ -193,7 +193,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ok = False
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
-        bsz = cfg.resolved_batch_size
+        bsz = cfg.resolved("batch_size")
         if bsz % ranks.world:
             raise ValueError(
                 f"--batch-size {bsz} is not divisible by the {ranks.world} ranks; "
@@ -318,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        if cfg.resolved_batch_size % cfg.nproc:
+        bsz = cfg.resolved("batch_size")
+        if bsz % cfg.nproc:
             # Refuse here, once, rather than in every rank after the launch.
             raise ValueError(
-                f"--batch-size {cfg.resolved_batch_size} is not divisible by "
+                f"--batch-size {bsz} is not divisible by "
                 f"--nproc {cfg.nproc}; use a multiple of {cfg.nproc}"
             )
         return launch(cfg.nproc, argv)
