@@ -3,6 +3,7 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+TORCHREC := $(VENV)/.torchrec-1.8.0
 
 .PHONY: demo test lint bench anchors clean
 
@@ -17,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/recsz train --preset tiny --nproc 2 --steps 300 --batch-size 256 \
 		--fwd-codec hybrid --bwd-codec hybrid --eb-policy dual --out runs/demo
 
-test: $(STAMP)
+test: $(STAMP) $(TORCHREC)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q tests
 
@@ -26,13 +27,17 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src
 
-# TorchRec itself, for the DMP anchor of benchmarks/bench_train.py (configs trdmp-*). Its
-# wheel asks for the CUDA fbgemm-gpu, so it goes in without dependencies, and what it needs
-# beside the CPU fbgemm comes pinned here (all pure Python; torch stays 2.13.0).
-anchors: $(STAMP)
-	$(BIN)/python -m pip install --quiet fbgemm-gpu-cpu==1.8.0 tensordict==0.15.3 \
-		torchmetrics==1.0.3 pyre-extensions==0.0.32
+# TorchRec itself: recsz.torchrec's tests (make test) and the DMP anchor of
+# benchmarks/bench_train.py (configs trdmp-*). Its wheel asks for the CUDA fbgemm-gpu, so it
+# goes in without dependencies, and what it needs beside the CPU fbgemm comes pinned here
+# (all pure Python; torch stays 2.13.0).
+$(TORCHREC): $(STAMP)
+	$(BIN)/python -m pip install --quiet -c constraints.txt fbgemm-gpu-cpu==1.8.0 \
+		tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32
 	$(BIN)/python -m pip install --quiet --no-deps torchrec==1.8.0
+	@touch $(TORCHREC)
+
+anchors: $(TORCHREC)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py --quick

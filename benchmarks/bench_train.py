@@ -74,6 +74,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-fp16": ("--dmp", "fp16"),
     "trdmp-bf16": ("--dmp", "bf16"),
     "trdmp-mx4": ("--dmp", "mx4"),
+    "trdmp-hybrid": ("--dmp", "hybrid"),  # TorchRec's DMP with recsz's sharder
 }
 
 
@@ -87,6 +88,7 @@ QUICK = [
     "tr-mx4",
     "trdmp-bf16",
     "trdmp-mx4",
+    "trdmp-hybrid",
     "dct",
     "hybrid-dual-fwd",
     "hybrid-dual+ids",

@@ -8,7 +8,9 @@ Same model shape as the ``bench`` preset (26 tables of dim 64 hashed to 50k rows
 13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction), same synthetic
 data, seed, global batch and steps as our runs; table-wise sharding (planner constrained),
 TorchRec's quantized comms (fbgemm ``QuantizedCommCodec``) on the embedding all-to-alls in
-both directions, DDP on the MLPs, SGD on the dense part and fbgemm's fused row-wise Adagrad
+both directions (``--precision hybrid``: recsz's sharder instead, ``recsz.torchrec``: the
+hybrid codec under dual bounds both ways, bytes counted rather than computed), DDP on the
+MLPs, SGD on the dense part and fbgemm's fused row-wise Adagrad
 on the tables (TorchRec's CPU embedding kernel; our runs use element-wise Adagrad). Writes
 ``summary.json`` with the keys ``bench_train.py`` reads. Needs the ``anchors`` extra plus
 TorchRec itself (``make anchors``).
@@ -37,7 +39,7 @@ _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--precision", default="bf16", choices=sorted(_WIRE_BYTES))
+    ap.add_argument("--precision", default="bf16", choices=[*sorted(_WIRE_BYTES), "hybrid"])
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
@@ -86,16 +88,19 @@ def main() -> None:
         dense_arch_layer_sizes=list(mcfg.bottom_mlp),
         over_arch_layer_sizes=list(mcfg.top_mlp),
     )
-    precision = CommType[a.precision.upper()]
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={
-            "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-            "learning_rate": preset.emb_lr,
-        },
-        qcomm_codecs_registry=get_qcomm_codecs_registry(
-            QCommsConfig(forward_precision=precision, backward_precision=precision)
-        ),
-    )
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": preset.emb_lr}
+    if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
+        import recsz.torchrec
+
+        sharder = recsz.torchrec.CompressedEBCSharder(eb_policy="dual", fused_params=fused)
+    else:
+        precision = CommType[a.precision.upper()]
+        sharder = EmbeddingBagCollectionSharder(
+            fused_params=fused,
+            qcomm_codecs_registry=get_qcomm_codecs_registry(
+                QCommsConfig(forward_precision=precision, backward_precision=precision)
+            ),
+        )
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=world, compute_device="cpu"),
         constraints={
@@ -150,11 +155,18 @@ def main() -> None:
     t = torch.tensor([train_s])
     dist.all_reduce(t)
     train_s = float(t) / world
-    if rank == 0:
-        y, p_all = np.concatenate(labels), np.concatenate(preds)
+    if a.precision == "hybrid":  # counted: payload bytes that left each rank, all ranks
+        sent = recsz.torchrec.comm_bytes(dmp)
+        counts = torch.tensor([float(sent[k][d]) for k in ("raw", "wire") for d in ("fwd", "bwd")])
+        dist.all_reduce(counts)
+        raw_f, raw_b, wire_f, wire_b = counts.tolist()
+        wire, ratios = wire_f + wire_b, (raw_f / wire_f, raw_b / wire_b)
+    else:  # fixed-size codecs: computed
         raw = a.steps * a.batch_size * len(names) * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
         wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
-        ratio = 4 / _WIRE_BYTES[a.precision]
+        ratios = (4 / _WIRE_BYTES[a.precision],) * 2
+    if rank == 0:
+        y, p_all = np.concatenate(labels), np.concatenate(preds)
         nan = float("nan")
         summary = {
             "steps": a.steps,
@@ -162,14 +174,14 @@ def main() -> None:
             "train_s": train_s,
             "auc": float(roc_auc_score(y, p_all)),
             "bytes_sent": round(wire),
-            "fwd_ratio": ratio,
-            "bwd_ratio": ratio,
+            "fwd_ratio": ratios[0],
+            "bwd_ratio": ratios[1],
             "a2a_fwd_s": nan,
             "a2a_bwd_s": nan,
             "codec_s": nan,
             "allreduce_s": nan,
             "compute_s": nan,
-            "bytes_estimated": True,
+            "bytes_estimated": a.precision != "hybrid",
         }
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))

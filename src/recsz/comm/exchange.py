@@ -41,9 +41,11 @@ class PendingBytes:
         return list(torch.split(self.out, self.recv_sizes))
 
 
-def start_all_to_all_bytes(send: list[list[torch.Tensor]], world: int) -> PendingBytes:
-    """Exchange sizes (blocking), then start the byte all-to-all (async). ``send[r]`` holds
-    the pieces for rank r, joined into one buffer here.
+def start_all_to_all_bytes(
+    send: list[list[torch.Tensor]], world: int, group: dist.ProcessGroup | None = None
+) -> PendingBytes:
+    """Exchange sizes (blocking), then start the byte all-to-all (async) over ``group``
+    (default: the world). ``send[r]`` holds the pieces for rank r, joined into one buffer.
 
     With ``world == 1`` and no process group, the only destination is this rank, and
     the bytes are handed back as they are: the same code path runs in one process.
@@ -58,9 +60,9 @@ def start_all_to_all_bytes(send: list[list[torch.Tensor]], world: int) -> Pendin
     sizes = torch.tensor(sizes_l, dtype=torch.int64)
     recv = torch.empty(world, dtype=torch.int64)
     t = time.perf_counter()
-    dist.all_to_all_single(recv, sizes)
+    dist.all_to_all_single(recv, sizes, group=group)
     size_s = time.perf_counter() - t
     recv_sizes = recv.tolist()
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=inp.device)
-    work = dist.all_to_all_single(out, inp, recv_sizes, sizes_l, async_op=True)
+    work = dist.all_to_all_single(out, inp, recv_sizes, sizes_l, group=group, async_op=True)
     return PendingBytes(out, recv_sizes, work, waited_s=size_s)

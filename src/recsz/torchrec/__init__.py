@@ -1,0 +1,16 @@
+"""recsz inside TorchRec: ``DistributedModelParallel`` with the embedding all-to-all
+compressed, changing one line of a TorchRec program::
+
+    model = DistributedModelParallel(
+        model, sharders=recsz.torchrec.sharders(fwd_codec="hybrid", eb_policy="dual")
+    )
+
+Only this subpackage imports TorchRec (``pip install 'recsz[torchrec]'``).
+"""
+
+from __future__ import annotations
+
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
+
+__all__ = ["CompressedEBCSharder", "CompressedPooledEmbeddingDist", "comm_bytes", "sharders"]

@@ -1,0 +1,246 @@
+"""TorchRec's pooled-embedding all-to-all through our codecs, policies and byte exchange.
+
+TorchRec's table-wise output dist (``TwPooledEmbeddingDist``, which column-wise and
+table-column-wise shardings use too) sends each rank's slice of the global batch of the
+pooled embeddings it looked up, and the gradients back. Its quantized comms give every
+split a size fixed in advance; our payloads' sizes depend on the data, so this dist
+replaces the collective: sizes first, then bytes (:mod:`recsz.comm.exchange`).
+
+Layout: rank r's features (TorchRec's "embedding shards" of this sharding) are
+``dims[r]`` wide, side by side in its columns. Each (feature, destination) slice is one
+table of a group (:meth:`Codec.encode_segments`) under the feature's bound for the step,
+which the direction's policy sets from all the values of that feature this rank sends
+(forward: the global batch; backward: this rank's gradient columns). Features of one
+width form one group; a destination's groups travel framed as one buffer.
+
+Backward: when TorchRec's gradient division is on, the gradient is divided by the world
+size before it is encoded (TorchRec divides after the all-to-all), so the bound holds for
+the gradient the tables receive and a lossless codec gives TorchRec's values bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.comm_ops import get_gradient_division
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
+from torchrec.distributed.types import Awaitable
+
+from recsz.codecs.framing import frame, unframe
+from recsz.comm.embedding import Direction
+from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
+from recsz.config import TrainConfig
+from recsz.policy.factory import make_policy
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    return [0, *itertools.accumulate(sizes)]
+
+
+class CompressedPooledEmbeddingDist(nn.Module):
+    """Drop-in for TorchRec's ``TwPooledEmbeddingDist``: ``forward(local_embs, ctx)`` gives
+    an awaitable of (local batch, all features' dims), compressed both ways.
+
+    Args:
+        inner: the dist TorchRec built for this sharding; its layout is read here, and it
+            still serves variable batch per feature (uncompressed, with a warning).
+        config: codecs and bound policies (the fields of :class:`recsz.config.TrainConfig`).
+    """
+
+    def __init__(self, inner: TwPooledEmbeddingDist, config: TrainConfig) -> None:
+        super().__init__()
+        self.inner = inner
+        # TorchRec's private layout fields, read in this one place (stable since 0.x).
+        self.pg: dist.ProcessGroup = inner._pg
+        self.dims: list[list[int]] = [list(d) for d in inner._emb_dim_per_rank_per_feature]
+        self.callbacks = list(inner._callbacks or [])
+        self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
+        starts = _offsets([len(d) for d in self.dims])
+        #: the policies' table ids: every feature of the sharding, in rank order
+        self.keys = [list(range(starts[r], starts[r + 1])) for r in range(self.world)]
+        self.fwd = Direction("fwd", config.codec("fwd"), make_policy(config, "fwd", starts[-1]))
+        self.bwd = Direction("bwd", config.codec("bwd"), make_policy(config, "bwd", starts[-1]))
+        for d in (self.fwd, self.bwd):
+            d.codec.warm_up()
+        self.step = 0
+        #: of what left this rank: the bytes of its fp32 slices, and the payload bytes
+        self.raw = {"fwd": 0, "bwd": 0}
+        self.wire = {"fwd": 0, "bwd": 0}
+        self._warned = False
+
+    def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            if not self._warned:
+                warnings.warn(
+                    "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)",
+                    stacklevel=2,
+                )
+                self._warned = True
+            return self.inner(local_embs, sharding_ctx)
+        per_rank = getattr(sharding_ctx, "batch_size_per_rank", None) or []
+        if not per_rank:
+            if local_embs.shape[0] % self.world:
+                raise ValueError(
+                    f"rank {self.rank}: global batch {local_embs.shape[0]} is not divisible "
+                    f"by the {self.world} ranks"
+                )
+            per_rank = [local_embs.shape[0] // self.world] * self.world
+        step = self.step
+        if self.training:
+            self.step += 1
+        data = local_embs.detach()
+        at = _offsets(per_rank)
+        mine, dims = self.keys[self.rank], self.dims[self.rank]
+        blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
+        pending = self._send(self.fwd, step, blocks, (data, dims, mine))
+        awaitable = _Received(local_embs, self, pending, step, per_rank)
+        awaitable.callbacks.extend(self.callbacks)
+        return awaitable
+
+    # ---- both directions -------------------------------------------------------------
+    def _send(
+        self,
+        d: Direction,
+        step: int,
+        blocks: list[tuple[torch.Tensor, list[int], list[int]]],
+        bound_src: tuple[torch.Tensor, list[int], list[int]],
+    ) -> PendingBytes:
+        """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
+        the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
+        feature sent."""
+        ebs = self._bounds(d, step, *bound_src)
+        device = bound_src[0].device
+        parts: list[list[torch.Tensor]] = [[] for _ in blocks]
+        for width in sorted({w for _, dims, _ in blocks for w in dims}):
+            groups, keys, dest = [], [], []
+            for r, (x, dims, ks) in enumerate(blocks):
+                cols = _offsets(dims)
+                fs = [i for i, w in enumerate(dims) if w == width]
+                if not fs:
+                    continue
+                slabs = torch.stack([x[:, cols[i] : cols[i] + width] for i in fs])
+                groups.append((slabs.reshape(-1, width), [x.shape[0]] * len(fs)))
+                keys += [ks[i] for i in fs]
+                dest.append(r)
+            eb = None if ebs is None else ebs[torch.tensor(keys, device=ebs.device)]
+            payloads, _ = d.codec.encode_segments(groups, eb)
+            for r, p, (rows, _) in zip(dest, payloads, groups, strict=True):
+                parts[r].append(p)
+                if self.training and r != self.rank:
+                    self.raw[d.name] += rows.numel() * 4
+        send = [[frame(p).to(device)] for p in parts]
+        if self.training:
+            self.wire[d.name] += sum(s[0].numel() for r, s in enumerate(send) if r != self.rank)
+        return start_all_to_all_bytes(send, self.world, self.pg)
+
+    def _bounds(
+        self, d: Direction, step: int, x: torch.Tensor, dims: list[int], keys: list[int]
+    ) -> torch.Tensor | None:
+        """Each feature's bound from its columns of ``x``, as a tensor indexed by key."""
+        ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
+        cols = _offsets(dims)
+        for width in sorted(set(dims)):
+            fs = [i for i, w in enumerate(dims) if w == width]
+            vals = torch.stack([x[:, cols[i] : cols[i] + width] for i in fs])
+            if self.training:
+                for j, i in enumerate(fs):
+                    d.policy.observe(keys[i], step, vals[j])
+            got = d.policy.bounds([keys[i] for i in fs], step, vals)
+            if got is None:
+                if d.codec.error_bounded:
+                    raise ValueError(f"{d.name} codec {d.codec.codec_id!r} needs a bound policy")
+                return None
+            ebs[torch.tensor([keys[i] for i in fs], device=x.device)] = got.to(x.device)
+        return ebs
+
+    def _receive(
+        self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[list[int]]
+    ) -> list[torch.Tensor]:
+        """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide."""
+        bufs = pending.wait()
+        widths = [sorted(set(ds)) for ds in dims]
+        parts = [
+            unframe(b, len(w), f"rank {s} ({d.name})")
+            for s, (b, w) in enumerate(zip(bufs, widths, strict=True))
+        ]
+        out = [
+            torch.empty(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)
+        ]
+        for width in sorted({w for ws in widths for w in ws}):
+            srcs = [s for s in range(self.world) if width in widths[s]]
+            feats = [[i for i, w in enumerate(dims[s]) if w == width] for s in srcs]
+            sizes = [[rows[s]] * len(fs) for s, fs in zip(srcs, feats, strict=True)]
+            payloads = [parts[s][widths[s].index(width)] for s in srcs]
+            try:
+                decoded = d.codec.decode_segments(payloads, sizes, width)
+            except ValueError as e:
+                raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+            for s, fs, y in zip(srcs, feats, decoded, strict=True):
+                cols = _offsets(dims[s])
+                slabs = y.view(len(fs), rows[s], width)
+                for j, i in enumerate(fs):
+                    out[s][:, cols[i] : cols[i] + width] = slabs[j]
+        return out
+
+    def finish_forward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
+        got = self._receive(self.fwd, pending, [per_rank[self.rank]] * self.world, self.dims)
+        return torch.cat(got, 1)
+
+    def backward(self, grad: torch.Tensor, step: int, per_rank: list[int]) -> torch.Tensor:
+        """(local batch, all dims) gradient -> (global batch, my dims) on the table owner."""
+        grad = grad.contiguous()
+        if get_gradient_division():
+            grad = grad / self.world
+        every = [w for ds in self.dims for w in ds]
+        keys = [k for ks in self.keys for k in ks]
+        at = _offsets([sum(ds) for ds in self.dims])
+        blocks = [
+            (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
+        ]
+        pending = self._send(self.bwd, step, blocks, (grad, every, keys))
+        return torch.cat(
+            self._receive(self.bwd, pending, per_rank, [self.dims[self.rank]] * self.world)
+        )
+
+
+class _Received(Awaitable[torch.Tensor]):
+    """The forward in flight; waiting decodes it into a tensor tied into autograd."""
+
+    def __init__(
+        self,
+        local_embs: torch.Tensor,
+        owner: CompressedPooledEmbeddingDist,
+        pending: PendingBytes,
+        step: int,
+        per_rank: list[int],
+    ) -> None:
+        super().__init__()
+        self.args = (local_embs, owner, pending, step, per_rank)
+
+    def _wait_impl(self) -> torch.Tensor:
+        return _Exchange.apply(*self.args)
+
+
+class _Exchange(torch.autograd.Function):
+    """Forward: the received embeddings; backward: their gradient sent back, compressed."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        local_embs: torch.Tensor,
+        owner: CompressedPooledEmbeddingDist,
+        pending: PendingBytes,
+        step: int,
+        per_rank: list[int],
+    ) -> torch.Tensor:
+        ctx.owner, ctx.step, ctx.per_rank = owner, step, per_rank
+        return owner.finish_forward(pending, per_rank).to(local_embs.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return ctx.owner.backward(grad, ctx.step, ctx.per_rank), None, None, None, None

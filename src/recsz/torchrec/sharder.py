@@ -1,0 +1,150 @@
+"""A TorchRec sharder whose embedding bags send compressed pooled embeddings.
+
+``CompressedEBCSharder`` is TorchRec's ``EmbeddingBagCollectionSharder`` with its
+sharded module's output dist replaced by :class:`CompressedPooledEmbeddingDist` for
+table-wise, column-wise and table-column-wise tables, through TorchRec's extension point
+for exactly this (``ShardedEmbeddingBagCollection.create_embedding_bag_sharding``, a
+classmethod so that a subclass can change the sharding it returns). Row-wise shardings
+reduce-scatter partial sums, which this dist does not carry: the sharder does not offer
+them to the planner, and a plan that asks for one is refused naming the tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, ClassVar
+
+import torch
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
+
+from recsz.config import TrainConfig
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+
+#: Shardings whose output is an all-to-all of pooled embeddings (ours), and the one with
+#: no output communication at all.
+COMPRESSED = {
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+}
+UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
+_OURS = {f.name for f in fields(TrainConfig)}
+
+
+class _CompressedEBC(ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose shardings build compressed output dists;
+    :class:`CompressedEBCSharder` makes a subclass bound to its configuration."""
+
+    recsz_config: ClassVar[TrainConfig]
+    #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
+    recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls, sharding_infos: Any, env: ShardingEnv, *args: Any, **kw: Any
+    ) -> Any:
+        sharding = super().create_embedding_bag_sharding(sharding_infos, env, *args, **kw)
+        kind = sharding_infos[0].param_sharding.sharding_type
+        if kind in UNTOUCHED:
+            return sharding
+        if kind not in COMPRESSED:
+            names = sorted({i.embedding_config.name for i in sharding_infos})
+            raise ValueError(
+                f"recsz: tables {', '.join(names)} are sharded {kind}, whose output is a "
+                f"reduce-scatter of partial sums; the compressed dist carries "
+                f"{', '.join(sorted(COMPRESSED))} (and {', '.join(UNTOUCHED)}) tables only"
+            )
+        build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
+
+        def create_output_dist(device: torch.device | None = None) -> Any:
+            made.append(CompressedPooledEmbeddingDist(build(device=device), config))
+            return made[-1]
+
+        sharding.create_output_dist = create_output_dist
+        return sharding
+
+
+class CompressedEBCSharder(EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder with the embedding all-to-all compressed both ways.
+
+    Keyword arguments named like :class:`recsz.config.TrainConfig` fields configure the
+    compression (``fwd_codec``, ``bwd_codec``, ``eb_policy``, ``fwd_eb``, ``eb_mode``,
+    ``decay_schedule``, ...; the defaults here: ``hybrid`` both ways under the ``dual``
+    policy); the rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's
+    sharder.
+    """
+
+    def __init__(
+        self,
+        fwd_codec: str = "hybrid",
+        bwd_codec: str = "hybrid",
+        eb_policy: str = "dual",
+        **kwargs: Any,
+    ) -> None:
+        ours = {k: kwargs.pop(k) for k in list(kwargs) if k in _OURS}
+        self.config = TrainConfig(
+            fwd_codec=fwd_codec, bwd_codec=bwd_codec, eb_policy=eb_policy, **ours
+        )
+        self._order = kwargs.get("sharded_module_order_overwrite")
+        super().__init__(**kwargs)
+        self._module_type = type(
+            "CompressedShardedEmbeddingBagCollection",
+            (_CompressedEBC,),
+            {"recsz_config": self.config, "recsz_dists": []},
+        )
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        offered = super().sharding_types(compute_device_type)
+        return [t for t in offered if t in COMPRESSED | UNTOUCHED]
+
+    def shard(
+        self,
+        module: Any,
+        params: Any,
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedEmbeddingBagCollection:
+        return self._module_type(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._order,
+        )
+
+    @property
+    def sharded_module_type(self) -> type[ShardedEmbeddingBagCollection]:
+        return self._module_type
+
+
+def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
+    """TorchRec's default sharders with the EmbeddingBagCollection one compressed:
+    ``DistributedModelParallel(model, sharders=recsz.torchrec.sharders(eb_policy="dual"))``.
+    Takes :class:`CompressedEBCSharder`'s arguments."""
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    ours = CompressedEBCSharder(**kwargs)
+    out = [ours if type(s) is EmbeddingBagCollectionSharder else s for s in get_default_sharders()]
+    return out
+
+
+def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
+    (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks)."""
+    out = {"raw": {"fwd": 0, "bwd": 0}, "wire": {"fwd": 0, "bwd": 0}}
+    dists = {
+        id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
+    }
+    for dist in dists.values():
+        for d in ("fwd", "bwd"):
+            out["raw"][d] += dist.raw[d]
+            out["wire"][d] += dist.wire[d]
+    return out
