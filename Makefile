@@ -19,12 +19,12 @@ demo: $(STAMP)
 		--fwd-codec hybrid --bwd-codec hybrid --eb-policy dual --out runs/demo
 
 test: $(STAMP) $(TORCHREC)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src
 
 # TorchRec itself: recsz.torchrec's tests (make test) and the DMP anchor of

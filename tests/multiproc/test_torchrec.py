@@ -7,7 +7,10 @@ saw, and the assertions run here.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -130,6 +133,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy, plan_of)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
+    res["variable_batch"] = _variable_batch(lossy.dists[0])
     try:
         _dmp(lossless, {**plan_of, "t1": ("rw", None)})
     except ValueError as e:
@@ -138,6 +142,19 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _variable_batch(dist: torch.nn.Module) -> tuple[list[object], int]:
+    """Variable batch per feature goes to TorchRec's own dist, with one warning."""
+
+    class Ctx:
+        variable_batch_per_feature = True
+
+    dist.inner.forward = lambda x, ctx: "torchrec's"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [dist(torch.zeros(2 * B, 8), Ctx()) for _ in range(2)]
+    return got, sum("variable batch per feature" in str(w.message) for w in caught)
 
 
 def _pipeline(rank: int, plan_of: dict) -> list[float]:
@@ -196,6 +213,11 @@ def test_lossy_outputs_within_the_bound_and_bytes_counted(ranks: list[dict]) -> 
         assert sent["raw"]["bwd"] > 2 * sent["wire"]["bwd"] > 0
 
 
+def test_variable_batch_per_feature_falls_back_with_one_warning(ranks: list[dict]) -> None:
+    for res in ranks:
+        assert res["variable_batch"] == (["torchrec's", "torchrec's"], 1)
+
+
 def test_row_wise_is_refused_naming_the_table(ranks: list[dict]) -> None:
     for res in ranks:
         assert "tables t1 are sharded row_wise" in res["rw_error"]
@@ -205,3 +227,14 @@ def test_train_pipeline_sparse_dist_runs(ranks: list[dict]) -> None:
     for res in ranks:
         assert len(res["pipeline"]) == STEPS
         assert all(torch.isfinite(torch.tensor(res["pipeline"])))
+
+
+def test_the_readme_example_runs_as_written() -> None:
+    """examples/torchrec_dlrm.py under torchrun, as the README shows it (fewer steps)."""
+    root = Path(__file__).parents[2]
+    example = str(root / "examples" / "torchrec_dlrm.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", example, "--steps", "3", "--batch-size", "64"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step    0  loss" in p.stdout and "fwd: " in p.stdout and "bwd: " in p.stdout

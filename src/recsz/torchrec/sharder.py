@@ -97,6 +97,11 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
             {"recsz_config": self.config, "recsz_dists": []},
         )
 
+    @property
+    def dists(self) -> list[CompressedPooledEmbeddingDist]:
+        """The compressed dists of every module this sharder sharded."""
+        return self._module_type.recsz_dists
+
     def sharding_types(self, compute_device_type: str) -> list[str]:
         offered = super().sharding_types(compute_device_type)
         return [t for t in offered if t in COMPRESSED | UNTOUCHED]
