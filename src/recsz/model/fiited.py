@@ -1,0 +1,221 @@
+"""FIITED: per-vector embedding dimensions pruned during training (Luo et al. 2024,
+arXiv 2401.04408), over a chunked table store.
+
+A rank's tables (N rows in all, D dims) are held as chunks of c dims: a pointer table
+``ptr`` (N, D / c) maps each (row, chunk) to a slot of one chunk pool, or to -1 when the
+chunk is pruned; a lookup reads the allocated chunks and zeros for the others, and the
+backward updates allocated chunks only (the row optimizer runs on pool slots, so
+``rowwise_adagrad`` keeps one accumulator per chunk).
+
+Importance (our choice where the paper's details are not at hand): one running score per
+row, the sum of the norms of the gradients its lookups received (so frequency and
+gradient magnitude both count), decayed by ``decay`` at each pruning; chunk j of a row
+weighs the row's score times (k - j) / k, so a row loses its last chunks first and its
+vector keeps a prefix of its dimensions. Every ``interval`` steps each table keeps its
+``budget`` x (rows x chunks) most important chunks (per table, so any sharding of the
+tables prunes the same chunks); freed slots go to a free list from which chunks that
+became important again (revived rows, starting from zeros) take theirs; then the pool is
+compacted to exactly its allocated chunks. Memory held: pool + pointers (int32) + scores;
+the optimizer's state is not counted (as for dense tables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsz.model.rowopt import RowOptimizer
+
+
+@dataclass(frozen=True)
+class FiitedSpec:
+    """How the store prunes: kept fraction of each table's chunks, chunk width, steps
+    between prunings, and the decay of the importance scores at each."""
+
+    budget: float
+    chunk: int = 8
+    interval: int = 100
+    decay: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"FIITED budget must be in (0, 1], got {self.budget}")
+        if self.chunk < 1 or self.interval < 1 or not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"bad FIITED chunk/interval/decay: {self}")
+
+
+class FiitedStore(nn.Module):
+    """Rows of several tables as a pointer table over one pool of chunks.
+
+    Args:
+        weight: (N, D) initial rows, tables one after another.
+        sizes: rows per table (sum N).
+        spec: pruning settings; D must be a multiple of ``spec.chunk``.
+        optimizer: the row optimizer run on pool slots (None: frozen).
+    """
+
+    pool: nn.Parameter
+    ptr: torch.Tensor
+    score: torch.Tensor
+    free: torch.Tensor
+    state: torch.Tensor
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        sizes: Sequence[int],
+        spec: FiitedSpec,
+        optimizer: RowOptimizer | None,
+    ) -> None:
+        super().__init__()
+        n, d = weight.shape
+        if d % spec.chunk:
+            raise ValueError(f"FIITED chunk {spec.chunk} does not divide the dim {d}")
+        if sum(sizes) != n:
+            raise ValueError(f"table sizes add up to {sum(sizes)}, weight has {n} rows")
+        self.spec, self.optimizer, self.sizes = spec, optimizer, list(sizes)
+        #: the optimizer keeps state per slot (Adagrad kinds), moved with the chunks
+        self.slot_state = optimizer is not None and optimizer.kind != "sgd"
+        self.k, self.c, self.dim = d // spec.chunk, spec.chunk, d
+        chunks = weight.reshape(n * self.k, self.c).clone()
+        self.pool = nn.Parameter(chunks, requires_grad=optimizer is not None)
+        self.register_buffer("ptr", torch.arange(n * self.k, dtype=torch.int32).view(n, self.k))
+        self.register_buffer("score", torch.zeros(n))
+        self.register_buffer("free", torch.zeros(0, dtype=torch.int64))
+        self.register_buffer("state", optimizer.new_state(chunks) if optimizer else torch.zeros(0))
+
+    @property
+    def bytes_held(self) -> int:
+        """Pool, pointers, scores and free list, in bytes."""
+        return sum(
+            t.numel() * t.element_size() for t in (self.pool, self.ptr, self.score, self.free)
+        )
+
+    def allocated(self) -> torch.Tensor:
+        """(N, k) True where a chunk has a slot."""
+        return self.ptr >= 0
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n,) row indices -> (n, D) rows, pruned chunks zero."""
+        p = self.ptr[rows]
+        if not self.pool.shape[0]:  # everything pruned
+            return self.pool.new_zeros(rows.numel(), self.dim)
+        got = self.pool.detach().index_select(0, p.clamp(min=0).view(-1).long())
+        return (got.view(-1, self.k, self.c) * (p >= 0).unsqueeze(-1)).view(-1, self.dim)
+
+    @torch.no_grad()
+    def update(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Score the rows by their gradients' norms; step the allocated chunks."""
+        self.score.index_add_(0, rows, grad.norm(dim=1))
+        if self.optimizer is None:
+            return
+        p = self.ptr[rows]
+        kept = p >= 0
+        slots = p[kept].long()
+        self.optimizer.step(self.pool.data, self.state, slots, grad.view(-1, self.k, self.c)[kept])
+
+    @torch.no_grad()
+    def prune(self) -> dict[str, Any]:
+        """Keep each table's most important chunks; returns what changed."""
+        w = torch.arange(self.k, 0, -1, dtype=torch.float64, device=self.score.device) / self.k
+        imp = ((self.score.double() + 1e-30).unsqueeze(1) * w).view(-1)  # 1e-30: by position
+        keep = torch.zeros_like(imp, dtype=torch.bool)
+        start = 0
+        for n in self.sizes:
+            span = slice(start * self.k, (start + n) * self.k)
+            top = torch.sort(imp[span], descending=True, stable=True).indices
+            keep[span][top[: round(self.spec.budget * n * self.k)]] = True
+            start += n
+        keep = keep.view(-1, self.k)
+        alloc = self.allocated()
+        freed, new = alloc & ~keep, keep & ~alloc
+        free = torch.cat([self.free, self.ptr[freed].long().sort().values])
+        self.ptr[freed] = -1
+        n_new = int(new.sum())
+        slots = free[:n_new]
+        if n_new > slots.numel():  # more revived than freed: the pool grows
+            grow = n_new - slots.numel()
+            top = self.pool.shape[0]
+            slots = torch.cat([slots, torch.arange(top, top + grow, device=slots.device)])
+            self._resize(top + grow)
+        self.free = free[n_new:]
+        self.ptr[new] = slots.to(torch.int32)
+        self.pool.data[slots] = 0.0  # a revived chunk starts at zero: lookups read no jump
+        if self.slot_state:
+            self.state[slots] = 0.0
+        self.score.mul_(self.spec.decay)
+        self._compact()
+        return {"freed": int(freed.sum()), "revived": n_new, "slots": self.pool.shape[0]}
+
+    def kept_fraction(self) -> list[float]:
+        """Per table, the fraction of its chunks that have slots."""
+        out, start = [], 0
+        alloc = self.allocated()
+        for n in self.sizes:
+            out.append(float(alloc[start : start + n].float().mean()) if n else 0.0)
+            start += n
+        return out
+
+    def _compact(self) -> None:
+        """Move the chunks above the allocated count into the free slots below it."""
+        n_alloc = int(self.allocated().sum())
+        holes = self.free[self.free < n_alloc]
+        owner = torch.full((self.pool.shape[0],), -1, dtype=torch.int64, device=self.ptr.device)
+        flat = self.ptr.view(-1)
+        where = torch.nonzero(flat >= 0).view(-1)
+        owner[flat[where].long()] = where
+        movers = torch.nonzero(owner[n_alloc:] >= 0).view(-1) + n_alloc
+        self.pool.data[holes] = self.pool.data[movers]
+        if self.slot_state:
+            self.state[holes] = self.state[movers]
+        flat[owner[movers]] = holes.to(torch.int32)
+        self._resize(n_alloc)
+        self.free = self.free[:0]
+
+    def _resize(self, slots: int) -> None:
+        old = self.pool.shape[0]
+        pool = self.pool.data
+        if slots < old:
+            pool = pool[:slots].clone()
+        elif slots > old:
+            pool = torch.cat([pool, pool.new_zeros(slots - old, self.c)])
+        self.pool = nn.Parameter(pool, requires_grad=self.pool.requires_grad)
+        if self.slot_state:
+            st = self.state
+            pad = st.new_zeros(slots - old, *st.shape[1:]) if slots > old else None
+            self.state = st[:slots].clone() if pad is None else torch.cat([st, pad])
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
+        # The pool, its state and the free list change size as the store prunes: take the
+        # saved sizes before loading the values.
+        for name in ("pool", "state", "free"):
+            saved = state_dict.get(prefix + name)
+            mine = getattr(self, name)
+            if saved is not None and saved.shape != mine.shape:
+                fresh = mine.new_empty(saved.shape)
+                if name == "pool":
+                    self.pool = nn.Parameter(fresh, requires_grad=self.pool.requires_grad)
+                else:
+                    setattr(self, name, fresh)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class FiitedLookup(torch.autograd.Function):
+    """The store's rows forward; backward hands their gradient to the store (which scores
+    and updates the allocated chunks) and returns no gradient for the pool."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pool: torch.Tensor, rows: torch.Tensor, store: FiitedStore
+    ) -> torch.Tensor:
+        ctx.rows, ctx.store = rows, store
+        return store.lookup(rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        ctx.store.update(ctx.rows, grad.contiguous())
+        return None, None, None
