@@ -16,7 +16,7 @@ from typing import Any, get_type_hints
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES
-from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, TTSpec, get_preset
+from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 
 CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
 
@@ -57,6 +57,15 @@ class TrainConfig:
     tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables", ge=1)
     tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table", ge=2, le=4)
     tt_init: str = opt("sampled", "TT-Rec: initialization of the cores", TT_INITS)
+    fiited_budget: float | None = opt(
+        None,
+        "FIITED: fraction of each table's dimension chunks kept (default: no pruning)",
+        gt=0,
+        le=1,
+    )
+    fiited_chunk: int = opt(8, "FIITED: dims per chunk (divides the embedding dim)", ge=1)
+    fiited_interval: int = opt(100, "FIITED: steps between prunings", ge=1)
+    fiited_decay: float = opt(0.5, "FIITED: importance kept at each pruning", ge=0, le=1)
     tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: emb-lr)", gt=0)
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
@@ -120,6 +129,13 @@ class TrainConfig:
         largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
         return TTSpec(frozenset(largest), self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
 
+    def fiited_spec(self) -> FiitedSpec | None:
+        """FIITED's pruning of the dense tables (None: not asked for)."""
+        if self.fiited_budget is None:
+            return None
+        f = (self.fiited_budget, self.fiited_chunk, self.fiited_interval, self.fiited_decay)
+        return FiitedSpec(*f)
+
     def codec(self, direction: str) -> Codec:
         """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
@@ -132,7 +148,13 @@ class TrainConfig:
                 raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(m['choices'])}")
             if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
                 raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
-        n_tables = get_preset(self.preset).model.n_tables
+        model = get_preset(self.preset).model
+        n_tables = model.n_tables
+        if self.fiited_budget is not None and model.emb_dim % self.fiited_chunk:
+            raise ValueError(
+                f"--fiited-chunk {self.fiited_chunk} does not divide the preset's dim "
+                f"{model.emb_dim}"
+            )
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
         fwd, bwd = self.codec("fwd"), self.codec("bwd")

@@ -49,6 +49,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "allreduce_bytes": dp.bytes_sent,
         "embedding_bytes": parts.sparse.bytes_held,
         "embedding_bytes_dense": parts.sparse.dense_bytes,
+        "fiited_kept": parts.sparse.kept(),
         "allreduce_dense_bytes": dp.bytes_dense,
         "raw": dict(st.raw),
         "sent": dict(st.sent),
@@ -99,6 +100,9 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     row["embedding_bytes"] = sum(r["embedding_bytes"] for r in recs)
     row["embedding_bytes_dense"] = sum(r["embedding_bytes_dense"] for r in recs)
     row["dp_ratio"] = ratio(sum(r["allreduce_dense_bytes"] for r in recs), row["allreduce_bytes"])
+    kept = {t: f for r in recs for t, f in r["fiited_kept"].items()}
+    if kept:  # FIITED: per table, the fraction of its chunks held
+        row["fiited_kept"] = {str(t): round(kept[t], 4) for t in sorted(kept)}
     if recs[0]["dct_refreshes"] is not None:
         row["dp_threshold_refreshes"] = recs[0]["dct_refreshes"]
     row["tables"] = per_table(recs)

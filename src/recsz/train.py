@@ -81,7 +81,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     owners = plan_tables(charged, mcfg.emb_dim, ranks.world)
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt)
+    fiited = cfg.fiited_spec()
+    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited)
     sparse = sparse.to(ranks.device)
     dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
     dp = DPComm(cfg.dp_comm, ranks.world)
@@ -248,6 +249,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             return ranks.gather(report.rank_record(parts, ranks.rank, loss, train_s, data_s))
 
         fail_at = _parse_failure(cfg.inject_failure)
+        fiited = cfg.fiited_spec()
         batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
@@ -258,6 +260,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             losses.append(train_step(parts, batch, step, ranks))
+            if fiited is not None and (step + 1) % fiited.interval == 0:
+                parts.sparse.prune()
             train_s += time.perf_counter() - t0
             bar.update(1)
             done = step + 1

@@ -389,3 +389,38 @@ def test_resume_keeps_the_hooks_error_feedback(tmp_path: Path, mode: str) -> Non
     assert main([*BASE, "--resume", str(split), *flags]) == 0
     assert losses(split)[-10:] == losses(straight)[-10:]
     assert_same_model(straight, split, 0.0)
+
+
+def fiited_tables(out: Path, step: int = 20) -> dict[int, torch.Tensor]:
+    """Every table's rows as FIITED's stores hold them (pruned chunks zero), all ranks."""
+    d = out / "checkpoints" / f"step-{step:09d}"
+    got: dict[int, torch.Tensor] = {}
+    for f in sorted(d.glob("rank-*.pt")):
+        s = torch.load(f, weights_only=False)
+        ptr, pool = s["sparse"]["store.ptr"].long(), s["sparse"]["store.pool"]
+        full = pool[ptr.clamp(min=0)] * (ptr >= 0).unsqueeze(-1)
+        sizes = [SIZES[t] for t in s["tables"]]
+        got.update(zip(s["tables"], full.flatten(1).split(sizes), strict=True))
+    return got
+
+
+def test_fiited_two_ranks_match_one_process_and_resume(tmp_path: Path) -> None:
+    """FIITED prunes per table, so sharding changes nothing: 2 ranks with a lossless codec
+    equal 1 process, and a run resumed from a checkpoint between prunings equals it too."""
+    flags = ["--fiited-budget", "0.4", "--fiited-interval", "6", "--checkpoint-every", "10"]
+    one = run(tmp_path / "one", *flags)
+    two = run(tmp_path / "two", *flags, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")),
+        rtol=0, atol=1e-5,
+    )  # fmt: skip
+    ta, tb = fiited_tables(tmp_path / "one"), fiited_tables(tmp_path / "two")
+    for t in range(26):
+        torch.testing.assert_close(ta[t], tb[t], rtol=0, atol=1e-5, msg=f"table {t}")
+        assert torch.equal(ta[t] == 0, tb[t] == 0), f"table {t}: other chunks pruned"
+    assert one["embedding_bytes"] == two["embedding_bytes"] < 0.6 * one["embedding_bytes_dense"]
+    split = tmp_path / "split"
+    main([*BASE, *flags, "--steps", "10", "--out", str(split)])
+    assert main([*BASE, *flags, "--resume", str(split)]) == 0
+    for t, rows in fiited_tables(split).items():
+        assert torch.equal(rows, ta[t]), f"table {t}"

@@ -2,6 +2,7 @@
 
 from recsz.model.config import PRESETS, ModelConfig, Preset, get_preset
 from recsz.model.dlrm import DLRM, DenseArch, interact_features
+from recsz.model.fiited import FiitedSpec, FiitedStore
 from recsz.model.rowopt import ROW_OPTIMIZERS, RowOptimizer
 from recsz.model.tables import SparseArch
 from recsz.model.ttrec import TT_INITS, TTEmbeddingBag, TTSpec, tt_parameters
@@ -12,6 +13,8 @@ __all__ = [
     "ROW_OPTIMIZERS",
     "TT_INITS",
     "DenseArch",
+    "FiitedSpec",
+    "FiitedStore",
     "ModelConfig",
     "Preset",
     "RowOptimizer",

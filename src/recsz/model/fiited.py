@@ -8,8 +8,8 @@ backward updates allocated chunks only (the row optimizer runs on pool slots, so
 ``rowwise_adagrad`` keeps one accumulator per chunk).
 
 Importance (our choice where the paper's details are not at hand): one running score per
-row, the sum of the norms of the gradients its lookups received (so frequency and
-gradient magnitude both count), decayed by ``decay`` at each pruning; chunk j of a row
+row, the sum over steps of the norm of the row's gradient (so frequency and gradient
+magnitude both count), decayed by ``decay`` at each pruning; chunk j of a row
 weighs the row's score times (k - j) / k, so a row loses its last chunks first and its
 vector keeps a prefix of its dimensions. Every ``interval`` steps each table keeps its
 ``budget`` x (rows x chunks) most important chunks (per table, so any sharding of the
@@ -109,8 +109,11 @@ class FiitedStore(nn.Module):
 
     @torch.no_grad()
     def update(self, rows: torch.Tensor, grad: torch.Tensor) -> None:
-        """Score the rows by their gradients' norms; step the allocated chunks."""
-        self.score.index_add_(0, rows, grad.norm(dim=1))
+        """Score the rows by the norm of their step's gradient (summed over the lookups,
+        so a sharded batch scores as a whole one); step the allocated chunks."""
+        uniq, inv = torch.unique(rows, return_inverse=True)
+        total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
+        self.score.index_add_(0, uniq, total.norm(dim=1))
         if self.optimizer is None:
             return
         p = self.ptr[rows]
@@ -127,8 +130,8 @@ class FiitedStore(nn.Module):
         start = 0
         for n in self.sizes:
             span = slice(start * self.k, (start + n) * self.k)
-            top = torch.sort(imp[span], descending=True, stable=True).indices
-            keep[span][top[: round(self.spec.budget * n * self.k)]] = True
+            order = torch.sort(imp[span], descending=True, stable=True).indices
+            keep[span][order[: round(self.spec.budget * n * self.k)]] = True
             start += n
         keep = keep.view(-1, self.k)
         alloc = self.allocated()

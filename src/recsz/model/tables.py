@@ -18,6 +18,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from recsz.model.config import ModelConfig
+from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
@@ -42,6 +43,8 @@ class SparseArch(nn.Module):
         tables: the global table indices held here, in order.
         seed: initialization (per table, so any sharding starts from the same weights).
         optimizer: the fused row optimizer; None freezes the tables (no gradient flows).
+        tt: which tables are tensor trains (TT-Rec).
+        fiited: the dense tables as a FIITED chunk store that prunes dimensions.
     """
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
@@ -57,6 +60,7 @@ class SparseArch(nn.Module):
         seed: int,
         optimizer: RowOptimizer | None = None,
         tt: TTSpec | None = None,
+        fiited: FiitedSpec | None = None,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
@@ -79,18 +83,34 @@ class SparseArch(nn.Module):
             "tt_pos", torch.tensor([pos[t] for t in self.tt.tables], dtype=torch.int64),
             persistent=False,
         )  # fmt: skip
+        self.store = None if fiited is None else FiitedStore(weight, self.sizes, fiited, optimizer)
+        if self.store is not None:  # the rows live in the store
+            weight = weight[:0]
         # A parameter so that .to() and state_dict() carry it, but no torch optimizer owns
         # it: the backward updates it in place and leaves .grad empty.
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
         self.register_buffer("offsets", start[:-1].clone(), persistent=False)
         self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
-        state = optimizer.new_state(weight) if optimizer else torch.zeros(0)
+        state = optimizer.new_state(weight) if optimizer and self.store is None else torch.zeros(0)
         self.register_buffer("optimizer_state", state)
 
     @property
     def bytes_held(self) -> int:
-        """What this rank's tables hold: the dense rows and the TT cores (float32)."""
-        return 4 * (self.weight.numel() + self.tt.num_parameters)
+        """What this rank's tables hold: the dense rows (or FIITED's store) and the TT
+        cores (float32)."""
+        store = self.store.bytes_held if self.store is not None else 0
+        return 4 * (self.weight.numel() + self.tt.num_parameters) + store
+
+    def prune(self) -> None:
+        """FIITED: keep each table's most important chunks (no-op without a store)."""
+        if self.store is not None:
+            self.store.prune()
+
+    def kept(self) -> dict[int, float]:
+        """FIITED: per dense table, the fraction of its chunks held (empty without)."""
+        if self.store is None:
+            return {}
+        return dict(zip(self.dense_tables, self.store.kept_fraction(), strict=True))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
@@ -157,6 +177,13 @@ class SparseArch(nn.Module):
     def _pool(
         self, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.store is not None:  # the rows, then bags over them
+            train = self.optimizer is not None and torch.is_grad_enabled()
+            vecs = FiitedLookup.apply(self.store.pool, rows, self.store) if train else None
+            vecs = self.store.lookup(rows) if vecs is None else vecs
+            if starts is None and psw is None:
+                return vecs
+            return _bag(vecs, torch.arange(rows.numel(), device=rows.device), starts, psw)
         if self.optimizer is None or not torch.is_grad_enabled():
             return _bag(self.weight.detach(), rows, starts, psw)
         return _FusedLookup.apply(self.weight, rows, starts, psw, self)

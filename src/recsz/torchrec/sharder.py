@@ -91,7 +91,7 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         )
         self._order = kwargs.get("sharded_module_order_overwrite")
         super().__init__(**kwargs)
-        self._module_type = type(
+        self._module_type: type[_CompressedEBC] = type(
             "CompressedShardedEmbeddingBagCollection",
             (_CompressedEBC,),
             {"recsz_config": self.config, "recsz_dists": []},
