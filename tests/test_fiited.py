@@ -79,6 +79,20 @@ def test_freed_slots_are_reused_and_revived_rows_start_at_zero() -> None:
     assert bool((store.lookup(torch.arange(48, 64)) == 0).all())  # revived: zeros
 
 
+def test_baseline_rules_keep_leading_chunks_or_whole_frequent_rows() -> None:
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 16, generator=g)
+    uniform = FiitedStore(w, [40], FiitedSpec(0.5, 4, rule="uniform"), RowOptimizer("sgd", 0.1))
+    assert bool(uniform.allocated()[:, :2].all()) and not bool(uniform.allocated()[:, 2:].any())
+    freq = FiitedStore(w, [40], FiitedSpec(0.25, 4, rule="frequency"), RowOptimizer("sgd", 0.1))
+    for _ in range(3):  # rows 30-39 looked up every step, others once
+        rows = torch.cat([torch.arange(30, 40), torch.arange(30, 40), torch.tensor([0, 5])])
+        FiitedLookup.apply(freq.pool, rows, freq).sum().backward()
+    freq.prune()
+    kept = freq.allocated()
+    assert bool(kept[30:].all()) and not bool(kept[:30].any())  # whole rows, the frequent
+
+
 def test_checkpoint_round_trip_is_exact() -> None:
     store, _ = store_of([25, 15], kind="rowwise_adagrad")
     store.score.copy_(torch.rand(40, generator=torch.Generator().manual_seed(3)))

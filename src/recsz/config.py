@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
+from recsz.model.fiited import RULES
 
 CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
 
@@ -66,6 +67,9 @@ class TrainConfig:
     fiited_chunk: int = opt(8, "FIITED: dims per chunk (divides the embedding dim)", ge=1)
     fiited_interval: int = opt(100, "FIITED: steps between prunings", ge=1)
     fiited_decay: float = opt(0.5, "FIITED: importance kept at each pruning", ge=0, le=1)
+    fiited_rule: str = opt(
+        "fiited", "FIITED: what chooses the chunks (uniform, frequency: baselines)", RULES
+    )
     tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: emb-lr)", gt=0)
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
@@ -134,7 +138,7 @@ class TrainConfig:
         if self.fiited_budget is None:
             return None
         f = (self.fiited_budget, self.fiited_chunk, self.fiited_interval, self.fiited_decay)
-        return FiitedSpec(*f)
+        return FiitedSpec(*f, self.fiited_rule)
 
     def codec(self, direction: str) -> Codec:
         """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""

@@ -30,20 +30,29 @@ from torch import nn
 
 from recsz.model.rowopt import RowOptimizer
 
+#: What decides which chunks stay: FIITED's importance (gradient norms, last chunks
+#: first), or the two baselines on the same store and memory: the same leading chunks of
+#: every row from the start (a uniformly smaller dimension), or whole rows by how often
+#: they were looked up (frequency-threshold pruning).
+RULES = ("fiited", "uniform", "frequency")
+
 
 @dataclass(frozen=True)
 class FiitedSpec:
     """How the store prunes: kept fraction of each table's chunks, chunk width, steps
-    between prunings, and the decay of the importance scores at each."""
+    between prunings, the decay of the importance scores at each, and the rule."""
 
     budget: float
     chunk: int = 8
     interval: int = 100
     decay: float = 0.5
+    rule: str = "fiited"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"FIITED budget must be in (0, 1], got {self.budget}")
+        if self.rule not in RULES:
+            raise ValueError(f"FIITED rule {self.rule!r} is not one of: {', '.join(RULES)}")
         if self.chunk < 1 or self.interval < 1 or not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"bad FIITED chunk/interval/decay: {self}")
 
@@ -87,6 +96,8 @@ class FiitedStore(nn.Module):
         self.register_buffer("score", torch.zeros(n))
         self.register_buffer("free", torch.zeros(0, dtype=torch.int64))
         self.register_buffer("state", optimizer.new_state(chunks) if optimizer else torch.zeros(0))
+        if spec.rule == "uniform":  # a smaller dimension from the start
+            self.prune()
 
     @property
     def bytes_held(self) -> int:
@@ -112,8 +123,11 @@ class FiitedStore(nn.Module):
         """Score the rows by the norm of their step's gradient (summed over the lookups,
         so a sharded batch scores as a whole one); step the allocated chunks."""
         uniq, inv = torch.unique(rows, return_inverse=True)
-        total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
-        self.score.index_add_(0, uniq, total.norm(dim=1))
+        if self.spec.rule == "frequency":  # how often the row was looked up
+            self.score.index_add_(0, uniq, torch.bincount(inv).to(self.score.dtype))
+        else:
+            total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
+            self.score.index_add_(0, uniq, total.norm(dim=1))
         if self.optimizer is None:
             return
         p = self.ptr[rows]
@@ -125,7 +139,12 @@ class FiitedStore(nn.Module):
     def prune(self) -> dict[str, Any]:
         """Keep each table's most important chunks; returns what changed."""
         w = torch.arange(self.k, 0, -1, dtype=torch.float64, device=self.score.device) / self.k
-        imp = ((self.score.double() + 1e-30).unsqueeze(1) * w).view(-1)  # 1e-30: by position
+        score = (self.score.double() + 1e-30).unsqueeze(1)  # 1e-30: unscored rows by position
+        if self.spec.rule == "uniform":  # every row alike: the leading chunks
+            score = torch.ones_like(score)
+        elif self.spec.rule == "frequency":  # whole rows (a row's chunks tie: kept in order)
+            w = torch.ones_like(w)
+        imp = (score * w).view(-1)
         keep = torch.zeros_like(imp, dtype=torch.bool)
         start = 0
         for n in self.sizes:
