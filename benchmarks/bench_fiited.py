@@ -2,7 +2,7 @@
 
     python benchmarks/bench_fiited.py [--quick] [--json-out PATH]
 
-One process, the ``tiny`` preset (dim 16), each run a fresh model:
+One process, each run a fresh model:
 - ``dense``: no store (the reference);
 - ``fiited``: FIITED's importance (gradient norms, last chunks first), several budgets;
 - ``uniform``: the same leading chunks of every row from step 0 (a uniformly smaller
@@ -10,9 +10,11 @@ One process, the ``tiny`` preset (dim 16), each run a fresh model:
 - ``frequency``: whole rows kept by how often they were looked up.
 All three run on the same chunk store, so their memory (pool + pointers + scores, the
 summary's ``embedding_bytes``) is counted alike. Data: the synthetic generator, 1,000,000
-training samples (100,000 with --quick), and the real 10k Criteo sample (one pass, batch
-32, 3 seeds; skipped when ../shared/data is absent). Then 2 ranks with the hybrid codec
-under dual bounds both ways: the all-to-all bytes with and without pruning.
+training samples (100,000 with --quick) on the ``tiny`` preset (dim 16, chunks of 8) and
+on the ``bench`` preset (dim 64, chunks of 16: the pointers cost less per dimension), and
+the real 10k Criteo sample on ``tiny`` (one pass, batch 32, 3 seeds; skipped when
+../shared/data is absent). Then 2 ranks with the hybrid codec under dual bounds both
+ways: the all-to-all bytes with and without pruning.
 
 Prints a table; writes JSON rows ``data, rule, budget, seed, auc, auc_delta,
 embedding_bytes, memory_ratio, samples_per_s, speed_ratio, fwd_bytes, bwd_bytes``.
@@ -30,13 +32,12 @@ from recsz.train import main as train_main
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 REAL = SHARED / "criteo_kaggle_head10k.tsv"
-CHUNK = 8  # dim 16: two chunks a row
 
 
-def configs(budgets: list[float]) -> list[tuple[str, float | None]]:
+def configs(budgets: list[float], uniform: list[float]) -> list[tuple[str, float | None]]:
     out: list[tuple[str, float | None]] = [("dense", None)]
     out += [("fiited", b) for b in budgets]
-    out += [("uniform", 0.5)]  # one chunk of two: the only smaller uniform dimension
+    out += [("uniform", b) for b in uniform]  # whole chunks of every row
     out += [("frequency", b) for b in budgets]
     return out
 
@@ -47,10 +48,10 @@ def train(flags: list[str]) -> dict:
         return json.loads((Path(tmp) / "summary.json").read_text())
 
 
-def store_flags(rule: str, budget: float | None, interval: int) -> list[str]:
+def store_flags(rule: str, budget: float | None, interval: int, chunk: int = 8) -> list[str]:
     if budget is None:
         return []
-    return ["--fiited-budget", str(budget), "--fiited-chunk", str(CHUNK),
+    return ["--fiited-budget", str(budget), "--fiited-chunk", str(chunk),
             "--fiited-interval", str(interval), "--fiited-rule", rule]  # fmt: skip
 
 
@@ -59,21 +60,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json-out", default="bench_out/fiited.json")
     a = ap.parse_args(argv)
-    budgets = [0.5, 0.2] if a.quick else [0.5, 0.25, 0.1, 0.05]
     steps = 100 if a.quick else 1000
     synth = ["--batch-size", "1024", "--steps", str(steps), "--synthetic-eval", "20000"]
-    datasets: list[tuple[str, list[str], list[int], int]] = [("synthetic", synth, [0], 100)]
+    bench = ["--preset", "bench", "--batch-size", "2048", "--steps", str(steps // 2),
+             "--synthetic-eval", "20000"]  # fmt: skip
+    tiny = ([0.5, 0.25, 0.1], [0.5])  # budgets, uniform budgets (chunks of 8: 2 a row)
+    # (name, flags, seeds, pruning interval, chunk, (budgets, uniform budgets))
+    datasets = [
+        ("synthetic-tiny", synth, [0], 100, 8, tiny),
+        ("synthetic-bench", bench, [0], 50, 16, ([0.5, 0.25, 0.125], [0.5, 0.25])),
+    ]
     if REAL.exists():
         real = ["--data", str(REAL), "--batch-size", "32"]
-        datasets.append(("real10k", real, [0] if a.quick else [0, 1, 2], 25))
+        datasets.append(("real10k", real, [0] if a.quick else [0, 1, 2], 25, 8, tiny))
     else:
         print(f"[skip] real data: {REAL} not found", file=sys.stderr)
     rows = []
-    for data, dflags, seeds, interval in datasets:
+    for data, dflags, seeds, interval, chunk, (budgets, uniform) in datasets:
         for seed in seeds:
             base: dict = {}
-            for rule, budget in configs(budgets):
-                s = train([*dflags, "--seed", str(seed), *store_flags(rule, budget, interval)])
+            for rule, budget in configs(budgets, uniform):
+                store = store_flags(rule, budget, interval, chunk)
+                s = train([*dflags, "--seed", str(seed), *store])
                 base = base or s
                 rows.append(row(data, rule, budget, seed, s, base))
                 print(line(rows[-1]), flush=True)
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for rule, budget in [("dense", None), ("fiited", 0.25), ("fiited", 0.1)]:
         s = train([*wire, *store_flags(rule, budget, 50)])
         base = base or s
-        rows.append(row("synthetic-2ranks-hybrid", rule, budget, 0, s, base))
+        rows.append(row("synthetic-tiny-2ranks-hybrid", rule, budget, 0, s, base))
         print(line(rows[-1]), flush=True)
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)

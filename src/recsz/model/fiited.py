@@ -9,14 +9,18 @@ backward updates allocated chunks only (the row optimizer runs on pool slots, so
 
 Importance (our choice where the paper's details are not at hand): one running score per
 row, the sum over steps of the norm of the row's gradient (so frequency and gradient
-magnitude both count), decayed by ``decay`` at each pruning; chunk j of a row
-weighs the row's score times (k - j) / k, so a row loses its last chunks first and its
-vector keeps a prefix of its dimensions. Every ``interval`` steps each table keeps its
-``budget`` x (rows x chunks) most important chunks (per table, so any sharding of the
-tables prunes the same chunks); freed slots go to a free list from which chunks that
-became important again (revived rows, starting from zeros) take theirs; then the pool is
-compacted to exactly its allocated chunks. Memory held: pool + pointers (int32) + scores;
-the optimizer's state is not counted (as for dense tables).
+magnitude both count), decayed by ``decay`` at each pruning. Chunks are ranked rows that
+were looked up first, then by position (a row's j-th chunk before any (j+1)-th), then by
+score: a row loses its last chunks first and its vector keeps a prefix of its dimensions,
+every looked-up row keeps its leading chunk before a busy row keeps a second one, and the
+rows never looked up go first. (A first version ranked score x (k - j) / k: at half the
+chunks it lost 0.008 AUC where the uniform baseline lost 0.001, since busy rows' last
+chunks took the leading chunks of rows about to be looked up.) Every ``interval`` steps
+each table keeps its ``budget`` x (rows x chunks) most important chunks (per table, so
+any sharding of the tables prunes the same chunks); freed slots go to a free list from
+which chunks that became important again (revived rows, starting from zeros) take
+theirs; then the pool is compacted to exactly its allocated chunks. Memory held: pool +
+pointers (int32) + scores; the optimizer's state is not counted (as for dense tables).
 """
 
 from __future__ import annotations
@@ -138,13 +142,7 @@ class FiitedStore(nn.Module):
     @torch.no_grad()
     def prune(self) -> dict[str, Any]:
         """Keep each table's most important chunks; returns what changed."""
-        w = torch.arange(self.k, 0, -1, dtype=torch.float64, device=self.score.device) / self.k
-        score = (self.score.double() + 1e-30).unsqueeze(1)  # 1e-30: unscored rows by position
-        if self.spec.rule == "uniform":  # every row alike: the leading chunks
-            score = torch.ones_like(score)
-        elif self.spec.rule == "frequency":  # whole rows (a row's chunks tie: kept in order)
-            w = torch.ones_like(w)
-        imp = (score * w).view(-1)
+        imp = self._importance().reshape(-1)
         keep = torch.zeros_like(imp, dtype=torch.bool)
         start = 0
         for n in self.sizes:
@@ -172,6 +170,19 @@ class FiitedStore(nn.Module):
         self.score.mul_(self.spec.decay)
         self._compact()
         return {"freed": int(freed.sum()), "revived": n_new, "slots": self.pool.shape[0]}
+
+    def _importance(self) -> torch.Tensor:
+        """(N, k) sortable importance of each chunk under the store's rule."""
+        pos = torch.arange(self.k, 0, -1, dtype=torch.float64, device=self.score.device)
+        s = self.score.double().unsqueeze(1)
+        squash = s / (1.0 + s)  # in [0, 1): a tiebreak below one step of position
+        if self.spec.rule == "uniform":  # every row alike: the leading chunks
+            return pos.expand(len(s), -1)
+        if self.spec.rule == "frequency":  # whole rows (a row's chunks tie: kept in order)
+            return squash.expand(-1, self.k)
+        # FIITED: rows that were looked up (score > 0) before the others; among them a
+        # chunk before any chunk further right in another row, the busier row first.
+        return (s > 0) * (self.k + 2.0) + pos + squash
 
     def kept_fraction(self) -> list[float]:
         """Per table, the fraction of its chunks that have slots."""
