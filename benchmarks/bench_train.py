@@ -306,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", help="comma list of " + ", ".join(CONFIGS))
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batch-size", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order")
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         str(steps),
         "--seed",
-        "0",
+        str(a.seed),
         "--log-every",
         str(steps),
         "--synthetic-eval",
