@@ -171,16 +171,23 @@ def tt_state(out: Path, step: int = 20) -> dict[str, object]:
     return got
 
 
-def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
-    """TT-Rec tables (the 5 largest, so both ranks hold some): 2 ranks with a lossless
-    codec train exactly as one process; resuming from a checkpoint changes nothing."""
-    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad")
-    one = run(tmp_path / "one", *tt)
-    two = run(tmp_path / "two", *tt, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
+def one_and_two_ranks(tmp_path: Path, *flags: str) -> tuple[dict, dict]:
+    """The summaries of one process and of 2 ranks with a lossless codec, whose losses
+    must agree step by step."""
+    one = run(tmp_path / "one", *flags)
+    two = run(tmp_path / "two", *flags, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
     torch.testing.assert_close(
         torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")),
         rtol=0, atol=1e-5,
     )  # fmt: skip
+    return one, two
+
+
+def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """TT-Rec tables (the 5 largest, so both ranks hold some): 2 ranks with a lossless
+    codec train exactly as one process; resuming from a checkpoint changes nothing."""
+    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad")
+    one, two = one_and_two_ranks(tmp_path, *tt)
     assert one["embedding_bytes"] == two["embedding_bytes"] < one["embedding_bytes_dense"]
     split = tmp_path / "split"
     main([*BASE, *tt, "--steps", "10", "--checkpoint-every", "10", "--out", str(split)])
@@ -408,12 +415,7 @@ def test_fiited_two_ranks_match_one_process_and_resume(tmp_path: Path) -> None:
     """FIITED prunes per table, so sharding changes nothing: 2 ranks with a lossless codec
     equal 1 process, and a run resumed from a checkpoint between prunings equals it too."""
     flags = ["--fiited-budget", "0.4", "--fiited-interval", "6", "--checkpoint-every", "10"]
-    one = run(tmp_path / "one", *flags)
-    two = run(tmp_path / "two", *flags, "--fwd-codec", "zstd", "--bwd-codec", "zstd", nproc=2)
-    torch.testing.assert_close(
-        torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")),
-        rtol=0, atol=1e-5,
-    )  # fmt: skip
+    one, two = one_and_two_ranks(tmp_path, *flags)
     ta, tb = fiited_tables(tmp_path / "one"), fiited_tables(tmp_path / "two")
     for t in range(26):
         torch.testing.assert_close(ta[t], tb[t], rtol=0, atol=1e-5, msg=f"table {t}")
