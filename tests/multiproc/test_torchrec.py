@@ -133,6 +133,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy, plan_of)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
+    with torch.no_grad():  # evaluation: neither counted nor fed to the policies
+        model(_batch(0, rank)[0]).wait()
+    res["eval_counted"] = rt.comm_bytes(model) != res["bytes"]
     res["variable_batch"] = _variable_batch(lossy.dists[0])
     try:
         _dmp(lossless, {**plan_of, "t1": ("rw", None)})
@@ -211,6 +214,7 @@ def test_lossy_outputs_within_the_bound_and_bytes_counted(ranks: list[dict]) -> 
         sent = res["bytes"]
         assert sent["raw"]["fwd"] > 2 * sent["wire"]["fwd"] > 0
         assert sent["raw"]["bwd"] > 2 * sent["wire"]["bwd"] > 0
+        assert not res["eval_counted"]
 
 
 def test_variable_batch_per_feature_falls_back_with_one_warning(ranks: list[dict]) -> None:

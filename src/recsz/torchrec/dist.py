@@ -90,14 +90,16 @@ class CompressedPooledEmbeddingDist(nn.Module):
                     f"by the {self.world} ranks"
                 )
             per_rank = [local_embs.shape[0] // self.world] * self.world
+        # TorchRec keeps its dists outside the module tree (model.eval() does not reach
+        # them): a forward counts as training when it can be differentiated.
+        train = local_embs.requires_grad and torch.is_grad_enabled()
         step = self.step
-        if self.training:
-            self.step += 1
+        self.step += int(train)
         data = local_embs.detach()
         at = _offsets(per_rank)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
-        pending = self._send(self.fwd, step, blocks, (data, dims, mine))
+        pending = self._send(self.fwd, step, blocks, (data, dims, mine), train)
         awaitable = _Received(local_embs, self, pending, step, per_rank)
         awaitable.callbacks.extend(self.callbacks)
         return awaitable
@@ -109,11 +111,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
         step: int,
         blocks: list[tuple[torch.Tensor, list[int], list[int]]],
         bound_src: tuple[torch.Tensor, list[int], list[int]],
+        train: bool,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
         the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
-        feature sent."""
-        ebs = self._bounds(d, step, *bound_src)
+        feature sent. ``train``: feed the policy and the byte counters."""
+        ebs = self._bounds(d, step, *bound_src, train)
         device = bound_src[0].device
         parts: list[list[torch.Tensor]] = [[] for _ in blocks]
         for width in sorted({w for _, dims, _ in blocks for w in dims}):
@@ -131,15 +134,21 @@ class CompressedPooledEmbeddingDist(nn.Module):
             payloads, _ = d.codec.encode_segments(groups, eb)
             for r, p, (rows, _) in zip(dest, payloads, groups, strict=True):
                 parts[r].append(p)
-                if self.training and r != self.rank:
+                if train and r != self.rank:
                     self.raw[d.name] += rows.numel() * 4
         send = [[frame(p).to(device)] for p in parts]
-        if self.training:
+        if train:
             self.wire[d.name] += sum(s[0].numel() for r, s in enumerate(send) if r != self.rank)
         return start_all_to_all_bytes(send, self.world, self.pg)
 
     def _bounds(
-        self, d: Direction, step: int, x: torch.Tensor, dims: list[int], keys: list[int]
+        self,
+        d: Direction,
+        step: int,
+        x: torch.Tensor,
+        dims: list[int],
+        keys: list[int],
+        train: bool,
     ) -> torch.Tensor | None:
         """Each feature's bound from its columns of ``x``, as a tensor indexed by key."""
         ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
@@ -147,7 +156,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         for width in sorted(set(dims)):
             fs = [i for i, w in enumerate(dims) if w == width]
             vals = torch.stack([x[:, cols[i] : cols[i] + width] for i in fs])
-            if self.training:
+            if train:
                 for j, i in enumerate(fs):
                     d.policy.observe(keys[i], step, vals[j])
             got = d.policy.bounds([keys[i] for i in fs], step, vals)
@@ -202,7 +211,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         blocks = [
             (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
         ]
-        pending = self._send(self.bwd, step, blocks, (grad, every, keys))
+        pending = self._send(self.bwd, step, blocks, (grad, every, keys), True)
         return torch.cat(
             self._receive(self.bwd, pending, per_rank, [self.dims[self.rank]] * self.world)
         )
