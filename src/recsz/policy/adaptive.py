@@ -187,11 +187,6 @@ class DualBound(BoundPolicy):
     def multiplier(self, step: int) -> float:
         return decay_multiplier(step, self.decay_t, self.decay_c, self.decay_schedule)
 
-    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
-        self._maybe_classify(step)
-        eb = self.class_eb[self.class_of(table)] * self.multiplier(step)
-        return to_absolute(eb, self.mode, x)
-
     def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
         self._maybe_classify(step)
         m = self.multiplier(step)

@@ -53,24 +53,14 @@ def _warn_if_wider_than_data(eb: float, x: torch.Tensor) -> None:
         )
 
 
-def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
-    """An absolute bound from ``eb`` read in ``mode`` ("abs" or "rel" to x's range)."""
-    if mode == "abs":
-        _warn_if_wider_than_data(eb, x)
-        return min(eb, EB_MAX)
-    r = value_range(x)
-    if r == 0.0:  # constant slice: any bound is exact; keep codes small
-        f = x[torch.isfinite(x)]
-        r = float(f.abs().max()) if f.numel() else 0.0
-    return min(max(eb * r, MIN_ABS_BOUND), EB_MAX)  # EB_MAX: the codecs' largest bound
-
-
 def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.Tensor:
     """:func:`to_absolute` of many tables at once, where ``x`` lives and without a host
     sync: ``factors[j]`` read in ``mode`` against table j's values ``x[j]`` (table-major,
     any shape after the first dimension); float64, one reduction per end of the range."""
     f = upload(factors, torch.float64, x.device)
     if mode == "abs":
+        for eb, xj in zip(factors, x if _abs_checks["left"] > 0 else [], strict=False):
+            _warn_if_wider_than_data(eb, xj)  # the first slices only (a host read each)
         return f.clamp(max=EB_MAX)
     dims = tuple(range(1, x.dim()))
     inf = float("inf")
@@ -82,22 +72,27 @@ def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.T
     return (f * r).clamp(MIN_ABS_BOUND, EB_MAX)
 
 
+def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
+    """An absolute bound from ``eb`` read in ``mode`` ("abs", or "rel" to the range of x's
+    finite values; a constant x: its magnitude), as a float: :func:`absolute_bounds` of
+    one table."""
+    return float(absolute_bounds([eb], mode, x.unsqueeze(0))[0])
+
+
 class BoundPolicy:
     """Base: no bound (lossless or casting codecs)."""
 
     name = "none"
 
-    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
-        return None
-
     def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
         """The bounds of many tables as a float64 tensor on x's device (``x[j]``: the
-        values of ``tables[j]``); policies that can compute them there without a host
-        sync override this."""
-        ebs = [self.bound(t, step, x[j]) for j, t in enumerate(tables)]
-        if any(e is None for e in ebs):
-            return None
-        return upload(ebs, torch.float64, x.device)
+        values of ``tables[j]``), computed there without a host sync; None: no bound."""
+        return None
+
+    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
+        """One table's bound as a float (:meth:`bounds` of one table)."""
+        b = self.bounds([table], step, x.unsqueeze(0))
+        return None if b is None else float(b[0])
 
     def observe(self, table: int, step: int, x: torch.Tensor) -> None:
         """Feed the values of a chunk; adaptive policies learn from it."""
@@ -125,9 +120,6 @@ class FixedBound(BoundPolicy):
             raise ValueError(f"eb mode must be 'abs' or 'rel', got {mode!r}")
         self.eb = float(eb)
         self.mode = mode
-
-    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
-        return to_absolute(self.eb, self.mode, x)
 
     def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
         return absolute_bounds([self.eb] * len(tables), self.mode, x)
