@@ -100,7 +100,7 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     row["embedding_bytes"] = sum(r["embedding_bytes"] for r in recs)
     row["embedding_bytes_dense"] = sum(r["embedding_bytes_dense"] for r in recs)
     row["dp_ratio"] = ratio(sum(r["allreduce_dense_bytes"] for r in recs), row["allreduce_bytes"])
-    kept = {t: f for r in recs for t, f in r["fiited_kept"].items()}
+    kept = {t: f for r in recs for t, f in r.get("fiited_kept", {}).items()}
     if kept:  # FIITED: per table, the fraction of its chunks held
         row["fiited_kept"] = {str(t): round(kept[t], 4) for t in sorted(kept)}
     if recs[0]["dct_refreshes"] is not None:

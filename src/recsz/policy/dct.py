@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from recsz.codecs.payload import upload
 from recsz.policy.base import MIN_ABS_BOUND, BoundPolicy
 
 
@@ -41,12 +42,12 @@ class DCTThreshold(BoundPolicy):
         self.thresholds: dict[int, float] = {}
         self.refreshed_at: dict[int, int] = {}
 
-    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
-        due = table not in self.thresholds or step - self.refreshed_at[table] >= self.refresh
-        if due:
-            self.thresholds[table] = topk_threshold(x, self.keep)
-            self.refreshed_at[table] = step
-        return self.thresholds[table]
+    def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
+        for j, t in enumerate(tables):  # the refresh reads the values on the host
+            if t not in self.thresholds or step - self.refreshed_at[t] >= self.refresh:
+                self.thresholds[t] = topk_threshold(x[j], self.keep)
+                self.refreshed_at[t] = step
+        return upload([self.thresholds[t] for t in tables], torch.float64, x.device)
 
     def describe(self) -> dict[int, dict[str, Any]]:
         return {t: {"class": "dct", "threshold": v} for t, v in self.thresholds.items()}
