@@ -6,6 +6,7 @@ saw, and the assertions run here.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ TABLES = {
     "t1": (40, 8, ("tw", 1)),
     "t2": (30, 16, ("tw", 0)),
     "t3": (60, 16, ("cw", [0, 1])),
+    "t4": (20, 16, ("twcw", [0, 1])),
 }
 
 
@@ -69,11 +71,18 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
     )
     from torchrec.distributed.types import ShardingPlan
 
+    def table_column_wise(ranks: list[int]) -> object:
+        """column_wise's placement, as TorchRec's table-column-wise sharding (no helper of
+        its own: it is column-wise within a host, and 2 local ranks are one host)."""
+        gen = column_wise(ranks=ranks)
+        return lambda *a, **kw: dataclasses.replace(
+            gen(*a, **kw), sharding_type="table_column_wise"
+        )
+
+    make = {"tw": lambda a: table_wise(rank=a), "cw": lambda a: column_wise(ranks=a),
+            "twcw": table_column_wise, "rw": lambda a: row_wise()}  # fmt: skip
     ebc = _model(0)
-    per_param = {
-        n: table_wise(rank=a) if k == "tw" else column_wise(ranks=a) if k == "cw" else row_wise()
-        for n, (k, a) in plan_of.items()
-    }
+    per_param = {n: make[k](a) for n, (k, a) in plan_of.items()}
     plan = construct_module_sharding_plan(
         ebc, per_param, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
     )
@@ -128,6 +137,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["stock"] = _train(_dmp(EmbeddingBagCollectionSharder(), plan_of), rank)
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
     res["lossless"] = _train(_dmp(lossless, plan_of), rank)
+    res["dists"] = len(lossless.dists)  # one per sharding type: TW, CW, TWCW
     lossy = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
                                     fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
     model = _dmp(lossy, plan_of)
@@ -198,9 +208,10 @@ def ranks() -> list[dict]:
 
 
 def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
-    """TW tables of two widths and a CW table, several steps of fused SGD: every output
+    """TW tables of two widths, a CW and a TWCW table, several steps of fused SGD: every output
     (and so every embedding gradient before it) equals stock DMP's exactly."""
     for res in ranks:
+        assert res["dists"] == 3
         for step, (ours, stock) in enumerate(zip(res["lossless"], res["stock"], strict=True)):
             assert torch.equal(ours, stock), f"step {step}"
 
