@@ -65,11 +65,13 @@ def test_pruned_chunks_stay_zero_and_never_update() -> None:
 
 
 def test_freed_slots_are_reused_and_revived_rows_start_at_zero() -> None:
-    store, _ = store_of([64], budget=0.25)
+    store, w = store_of([64], budget=0.25)
     store.score[:16] = 1.0
     store.prune()
     before = store.pool.shape[0]
     assert before == 64 * 4 // 4
+    kept = store.lookup(torch.arange(16))
+    torch.testing.assert_close(kept, masked(store, w)[:16], rtol=0, atol=0)  # moved intact
     store.score.zero_()
     store.score[48:] = 100.0  # other rows become the important ones
     info = store.prune()
@@ -134,4 +136,5 @@ def test_pruning_keeps_the_budget_and_the_invariants(
         for n in sizes:
             assert int(kept[start : start + n].sum()) == round(budget * n * store.k)
             start += n
-    assert store.bytes_held == 4 * (store.pool.numel() + store.ptr.numel() + sum(sizes))
+    n = sum(sizes)  # pool + first slot (int32), count (uint8), score (float32) per row
+    assert store.bytes_held == 4 * store.pool.numel() + 9 * n

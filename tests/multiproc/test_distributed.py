@@ -404,8 +404,12 @@ def fiited_tables(out: Path, step: int = 20) -> dict[int, torch.Tensor]:
     got: dict[int, torch.Tensor] = {}
     for f in sorted(d.glob("rank-*.pt")):
         s = torch.load(f, weights_only=False)
-        ptr, pool = s["sparse"]["store.ptr"].long(), s["sparse"]["store.pool"]
-        full = pool[ptr.clamp(min=0)] * (ptr >= 0).unsqueeze(-1)
+        base, count = s["sparse"]["store.base"].long(), s["sparse"]["store.count"].long()
+        pool = s["sparse"]["store.pool"]  # row r's chunk j at base[r] + j, if j < count[r]
+        k = get_preset("tiny").model.emb_dim // pool.shape[1]
+        held = torch.arange(k) < count.unsqueeze(1)
+        full = torch.zeros(len(base), k, pool.shape[1])
+        full[held] = pool[(base.unsqueeze(1) + torch.arange(k))[held]]
         sizes = [SIZES[t] for t in s["tables"]]
         got.update(zip(s["tables"], full.flatten(1).split(sizes), strict=True))
     return got
