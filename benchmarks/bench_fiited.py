@@ -11,7 +11,7 @@ One process, each run a fresh model:
 All three run on the same chunk store, so their memory (pool + pointers + scores, the
 summary's ``embedding_bytes``) is counted alike. Data: the synthetic generator, 1,000,000
 training samples (100,000 with --quick) on the ``tiny`` preset (dim 16, chunks of 8) and
-on the ``bench`` preset (dim 64, chunks of 16: the pointers cost less per dimension), and
+on the ``bench`` preset (dim 64, chunks of 8: finer dimensions per row), and
 the real 10k Criteo sample on ``tiny`` (one pass, batch 32, 3 seeds; skipped when
 ../shared/data is absent). Then 2 ranks with the hybrid codec under dual bounds both
 ways: the all-to-all bytes with and without pruning.
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     # (name, flags, seeds, pruning interval, chunk, (budgets, uniform budgets))
     datasets = [
         ("synthetic-tiny", synth, [0], 100, 8, tiny),
-        ("synthetic-bench", bench, [0], 50, 16, ([0.5, 0.25, 0.125], [0.5, 0.25])),
+        ("synthetic-bench", bench, [0], 50, 8, ([0.25, 0.15, 0.125], [0.25, 0.125])),
     ]
     if REAL.exists():
         real = ["--data", str(REAL), "--batch-size", "32"]
