@@ -101,6 +101,21 @@ def test_lossless_exchange_is_the_identity_forward_and_backward(ids_aware: bool)
     assert ex.stats.ratio("fwd") > 1 and (ex.stats.ratio("bwd") > 2) == ids_aware
 
 
+def test_pruned_chunks_gradients_are_sent_as_zeros() -> None:
+    """FIITED's mask: the gradient dims past each row's held chunks arrive as zeros, the
+    others unchanged (lossless codec, no coalescing: one gradient row per sample)."""
+    ex = one_rank("zstd", BoundPolicy())
+    counts = {t: torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.uint8) for t in range(3)}
+    ex.mask_pruned(counts, 2)  # chunks of 2 dims, dim 4: 0, 1 or 2 chunks held
+    pooled, ids = batch(2)
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    g = torch.randn_like(emb)
+    (emb * g).sum().backward()
+    held = torch.stack([counts[t].long()[ids[:, t]] for t in range(3)], 1)  # (B, T)
+    keep = torch.arange(4) // 2 < held.unsqueeze(-1)
+    assert torch.equal(pooled.grad, g * keep)
+
+
 def test_bounded_exchange_keeps_the_bound_both_ways() -> None:
     ex = one_rank("hybrid", FixedBound(1e-2, "abs"), check_bounds=True)
     pooled, ids = batch(1)

@@ -67,6 +67,9 @@ class TrainConfig:
     fiited_chunk: int = opt(8, "FIITED: dims per chunk (divides the embedding dim)", ge=1)
     fiited_interval: int = opt(100, "FIITED: steps between prunings", ge=1)
     fiited_decay: float = opt(0.5, "FIITED: importance kept at each pruning", ge=0, le=1)
+    fiited_mask_backward: bool = opt(
+        False, "FIITED: send zeros for the pruned chunks' gradients (all ranks know them)"
+    )
     fiited_rule: str = opt(
         "fiited", "FIITED: what chooses the chunks (uniform, frequency: baselines)", RULES
     )

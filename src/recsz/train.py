@@ -120,6 +120,13 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     return Parts(sparse, dense, dense_opt, exchange, dp), owners
 
 
+def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
+    """FIITED: every rank's held chunks per row, to every rank's exchange (one gather)."""
+    gathered = ranks.gather(parts.sparse.chunk_counts())
+    counts = {t: c.to(ranks.device) for mine in gathered for t, c in mine.items()}
+    parts.exchange.mask_pruned(counts, chunk)
+
+
 # ---- one step and evaluation ------------------------------------------------------------
 def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
@@ -250,6 +257,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         fail_at = _parse_failure(cfg.inject_failure)
         fiited = cfg.fiited_spec()
+        if fiited is not None and cfg.fiited_mask_backward:
+            share_chunk_counts(parts, ranks, fiited.chunk)
         batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
@@ -262,6 +271,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             losses.append(train_step(parts, batch, step, ranks))
             if fiited is not None and (step + 1) % fiited.interval == 0:
                 parts.sparse.prune()
+                if cfg.fiited_mask_backward:
+                    share_chunk_counts(parts, ranks, fiited.chunk)
             train_s += time.perf_counter() - t0
             bar.update(1)
             done = step + 1

@@ -430,3 +430,21 @@ def test_fiited_two_ranks_match_one_process_and_resume(tmp_path: Path) -> None:
     assert main([*BASE, *flags, "--resume", str(split)]) == 0
     for t, rows in fiited_tables(split).items():
         assert torch.equal(rows, ta[t]), f"table {t}"
+
+
+def test_fiited_backward_mask_sends_fewer_bytes_and_changes_no_update(tmp_path: Path) -> None:
+    """With the pruned chunks known to every rank, their gradients travel as zeros: the
+    same training (the owner discarded them anyway; a static uniform pruning, so the
+    scores decide nothing), fewer backward bytes."""
+    flags = ["--fiited-budget", "0.5", "--fiited-rule", "uniform", "--fwd-codec", "zstd",
+             "--bwd-codec", "zstd", "--emb-optimizer", "adagrad"]  # fmt: skip
+    plain = run(tmp_path / "plain", *flags, nproc=2)
+    masked = run(tmp_path / "masked", *flags, "--fiited-mask-backward", nproc=2)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "masked")), torch.tensor(losses(tmp_path / "plain")),
+        rtol=0, atol=1e-6,
+    )  # fmt: skip
+    ta, tb = fiited_tables(tmp_path / "plain"), fiited_tables(tmp_path / "masked")
+    for t in range(26):
+        torch.testing.assert_close(ta[t], tb[t], rtol=0, atol=1e-6, msg=f"table {t}")
+    assert masked["bwd_ratio"] > 1.5 * plain["bwd_ratio"]

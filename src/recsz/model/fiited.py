@@ -147,7 +147,9 @@ class FiitedStore(nn.Module):
             self.score.index_add_(0, uniq, torch.bincount(inv).to(self.score.dtype))
         else:
             total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
-            self.score.index_add_(0, uniq, total.norm(dim=1))
+            # + 1e-30: a looked-up row scores above zero even when its gradient was
+            # masked to zero (no chunks), so the pruning still sees it was looked up.
+            self.score.index_add_(0, uniq, total.norm(dim=1) + 1e-30)
         if self.optimizer is None:
             return
         slots, held = self._slots(rows)

@@ -106,6 +106,13 @@ class SparseArch(nn.Module):
         if self.store is not None:
             self.store.prune()
 
+    def chunk_counts(self) -> dict[int, torch.Tensor]:
+        """FIITED: per dense table, each row's number of held chunks (empty without)."""
+        if self.store is None:
+            return {}
+        counts = self.store.count.cpu().split(self.sizes)
+        return dict(zip(self.dense_tables, counts, strict=True))
+
     def kept(self) -> dict[int, float]:
         """FIITED: per dense table, the fraction of its chunks held (empty without)."""
         if self.store is None:
