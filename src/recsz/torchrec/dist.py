@@ -20,8 +20,10 @@ the gradient the tables receive and a lossless codec gives TorchRec's values bit
 
 from __future__ import annotations
 
+import functools
 import itertools
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,8 +40,25 @@ from recsz.config import TrainConfig
 from recsz.policy.factory import make_policy
 
 
-def _offsets(sizes: list[int]) -> list[int]:
+def _offsets(sizes: Sequence[int]) -> list[int]:
     return [0, *itertools.accumulate(sizes)]
+
+
+@functools.lru_cache(maxsize=256)
+def _by_width(dims: tuple[int, ...]) -> dict[int, tuple[list[int], list[int]]]:
+    """A block's features ``dims`` wide, side by side, split by width (ascending): each
+    width's feature positions and their first columns. Layouts are fixed: made once."""
+    cols = _offsets(dims)
+    out: dict[int, tuple[list[int], list[int]]] = {}
+    for w in sorted(set(dims)):
+        fs = [i for i, x in enumerate(dims) if x == w]
+        out[w] = (fs, [cols[i] for i in fs])
+    return out
+
+
+def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
+    """(features, rows, width): the columns of x starting at ``cols``."""
+    return torch.stack([x[:, c : c + width] for c in cols])
 
 
 class CompressedPooledEmbeddingDist(nn.Module):
@@ -57,7 +76,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.inner = inner
         # TorchRec's private layout fields, read in this one place (stable since 0.x).
         self.pg: dist.ProcessGroup = inner._pg
-        self.dims: list[list[int]] = [list(d) for d in inner._emb_dim_per_rank_per_feature]
+        self.dims = [tuple(d) for d in inner._emb_dim_per_rank_per_feature]
         self.callbacks = list(inner._callbacks or [])
         self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
         starts = _offsets([len(d) for d in self.dims])
@@ -109,8 +128,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self,
         d: Direction,
         step: int,
-        blocks: list[tuple[torch.Tensor, list[int], list[int]]],
-        bound_src: tuple[torch.Tensor, list[int], list[int]],
+        blocks: list[tuple[torch.Tensor, tuple[int, ...], list[int]]],
+        bound_src: tuple[torch.Tensor, tuple[int, ...], list[int]],
         train: bool,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
@@ -122,12 +141,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         for width in sorted({w for _, dims, _ in blocks for w in dims}):
             groups, keys, dest = [], [], []
             for r, (x, dims, ks) in enumerate(blocks):
-                cols = _offsets(dims)
-                fs = [i for i, w in enumerate(dims) if w == width]
-                if not fs:
+                if width not in _by_width(dims):
                     continue
-                slabs = torch.stack([x[:, cols[i] : cols[i] + width] for i in fs])
-                groups.append((slabs.reshape(-1, width), [x.shape[0]] * len(fs)))
+                fs, cols = _by_width(dims)[width]
+                groups.append((_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs)))
                 keys += [ks[i] for i in fs]
                 dest.append(r)
             eb = None if ebs is None else ebs[torch.tensor(keys, device=ebs.device)]
@@ -146,16 +163,14 @@ class CompressedPooledEmbeddingDist(nn.Module):
         d: Direction,
         step: int,
         x: torch.Tensor,
-        dims: list[int],
+        dims: tuple[int, ...],
         keys: list[int],
         train: bool,
     ) -> torch.Tensor | None:
         """Each feature's bound from its columns of ``x``, as a tensor indexed by key."""
         ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
-        cols = _offsets(dims)
-        for width in sorted(set(dims)):
-            fs = [i for i, w in enumerate(dims) if w == width]
-            vals = torch.stack([x[:, cols[i] : cols[i] + width] for i in fs])
+        for width, (fs, cols) in _by_width(dims).items():
+            vals = _slabs(x, cols, width)
             if train:
                 for j, i in enumerate(fs):
                     d.policy.observe(keys[i], step, vals[j])
@@ -168,11 +183,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return ebs
 
     def _receive(
-        self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[list[int]]
+        self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[tuple[int, ...]]
     ) -> list[torch.Tensor]:
         """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide."""
         bufs = pending.wait()
-        widths = [sorted(set(ds)) for ds in dims]
+        widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
         parts = [
             unframe(b, len(w), f"rank {s} ({d.name})")
             for s, (b, w) in enumerate(zip(bufs, widths, strict=True))
@@ -182,18 +197,17 @@ class CompressedPooledEmbeddingDist(nn.Module):
         ]
         for width in sorted({w for ws in widths for w in ws}):
             srcs = [s for s in range(self.world) if width in widths[s]]
-            feats = [[i for i, w in enumerate(dims[s]) if w == width] for s in srcs]
-            sizes = [[rows[s]] * len(fs) for s, fs in zip(srcs, feats, strict=True)]
+            sizes = [[rows[s]] * len(_by_width(dims[s])[width][0]) for s in srcs]
             payloads = [parts[s][widths[s].index(width)] for s in srcs]
             try:
                 decoded = d.codec.decode_segments(payloads, sizes, width)
             except ValueError as e:
                 raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
-            for s, fs, y in zip(srcs, feats, decoded, strict=True):
-                cols = _offsets(dims[s])
-                slabs = y.view(len(fs), rows[s], width)
-                for j, i in enumerate(fs):
-                    out[s][:, cols[i] : cols[i] + width] = slabs[j]
+            for s, y in zip(srcs, decoded, strict=True):
+                cols = _by_width(dims[s])[width][1]
+                slabs = y.view(len(cols), rows[s], width)
+                for j, c in enumerate(cols):
+                    out[s][:, c : c + width] = slabs[j]
         return out
 
     def finish_forward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
@@ -205,7 +219,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         grad = grad.contiguous()
         if get_gradient_division():
             grad = grad / self.world
-        every = [w for ds in self.dims for w in ds]
+        every = tuple(w for ds in self.dims for w in ds)
         keys = [k for ks in self.keys for k in ks]
         at = _offsets([sum(ds) for ds in self.dims])
         blocks = [
