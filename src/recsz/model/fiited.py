@@ -201,15 +201,6 @@ class FiitedStore(nn.Module):
         # chunk before any chunk further right in another row, the busier row first.
         return (s > 0) * (self.k + 2.0) + pos + squash
 
-    def kept_fraction(self) -> list[float]:
-        """Per table, the fraction of its chunks that have slots."""
-        out, start = [], 0
-        for n in self.sizes:
-            held = self.count[start : start + n].float().mean() / self.k if n else 0.0
-            out.append(float(held))
-            start += n
-        return out
-
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any) -> None:
         # The pool and its optimizer state change size as the store prunes: take the
         # saved sizes before loading the values.

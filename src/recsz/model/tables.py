@@ -91,7 +91,7 @@ class SparseArch(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
         self.register_buffer("offsets", start[:-1].clone(), persistent=False)
         self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
-        state = optimizer.new_state(weight) if optimizer and self.store is None else torch.zeros(0)
+        state = optimizer.new_state(weight) if optimizer else torch.zeros(0)  # none with a store
         self.register_buffer("optimizer_state", state)
 
     @property
@@ -115,9 +115,8 @@ class SparseArch(nn.Module):
 
     def kept(self) -> dict[int, float]:
         """FIITED: per dense table, the fraction of its chunks held (empty without)."""
-        if self.store is None:
-            return {}
-        return dict(zip(self.dense_tables, self.store.kept_fraction(), strict=True))
+        k = self.store.k if self.store is not None else 1
+        return {t: float(c.float().mean()) / k for t, c in self.chunk_counts().items()}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
