@@ -281,3 +281,19 @@ def test_kernels_compile_for_a_hopper_gpu() -> None:
     r = subprocess.run([sys.executable, "-m", "tests.compile_kernels"], env=env,
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_groups_of_narrow_dtypes_decode_in_the_format_they_were_coded_in(
+    dtype: torch.dtype,
+) -> None:
+    """encode_segments and decode_segments choose the group format the same way, whatever
+    the rows' dtype (fp16 groups were once coded framed and read as format 3)."""
+    c = get_codec("hybrid", coder="blocks")
+    x = (torch.randn(30, 8, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
+    ebs = torch.tensor([1e-2, 2e-2], dtype=torch.float64)
+    (p,), _ = c.encode_segments([(x, [10, 20])], ebs)
+    assert int(p[3]) == 3
+    (y,) = c.decode_segments([p], [[10, 20]], 8)
+    err = (y.double() - x.double()).abs()
+    assert float(err[:10].max()) <= 1e-2 and float(err[10:].max()) <= 2e-2

@@ -246,7 +246,8 @@ class Codec(ABC):
         return device.type == "cuda" and self.cast_width(torch.float32) is not None
 
     def _own_format(self, x: torch.Tensor) -> bool:
-        """True when rows like ``x`` are coded in this codec's own group format."""
+        """True when :meth:`encode` codes the chunk ``x`` in this codec's own group format
+        (a codec may send some dtypes through the host instead)."""
         return self.segments_on(x.device)
 
     def encode_segments(
@@ -260,7 +261,7 @@ class Codec(ABC):
         ``trim=False``: payloads may keep their whole capacity and live in memory that
         the next call of the same shapes reuses (for payloads that never leave this
         process); by default a chunk per table, framed (:mod:`recsz.codecs.framing`)."""
-        if groups and self._own_format(groups[0][0]):
+        if groups and self.segments_on(groups[0][0].device):  # as decode_segments decides
             return self._encode_own_groups(groups, ebs, trim)
         return framing.encode_groups(self, groups, ebs)
 
