@@ -157,11 +157,9 @@ class TrainConfig:
                 raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
         model = get_preset(self.preset).model
         n_tables = model.n_tables
-        if self.fiited_budget is not None and model.emb_dim % self.fiited_chunk:
-            raise ValueError(
-                f"--fiited-chunk {self.fiited_chunk} does not divide the preset's dim "
-                f"{model.emb_dim}"
-            )
+        spec = self.fiited_spec()
+        if spec is not None:
+            spec.chunks_of(model.emb_dim)  # before any rank starts
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
         fwd, bwd = self.codec("fwd"), self.codec("bwd")

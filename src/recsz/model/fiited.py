@@ -64,6 +64,12 @@ class FiitedSpec:
         if self.chunk < 1 or self.interval < 1 or not 0.0 <= self.decay <= 1.0:
             raise ValueError(f"bad FIITED chunk/interval/decay: {self}")
 
+    def chunks_of(self, dim: int) -> int:
+        """Chunks a row of ``dim`` dims splits into (the chunk must divide it)."""
+        if dim % self.chunk:
+            raise ValueError(f"FIITED chunk {self.chunk} does not divide the dim {dim}")
+        return dim // self.chunk
+
 
 class FiitedStore(nn.Module):
     """Rows of several tables over one pool of chunks; ``ptr`` (N, k) is the pointer table
@@ -91,14 +97,13 @@ class FiitedStore(nn.Module):
     ) -> None:
         super().__init__()
         n, d = weight.shape
-        if d % spec.chunk:
-            raise ValueError(f"FIITED chunk {spec.chunk} does not divide the dim {d}")
+        k = spec.chunks_of(d)
         if sum(sizes) != n:
             raise ValueError(f"table sizes add up to {sum(sizes)}, weight has {n} rows")
         self.spec, self.optimizer, self.sizes = spec, optimizer, list(sizes)
         #: the optimizer keeps state per slot (Adagrad kinds), moved with the chunks
         self.slot_state = optimizer is not None and optimizer.kind != "sgd"
-        self.k, self.c, self.dim = d // spec.chunk, spec.chunk, d
+        self.k, self.c, self.dim = k, spec.chunk, d
         chunks = weight.reshape(n * self.k, self.c).clone()
         self.pool = nn.Parameter(chunks, requires_grad=optimizer is not None)
         self.register_buffer("base", torch.arange(n, dtype=torch.int32) * self.k)
