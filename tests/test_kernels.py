@@ -90,11 +90,11 @@ def test_malformed_planes_are_reported(status: int) -> None:
 
 def test_forged_reference_payload_raises_payload_error() -> None:
     """A well-formed payload whose reference points past the literals (crc recomputed)."""
-    from recsz.codecs.stages import ZSTD, pack_planes
+    from recsz.codecs.stages import pack_planes
 
     codec = get_codec("quant+lz")
     planes = np.array([0, 5, 0, 0, 0, 0, 0], np.uint8)  # refs [0, 5, 0], 4 zero codes
-    body_core = pack_planes([(1, 3), (1, 4)], planes.tobytes(), None, ZSTD)
+    body_core = pack_planes([(1, 3), (1, 4)], planes.tobytes(), None)
     from recsz.codecs.payload import assemble
 
     def fields(n: int) -> bytes:

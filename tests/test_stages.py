@@ -5,23 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from recsz.codecs import PayloadError, kernels
-from recsz.codecs.stages import ZSTD, dequantize, pack_planes, quantize, unpack_planes
+from recsz.codecs.stages import dequantize, magicless_zstd, pack_planes, quantize, unpack_planes
 
 
-def pack_streams(streams: list[np.ndarray], cctx: object, mode: int = ZSTD) -> bytes:
+def pack_streams(streams: list[np.ndarray], cctx: object) -> bytes:
     """Non-negative int streams at their narrowest widths, as pack_planes takes them."""
     dims, planes = [], []
     for z in streams:
         w = kernels.width(int(z.max()) if z.size else 0)
         dims.append((w, int(z.size)))
         planes.append(z.astype(f"<u{w}").view(np.uint8).reshape(z.size, w).T.tobytes())
-    return pack_planes(dims, b"".join(planes), cctx, mode)  # type: ignore[arg-type]
+    return pack_planes(dims, b"".join(planes), cctx)  # type: ignore[arg-type]
 
 
 def unpack_streams(buf: np.ndarray, *args: object) -> list[np.ndarray]:
@@ -62,33 +61,26 @@ def test_quantize_flags_codes_beyond_float32_integers() -> None:
 
 @pytest.mark.parametrize("entropy", [False, True])
 def test_pack_streams_roundtrip_and_widths(entropy: bool) -> None:
-    cctx = zstandard.ZstdCompressor(level=1) if entropy else None
+    cctx, dctx = magicless_zstd(1)
     streams = [
         np.array([0, 1, 255]),
         np.array([70000, 3]),
         np.zeros(0, dtype=np.int64),
         np.array([2**33]),
     ]
-    buf = np.frombuffer(pack_streams(streams, cctx), np.uint8)
-    back = unpack_streams(buf, zstandard.ZstdDecompressor(), 10)
+    buf = np.frombuffer(pack_streams(streams, cctx if entropy else None), np.uint8)
+    back = unpack_streams(buf, 10, dctx)
     assert [b.tolist() for b in back] == [s.tolist() for s in streams]
 
 
-def test_unpack_streams_rejects_corruption() -> None:
-    buf = np.frombuffer(pack_streams([np.arange(100)], zstandard.ZstdCompressor()), np.uint8)
-    with pytest.raises(PayloadError):
-        unpack_streams(buf[:-3], zstandard.ZstdDecompressor(), 100)
-    with pytest.raises(PayloadError, match="count"):
-        unpack_streams(buf, zstandard.ZstdDecompressor(), 10)
-
-
-def test_magicless_blocks_roundtrip_and_need_their_decoder() -> None:
-    from recsz.codecs.stages import ZSTD_MAGICLESS, magicless_zstd
-
+def test_unpack_streams_rejects_corruption_and_retired_modes() -> None:
     cctx, dctx = magicless_zstd(1)
-    data = [np.arange(500) % 7]
-    buf = np.frombuffer(pack_streams(data, cctx, ZSTD_MAGICLESS), np.uint8)
-    back = unpack_streams(buf, zstandard.ZstdDecompressor(), 500, dctx)
-    assert back[0].tolist() == data[0].tolist()
-    with pytest.raises(PayloadError, match="magicless"):
-        unpack_streams(buf, zstandard.ZstdDecompressor(), 500)
+    buf = np.frombuffer(pack_streams([np.arange(100) % 7], cctx), np.uint8)
+    with pytest.raises(PayloadError):
+        unpack_streams(buf[:-3], 100, dctx)
+    with pytest.raises(PayloadError, match="count"):
+        unpack_streams(buf, 10, dctx)
+    old = buf.copy()
+    old[3] = 1  # the first generation's whole-block zstd frame
+    with pytest.raises(PayloadError, match="unknown integer stream mode 1"):
+        unpack_streams(old, 100, dctx)

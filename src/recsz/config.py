@@ -160,6 +160,8 @@ class TrainConfig:
         spec = self.fiited_spec()
         if spec is not None:
             spec.chunks_of(model.emb_dim)  # before any rank starts
+        if (bsz := self.resolved("batch_size")) % self.nproc:  # once, before the launch
+            raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {self.nproc}")
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
         fwd, bwd = self.codec("fwd"), self.codec("bwd")

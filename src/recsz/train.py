@@ -333,13 +333,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        bsz = cfg.resolved("batch_size")
-        if bsz % cfg.nproc:
-            # Refuse here, once, rather than in every rank after the launch.
-            raise ValueError(
-                f"--batch-size {bsz} is not divisible by "
-                f"--nproc {cfg.nproc}; use a multiple of {cfg.nproc}"
-            )
         return launch(cfg.nproc, argv)
     rank = os.environ.get("RANK", "0")
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent

@@ -25,13 +25,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-import zstandard
 
 from recsz.codecs import blocks, kernels
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import Header, PayloadError
 from recsz.codecs.registry import register_codec
-from recsz.codecs.stages import SPLIT, magicless_zstd, pack_planes, unpack_planes
+from recsz.codecs.stages import magicless_zstd, pack_planes, unpack_planes
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 CODERS = ("auto", "blocks")
@@ -61,9 +60,8 @@ class QuantPipeline(Codec):
         self.level = int(level)
         self.coder = coder
         # Reused (de)compression contexts: creating one costs more than coding a chunk.
-        cctx, self._dctx_magicless = magicless_zstd(self.level)
+        cctx, self._dctx = magicless_zstd(self.level)
         self._cctx = cctx if self.entropy else None
-        self._dctx = zstandard.ZstdDecompressor()  # blocks written with the frame magic
 
     def get_config(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {"level": self.level} if self.entropy else {}
@@ -113,7 +111,7 @@ class QuantPipeline(Codec):
             a, step, eb, _DEDUP_MODES[self.dedup], qmax
         )
         dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
-        body = pack_planes(dims, planes, self._cctx, SPLIT)
+        body = pack_planes(dims, planes, self._cctx)
         miss = torch.from_numpy(missed)
         if narrow:  # decoded values round to x's dtype: check them there
             h = Header(self.codec_id, self.version, {}, x.dtype, tuple(x.shape), eb, 0)
@@ -126,7 +124,7 @@ class QuantPipeline(Codec):
         # Host-made (format 1) payloads of any h.dtype: the kernel reconstructs q * 2eb in the
         # working precision, rounded once to the h.dtype, as the encoder's check assumed.
         n, d = h.shape
-        dims, raw = unpack_planes(body, self._dctx, n * d, self._dctx_magicless)
+        dims, raw = unpack_planes(body, n * d, self._dctx)
         if len(dims) not in (1, 2):
             raise PayloadError(f"{len(dims)} integer streams, expected 1 or 2")
         (w_refs, n_refs), (w_codes, n_codes) = dims if len(dims) == 2 else [(1, 0), *dims]

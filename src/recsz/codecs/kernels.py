@@ -1,13 +1,10 @@
 """Fused CPU kernels of the hybrid codec (numba): one pass per stage instead of ~20 torch ops.
 
-On a 128 KB chunk (1024 vectors of dim 32, a typical per-table slice) the torch path spends
-most of its time launching small operators; these kernels quantize, check the bound, hash
-and deduplicate rows, zig-zag and lay out byte planes in a few loops, so what remains is
-zstd's entropy stage (a kept library) and the payload header. The coder no library
-offers lives beside: :mod:`recsz.codecs.rangecoder` (row references). The kernels write
-exactly the body layout of :mod:`recsz.codecs.stages` (tests/test_kernels.py decodes one
-path's bytes with the other), so fp16/bf16 chunks keep the torch path and every payload
-decodes on both.
+They quantize, check the bound, hash and deduplicate rows, zig-zag and lay out byte planes
+in a few loops, so what remains is zstd's entropy stage (a kept library) and the payload
+header; the coder no library offers lives beside (:mod:`recsz.codecs.rangecoder`, row
+references). tests/test_kernels.py holds them to the plain torch quantizer of
+:mod:`recsz.codecs.stages`.
 
 Exactness: the reconstruction is ``float(q) * float(2 eb)`` in the working precision
 (float32 for float32 input, float64 for float64), one IEEE multiplication, bit-identical to
@@ -25,7 +22,7 @@ from numba import njit, types
 from numba.extending import overload
 
 #: Largest code magnitude for float32 input (float32 holds integers exactly to 2^24) and
-#: for float64 input (as in stages.QMAX: its zig-zag still fits 32 bits).
+#: for float64 input (its zig-zag still fits 32 bits); larger codes travel as outliers.
 QMAX32 = 2**24
 QMAX64 = 2**30 - 1
 

@@ -4,9 +4,8 @@
   rest are dropped (decoded as 0). The bound handed in is the threshold, which the DCT
   policy refreshes every L iterations to keep a target fraction; since every dropped
   entry has ``|x| < eb``, the codec is error-bounded by that threshold.
-- ``sparse``: lossless, sends the nonzero entries only.
-- ``dct-mask``: ``sparse`` for the backward pass of DCT-MP, whose gradients the training
-  loop has masked to the entries kept in the forward pass.
+- ``dct-mask``: lossless, sends the nonzero entries only: the backward pass of DCT-MP,
+  whose gradients the training loop has masked to the entries kept in the forward pass.
 
 Body: a zstd-compressed bitmap of kept positions (row-major), then the kept values in
 the input dtype.
@@ -76,19 +75,13 @@ class DCTCodec(_MaskCodec):
 
 
 @register_codec
-class SparseCodec(_MaskCodec):
-    """Lossless: only nonzero entries travel."""
+class DCTMaskCodec(_MaskCodec):
+    """Backward of DCT-MP: the training loop masks gradients with the forward's kept set;
+    only the nonzero entries travel (lossless)."""
 
-    codec_id = "sparse"
+    codec_id = "dct-mask"
     lossless = True
+    forward_mask = True
 
     def _keep(self, x: torch.Tensor, eb: float) -> torch.Tensor:
         return x != 0
-
-
-@register_codec
-class DCTMaskCodec(SparseCodec):
-    """Backward of DCT-MP: the training loop masks gradients with the forward's kept set."""
-
-    codec_id = "dct-mask"
-    forward_mask = True

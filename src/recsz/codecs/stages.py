@@ -16,9 +16,6 @@ import zstandard
 from recsz.codecs import kernels, rangecoder
 from recsz.codecs.payload import PayloadError, read_uvarint, uvarint
 
-#: Largest code magnitude. Values whose code would exceed it are carried as outliers.
-QMAX = 2**30 - 1  # its zig-zag still fits 32 bits
-
 
 # ---- quantization -------------------------------------------------------------------
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +48,7 @@ def quantize(x: torch.Tensor, eb: float) -> tuple[torch.Tensor, torch.Tensor]:
         codes (N, D) int32 (0 at outliers), outlier positions (K,) int64 into x.view(-1).
     """
     wd = work_dtype(x.dtype)
-    qmax = QMAX if wd == torch.float64 else 2**24  # float32 holds integers exactly to 2^24
+    qmax = kernels.QMAX64 if wd == torch.float64 else kernels.QMAX32  # beyond: outliers
     xs = x if x.dtype == wd else x.to(wd)
     q = torch.mul(xs, 1.0 / (2.0 * eb)).round_().clamp_(-qmax, qmax)
     y = dequantize(q, eb, x.dtype)
@@ -79,10 +76,11 @@ def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---- integer packing and entropy coding ------------------------------------------------
-#: Entropy modes of an integer-stream block: raw planes, a zstd frame, a magicless one,
-#: or each stream coded on its own (SPLIT: its own Huffman table, and for row references
-#: the adaptive range coder of :mod:`recsz.codecs.rangecoder` where that is smaller).
-RAW, ZSTD, ZSTD_MAGICLESS, SPLIT = 0, 1, 2, 3
+#: Entropy modes of an integer-stream block: raw planes, or each stream coded on its own
+#: (SPLIT: its own Huffman table, and for row references the adaptive range coder of
+#: :mod:`recsz.codecs.rangecoder` where that is smaller). (1, 2: whole-block zstd frames of
+#: the first payload generation, retired: payloads never outlive the build that made them.)
+RAW, SPLIT = 0, 3
 #: Per-stream coders inside a SPLIT block.
 PLANES, ZSTD_PLANES, RANGE_REFS = 0, 1, 2  # (3: hybrid-ac's arithmetic coder; 4: the
 # torch-op Huffman coder of format 2, both retired)
@@ -103,35 +101,24 @@ def magicless_zstd(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.Zstd
 
 
 def pack_planes(
-    dims: list[tuple[int, int]],
-    data: bytes | np.ndarray,
-    cctx: zstandard.ZstdCompressor | None,
-    mode: int = ZSTD,
+    dims: list[tuple[int, int]], data: bytes | np.ndarray, cctx: zstandard.ZstdCompressor | None
 ) -> bytes:
     """Integer streams, given as their byte planes (each stream's ``n`` codes of ``w`` bytes
-    laid out byte plane by byte plane, (width, count) in ``dims``), with an optional
-    entropy stage.
+    laid out byte plane by byte plane, (width, count) in ``dims``), entropy-coded stream by
+    stream when a (magicless) ``cctx`` is given, raw otherwise.
 
     Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
-    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. The planes stay
-    raw whenever coding would not make them smaller. Layout: u8 count, (u8 width, varint
-    n) per stream, u8 mode, data.
-
-    With ``mode=SPLIT`` and two streams, the first is taken to be row references.
+    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. A stream stays raw
+    whenever coding would not make it smaller. Layout: u8 count, (u8 width, varint n) per
+    stream, u8 mode, data. With two streams, the first is taken to be row references.
     """
     head = bytearray([len(dims)])
     for w, n in dims:
         head.append(w)
         head += uvarint(n)
-    if mode == SPLIT and cctx is not None:
-        return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
-    used = RAW
-    if cctx is not None and len(data):
-        comp = cctx.compress(data if isinstance(data, bytes) else data.data)
-        if len(comp) < len(data):
-            data, used = comp, mode
-    head.append(used)
-    return bytes(head) + (data if isinstance(data, bytes) else data.tobytes())
+    if cctx is None:
+        return bytes(head) + bytes([RAW]) + bytes(data)
+    return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
 
 
 def _pack_split(
@@ -200,10 +187,7 @@ def _unpack_split(
 
 
 def unpack_planes(
-    buf: np.ndarray,
-    dctx: zstandard.ZstdDecompressor,
-    max_elems: int,
-    magicless: zstandard.ZstdDecompressor | None = None,
+    buf: np.ndarray, max_elems: int, magicless: zstandard.ZstdDecompressor
 ) -> tuple[list[tuple[int, int]], np.ndarray]:
     """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
     if buf.size < 1:
@@ -222,25 +206,11 @@ def unpack_planes(
     if o >= buf.size:
         raise PayloadError("truncated integer stream table")
     mode = int(buf[o])
-    o += 1
-    total = sum(w * n for w, n in dims)
     if mode == SPLIT:
-        if magicless is None:
-            raise PayloadError("split block, but no decoder for it")
-        return dims, _unpack_split(buf, o, dims, magicless)
-    if mode in (ZSTD, ZSTD_MAGICLESS):
-        ctx = dctx if mode == ZSTD else magicless
-        if ctx is None:
-            raise PayloadError("magicless zstd block, but no decoder for it")
-        try:
-            data = ctx.decompress(buf[o:].data, max_output_size=max(total, 1))
-        except zstandard.ZstdError as e:
-            raise PayloadError(f"entropy-coded block does not decode: {e}") from None
-        raw = np.frombuffer(data, np.uint8)
-    elif mode == RAW:
-        raw = buf[o:]
-    else:
+        return dims, _unpack_split(buf, o + 1, dims, magicless)
+    if mode != RAW:
         raise PayloadError(f"unknown integer stream mode {mode}")
-    if raw.size != total:
-        raise PayloadError(f"integer streams hold {raw.size} bytes, expected {total}")
-    return dims, raw
+    total = sum(w * n for w, n in dims)
+    if buf.size - o - 1 != total:
+        raise PayloadError(f"integer streams hold {buf.size - o - 1} bytes, expected {total}")
+    return dims, buf[o + 1 :]
