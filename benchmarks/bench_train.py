@@ -68,6 +68,19 @@ CONFIGS: dict[str, tuple[str, ...]] = {
         f"hybrid-dual+ids+dp-{m}": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", m)
         for m in ("fp16", "bf16", "powersgd", "dct", "eb")
     },
+    # --dp-comm eb's two collectives (allgather is the default).
+    **{
+        f"hybrid-dual+ids+dp-eb-{c}": (
+            *_DUAL,
+            "--bwd-codec",
+            "hybrid",
+            "--dp-comm",
+            "eb",
+            "--dp-eb-collective",
+            c,
+        )
+        for c in ("allgather", "rsag")
+    },
     # TorchRec's own DistributedModelParallel (benchmarks/torchrec_dmp.py), table-wise,
     # with its quantized comms: the anchor as a practitioner would run it.
     "trdmp-fp32": ("--dmp", "fp32"),

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
-from recsz.comm.dp_hooks import DP_MODES
+from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 from recsz.model.fiited import RULES
 
@@ -112,6 +112,12 @@ class TrainConfig:
     powersgd_warmup: int = opt(10, "powersgd: steps of plain all-reduce first", ge=2)
     dp_codec: str = opt("hybrid", "eb: codec of the gradient buckets", CODECS)
     dp_eb: float = opt(0.01, "eb: bound relative to each bucket's range", gt=0)
+    dp_eb_collective: str = opt(
+        "allgather",
+        "eb: all-gather every rank's payload, or rsag: reduce-scatter chunks, all-gather "
+        "their means (half the bytes on 4 ranks; pays on slow links)",
+        EB_COLLECTIVES,
+    )
     dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)", gt=0, le=1)
     dct_refresh: int = opt(1000, "DCT: iterations between threshold refreshes", ge=1)
     # ---- the job

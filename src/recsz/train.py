@@ -106,6 +106,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             powersgd_warmup=cfg.powersgd_warmup,
             codec=get_codec(cfg.dp_codec),
             eb=cfg.dp_eb,
+            collective=cfg.dp_eb_collective,
         )
     dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved("lr"))
     exchange = EmbeddingExchange(

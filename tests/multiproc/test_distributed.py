@@ -363,11 +363,14 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path: Path) -> None:
     assert any("ranks [1] were started with a configuration that differs" in o for o in outs)
 
 
-@pytest.mark.parametrize("mode", ["fp16", "bf16", "powersgd", "eb"])
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "powersgd", "eb", "eb-rsag"])
 def test_every_dp_hook_trains_and_counts_its_bytes(single: Path, tmp_path: Path, mode: str) -> None:
     """Each hook's run stays near the plain all-reduce's (``single`` equals it), sending
     fewer bytes."""
-    s = run(tmp_path, "--dp-comm", mode, "--powersgd-warmup", "5", nproc=2)
+    flags = ["--dp-comm", mode, "--powersgd-warmup", "5"]
+    if mode == "eb-rsag":
+        flags = ["--dp-comm", "eb", "--dp-eb-collective", "rsag"]
+    s = run(tmp_path, *flags, nproc=2)
     assert s["allreduce_bytes"] > 0 and s["allreduce_s"] > 0
     assert s["dp_ratio"] > (1.9 if mode != "powersgd" else 1.5), s["dp_ratio"]
     ours, plain = losses(tmp_path), losses(single)
@@ -378,17 +381,21 @@ def test_every_dp_hook_trains_and_counts_its_bytes(single: Path, tmp_path: Path,
 def test_eb_hook_with_a_lossless_codec_equals_the_all_reduce(single: Path, tmp_path: Path):
     plain = tmp_path / "plain"
     run(plain, nproc=2)
-    eb = tmp_path / "eb"
-    run(eb, "--dp-comm", "eb", "--dp-codec", "none", nproc=2)
-    assert losses(eb) == losses(plain)
-    assert_same_model(plain, eb, 0.0)
+    for collective in ("allgather", "rsag"):
+        eb = tmp_path / collective
+        flags = ("--dp-codec", "none", "--dp-eb-collective", collective)
+        run(eb, "--dp-comm", "eb", *flags, nproc=2)
+        assert losses(eb) == losses(plain)
+        assert_same_model(plain, eb, 0.0)
 
 
-@pytest.mark.parametrize("mode", ["eb", "dct"])
+@pytest.mark.parametrize("mode", ["eb", "dct", "rsag"])
 def test_resume_keeps_the_hooks_error_feedback(tmp_path: Path, mode: str) -> None:
     """A run split by a checkpoint ends where a straight one does: the hook's residuals
     travel in the checkpoint, per parameter (DDP's buckets are laid out anew)."""
     flags = ["--dp-comm", mode, "--powersgd-warmup", "3", "--nproc", "2"]
+    if mode == "rsag":
+        flags = ["--dp-comm", "eb", "--dp-eb-collective", "rsag", "--nproc", "2"]
     straight = tmp_path / "straight"
     run(straight, *flags[:-2], nproc=2)
     split = tmp_path / "split"

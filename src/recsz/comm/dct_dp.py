@@ -81,10 +81,11 @@ def keep_residual(
 
 def all_gather_ragged(
     tensors: list[torch.Tensor], world: int, group: Any = None
-) -> list[list[torch.Tensor]]:
+) -> tuple[list[list[torch.Tensor]], int]:
     """Every rank's ``tensors`` (1-D, of one length per rank; lengths differ between ranks),
-    in rank order: lengths first, then each tensor padded to the longest (gloo's all_gather
-    needs equal sizes) and trimmed on arrival."""
+    in rank order, and the bytes this rank sent for them: lengths first, then each tensor
+    padded to the longest (gloo's all_gather needs equal sizes) and trimmed on arrival.
+    A ring all-gather forwards W - 1 of the (padded) pieces from every rank."""
     n = torch.tensor([tensors[0].numel()], dtype=torch.int64)
     lengths = [torch.zeros_like(n) for _ in range(world)]
     dist.all_gather(lengths, n, group=group)
@@ -96,7 +97,8 @@ def all_gather_ragged(
         got = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(got, padded, group=group)
         per_tensor.append([g[: int(x)] for g, x in zip(got, lengths, strict=True)])
-    return [list(ts) for ts in zip(*per_tensor, strict=True)]
+    sent = (world - 1) * (8 + sum(top * t.element_size() for t in tensors))
+    return [list(ts) for ts in zip(*per_tensor, strict=True)], sent
 
 
 @dataclass
@@ -150,9 +152,10 @@ def dct_hook(state: DCTState, bucket):
     if state.world == 1:
         out.index_add_(0, idx, vals)
     else:
-        for ii, vv in all_gather_ragged([idx, vals], state.world):
+        got, sent = all_gather_ragged([idx, vals], state.world)
+        for ii, vv in got:
             out.index_add_(0, ii, vv)
-        state.bytes_sent += idx.numel() * (8 + grad.element_size()) + 8
+        state.bytes_sent += sent
     out.div_(state.world)
     state.bytes_dense += int(2 * (state.world - 1) / state.world * grad.numel() * 4)
     if bucket.is_last():

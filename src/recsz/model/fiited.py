@@ -148,18 +148,18 @@ class FiitedStore(nn.Module):
         """Score the rows by the norm of their step's gradient (summed over the lookups,
         so a sharded batch scores as a whole one); step the allocated chunks."""
         uniq, inv = torch.unique(rows, return_inverse=True)
+        total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
         if self.spec.rule == "frequency":  # how often the row was looked up
             self.score.index_add_(0, uniq, torch.bincount(inv).to(self.score.dtype))
         else:
-            total = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
             # + 1e-30: a looked-up row scores above zero even when its gradient was
             # masked to zero (no chunks), so the pruning still sees it was looked up.
             self.score.index_add_(0, uniq, total.norm(dim=1) + 1e-30)
         if self.optimizer is None:
             return
-        slots, held = self._slots(rows)
-        g = grad.view(-1, self.k, self.c)[held]
-        self.optimizer.step(self.pool.data, self.state, slots[held], g)
+        slots, held = self._slots(uniq)  # distinct rows: distinct slots
+        g = total.view(-1, self.k, self.c)[held]
+        self.optimizer.step(self.pool.data, self.state, slots[held], g, distinct=True)
 
     @torch.no_grad()
     def prune(self) -> dict[str, Any]:
@@ -167,13 +167,17 @@ class FiitedStore(nn.Module):
         chunks side by side, the kept ones moved, the revived ones zero (a revived chunk
         reads as it did while pruned). Returns what changed."""
         imp = self._importance().reshape(-1)
+        # Each table's chunks by importance (two stable sorts: by importance, then by
+        # table), the first ``budget`` of each table kept.
+        n_chunks = torch.tensor(self.sizes, device=imp.device) * self.k
+        table = torch.repeat_interleave(torch.arange(len(self.sizes), device=imp.device), n_chunks)
+        order = torch.sort(imp, descending=True, stable=True).indices
+        order = order[torch.sort(table[order], stable=True).indices]
+        first = torch.cumsum(n_chunks, 0) - n_chunks
+        quota = torch.tensor([round(self.spec.budget * n) for n in n_chunks.tolist()])
+        t = table[order]
         keep = torch.zeros_like(imp, dtype=torch.bool)
-        start = 0
-        for n in self.sizes:
-            span = slice(start * self.k, (start + n) * self.k)
-            order = torch.sort(imp[span], descending=True, stable=True).indices
-            keep[span][order[: round(self.spec.budget * n * self.k)]] = True
-            start += n
+        keep[order] = torch.arange(len(order), device=imp.device) - first[t] < quota.to(t.device)[t]
         old = self.count.long()
         new = keep.view(-1, self.k).sum(1)  # the importance keeps a prefix of each row
         base = torch.cumsum(new, 0) - new

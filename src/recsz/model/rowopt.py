@@ -50,14 +50,22 @@ class RowOptimizer:
 
     @torch.no_grad()
     def step(
-        self, weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
+        self,
+        weight: torch.Tensor,
+        state: torch.Tensor,
+        rows: torch.Tensor,
+        grad: torch.Tensor,
+        distinct: bool = False,
     ) -> None:
         """Update ``weight`` in place from ``grad`` (n, D), the gradient of rows ``rows`` (n,),
-        which may repeat."""
+        which may repeat (``distinct``: the caller has summed them already)."""
         if not rows.numel():
             return
-        uniq, inv = torch.unique(rows, return_inverse=True)
-        g = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
+        if distinct:
+            uniq, g = rows, grad
+        else:
+            uniq, inv = torch.unique(rows, return_inverse=True)
+            g = grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
         # Gather the rows, update them, scatter them back: index_select / index_copy_ are
         # several times faster on the CPU than advanced indexing or index_add_ into a large
         # table (measured: 26k rows of a 325k x 64 table, 2.2 ms against 5.3 ms).
