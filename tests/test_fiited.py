@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
+from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore, top_mask
 from recsz.model.rowopt import RowOptimizer
 
 
@@ -138,3 +138,15 @@ def test_pruning_keeps_the_budget_and_the_invariants(
             start += n
     n = sum(sizes)  # pool + first slot (int32), count (uint8), score (float32) per row
     assert store.bytes_held == 4 * store.pool.numel() + 9 * n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0, 3.25]), min_size=1, max_size=40),
+    q=st.integers(-1, 45),
+)
+def test_top_mask_picks_what_a_stable_descending_sort_picks(values: list[float], q: int) -> None:
+    x = torch.tensor(values, dtype=torch.float64)
+    want = torch.zeros(len(values), dtype=torch.bool)
+    want[torch.sort(x, descending=True, stable=True).indices[: max(q, 0)]] = True
+    assert torch.equal(top_mask(x, q), want)

@@ -167,35 +167,29 @@ class FiitedStore(nn.Module):
         chunks side by side, the kept ones moved, the revived ones zero (a revived chunk
         reads as it did while pruned). Returns what changed."""
         imp = self._importance().reshape(-1)
-        # Each table's chunks by importance (two stable sorts: by importance, then by
-        # table), the first ``budget`` of each table kept.
-        n_chunks = torch.tensor(self.sizes, device=imp.device) * self.k
-        table = torch.repeat_interleave(torch.arange(len(self.sizes), device=imp.device), n_chunks)
-        order = torch.sort(imp, descending=True, stable=True).indices
-        order = order[torch.sort(table[order], stable=True).indices]
-        first = torch.cumsum(n_chunks, 0) - n_chunks
-        quota = torch.tensor([round(self.spec.budget * n) for n in n_chunks.tolist()])
-        t = table[order]
         keep = torch.zeros_like(imp, dtype=torch.bool)
-        keep[order] = torch.arange(len(order), device=imp.device) - first[t] < quota.to(t.device)[t]
+        start = 0
+        for n in self.sizes:
+            span = slice(start * self.k, (start + n) * self.k)
+            keep[span] = top_mask(imp[span], round(self.spec.budget * n * self.k))
+            start += n
         old = self.count.long()
         new = keep.view(-1, self.k).sum(1)  # the importance keeps a prefix of each row
-        base = torch.cumsum(new, 0) - new
-        j = torch.arange(self.k, device=new.device)
-        moved = j < torch.minimum(old, new).unsqueeze(1)
-        src = (self.base.long().unsqueeze(1) + j)[moved]
-        dst = (base.unsqueeze(1) + j)[moved]
-        pool = self.pool.new_zeros(int(new.sum()), self.c)
-        pool[dst] = self.pool.data[src]
-        self.pool = nn.Parameter(pool, requires_grad=self.pool.requires_grad)
-        if self.slot_state:
-            state = self.state.new_zeros(len(pool), *self.state.shape[1:])
-            state[dst] = self.state[src]
-            self.state = state
-        self.base, self.count = base.to(torch.int32), new.to(torch.uint8)
         self.score.mul_(self.spec.decay)
         freed, revived = int((old - new).clamp(min=0).sum()), int((new - old).clamp(min=0).sum())
-        return {"freed": freed, "revived": revived, "slots": len(pool)}
+        if not freed and not revived:  # the same chunks: the layout stands
+            return {"freed": 0, "revived": 0, "slots": len(self.pool)}
+        base = torch.cumsum(new, 0) - new
+        # Each new slot's row and chunk, and where that chunk lived (if it did).
+        row = torch.repeat_interleave(torch.arange(len(new), device=new.device), new)
+        j = torch.arange(len(row), device=new.device) - base[row]
+        live = j < old[row]
+        src = (self.base[row].long() + j).masked_fill_(~live, 0)
+        self.pool = nn.Parameter(_moved(self.pool.data, src, live), self.pool.requires_grad)
+        if self.slot_state:
+            self.state = _moved(self.state, src, live)
+        self.base, self.count = base.to(torch.int32), new.to(torch.uint8)
+        return {"freed": freed, "revived": revived, "slots": len(row)}
 
     def _importance(self) -> torch.Tensor:
         """(N, k) sortable importance of each chunk under the store's rule."""
@@ -223,6 +217,23 @@ class FiitedStore(nn.Module):
                 else:
                     self.state = fresh
         super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _moved(x: torch.Tensor, src: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """Rows ``src`` of x where ``live``, zeros elsewhere (x may have no rows)."""
+    if not len(x):
+        return x.new_zeros(len(src), *x.shape[1:])
+    return torch.where(live.view(-1, *[1] * (x.dim() - 1)), x.index_select(0, src), 0)
+
+
+def top_mask(x: torch.Tensor, q: int) -> torch.Tensor:
+    """A mask of the ``q`` largest values of ``x``, ties taken in index order: what the
+    first q of a stable descending sort pick, found by one selection (no sort)."""
+    if q >= x.numel() or q <= 0:
+        return torch.full_like(x, q > 0, dtype=torch.bool)
+    v = torch.kthvalue(x, x.numel() - q + 1).values  # the q-th largest
+    above, tie = x > v, x == v
+    return above | (tie & (torch.cumsum(tie, 0) <= q - int(above.sum())))
 
 
 class FiitedLookup(torch.autograd.Function):
