@@ -106,7 +106,7 @@ def test_sampled_init_has_the_spread_of_dlrm_uniform_init() -> None:
     want = 1.0 / (3 * n)
     assert 0.7 < float(rows.var()) / want < 1.3
     cores = [1 * 37 * 4 * 16, 16 * 37 * 4 * 16, 16 * 37 * 4 * 1]  # p = 37^3 >= n, q = 4^3
-    assert t.num_parameters == sum(cores) and t.num_parameters * 70 < n * 64
+    assert t.bytes_held == 4 * sum(cores) and t.bytes_held * 70 < 4 * n * 64
 
 
 def test_bad_arguments_and_ids_are_refused() -> None:
@@ -141,3 +141,72 @@ def test_tt_tables_in_the_sparse_arch_train_with_their_own_rate() -> None:
             p.copy_(b)
     (probe(ids[:, 2:3]) * g[:, 2]).sum().backward()
     torch.testing.assert_close(c0.detach(), before[0] - 0.5 * probe.cores[0].grad)
+
+
+# ---- the cache of hot rows --------------------------------------------------------------
+def cached_table(capacity: int = 3, interval: int = 2, kind: str = "sgd") -> TTEmbeddingBag:
+    from recsz.model import RowOptimizer
+    from recsz.model.ttcache import HotRows
+
+    t = table()
+    t.cache = HotRows(capacity, t.embedding_dim, interval, RowOptimizer(kind, 0.5))
+    t.cache.double()
+    return t
+
+
+def test_cache_takes_the_most_looked_up_ids_and_starts_them_from_the_tt() -> None:
+    t = cached_table(capacity=3, interval=2)
+    a = torch.tensor([[5], [5], [5], [9], [9], [2], [7], [7], [30]])
+    b = torch.tensor([[30], [30], [7], [1]])
+    for ids in (a, b):  # counts since the fill: 5:3, 7:3, 30:3, 9:2, 2:1, 1:1
+        t(ids).sum().backward()
+    full = t.full_weight().detach()
+    probe = torch.arange(37).view(-1, 1)
+    with torch.no_grad():
+        before = t(probe)
+    out = t(torch.tensor([[5]]))  # the fill, then the lookup
+    assert t.cache.ids.tolist() == [5, 7, 30]  # ties of counts: the smaller ids
+    torch.testing.assert_close(t.cache.weight.detach(), full[[5, 7, 30]])
+    torch.testing.assert_close(out.detach(), before[5:6])  # entering changes no value
+    with torch.no_grad():
+        torch.testing.assert_close(t(probe), before)
+
+
+def test_cached_rows_follow_the_row_optimizer_and_the_cores_the_rest() -> None:
+    t = cached_table(capacity=2, interval=2)
+    t(torch.tensor([[4], [4], [8]])).sum().backward()
+    t(torch.tensor([[8], [1]])).sum().backward()  # window: 4 and 8 twice, 1 once
+    w = t.full_weight().detach()[[4, 8]]  # what the fill will take from the TT
+    ref = table()  # the same cores, no cache: the reference for the misses
+    with torch.no_grad():
+        for p, c in zip(ref.cores, t.cores, strict=True):
+            p.copy_(c)
+    for c in t.cores:
+        c.grad = None
+    ids = torch.tensor([[4], [3], [4], [6]])
+    g = torch.randn(4, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (t(ids) * g).sum().backward()  # fills {4, 8} first
+    assert t.cache.ids.tolist() == [4, 8]
+    # Row 4: two lookups, one SGD step on their summed gradient; row 8 untouched.
+    torch.testing.assert_close(t.cache.weight.detach()[0], w[0] - 0.5 * (g[0] + g[2]))
+    torch.testing.assert_close(t.cache.weight.detach()[1], w[1])
+    # The cores get the gradient of the misses only.
+    miss = torch.tensor([False, True, False, True])
+    (ref(ids[miss]) * g[miss]).sum().backward()
+    for c, r in zip(t.cores, ref.cores, strict=True):
+        torch.testing.assert_close(c.grad, r.grad)
+    assert t.cache.hits == 2 and t.cache.lookups == 3 + 2 + 4
+
+
+def test_cache_state_round_trip() -> None:
+    t = cached_table(capacity=2, interval=3, kind="adagrad")
+    ids = torch.tensor([[4], [4], [8], [1]])
+    for _ in range(4):
+        t(ids).sum().backward()
+    again = cached_table(capacity=2, interval=3, kind="adagrad")
+    again.load_state_dict(t.state_dict())
+    for m in (t, again):
+        for _ in range(3):
+            m(ids).sum().backward()
+    torch.testing.assert_close(again.cache.weight, t.cache.weight)
+    assert torch.equal(again.cache.state, t.cache.state) and again.cache.hits == t.cache.hits

@@ -74,6 +74,8 @@ class TrainConfig:
         "fiited", "FIITED: what chooses the chunks (uniform, frequency: baselines)", RULES
     )
     tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: emb-lr)", gt=0)
+    tt_cache_rows: int = opt(0, "TT-Rec: hot rows kept dense per TT table (0: none)", ge=0)
+    tt_cache_interval: int = opt(100, "TT-Rec: training steps between cache fills", ge=1)
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
@@ -140,7 +142,8 @@ class TrainConfig:
             return None
         sizes = get_preset(self.preset).model.table_sizes
         largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
-        return TTSpec(frozenset(largest), self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
+        shape = (self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
+        return TTSpec(frozenset(largest), *shape, self.tt_cache_rows, self.tt_cache_interval)
 
     def fiited_spec(self) -> FiitedSpec | None:
         """FIITED's pruning of the dense tables (None: not asked for)."""

@@ -50,6 +50,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "embedding_bytes": parts.sparse.bytes_held,
         "embedding_bytes_dense": parts.sparse.dense_bytes,
         "fiited_kept": parts.sparse.kept(),
+        "tt_cache": parts.sparse.tt.cache_hits(),
         "allreduce_dense_bytes": dp.bytes_dense,
         "raw": dict(st.raw),
         "sent": dict(st.sent),
@@ -103,6 +104,9 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     kept = {t: f for r in recs for t, f in r.get("fiited_kept", {}).items()}
     if kept:  # FIITED: per table, the fraction of its chunks held
         row["fiited_kept"] = {str(t): round(kept[t], 4) for t in sorted(kept)}
+    hits, lookups = (sum(r["tt_cache"][i] for r in recs) for i in (0, 1))
+    if lookups:  # TT-Rec's caches: the share of their tables' lookups they served
+        row["tt_cache_hit_rate"] = hits / lookups
     if recs[0]["dct_refreshes"] is not None:
         row["dp_threshold_refreshes"] = recs[0]["dct_refreshes"]
     row["tables"] = per_table(recs)

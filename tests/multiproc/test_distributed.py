@@ -184,11 +184,14 @@ def one_and_two_ranks(tmp_path: Path, *flags: str) -> tuple[dict, dict]:
 
 
 def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
-    """TT-Rec tables (the 5 largest, so both ranks hold some): 2 ranks with a lossless
-    codec train exactly as one process; resuming from a checkpoint changes nothing."""
-    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad")
+    """TT-Rec tables (the 5 largest, so both ranks hold some) with caches of hot rows
+    (filled every 4 steps): 2 ranks with a lossless codec train exactly as one process;
+    resuming from a checkpoint (between two fills) changes nothing."""
+    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad",
+          "--tt-cache-rows", "8", "--tt-cache-interval", "4")  # fmt: skip
     one, two = one_and_two_ranks(tmp_path, *tt)
     assert one["embedding_bytes"] == two["embedding_bytes"] < one["embedding_bytes_dense"]
+    assert one["tt_cache_hit_rate"] == two["tt_cache_hit_rate"] > 0
     split = tmp_path / "split"
     main([*BASE, *tt, "--steps", "10", "--checkpoint-every", "10", "--out", str(split)])
     assert main([*BASE, *tt, "--resume", str(split)]) == 0

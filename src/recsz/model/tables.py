@@ -99,7 +99,7 @@ class SparseArch(nn.Module):
         """What this rank's tables hold: the dense rows (or FIITED's store) and the TT
         cores (float32)."""
         store = self.store.bytes_held if self.store is not None else 0
-        return 4 * (self.weight.numel() + self.tt.num_parameters) + store
+        return 4 * self.weight.numel() + self.tt.bytes_held + store
 
     def prune(self) -> None:
         """FIITED: keep each table's most important chunks (no-op without a store)."""

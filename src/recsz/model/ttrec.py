@@ -29,6 +29,7 @@ from torch import nn
 
 from recsz.model.config import ModelConfig
 from recsz.model.rowopt import RowOptimizer
+from recsz.model.ttcache import HotRows
 
 TT_INITS = ("sampled", "normal", "uniform")
 
@@ -106,6 +107,8 @@ class TTEmbeddingBag(nn.Module):
         self.register_buffer("place", torch.tensor(place, dtype=torch.int64), persistent=False)
         self.register_buffer("radix", torch.tensor(self.p, dtype=torch.int64), persistent=False)
         self.reset_parameters(init, generator)
+        #: TT-Rec's cache of hot rows (:mod:`recsz.model.ttcache`), when one is attached
+        self.cache: HotRows | None = None
 
     def reset_parameters(
         self, init: str = "sampled", generator: torch.Generator | None = None
@@ -124,8 +127,10 @@ class TTEmbeddingBag(nn.Module):
                     c.normal_(0.0, std, generator=generator)
 
     @property
-    def num_parameters(self) -> int:
-        return sum(c.numel() for c in self.cores)
+    def bytes_held(self) -> int:
+        """The cores' bytes, and the cache's."""
+        cache = self.cache.bytes_held if self.cache is not None else 0
+        return sum(c.numel() * c.element_size() for c in self.cores) + cache
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The (len(ids), D) rows of ``ids`` (int64, each in [0, N))."""
@@ -147,9 +152,10 @@ class TTEmbeddingBag(nn.Module):
         """Pooled (sum) rows: ``ids`` 2-D (bags of equal size) or 1-D with ``offsets``."""
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise ValueError(f"TT table of {self.num_embeddings} rows: id out of range")
-        uniq, inverse = torch.unique(ids, return_inverse=True)
+        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        rows = self.rows(uniq) if self.cache is None else self.cache.rows(uniq, counts, self.rows)
         return nn.functional.embedding_bag(
-            inverse, self.rows(uniq), offsets, mode="sum", per_sample_weights=per_sample_weights
+            inverse, rows, offsets, mode="sum", per_sample_weights=per_sample_weights
         )
 
     def full_weight(self) -> torch.Tensor:
@@ -173,6 +179,8 @@ class TTSpec:
     cores: int = 3
     init: str = "sampled"
     lr: float | None = None  # the cores' learning rate (None: the row optimizer's)
+    cache_rows: int = 0  # hot rows kept dense per table (0: no cache)
+    cache_interval: int = 100  # training lookups between cache fills
 
 
 class TTTables(nn.Module):
@@ -197,9 +205,13 @@ class TTTables(nn.Module):
         assert spec is not None
         for t in self.tables:
             g = torch.Generator().manual_seed(seed * 1009 + t)
-            self.bags.append(TTEmbeddingBag(cfg.table_sizes[t], cfg.emb_dim, spec.rank,
-                                            spec.cores, spec.init, generator=g))  # fmt: skip
-        for p in self.parameters():
+            bag = TTEmbeddingBag(cfg.table_sizes[t], cfg.emb_dim, spec.rank, spec.cores,
+                                 spec.init, generator=g)  # fmt: skip
+            if spec.cache_rows:
+                rows = min(spec.cache_rows, cfg.table_sizes[t])
+                bag.cache = HotRows(rows, cfg.emb_dim, spec.cache_interval, optimizer)
+            self.bags.append(bag)
+        for p in (c for bag in self.bags for c in bag.cores):
             if optimizer is None:
                 p.requires_grad_(False)
                 continue
@@ -213,8 +225,13 @@ class TTTables(nn.Module):
             self._opts.append(opt)
 
     @property
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+    def bytes_held(self) -> int:
+        return sum(bag.bytes_held for bag in self.bags)
+
+    def cache_hits(self) -> tuple[int, int]:
+        """Lookups served by the caches, and all training lookups of these tables."""
+        caches = [bag.cache for bag in self.bags if bag.cache is not None]
+        return sum(c.hits for c in caches), sum(c.lookups for c in caches)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, T_all) -> pooled (B, |tables|, D) of these tables."""

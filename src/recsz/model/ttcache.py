@@ -1,0 +1,123 @@
+"""TT-Rec's cache of hot rows: a tensor-train table's most looked-up rows kept dense.
+
+A TT row is a product of small cores shared by many rows, so it cannot follow its own
+gradient as a dense row does; in click logs a few ids carry most lookups, and TT-Rec keeps
+those rows uncompressed and trainable. Here each TT table may hold up to ``capacity`` such
+rows: every ``interval`` training lookups the ids seen most often since the last fill
+(occurrences counted per lookup, ties to the smaller id) become the cache; a row that stays
+keeps its values and optimizer state, a row that enters starts from its TT value, a row
+that leaves goes back to its TT value. Cached rows are updated by the table's row
+optimizer in the backward (only the rows the batch read, as the dense tables are); the
+cores learn from the other rows' lookups only. Capacity is fixed (unused slots hold an id
+no table has), so checkpoints keep one shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from recsz.model.rowopt import RowOptimizer
+
+_EMPTY = torch.iinfo(torch.int64).max  # the id of an unused slot (sorts last)
+
+
+class HotRows(nn.Module):
+    """Dense rows for a TT table's hot ids.
+
+    Args:
+        capacity: rows kept.
+        dim: their width.
+        interval: training lookups between fills.
+        optimizer: the row optimizer of the cached rows (None: frozen).
+    """
+
+    ids: torch.Tensor  # (capacity,) sorted; _EMPTY where unused
+    state: torch.Tensor  # the row optimizer's accumulator
+
+    def __init__(
+        self, capacity: int, dim: int, interval: int, optimizer: RowOptimizer | None
+    ) -> None:
+        super().__init__()
+        self.interval, self.optimizer = interval, optimizer
+        self.register_buffer("ids", torch.full((capacity,), _EMPTY, dtype=torch.int64))
+        self.weight = nn.Parameter(torch.zeros(capacity, dim), requires_grad=optimizer is not None)
+        state = optimizer.new_state(self.weight.data) if optimizer else torch.zeros(0)
+        self.register_buffer("state", state)
+        self.calls, self.hits, self.lookups = 0, 0, 0
+        self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, counts) since a fill
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.ids, self.weight, self.state))
+
+    def rows(
+        self, uniq: torch.Tensor, counts: torch.Tensor, tt_rows: Callable[[torch.Tensor], Any]
+    ) -> torch.Tensor:
+        """The rows of the distinct ids ``uniq`` (looked up ``counts`` times each): cached
+        ones from the cache, the rest from ``tt_rows``."""
+        train = self.optimizer is not None and torch.is_grad_enabled()
+        if train:
+            if self.calls and self.calls % self.interval == 0:
+                self._fill(tt_rows)
+            self.calls += 1
+            self._seen.append((uniq, counts))
+        slot = torch.searchsorted(self.ids, uniq).clamp_(max=len(self.ids) - 1)
+        hit = self.ids[slot] == uniq
+        if train:
+            self.hits += int(counts[hit].sum())
+            self.lookups += int(counts.sum())
+        at_hit, at_miss = hit.nonzero().view(-1), (~hit).nonzero().view(-1)
+        slots = slot[at_hit]
+        cached = _Cached.apply(self.weight, slots, self) if train else self.weight[slots]
+        values = torch.cat([cached, tt_rows(uniq[at_miss])])
+        out = values.new_empty(len(uniq), values.shape[1])
+        return out.index_copy(0, torch.cat([at_hit, at_miss]), values)
+
+    @torch.no_grad()
+    def _fill(self, tt_rows: Callable[[torch.Tensor], Any]) -> None:
+        ids, inv = torch.unique(torch.cat([i for i, _ in self._seen]), return_inverse=True)
+        counts = torch.zeros_like(ids).index_add_(0, inv, torch.cat([c for _, c in self._seen]))
+        self._seen.clear()
+        top = torch.sort(counts, descending=True, stable=True).indices[: len(self.ids)]
+        new = torch.full_like(self.ids, _EMPTY)
+        new[: len(top)] = ids[top].sort().values
+        slot = torch.searchsorted(self.ids, new).clamp_(max=len(self.ids) - 1)
+        stay = (self.ids[slot] == new) & (new != _EMPTY)
+        weight = torch.zeros_like(self.weight.data)
+        weight[stay] = self.weight.data[slot[stay]]
+        enter = ~stay & (new != _EMPTY)
+        weight[enter] = tt_rows(new[enter]).detach()
+        if self.state.numel():
+            state = torch.zeros_like(self.state)
+            state[stay] = self.state[slot[stay]]
+            self.state = state
+        self.ids, self.weight.data = new, weight
+
+    def get_extra_state(self) -> Any:
+        seen = self._seen
+        return {"calls": self.calls, "hits": self.hits, "lookups": self.lookups, "seen": seen}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.calls, self.hits, self.lookups = state["calls"], state["hits"], state["lookups"]
+        self._seen = list(state["seen"])
+
+
+class _Cached(torch.autograd.Function):
+    """Cached rows forward; backward steps the row optimizer on them (no weight gradient)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, weight: torch.Tensor, slots: torch.Tensor, cache: HotRows
+    ) -> torch.Tensor:
+        ctx.slots, ctx.cache = slots, cache
+        return weight.detach().index_select(0, slots)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        c = ctx.cache
+        c.optimizer.step(c.weight.data, c.state, ctx.slots, grad.contiguous(), distinct=True)
+        return None, None, None
