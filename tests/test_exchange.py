@@ -212,6 +212,7 @@ def record(rank: int, raw: int, sent: int) -> dict:
         "allreduce_dense_bytes": 0,
         "embedding_bytes": 100 + rank,
         "embedding_bytes_dense": 1000,
+        "tt_cache": (30 + rank, 100),
         "dct_refreshes": None,
         "events": [],
     }
@@ -223,6 +224,7 @@ def test_summary_sums_bytes_and_averages_seconds_over_ranks() -> None:
     assert s["compute_s"] == pytest.approx(1.0)
     assert s["bytes_raw"] == 8000 and s["bytes_payload"] == 600 and s["bytes_sent"] == 300
     assert s["fwd_ratio"] == 20.0 and s["bwd_ratio"] == 10.0
+    assert s["tt_cache_hit_rate"] == (30 + 31) / 200
     assert s["embedding_bytes"] == 201 and s["embedding_bytes_dense"] == 2000
     t = per_table([record(0, 1000, 100), record(1, 3000, 100)])
     assert t["0"]["fwd_ratio"] == 10.0 and t["1"]["fwd_ratio"] == 30.0

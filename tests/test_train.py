@@ -74,6 +74,8 @@ def test_bad_flags_fail_loudly() -> None:
         main(["--nproc", "2", "--batch-size", "33"])
     with pytest.raises(FileNotFoundError, match="no such file"):
         main(["--data", "/nonexistent/file.tsv", "--no-progress"])
+    with pytest.raises(ValueError, match="--tt-cache-rows needs --tt-placement sharded"):
+        main(["--tt-tables", "2", "--tt-placement", "replicated", "--tt-cache-rows", "4"])
 
 
 def test_device_flag_is_checked() -> None:

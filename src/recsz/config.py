@@ -76,6 +76,12 @@ class TrainConfig:
     tt_lr: float | None = opt(None, "TT-Rec: the cores' learning rate (default: emb-lr)", gt=0)
     tt_cache_rows: int = opt(0, "TT-Rec: hot rows kept dense per TT table (0: none)", ge=0)
     tt_cache_interval: int = opt(100, "TT-Rec: training steps between cache fills", ge=1)
+    tt_placement: str = opt(
+        "sharded",
+        "TT-Rec: sharded (each TT table on one rank, in the all-to-all) or replicated (on "
+        "every rank, cores averaged with the MLP gradients, out of the all-to-all)",
+        ("sharded", "replicated"),
+    )
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
@@ -143,7 +149,8 @@ class TrainConfig:
         sizes = get_preset(self.preset).model.table_sizes
         largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
         shape = (self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
-        return TTSpec(frozenset(largest), *shape, self.tt_cache_rows, self.tt_cache_interval)
+        cache = (self.tt_cache_rows, self.tt_cache_interval)
+        return TTSpec(frozenset(largest), *shape, *cache, self.tt_placement)
 
     def fiited_spec(self) -> FiitedSpec | None:
         """FIITED's pruning of the dense tables (None: not asked for)."""
@@ -173,6 +180,11 @@ class TrainConfig:
             raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {self.nproc}")
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
+        if self.tt_placement == "replicated" and self.tt_cache_rows:
+            raise ValueError(
+                "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
+                "rows would train apart on each rank)"
+            )
         fwd, bwd = self.codec("fwd"), self.codec("bwd")
         if bwd.forward_mask and not fwd.threshold:
             raise ValueError(

@@ -37,6 +37,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         }
 
     dp = parts.dp
+    local = parts.dense_module.local
     return {
         "rank": rank,
         "loss": loss,
@@ -47,8 +48,10 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "codec_s": st.codec_s,
         "allreduce_s": dp.seconds,
         "allreduce_bytes": dp.bytes_sent,
-        "embedding_bytes": parts.sparse.bytes_held,
-        "embedding_bytes_dense": parts.sparse.dense_bytes,
+        # Replicated tables: held on every rank, counted once as dense tables.
+        "embedding_bytes": parts.sparse.bytes_held + (local.bytes_held if local else 0),
+        "embedding_bytes_dense": parts.sparse.dense_bytes
+        + (local.dense_bytes if local and rank == 0 else 0),
         "fiited_kept": parts.sparse.kept(),
         "tt_cache": parts.sparse.tt.cache_hits(),
         "allreduce_dense_bytes": dp.bytes_dense,

@@ -45,6 +45,7 @@ from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, DataSource, make_source, prefetch
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
 from recsz.model.sharding import plan_tables
+from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch, watch_parent
 
@@ -71,20 +72,27 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     preset = get_preset(cfg.preset)
     mcfg = preset.model
     tt = cfg.tt_spec()
-    # A TT table is charged what its cores hold, as rows of the table's width.
-    charged = [
-        -(-tt_parameters(n, mcfg.emb_dim, tt.rank, tt.cores) // mcfg.emb_dim)
+    local = tt.replicated if tt is not None else frozenset()
+    # A TT table is charged what its cores hold, as rows of the table's width; replicated
+    # ones are on every rank, out of the plan (owner -1) and of the all-to-all.
+    charged = {
+        t: -(-tt_parameters(n, mcfg.emb_dim, tt.rank, tt.cores) // mcfg.emb_dim)
         if tt is not None and t in tt.tables
         else n
         for t, n in enumerate(mcfg.table_sizes)
-    ]
-    owners = plan_tables(charged, mcfg.emb_dim, ranks.world)
+        if t not in local
+    }
+    owners = [-1] * mcfg.n_tables
+    planned = plan_tables(list(charged.values()), mcfg.emb_dim, ranks.world)
+    for t, r in zip(charged, planned, strict=True):
+        owners[t] = r
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     fiited = cfg.fiited_spec()
     sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited)
     sparse = sparse.to(ranks.device)
-    dense_arch = DenseArch(mcfg, cfg.seed).to(ranks.device)
+    replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
+    dense_arch = DenseArch(mcfg, cfg.seed, replicated).to(ranks.device)
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
     if ranks.world > 1:
@@ -108,7 +116,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             eb=cfg.dp_eb,
             collective=cfg.dp_eb_collective,
         )
-    dense_opt = torch.optim.SGD(dense_arch.parameters(), lr=cfg.resolved("lr"))
+    dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
@@ -133,7 +141,9 @@ def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: in
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
     pooled = parts.sparse(ids)  # (B, |T_r|, D)
     pending = parts.exchange.start_forward(pooled, step, ids)
-    return parts.dense(batch_dense, pending)  # bottom MLP runs while the bytes fly
+    b = len(batch_dense)
+    mine = ids[parts.exchange.rank * b : (parts.exchange.rank + 1) * b]
+    return parts.dense(batch_dense, pending, mine)  # bottom MLP runs while the bytes fly
 
 
 def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
@@ -145,6 +155,8 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
     parts.dense_opt.zero_grad(set_to_none=True)
     loss.backward()  # also updates the tables (their optimizer is fused into it)
     parts.dense_opt.step()
+    if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
+        parts.dense_module.local.step()
     return float(loss.detach())
 
 

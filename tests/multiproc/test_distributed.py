@@ -201,6 +201,22 @@ def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
 
 
+def test_replicated_tt_tables_leave_the_all_to_all(tmp_path: Path) -> None:
+    """Replicated TT tables (on every rank, looked up for its own samples, core gradients
+    averaged by DDP): 2 ranks with a lossless codec train as one process; the all-to-all
+    carries only the other tables; a resumed run ends where a straight one does."""
+    tt = ("--tt-tables", "5", "--tt-rank", "3", "--emb-optimizer", "adagrad")
+    rep = (*tt, "--tt-placement", "replicated")
+    one, two = one_and_two_ranks(tmp_path, *rep)
+    sharded = run(tmp_path / "sharded", *tt, nproc=2)
+    assert two["bytes_raw"] == sharded["bytes_raw"] * (26 - 5) // 26
+    assert one["embedding_bytes_dense"] == two["embedding_bytes_dense"]
+    split = tmp_path / "split"
+    main([*BASE, *rep, "--steps", "10", "--checkpoint-every", "10", "--out", str(split)])
+    assert main([*BASE, *rep, "--resume", str(split)]) == 0
+    assert losses(split)[-10:] == losses(tmp_path / "one")[-10:]
+
+
 def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
     cmd = [
         sys.executable,

@@ -277,7 +277,9 @@ class EmbeddingExchange:
         received = self._receive(self.fwd, pending, self.plan.tables_of, sizes_from, dim)
         # Table-major, so each table's rows land contiguously; the caller gets the
         # (b, T, D) view.
-        out = torch.empty(len(self.plan.owners), b, dim, device=ids.device)
+        # Tables no rank sends (replicated, owner -1) stay zero for the caller to fill.
+        alloc = torch.zeros if min(self.plan.owners) < 0 else torch.empty
+        out = alloc(len(self.plan.owners), b, dim, device=ids.device)
         for blk in received:
             if not blk.tables:
                 continue

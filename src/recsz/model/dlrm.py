@@ -22,6 +22,7 @@ from torch import nn
 from recsz.model.config import ModelConfig
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.tables import SparseArch
+from recsz.model.ttrec import TTTables
 
 
 class Awaitable(Protocol):
@@ -72,18 +73,32 @@ def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
 
 
 class DenseArch(nn.Module):
-    """Bottom MLP, interaction and top MLP; replicated on every rank."""
+    """Bottom MLP, interaction and top MLP; replicated on every rank, with the tables
+    replicated beside them (``local``: TT-Rec tables small enough to hold everywhere,
+    looked up for this rank's samples; their columns of ``emb`` are replaced)."""
 
-    def __init__(self, cfg: ModelConfig, seed: int) -> None:
+    local_pos: torch.Tensor  # the local tables' columns
+
+    def __init__(self, cfg: ModelConfig, seed: int, local: TTTables | None = None) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, last_activation=True, g=g)
         n_feat = cfg.n_tables + 1
         n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
         self.top = create_mlp(n_int, cfg.top_mlp, last_activation=False, g=g)
+        self.local = local if local is not None and local.tables else None
+        at = torch.tensor(self.local.tables if self.local else [], dtype=torch.int64)
+        self.register_buffer("local_pos", at, persistent=False)
 
-    def forward(self, dense: torch.Tensor, emb: torch.Tensor | Awaitable) -> torch.Tensor:
-        """dense (B, 13), emb (B, T, D) or an object whose ``wait()`` gives it -> logits (B,).
+    def mlp_parameters(self) -> list[nn.Parameter]:
+        """The MLPs' parameters (the local tables have optimizers of their own)."""
+        return [*self.bottom.parameters(), *self.top.parameters()]
+
+    def forward(
+        self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """dense (B, 13), emb (B, T, D) or an object whose ``wait()`` gives it, ids (B, T)
+        (needed with local tables) -> logits (B,).
 
         Taking an awaitable lets the bottom MLP run while the embeddings are still in
         flight (the all-to-all overlap of facebookresearch/dlrm), inside DDP's forward.
@@ -91,6 +106,9 @@ class DenseArch(nn.Module):
         x = self.bottom(dense)  # (B, D)
         if not isinstance(emb, torch.Tensor):
             emb = emb.wait()
+        if self.local is not None:
+            assert ids is not None, "local tables need the samples' ids"
+            emb = emb.index_copy(1, self.local_pos, self.local(ids))
         return self.top(interact_features(x, emb)).squeeze(1)
 
 

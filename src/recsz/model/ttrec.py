@@ -181,12 +181,22 @@ class TTSpec:
     lr: float | None = None  # the cores' learning rate (None: the row optimizer's)
     cache_rows: int = 0  # hot rows kept dense per table (0: no cache)
     cache_interval: int = 100  # training lookups between cache fills
+    #: "sharded": each TT table on one rank, in the all-to-all; "replicated": on every
+    #: rank, looked up for its own samples, cores averaged with the MLPs' gradients
+    placement: str = "sharded"
+
+    @property
+    def replicated(self) -> frozenset[int]:
+        """The TT tables every rank holds (none when sharded)."""
+        return self.tables if self.placement == "replicated" else frozenset()
 
 
 class TTTables(nn.Module):
-    """A rank's TT tables. Like the dense tables they update themselves in the backward:
-    each core's optimizer (SGD, or Adagrad for both Adagrad kinds: a core has no rows)
-    steps as soon as its gradient is complete; its state travels in ``state_dict``."""
+    """A rank's TT tables. Each core has its own optimizer (SGD, or Adagrad for both
+    Adagrad kinds: a core has no rows), whose state travels in ``state_dict``. Sharded,
+    like the dense tables, they update themselves in the backward (a core's optimizer
+    steps as soon as its gradient is complete); ``in_backward=False`` (replicated tables,
+    whose gradients DDP averages first) leaves that to :meth:`step`."""
 
     def __init__(
         self,
@@ -195,6 +205,7 @@ class TTTables(nn.Module):
         seed: int,
         optimizer: RowOptimizer | None,
         spec: TTSpec | None,
+        in_backward: bool = True,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
@@ -211,7 +222,7 @@ class TTTables(nn.Module):
                 rows = min(spec.cache_rows, cfg.table_sizes[t])
                 bag.cache = HotRows(rows, cfg.emb_dim, spec.cache_interval, optimizer)
             self.bags.append(bag)
-        for p in (c for bag in self.bags for c in bag.cores):
+        for p in (c for bag in self.each for c in bag.cores):
             if optimizer is None:
                 p.requires_grad_(False)
                 continue
@@ -221,16 +232,32 @@ class TTTables(nn.Module):
                 opt = torch.optim.SGD([p], lr=lr)
             else:
                 opt = torch.optim.Adagrad([p], lr=lr, eps=optimizer.eps or 1e-10)
-            p.register_post_accumulate_grad_hook(_stepper(opt))
+            if in_backward:
+                p.register_post_accumulate_grad_hook(_stepper(opt))
             self._opts.append(opt)
+
+    def step(self) -> None:
+        """Step every core's optimizer on its gradient (tables not stepped in backward)."""
+        for opt in self._opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    @property
+    def each(self) -> list[TTEmbeddingBag]:
+        return [bag for bag in self.bags if isinstance(bag, TTEmbeddingBag)]
 
     @property
     def bytes_held(self) -> int:
-        return sum(bag.bytes_held for bag in self.bags)
+        return sum(bag.bytes_held for bag in self.each)
+
+    @property
+    def dense_bytes(self) -> int:
+        """What dense float32 tables of the same shapes would hold."""
+        return sum(4 * bag.num_embeddings * bag.embedding_dim for bag in self.each)
 
     def cache_hits(self) -> tuple[int, int]:
         """Lookups served by the caches, and all training lookups of these tables."""
-        caches = [bag.cache for bag in self.bags if bag.cache is not None]
+        caches = [bag.cache for bag in self.each if bag.cache is not None]
         return sum(c.hits for c in caches), sum(c.lookups for c in caches)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
