@@ -45,3 +45,14 @@ for c in none hybrid; do
         --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/train_$c" 2>&1 | tail -12
     cp "/tmp/recsz_gpu/train_$c/summary.json" "$out/train_${c}_8192.json" 2>/dev/null
 done
+
+# 4. The table types on one GPU (never run on one yet): FIITED's store pruning every 10
+#    steps, and TT-Rec's 7 largest tables with their hot-row caches (refilled every 10).
+timeout 75 python3 -m recsz.train --device cuda --preset bench --steps 30 --batch-size 8192 \
+    --fiited-budget 0.25 --fiited-interval 10 --fiited-mask-backward --synthetic-eval 8192 \
+    --no-progress --out /tmp/recsz_gpu/train_fiited 2>&1 | tail -6
+cp /tmp/recsz_gpu/train_fiited/summary.json "$out/train_fiited_8192.json" 2>/dev/null
+timeout 75 python3 -m recsz.train --device cuda --preset bench --steps 30 --batch-size 8192 \
+    --tt-tables 7 --tt-cache-rows 10000 --tt-cache-interval 10 --synthetic-eval 8192 \
+    --no-progress --out /tmp/recsz_gpu/train_tt 2>&1 | tail -6
+cp /tmp/recsz_gpu/train_tt/summary.json "$out/train_tt_8192.json" 2>/dev/null
