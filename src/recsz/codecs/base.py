@@ -151,8 +151,8 @@ class Codec(ABC):
     #: Subclasses whose bound is not exact by construction set this: the encoder then
     #: decodes, and carries every element that misses the bound exactly.
     verify_bound: ClassVar[bool] = False
-    #: ``_encode`` reports NaN/Inf elements among its outlier positions itself (its bound
-    #: check rejects them), so the separate finiteness pass is skipped.
+    #: ``_encode`` carries NaN/Inf elements itself (in its body, or among the outlier
+    #: positions it reports), so the separate finiteness pass is skipped.
     takes_nonfinite: ClassVar[bool] = False
 
     def cast_width(self, dtype: torch.dtype) -> int | None:

@@ -51,6 +51,7 @@ class NoneCodec(Codec):
     codec_id = "none"
     lossless = True
     joinable = True
+    takes_nonfinite = True  # NaN and Inf are bytes like any other
 
     def cast_width(self, dtype: torch.dtype) -> int | None:
         return torch.empty(0, dtype=dtype).element_size()
@@ -67,6 +68,7 @@ class NoneCodec(Codec):
 class _CastCodec(Codec):
     target: torch.dtype
     joinable = True
+    takes_nonfinite = True  # the casts keep NaN and Inf (saturating_cast)
 
     def cast_width(self, dtype: torch.dtype) -> int | None:
         return torch.empty(0, dtype=self.target).element_size()

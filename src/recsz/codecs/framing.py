@@ -3,12 +3,13 @@
 ``frame`` puts byte tensors after a table of their lengths so that ``unframe`` can split
 them again. :func:`encode_groups` / :func:`decode_groups` are what a codec without a
 group format of its own does with a group of tables (:meth:`Codec.encode_segments`): a
-chunk per table under its own bound (one chunk for a whole group when the codec is
-``joinable``), framed into one payload per group.
+chunk per table under its own bound, framed into one payload per group (a ``joinable``
+codec codes a whole group as one chunk, which is the group's payload as it is).
 """
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import TYPE_CHECKING
 
@@ -77,10 +78,11 @@ def encode_groups(
             counts.append(len(sizes))
         k += len(sizes)
     payloads = [codec.encode(x, e) for x, e in zip(xs, per_chunk, strict=True)]
-    out, i = [], 0
-    for n in counts:
-        out.append(frame(payloads[i : i + n]))
-        i += n
+    if codec.joinable:  # one chunk a group, self-describing: no frame (no copy)
+        out = payloads
+    else:
+        ends = itertools.accumulate(counts)
+        out = [frame(payloads[i - n : i]) for n, i in zip(counts, ends, strict=True)]
     return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
 
 
@@ -92,8 +94,8 @@ def decode_groups(
     chunks: list[torch.Tensor] = []
     counts = []
     for i, p in enumerate(payloads):
-        n = None if sizes is None else 1 if codec.joinable else len(sizes[i])
-        parts = unframe(p, n, f"payload {i}")
+        n = None if sizes is None else len(sizes[i])
+        parts = [p] if codec.joinable else unframe(p, n, f"payload {i}")
         chunks += parts
         counts.append(len(parts))
     decoded = [codec.decode(c) for c in chunks]

@@ -133,11 +133,12 @@ class EmbeddingExchange:
         """
         t0 = time.perf_counter()
         tables, values = bound_src
-        if self.training:  # adaptive policies probe (on the host) in their windows only
+        bounded = d.codec.error_bounded  # the others take no bound: no pass over the values
+        if self.training and bounded:  # adaptive policies probe (host) in their windows only
             for j, t in enumerate(tables):
                 d.policy.observe(t, step, values[j])
-        all_ebs = d.policy.bounds(tables, step, values)
-        if all_ebs is None and d.codec.error_bounded:
+        all_ebs = d.policy.bounds(tables, step, values) if bounded else None
+        if all_ebs is None and bounded:
             raise ValueError(
                 f"{d.name} codec {d.codec.codec_id!r} needs an error bound policy (--eb-policy)"
             )

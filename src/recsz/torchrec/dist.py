@@ -167,7 +167,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         keys: list[int],
         train: bool,
     ) -> torch.Tensor | None:
-        """Each feature's bound from its columns of ``x``, as a tensor indexed by key."""
+        """Each feature's bound from its columns of ``x``, as a tensor indexed by key
+        (None for a codec that takes none)."""
+        if not d.codec.error_bounded:
+            return None
         ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
         for width, (fs, cols) in _by_width(dims).items():
             vals = _slabs(x, cols, width)
