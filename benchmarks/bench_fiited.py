@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results_io import write_results
+
 from recsz.train import main as train_main
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -94,12 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         base = base or s
         rows.append(row("synthetic-tiny-2ranks-hybrid", rule, budget, 0, s, base))
         print(line(rows[-1]), flush=True)
-    out = Path(a.json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    md = out.with_suffix(".md")
-    md.write_text(table(rows))
-    print(f"\n{table(rows)}\nwrote {out}, {md}")
+    write_results(rows, a.json_out, table(rows))
     return 0
 
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from results_io import write_results
 
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import DenseArch, RowOptimizer, SparseArch, TTSpec, get_preset
@@ -203,12 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += lookup(a.quick)
     if "placement" in parts:
         rows += placement(a.quick)
-    out = Path(a.json_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
-    md = out.with_suffix(".md")
-    md.write_text(table(rows))
-    print(f"\n{table(rows)}\nwrote {out}, {md}")
+    write_results(rows, a.json_out, table(rows))
     return 0
 
 
