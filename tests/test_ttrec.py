@@ -210,3 +210,16 @@ def test_cache_state_round_trip() -> None:
             m(ids).sum().backward()
     torch.testing.assert_close(again.cache.weight, t.cache.weight)
     assert torch.equal(again.cache.state, t.cache.state) and again.cache.hits == t.cache.hits
+
+
+def test_a_cache_larger_than_the_ids_seen_keeps_the_rest_empty() -> None:
+    t = cached_table(capacity=5, interval=1)
+    t(torch.tensor([[9], [2], [9]])).sum().backward()
+    with torch.no_grad():
+        before = t(torch.arange(37).view(-1, 1))
+    t(torch.tensor([[2]])).sum().backward()  # fills {2, 9}, then steps row 2
+    assert t.cache.ids.tolist()[:2] == [2, 9] and int(t.cache.ids[2:].min()) > 36
+    with torch.no_grad():
+        after = t(torch.arange(37).view(-1, 1))
+    changed = (after - before).abs().amax(1) > 0
+    assert changed.nonzero().view(-1).tolist() == [2]  # only the stepped cached row moved

@@ -152,8 +152,12 @@ class TTEmbeddingBag(nn.Module):
         """Pooled (sum) rows: ``ids`` 2-D (bags of equal size) or 1-D with ``offsets``."""
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise ValueError(f"TT table of {self.num_embeddings} rows: id out of range")
-        uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-        rows = self.rows(uniq) if self.cache is None else self.cache.rows(uniq, counts, self.rows)
+        if self.cache is None:
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            rows = self.rows(uniq)
+        else:
+            uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            rows = self.cache.rows(uniq, counts, self.rows)
         return nn.functional.embedding_bag(
             inverse, rows, offsets, mode="sum", per_sample_weights=per_sample_weights
         )
