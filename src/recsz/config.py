@@ -19,7 +19,8 @@ from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 from recsz.model.fiited import RULES
 
-CONFIG_VERSION = 4  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks
+CONFIG_VERSION = 5  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+# 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective
 
 
 def opt(
