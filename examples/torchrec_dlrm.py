@@ -10,6 +10,8 @@ feature). Prints the loss and, at the end, the bytes the embedding all-to-all sa
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -82,6 +84,10 @@ def main() -> None:
                 f"{d}: {raw / 1e6:.1f} MB of fp32 sent as {wire / 1e6:.2f} MB ({raw / wire:.1f}x)"
             )
     dist.destroy_process_group()
+    # fbgemm's CPU threads occasionally abort the interpreter's teardown ("terminate called
+    # without an active exception") after all the work is done: leave without it.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

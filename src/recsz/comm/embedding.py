@@ -61,6 +61,26 @@ class Direction:
     codec: Codec
     policy: BoundPolicy
 
+    def bounds(
+        self, step: int, tables: list[int], values: torch.Tensor, observe: bool
+    ) -> torch.Tensor | None:
+        """The tables' bounds for ``step``, one tensor, from their values (``values[j]``:
+        all of table ``tables[j]`` that is sent), computed where the values are (on a GPU:
+        no host sync); None for a codec that takes none. ``observe``: a training step, which
+        adaptive policies probe first (on the host, in their windows only)."""
+        if not self.codec.error_bounded:
+            return None
+        if observe:
+            for j, t in enumerate(tables):
+                self.policy.observe(t, step, values[j])
+        ebs = self.policy.bounds(tables, step, values)
+        if ebs is None:
+            raise ValueError(
+                f"{self.name} codec {self.codec.codec_id!r} needs an error bound policy "
+                "(--eb-policy)"
+            )
+        return ebs
+
 
 class EmbeddingExchange:
     """Sends pooled embeddings to sample owners and their gradients back, compressed.
@@ -124,24 +144,15 @@ class EmbeddingExchange:
 
         A table's bound is set once per step from its values in ``bound_src`` (tables,
         and their values table-major: all that this rank sends of each), so every
-        destination gets the same bound; the policy computes them where the values are
-        (on a GPU: no host sync). ``raw_bytes`` is what one table's rows stood for before
-        any id-aware reduction (the full (b, D) fp32 slice), so ratios count those
-        savings too. The codec turns each block into one payload
+        destination gets the same bound (:meth:`Direction.bounds`). ``raw_bytes`` is what
+        one table's rows stood for before any id-aware reduction (the full (b, D) fp32
+        slice), so ratios count those savings too. The codec turns each block into one payload
         (:meth:`Codec.encode_segments`), the sizes are read once where bytes leave the
         rank, and stay on the device otherwise.
         """
         t0 = time.perf_counter()
         tables, values = bound_src
-        bounded = d.codec.error_bounded  # the others take no bound: no pass over the values
-        if self.training and bounded:  # adaptive policies probe (host) in their windows only
-            for j, t in enumerate(tables):
-                d.policy.observe(t, step, values[j])
-        all_ebs = d.policy.bounds(tables, step, values) if bounded else None
-        if all_ebs is None and bounded:
-            raise ValueError(
-                f"{d.name} codec {d.codec.codec_id!r} needs an error bound policy (--eb-policy)"
-            )
+        all_ebs = d.bounds(step, tables, values, observe=self.training)
         ebs = None
         if all_ebs is not None:
             at = {t: j for j, t in enumerate(tables)}

@@ -169,20 +169,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
     ) -> torch.Tensor | None:
         """Each feature's bound from its columns of ``x``, as a tensor indexed by key
         (None for a codec that takes none)."""
-        if not d.codec.error_bounded:
-            return None
         ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
         for width, (fs, cols) in _by_width(dims).items():
-            vals = _slabs(x, cols, width)
-            if train:
-                for j, i in enumerate(fs):
-                    d.policy.observe(keys[i], step, vals[j])
-            got = d.policy.bounds([keys[i] for i in fs], step, vals)
+            at = [keys[i] for i in fs]
+            got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
             if got is None:
-                if d.codec.error_bounded:
-                    raise ValueError(f"{d.name} codec {d.codec.codec_id!r} needs a bound policy")
                 return None
-            ebs[torch.tensor([keys[i] for i in fs], device=x.device)] = got.to(x.device)
+            ebs[torch.tensor(at, device=x.device)] = got.to(x.device)
         return ebs
 
     def _receive(
