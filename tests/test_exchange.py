@@ -116,6 +116,20 @@ def test_pruned_chunks_gradients_are_sent_as_zeros() -> None:
     assert torch.equal(pooled.grad, g * keep)
 
 
+def test_tables_without_chunk_counts_keep_their_whole_gradient() -> None:
+    """A table FIITED does not prune (a TT table) is named in no count: left unmasked."""
+    ex = one_rank("zstd", BoundPolicy())
+    counts = {t: torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.uint8) for t in (0, 2)}
+    ex.mask_pruned(counts, 2)
+    pooled, ids = batch(2)
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    g = torch.randn_like(emb)
+    (emb * g).sum().backward()
+    held = torch.stack([counts[t].long()[ids[:, t]] if t in counts
+                        else torch.full((len(ids),), 2) for t in range(3)], 1)  # fmt: skip
+    assert torch.equal(pooled.grad, g * (torch.arange(4) // 2 < held.unsqueeze(-1)))
+
+
 def test_bounded_exchange_keeps_the_bound_both_ways() -> None:
     ex = one_rank("hybrid", FixedBound(1e-2, "abs"), check_bounds=True)
     pooled, ids = batch(1)

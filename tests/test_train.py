@@ -137,3 +137,15 @@ def test_real_sample_reaches_auc(criteo_10k: Path, tmp_path: Path) -> None:
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["eval_samples"] == 2000 or s["eval_samples"] == 1999 + 1 or s["eval_samples"] > 1900
     assert s["auc"] >= 0.70, s["auc"]
+
+
+def test_fiited_with_a_masked_backward_beside_tt_tables(tmp_path: Path) -> None:
+    """FIITED prunes the dense tables only; the TT tables, named in no chunk count, keep
+    their whole gradient (this combination once raised a KeyError in the backward)."""
+    flags = ["--steps", "6", "--batch-size", "64", "--synthetic-eval", "256", "--no-progress"]
+    fiited = ["--fiited-budget", "0.5", "--fiited-interval", "2", "--fiited-mask-backward"]
+    assert main([*flags, "--tt-tables", "2", *fiited, "--out", str(tmp_path)]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    tt = TrainConfig(tt_tables=2).tt_spec()
+    assert tt is not None
+    assert set(s["fiited_kept"]) == {str(t) for t in range(26) if t not in tt.tables}

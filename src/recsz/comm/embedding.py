@@ -114,10 +114,9 @@ class EmbeddingExchange:
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
         self.mask_backward = bwd.codec.forward_mask
-        #: FIITED: per table, each row's held chunks (of ``chunk`` dims, a prefix); the
-        #: backward then sends zeros for the pruned ones (:meth:`mask_pruned`).
-        self.chunk_counts: dict[int, torch.Tensor] = {}
-        self.chunk = 0
+        #: FIITED (:meth:`mask_pruned`): the pruned tables, their rows' held chunks laid
+        #: end to end, each table's first row there, and the chunk width.
+        self._held: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
         #: Training steps feed the policies and the statistics; evaluation does neither.
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
@@ -304,19 +303,27 @@ class EmbeddingExchange:
 
     def mask_pruned(self, counts: dict[int, torch.Tensor], chunk: int) -> None:
         """FIITED: ``counts[t][row]`` chunks of ``chunk`` dims are held for each row of
-        table t (every table, all owners); the backward zeroes the rest of each gradient
-        row before it is coded (their owner would discard them)."""
-        self.chunk_counts, self.chunk = counts, chunk
+        table t (every pruned table, all owners; tables not named, e.g. TT tables, keep
+        every dim); the backward zeroes the rest of each gradient row before it is coded
+        (their owner would discard them)."""
+        if not counts:
+            self._held = None
+            return
+        tables = sorted(counts)
+        flat = torch.cat([counts[t].long() for t in tables])
+        n = torch.tensor([len(counts[t]) for t in tables], device=flat.device)
+        at = torch.tensor(tables, device=flat.device)
+        self._held = (at, flat, torch.cumsum(n, 0) - n, chunk)
 
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
         """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners."""
         b, n_tables, dim = grad.shape
-        if self.chunk_counts:
-            mine = ids[self.rank * b : (self.rank + 1) * b]
-            held = torch.stack([self.chunk_counts[t][mine[:, t]] for t in range(n_tables)], 1)
-            j = torch.arange(dim, device=grad.device) // self.chunk
-            grad = grad * (j < held.unsqueeze(-1))
+        if self._held is not None:  # one gather for all pruned tables
+            at, flat, first, chunk = self._held
+            held = flat[ids[self.rank * b : (self.rank + 1) * b][:, at] + first]  # (b, |at|)
+            keep = torch.arange(dim, device=grad.device) // chunk < held.unsqueeze(-1)
+            grad = grad.index_copy(1, at, grad.index_select(1, at) * keep)
         # Scaled and laid out table-major in one pass: every table's (b, D) slice is then
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
