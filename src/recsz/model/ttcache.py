@@ -37,6 +37,7 @@ class HotRows(nn.Module):
 
     ids: torch.Tensor  # (capacity,) sorted; _EMPTY where unused
     state: torch.Tensor  # the row optimizer's accumulator
+    tally: torch.Tensor  # lookups served, and all training lookups (kept where the rows are)
 
     def __init__(
         self, capacity: int, dim: int, interval: int, optimizer: RowOptimizer | None
@@ -47,8 +48,17 @@ class HotRows(nn.Module):
         self.weight = nn.Parameter(torch.zeros(capacity, dim), requires_grad=optimizer is not None)
         state = optimizer.new_state(self.weight.data) if optimizer else torch.zeros(0)
         self.register_buffer("state", state)
-        self.calls, self.hits, self.lookups = 0, 0, 0
+        self.register_buffer("tally", torch.zeros(2, dtype=torch.int64))
+        self.calls = 0
         self._seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ids, counts) since a fill
+
+    @property
+    def hits(self) -> int:
+        return int(self.tally[0])
+
+    @property
+    def lookups(self) -> int:
+        return int(self.tally[1])
 
     @property
     def bytes_held(self) -> int:
@@ -67,9 +77,8 @@ class HotRows(nn.Module):
             self._seen.append((uniq, counts))
         slot = torch.searchsorted(self.ids, uniq).clamp_(max=len(self.ids) - 1)
         hit = self.ids[slot] == uniq
-        if train:
-            self.hits += int(counts[hit].sum())
-            self.lookups += int(counts.sum())
+        if train:  # counted on the rows' device (read when reported)
+            self.tally += torch.stack([(counts * hit).sum(), counts.sum()])
         at_hit, at_miss = hit.nonzero().view(-1), (~hit).nonzero().view(-1)
         slots = slot[at_hit]
         cached = _Cached.apply(self.weight, slots, self) if train else self.weight[slots]
@@ -98,12 +107,10 @@ class HotRows(nn.Module):
         self.ids, self.weight.data = new, weight
 
     def get_extra_state(self) -> Any:
-        seen = self._seen
-        return {"calls": self.calls, "hits": self.hits, "lookups": self.lookups, "seen": seen}
+        return {"calls": self.calls, "seen": self._seen}
 
     def set_extra_state(self, state: Any) -> None:
-        self.calls, self.hits, self.lookups = state["calls"], state["hits"], state["lookups"]
-        self._seen = list(state["seen"])
+        self.calls, self._seen = state["calls"], list(state["seen"])
 
 
 class _Cached(torch.autograd.Function):
