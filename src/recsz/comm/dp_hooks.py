@@ -113,6 +113,8 @@ class EBState:
     #: another rank owns the chunk)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
     param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
+    #: rsag: each bucket layout's positions per owner (:func:`_owned_positions`), made once
+    owned: dict[tuple[int, ...], list[torch.Tensor]] = field(default_factory=dict)
 
 
 def register(ddp: Any, mode: str, world: int, group: Any = None, **opts: Any) -> DPComm:
@@ -241,7 +243,9 @@ def _reduce_scatter_gather(
     """
     st: EBState = dp.inner
     me = dist.get_rank(dp.group)
-    at = _owned_positions(sizes, dp.world, acc.device)
+    if tuple(sizes) not in st.owned:
+        st.owned[tuple(sizes)] = _owned_positions(sizes, dp.world, acc.device)
+    at = st.owned[tuple(sizes)]
     coded = [_code(st, acc[idx]) for idx in at]
     sent = torch.empty_like(acc)
     for idx, (_, y) in zip(at, coded, strict=True):

@@ -117,6 +117,8 @@ class EmbeddingExchange:
         #: FIITED (:meth:`mask_pruned`): the pruned tables, their rows' held chunks laid
         #: end to end, each table's first row there, and the chunk width.
         self._held: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        # Tables no rank sends (replicated, owner -1) arrive as zeros for the caller to fill.
+        self._alloc = torch.zeros if min(plan.owners) < 0 else torch.empty
         #: Training steps feed the policies and the statistics; evaluation does neither.
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
@@ -288,9 +290,7 @@ class EmbeddingExchange:
         received = self._receive(self.fwd, pending, self.plan.tables_of, sizes_from, dim)
         # Table-major, so each table's rows land contiguously; the caller gets the
         # (b, T, D) view.
-        # Tables no rank sends (replicated, owner -1) stay zero for the caller to fill.
-        alloc = torch.zeros if min(self.plan.owners) < 0 else torch.empty
-        out = alloc(len(self.plan.owners), b, dim, device=ids.device)
+        out = self._alloc(len(self.plan.owners), b, dim, device=ids.device)
         for blk in received:
             if not blk.tables:
                 continue
