@@ -4,6 +4,7 @@ kernel; exits 1 if any fails to compile."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import triton
@@ -12,60 +13,106 @@ from triton.compiler import ASTSource
 
 from recsz.codecs import blockkernels as k
 
-B64 = {"B": 64}
-PTRS = {"src_ptr": "*i64", "w_ptr": "*u8", "off_ptr": "*i64", "base_ptr": "*i64"}
-KERNELS = {
-    k.quantize_kernel: (
-        {"x_ptr": "*fp32", "map_ptr": "*i64", "eb_ptr": "*fp64", "zz_ptr": "*i32",
-         "raw_ptr": "*i8", "n": "i64", "dim": "i32", "qmax": "i32", "BLOCK": "constexpr"},
-        {"BLOCK": 2048},
+#: The type of each argument name, as the coder passes it (per kernel where they differ).
+TYPES = {
+    **dict.fromkeys(
+        [
+            "bits_ptr",
+            "seg_ptr",
+            "lit_ptr",
+            "cz_ptr",
+            "rgroup_ptr",
+            "refs_ptr",
+            "zz_ptr",
+            "refg_ptr",
+            "bgid_ptr",
+            "xbits_ptr",
+            "out32_ptr",
+            "ck_ptr",
+            "words_ptr",
+            "bad_ptr",
+            "in32_ptr",
+            "slotseg_ptr",
+            "rseg_ptr",
+        ],
+        "*i32",
     ),
-    k.widths_kernel: (
-        {"src_ptr": "*i64", "code_ptr": "*i32", "ref_ptr": "*i32", "raw_ptr": "*i8",
-         "w_ptr": "*u8", "nb": "i32", "B": "constexpr"},
-        B64,
+    **dict.fromkeys(
+        [
+            "mult_ptr",
+            "key_ptr",
+            "ks_ptr",
+            "perm_ptr",
+            "first_ptr",
+            "dup_ptr",
+            "rfirst_ptr",
+            "rslot_ptr",
+            "row0_ptr",
+            "npad_ptr",
+            "map_ptr",
+            "nlit_ptr",
+            "size_ptr",
+            "bs_ptr",
+            "nrb_ptr",
+            "rb0_ptr",
+            "base_ptr",
+            "wat_ptr",
+            "cs_ptr",
+            "fat_ptr",
+            "ebat_ptr",
+            "nbmax_ptr",
+            "k_ptr",
+            "seg0_ptr",
+            "hfix_ptr",
+            "used_ptr",
+            "ipos_ptr",
+            "ibounds_ptr",
+            "dlen_ptr",
+            "src_ptr",
+            "end_ptr",
+            "out_ptr",
+        ],
+        "*i64",
     ),
-    k.pack_kernel: (
-        {"src_ptr": "*i64", "code_ptr": "*i32", "ref_ptr": "*i32", "xbits_ptr": "*i32",
-         "map_ptr": "*i64", "dim": "i32", "w_ptr": "*u8", "off_ptr": "*i64",
-         "base_ptr": "*i64", "out32_ptr": "*i32", "part_ptr": "*i32", "nb": "i32",
-         "B": "constexpr"},
-        B64,
-    ),
-    k.unpack_kernel: (
-        {**PTRS, "in32_ptr": "*i32", "n_words": "i64", "eb_ptr": "*fp64", "dim": "i32",
-         "out_ptr": "*fp32", "ref_ptr": "*i32", "part_ptr": "*i32", "nb": "i32",
-         "B": "constexpr", "CODES": "constexpr", "REFS": "constexpr"},
-        {"B": 64, "CODES": True, "REFS": True},
-    ),
-    k.row_key_kernel: (
-        {"bits_ptr": "*i32", "mult_ptr": "*i64", "piece_ptr": "*i64", "pad_ptr": "*i8",
-         "key_ptr": "*i64", "n_rows": "i32", "hash_mask": "i64", "shift": "i32",
-         "dim": "constexpr", "ROWS": "constexpr", "DB": "constexpr"},
-        {"dim": 48, "ROWS": 32, "DB": 32},
-    ),
-    k.same_rows_kernel: (
-        {"bits_ptr": "*i32", "a_ptr": "*i64", "b_ptr": "*i64", "out_ptr": "*i8", "n": "i32",
-         "dim": "constexpr", "ROWS": "constexpr", "DB": "constexpr"},
-        {"dim": 48, "ROWS": 32, "DB": 32},
-    ),
-}  # fmt: skip
+    **dict.fromkeys(["w_ptr", "out8_ptr", "buf_ptr", "ival_ptr"], "*u8"),
+    "x_ptr": "*fp32",
+    "y_ptr": "*fp32",
+    "ebs_ptr": "*fp64",
+    "ok_ptr": "*i8",
+    **dict.fromkeys(["n_rows", "shift", "qmax", "n_ref", "nb"], "i32"),
+    **dict.fromkeys(["hash_mask", "n", "n_bytes", "n_words"], "i64"),
+}
+PER_KERNEL = {
+    "pack_kernel": {"lit_ptr": "*i64"},
+    "head_kernel": {"lit_ptr": "*i64", "ebs_ptr": "*i64"},
+    "read_head_kernel": {"lit_ptr": "*i64", "ebs_ptr": "*i64"},
+    "read_widths_kernel": {"lit_ptr": "*i64"},
+    "unpack_kernel": {"lit_ptr": "*i64", "out_ptr": "*fp32"},
+    "verdict_kernel": {"lit_ptr": "*i64"},
+    "gather_rows_kernel": {"out_ptr": "*fp32"},
+}
+CONST = {"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "REFS": False}
 
 
 def main() -> int:
     failed = 0
-    for fn, (sig, const) in KERNELS.items():
-        names = list(sig)
-        src = ASTSource(
-            fn=fn, signature=sig, constexprs={(names.index(c),): v for c, v in const.items()}
-        )
+    kernels = [v for v in vars(k).values() if isinstance(v, triton.JITFunction)
+               and not v.__name__.startswith("_")]  # fmt: skip
+    variants = [(fn, CONST) for fn in kernels] + [(k.unpack_kernel, {**CONST, "REFS": True})]
+    for fn, consts in variants:
+        names = list(inspect.signature(fn.fn).parameters)
+        types = {**TYPES, **PER_KERNEL.get(fn.__name__, {})}
+        sig = {n: "constexpr" if n in consts else types[n] for n in names}
+        const = {(names.index(n),): consts[n] for n in names if n in consts}
         try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
+                           target=GPUTarget("cuda", 90, 32))  # fmt: skip
             print(fn.__name__, "ok")
         except Exception as e:  # report every kernel, then fail
             failed += 1
-            print(fn.__name__, "FAILED:", type(e).__name__, str(e)[:2000])
-    return 1 if failed else 0
+            print(fn.__name__, "FAILED:", type(e).__name__, str(e)[:3000])
+    print(len(variants), "kernels,", failed, "failed")
+    return 1 if failed or not kernels else 0
 
 
 if __name__ == "__main__":

@@ -1,21 +1,24 @@
-"""Format-3 payloads made and read where the tensors live, by a few Triton kernels and
-torch operations, with no host synchronization (:mod:`recsz.codecs.blockformat` defines
-the bytes and codes them with numpy on the CPU; CI runs these kernels under
+"""Format-3 payloads made and read where the tensors live, by Triton kernels and a few
+torch scans, with no host synchronization (:mod:`recsz.codecs.blockformat` defines the
+bytes and codes them with numpy on the CPU; CI runs these kernels under
 ``TRITON_INTERPRET=1`` and compares).
 
 One call codes G groups (e.g. one per destination rank, each holding several tables) into
 one buffer, each payload at a place fixed by the shapes alone (its capacity: no row
-deduplicated, every block raw), so nothing waits for sizes. Encoding: row dedup by hash,
-stable sort and bitwise check, literal rows compacted, one quantize launch, one width
-launch, a prefix sum, the widths packed, one pack launch, header fields written by index.
-The used sizes come back as a device tensor; a caller that sends the payloads reads it
-once. Decoding is the inverse: widths, prefix sum, unpack launches, one row gather; the
-checks (header, lengths, references, checksum) become one device flag per payload, read
-once by :func:`check` where the caller wants a PayloadError.
+deduplicated, every block raw), so nothing waits for sizes. Encoding: row keys, a stable
+sort, a cumulative max (each run's first row), a bitwise check, a prefix sum (literal
+ranks), the rows placed; one launch quantizes and sizes every code block, one sizes the
+reference blocks; a prefix sum of the sizes; one launch packs every block and the width
+nibbles; the fixed header bytes by one index copy; one launch per call writes each
+group's fields, bounds and checksum. The used sizes come back as a device tensor; a
+caller that sends the payloads reads it once. Decoding is the inverse (headers, widths, a
+prefix sum, the references, literal ranks, the values, the duplicated rows, a verdict):
+the checks (header, lengths, references, checksum) become one device flag per payload,
+read once by :func:`check` where the caller wants a PayloadError.
 
 On a GPU, the second call with the same shapes (and, decoding, the same buffer) captures
 the call's device work as a CUDA graph; later calls copy their inputs in and replay it
-(one launch instead of about a hundred). Their outputs then live in the graph's buffers:
+(one launch instead of about twenty). Their outputs then live in the graph's buffers:
 valid until the next call of the same shapes (``static=True`` asks for this).
 """
 
@@ -29,15 +32,8 @@ import torch
 import triton
 
 from recsz.codecs import blockformat as bf
+from recsz.codecs import blockkernels as k
 from recsz.codecs import blockplan as bp
-from recsz.codecs.blockkernels import (
-    pack_kernel,
-    quantize_kernel,
-    row_key_kernel,
-    same_rows_kernel,
-    unpack_kernel,
-    widths_kernel,
-)
 from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
@@ -97,83 +93,76 @@ def encode(
 
 
 def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
-    t, dim, dev = p.t, p.dim, p.dev
+    t, dim, dev, nr = p.t, p.dim, p.dev, p.rows
     x, ebs = t["x"], t["ebs"]
-    eb_row = torch.cat([ebs, ebs.new_ones(1)])[t["rext"]]
     refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
     if p.dedup:
-        rep = _duplicates(p, x.view(torch.int32))
-        lit = rep < 0
-        rank, literal = bp.literal_rank(p, lit)
-        ref = torch.where(lit, 0, rank[rep.clamp(min=0)] - rank[t["rfirst"]] + 1)
-        refs[t["rslot"]] = ref.to(torch.int32)
-        at = torch.where(lit, t["rrow0"] + rank, p.rows)  # duplicates: to a spare slot
-        rows = torch.arange(p.rows, device=dev)
-        row_map = rows.new_full((p.rows + 1,), -1).index_copy_(0, at, rows)[:-1]
+        row_map = torch.full((nr,), -1, dtype=torch.int64, device=dev)
+        n_lit = torch.zeros(p.g, dtype=torch.int64, device=dev)
+        if nr:
+            dup, lit, cz = _duplicates(p, x.view(torch.int32))
+            k.encode_rows_kernel[(triton.cdiv(nr, ROWS_B),)](
+                dup, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["row0"], t["npad"],
+                row_map, refs, n_lit, nr, B=ROWS_B,
+            )  # fmt: skip
     else:
-        literal, row_map = t["npad"], torch.arange(p.rows, device=dev)
-    n = x.numel()
+        row_map, n_lit = t["arange"], t["npad"]
+    n, nb = x.numel(), p.blocks
     zz = torch.empty(n, dtype=torch.int32, device=dev)
-    raw = torch.empty(n // bf.LANES, dtype=torch.int8, device=dev)
+    w = torch.empty(nb, dtype=torch.uint8, device=dev)
+    size = torch.empty(nb, dtype=torch.int64, device=dev)
     if n:
-        grid = (triton.cdiv(n, ELEMS),)
-        quantize_kernel[grid](x, row_map, eb_row, zz, raw, n, dim, bf.QMAX, BLOCK=ELEMS)
-    n_blocks, data_at = bp.block_counts(p, literal)
-    nb = p.blocks
-    w = torch.zeros(nb, dtype=torch.uint8, device=dev)
+        k.quantize_kernel[(triton.cdiv(n, ELEMS),)](
+            x, row_map, t["rseg"], ebs, zz, w, size, t["rgroup"], t["bs"], t["nrb"],
+            t["row0"], n, bf.QMAX, DIM=dim, BLOCK=ELEMS,
+        )  # fmt: skip
+    if p.ref_blocks:
+        k.ref_widths_kernel[(triton.cdiv(p.ref_blocks, BLOCKS),)](
+            refs, t["refg"], t["rb0"], t["bs"], w, size, p.ref_blocks, B=BLOCKS
+        )
+    cs = torch.cumsum(size, 0)
     out = torch.empty(p.size, dtype=torch.uint8, device=dev)
-    parts = torch.zeros(nb, dtype=torch.int32, device=dev)
-    grid = (triton.cdiv(nb, BLOCKS),)
+    ck = torch.zeros(p.g, dtype=torch.int32, device=dev)
     if nb:
-        widths_kernel[grid](t["src"], zz, refs, raw, w, nb, B=BLOCKS)
-    off, data_len = bp.offsets(p, w, data_at)
-    # The width nibbles first: the data overwrites the tail of their capacity.
-    wg, k = t["wg"], t["wk"]
-    first = t["bs"][wg] + 2 * k
-    lo = torch.where(2 * k < n_blocks[wg], w[first.clamp(max=max(nb - 1, 0))], 0)
-    hi = torch.where(2 * k + 1 < n_blocks[wg], w[(first + 1).clamp(max=max(nb - 1, 0))], 0)
-    out[t["wpos"]] = lo | (hi << 4)
-    if nb:
-        pack_kernel[grid](t["src"], zz, refs, x.view(torch.int32), row_map, dim, w, off,
-                          t["bbase"], out.view(torch.int32), parts, nb, B=BLOCKS)  # fmt: skip
+        k.pack_kernel[(triton.cdiv(nb, BLOCKS),)](
+            t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
+            w, size, cs, zz, refs, x.view(torch.int32), row_map, out, out.view(torch.int32),
+            ck, nb, DIM=dim, B=BLOCKS,
+        )  # fmt: skip
     out[t["ipos"]] = t["ival"]
-    out[t["eb_pos"]] = ebs.view(torch.uint8)
-    out[t["field_pos"]] = (
-        torch.stack([bp.as_u32(literal), bp.as_u32(data_len)], 1).view(torch.uint8).view(-1)
-    )
-    total = bp.head_hash(p, out.view(torch.int32), data_at) + bp.part_hash(p, parts)
-    out[t["ck_pos"]] = bp.as_u32(total).view(torch.uint8)
-    return out, data_at + data_len
+    used = torch.empty(p.g, dtype=torch.int64, device=dev)
+    k.head_kernel[(p.g,)](
+        t["base"], t["wat"], t["fat"], t["ebat"], t["nrb"], t["bs"], t["nb"], t["k"],
+        t["seg0"], t["hfix"], n_lit, cs, size, ebs.view(torch.int64), ck, out,
+        out.view(torch.int32), used, DIM=dim,
+    )  # fmt: skip
+    return out, used
 
 
 ROWS = 32  # rows per dedup-kernel program
 DB = 32  # dims per step of its loop
+ROWS_B = 256  # rows per program of the per-row kernels
 
 
-def _duplicates(p: bp.Plan, bits: torch.Tensor) -> torch.Tensor:
-    """blockformat.duplicates on the device: keys by a kernel, a stable sort, the first
-    row of each run of equal keys as the target, checked bit for bit by a kernel."""
+def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """blockformat.duplicates on the device: keys by a kernel, a stable sort, each run's
+    first row by a cumulative max, checked bit for bit by a kernel. Returns each row's
+    target (-1: none), whether it is literal (int32) and the inclusive prefix sum of
+    that."""
     t = p.t
-    n, dim = bits.shape
-    r = torch.arange(n, device=p.dev)
+    n = bits.shape[0]
     key = torch.empty(n, dtype=torch.int64, device=p.dev)
     grid = (triton.cdiv(n, ROWS),)
-    if n:
-        row_key_kernel[grid](bits, t["mult"], t["piece"], t["rpad"], key, n,
-                             (1 << bf.HASH_BITS) - 1, bf.HASH_BITS, dim=dim, ROWS=ROWS,
-                             DB=DB)  # fmt: skip
+    k.row_key_kernel[grid](bits, t["mult"], t["rseg"], key, n, (1 << bf.HASH_BITS) - 1,
+                           bf.HASH_BITS, DIM=p.dim, ROWS=ROWS, DB=DB)  # fmt: skip
     ks, perm = torch.sort(key, stable=True)
-    start = torch.ones(n, dtype=torch.bool, device=p.dev)
-    start[1:] = ks[1:] != ks[:-1]
-    run = torch.cumsum(start.to(torch.int64), 0) - 1  # each sorted row's run
-    first = r.new_zeros(n + 1).index_copy_(0, torch.where(start, run, n), r)  # run -> its start
-    rep = perm[first[run]]
-    same = torch.empty(n, dtype=torch.int8, device=p.dev)
-    if n:
-        same_rows_kernel[grid](bits, perm, rep, same, n, dim=dim, ROWS=ROWS, DB=DB)
-    out = torch.full((n,), -1, dtype=torch.int64, device=p.dev)
-    out[perm] = torch.where((same != 0) & ~start, rep, -1)
-    return out
+    starts = torch.empty(n, dtype=torch.int64, device=p.dev)
+    k.run_start_kernel[(triton.cdiv(n, ROWS_B),)](ks, starts, n, B=ROWS_B)
+    first = torch.cummax(starts, 0).values
+    dup = torch.empty(n, dtype=torch.int64, device=p.dev)
+    lit = torch.empty(n, dtype=torch.int32, device=p.dev)
+    k.duplicates_kernel[grid](bits, perm, first, dup, lit, n, DIM=p.dim, ROWS=ROWS, DB=DB)
+    return dup, lit, torch.cumsum(lit, 0, dtype=torch.int32)
 
 
 def _row_starts(lays: list[bf.Layout]) -> list[int]:
@@ -237,70 +226,64 @@ def decode(
 
 
 def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t, dim, dev, buf = p.t, p.dim, p.dev, p.t["buf"]
+    t, dim, dev, buf, nr, nb = p.t, p.dim, p.dev, p.t["buf"], p.rows, p.blocks
     words = buf.view(torch.int32)
-    bad = torch.zeros(p.g, dtype=torch.int64, device=dev)
-    bad += bp.segment_sum(buf[t["ipos"]] != t["ival"], t["ibounds"])
-    fields = buf[t["field_pos"]].view(torch.int32).to(torch.int64).view(p.g, 2) & bf.MASK32
-    stated_l, stated_len = fields[:, 0], fields[:, 1]
-    bad += stated_l > t["npad"]
-    literal = torch.minimum(stated_l, t["npad"])
-    n_blocks, data_at = bp.block_counts(p, literal)
-    gid, local = t["gid"], t["blocal"]
-    wpos = (t["base"] + t["wat"])[gid] + local // 2
-    w = (buf[wpos.clamp(max=buf.numel() - 1)] >> (4 * (local % 2)).to(torch.uint8)) & 15
-    w = torch.where(local < n_blocks[gid], w, 0)
-    off, data_len = bp.offsets(p, w, data_at)
-    bad += (stated_len != data_len) | (t["base"] + data_at + data_len > t["end"])
-    ebs = buf[t["eb_pos"]].view(torch.float64)
-    eb_row = torch.cat([ebs, ebs.new_ones(1)])[t["rext"]]
-    y = torch.empty(p.rows * dim, dtype=torch.float32, device=dev)  # pass 2 writes all
-    refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
-    parts = torch.zeros(p.blocks, dtype=torch.int32, device=dev)
-    if p.dedup:  # the references first: the literal rows' bounds depend on them
-        _unpack(p, words, w * (t["src"] < 0), off, eb_row, y, refs, parts, codes=False)
-        ref = refs[t["rslot"]].to(torch.int64)
-        lit = ref == 0
-        rank, count = bp.literal_rank(p, lit)
-        bad += count != literal
-        at = torch.where(lit, t["rrow0"] + rank, p.rows)
-        eb_row = eb_row.new_ones(p.rows + 1).index_copy_(0, at, eb_row)[:-1]
-        w = w * (t["src"] >= 0)
-    _unpack(p, words, w, off, eb_row, y, refs, parts, refs_too=not p.dedup)
-    total = (bp.head_hash(p, words, data_at) + bp.part_hash(p, parts)) & bf.MASK32
-    bad += total != (buf[t["ck_pos"]].view(torch.int32).to(torch.int64) & bf.MASK32)
-    out = y.view(p.rows, dim)
-    if p.dedup:
-        want = torch.where(lit, rank, rank[t["rfirst"]] + ref - 1)
-        wrong = ~lit & ((ref < 0) | (want >= rank))
-        bad += bp.segment_sum(wrong, t["rbounds"])
-        want = torch.minimum(torch.where(wrong, 0, want), t["npad"][t["rgroup"]] - 1)
-        out = out.index_select(0, t["rrow0"] + want)
-    return out, ebs, bad == 0
-
-
-def _unpack(
-    p: bp.Plan,
-    words: torch.Tensor,
-    w: torch.Tensor,
-    off: torch.Tensor,
-    eb_row: torch.Tensor,
-    y: torch.Tensor,
-    refs: torch.Tensor,
-    parts: torch.Tensor,
-    codes: bool = True,
-    refs_too: bool = True,
-) -> None:
-    """The unpack kernel over the blocks of nonzero width; adds their checksum parts.
-    ``codes`` / ``refs_too``: write the element / reference stream."""
-    if not p.blocks:
-        return
-    part = torch.zeros_like(parts)
-    unpack_kernel[(triton.cdiv(p.blocks, BLOCKS),)](
-        p.t["src"], w, off, p.t["bbase"], words, words.numel(), eb_row, p.dim,
-        y, refs, part, p.blocks, B=BLOCKS, CODES=codes, REFS=refs_too,
+    n_lit = torch.empty(p.g, dtype=torch.int64, device=dev)
+    stated = torch.empty(p.g, dtype=torch.int64, device=dev)
+    ebs = torch.empty(p.segments, dtype=torch.int64, device=dev)
+    ck = torch.empty(p.g, dtype=torch.int32, device=dev)
+    bad = torch.empty(p.g, dtype=torch.int32, device=dev)
+    k.read_head_kernel[(p.g,)](
+        buf, words, buf.numel(), t["base"], t["fat"], t["ebat"], t["npad"], t["nrb"],
+        t["wat"], t["k"], t["seg0"], t["ipos"], t["ival"], t["ibounds"], n_lit, stated, ebs,
+        ck, bad, DIM=dim,
     )  # fmt: skip
-    parts += part
+    w = torch.empty(nb, dtype=torch.uint8, device=dev)
+    size = torch.empty(nb, dtype=torch.int64, device=dev)
+    grid = (triton.cdiv(nb, BLOCKS),)
+    if nb:
+        k.read_widths_kernel[grid](
+            buf, buf.numel(), t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, w,
+            size, ck, nb, DIM=dim, B=BLOCKS,
+        )  # fmt: skip
+    cs = torch.cumsum(size, 0)
+    y = torch.empty(nr * dim, dtype=torch.float32, device=dev)  # every literal slot written
+    refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
+    ebs_f = ebs.view(torch.float64)
+
+    def unpack(seg: torch.Tensor, refs_pass: bool) -> None:
+        k.unpack_kernel[grid](
+            t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
+            w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, nb, DIM=dim,
+            B=BLOCKS, REFS=refs_pass,
+        )  # fmt: skip
+
+    out = y.view(nr, dim)
+    if p.dedup and nr:  # the references first: the literal slots' bounds depend on them
+        unpack(t["rseg"], True)
+        lit = torch.empty(nr, dtype=torch.int32, device=dev)
+        rgrid = (triton.cdiv(nr, ROWS_B),)
+        k.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=ROWS_B)
+        cz = torch.cumsum(lit, 0, dtype=torch.int32)
+        src = torch.empty(nr, dtype=torch.int64, device=dev)
+        slot_seg = torch.full((nr,), -1, dtype=torch.int32, device=dev)
+        k.decode_rows_kernel[rgrid](
+            refs, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["rseg"], t["row0"],
+            t["npad"], n_lit, src, slot_seg, bad, nr, B=ROWS_B,
+        )  # fmt: skip
+        if nb:
+            unpack(slot_seg, False)
+        out = torch.empty(nr, dim, dtype=torch.float32, device=dev)
+        k.gather_rows_kernel[(triton.cdiv(nr, ROWS),)](y, src, out, nr, DIM=dim, ROWS=ROWS,
+                                                       DB=DB)  # fmt: skip
+    elif nb:
+        unpack(t["rseg"], False)
+    ok = torch.empty(p.g, dtype=torch.int8, device=dev)
+    k.verdict_kernel[(p.g,)](
+        words, t["base"], t["end"], t["wat"], t["nrb"], t["bs"], t["nb"], n_lit, stated, cs,
+        size, ck, bad, ok, DIM=dim,
+    )  # fmt: skip
+    return out, ebs_f, ok != 0
 
 
 def check(ok: torch.Tensor, what: str = "payload") -> None:

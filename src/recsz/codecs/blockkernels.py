@@ -1,10 +1,14 @@
 """Triton kernels of the format-3 block coder (:mod:`recsz.codecs.blockformat` defines the
-bytes; :mod:`recsz.codecs.blockcoder` launches these). They run on a GPU, and on the CPU
-under ``TRITON_INTERPRET=1``, where CI checks them against the numpy reference.
+bytes; :mod:`recsz.codecs.blockcoder` launches these in order). They run on a GPU, and on
+the CPU under ``TRITON_INTERPRET=1``, where CI checks them against the numpy reference.
 
-Blocks are addressed through a *source map*: entry b >= 0 is code block b of the step's
-element stream, entry b < 0 is reference block -b - 1, so a group's reference and code
-blocks sit together in its payload while the kernels read two plain streams.
+Index spaces (all groups of a call laid end to end, :mod:`recsz.codecs.blockplan`):
+*rows* (each group's rows, padded), *slots* (the same space: group g's literal rows
+compacted to its first slots), the *code stream* (the slots' elements, 32 to a code
+block), *ref blocks* (32 references each) and *blocks* (per group: its ref blocks, then
+its code blocks). Each group's checksum parts are added with integer atomics (exact and
+order-free modulo 2^32), one per group a program touches.
+
 Floating point: the only products are q x 2eb, each rounded before any sum (no fused
 multiply-add can change a result); x / 2eb is a correctly rounded float64 division.
 """
@@ -20,17 +24,174 @@ RAW = tl.constexpr(15)
 F32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+# ---- shared pieces ----------------------------------------------------------------------
 @triton.jit
-def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, raw_ptr, n, dim, qmax, BLOCK: tl.constexpr):
-    """Zig-zagged codes of the n elements of the literal rows (row c is row map[c] of x,
-    float32; -1: a zero row; eb per row of x, float64), and per 32-value block whether
-    the quantizer missed any of its elements (then the block is stored raw)."""
+def _width(v, missed):
+    """Width of [B, 32] blocks of codes: bit length of the largest, RAW if too wide/missed."""
+    top = tl.max(v, axis=1)
+    w = tl.zeros(top.shape, dtype=tl.int32)
+    for j in tl.static_range(26):
+        w += ((top >> j) != 0).to(tl.int32)
+    return tl.where(missed | (w > MAX_WIDTH), RAW, w)
+
+
+@triton.jit
+def _size(w):
+    return tl.where(w == RAW, 4 * LANES, 4 * w)
+
+
+@triton.jit
+def _add_per_group(ck_ptr, g, part, valid):
+    """Atomically add ``part`` of each valid lane into ck[g] (one atomic per group)."""
+    g0 = tl.min(tl.where(valid, g, 2147483647), axis=0)
+    g1 = tl.max(tl.where(valid, g, -1), axis=0)
+    gg = g0
+    while gg <= g1:
+        s = tl.sum(tl.where(valid & (g == gg), part, 0).to(tl.uint32), axis=0)
+        tl.atomic_add(ck_ptr + gg, s.to(tl.int32, bitcast=True))
+        gg += 1
+
+
+@triton.jit
+def _byte_hash(v, q):
+    """Checksum share of byte value v at payload byte q (>= 8): its word's index i,
+    v << 8 (q mod 4) times 2i + 1."""
+    i = ((q - 8) // 4).to(tl.uint32)
+    return (v.to(tl.uint32) << (8 * (q % 4)).to(tl.uint32)) * (2 * i + 1)
+
+
+@triton.jit
+def _group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr,
+                    DIM: tl.constexpr):  # fmt: skip
+    """Block b's group, index in it, ref block count, block count and data start."""
+    g = tl.load(bgid_ptr + b, mask=mb, other=0)
+    local = b - tl.load(bs_ptr + g, mask=mb, other=0)
+    nrb = tl.load(nrb_ptr + g, mask=mb, other=0)
+    nbl = nrb + (tl.load(lit_ptr + g, mask=mb, other=0) * DIM + LANES - 1) // LANES
+    data_at = tl.load(wat_ptr + g, mask=mb, other=0) + ((nbl + 1) // 2 + 3) // 4 * 4
+    return g, local, nrb, nbl, tl.load(base_ptr + g, mask=mb, other=0) + data_at
+
+
+@triton.jit
+def _offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr):
+    """Byte offset of block b: its group's data start plus the sizes before it."""
+    before = tl.load(cs_ptr + b, mask=mb, other=0) - tl.load(size_ptr + b, mask=mb, other=0)
+    first = tl.load(bs_ptr + g, mask=mb, other=0)
+    first_before = tl.load(cs_ptr + first, mask=mb, other=0) - tl.load(
+        size_ptr + first, mask=mb, other=0
+    )
+    return start + before - first_before
+
+
+# ---- deduplication ----------------------------------------------------------------------
+@triton.jit
+def row_key_kernel(
+    bits_ptr, mult_ptr, seg_ptr, key_ptr, n_rows, hash_mask, shift,
+    DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
+    """Each row's dedup key: (sum_d uint32 bits x mult[d]) & mask | segment << shift,
+    int64 arithmetic wrapping; -(row + 1) for pad rows (segment -1: never matched)."""
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mr = r < n_rows
+    h = tl.zeros([ROWS], dtype=tl.int64)
+    for d0 in tl.static_range(0, DIM, DB):
+        d = d0 + tl.arange(0, DB)
+        md = d < DIM
+        v = tl.load(
+            bits_ptr + r[:, None] * DIM + d[None, :], mask=mr[:, None] & md[None, :], other=0
+        )
+        m = tl.load(mult_ptr + d, mask=md, other=0)
+        h += tl.sum((v.to(tl.int64) & 0xFFFFFFFF) * m[None, :], axis=1)
+    seg = tl.load(seg_ptr + r, mask=mr, other=-1).to(tl.int64)
+    key = tl.where(seg < 0, -(r + 1), (h & hash_mask) | (seg << shift))
+    tl.store(key_ptr + r, key, mask=mr)
+
+
+@triton.jit
+def run_start_kernel(ks_ptr, out_ptr, n, B: tl.constexpr):
+    """out[i] = i where sorted key i starts a run of equal keys, else 0 (a cumulative
+    max then gives each position its run's first)."""
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    m = i < n
+    k = tl.load(ks_ptr + i, mask=m, other=0)
+    prev = tl.load(ks_ptr + i - 1, mask=m & (i > 0), other=0)
+    tl.store(out_ptr + i, tl.where((i == 0) | (k != prev), i, 0), mask=m)
+
+
+@triton.jit
+def duplicates_kernel(
+    bits_ptr, perm_ptr, first_ptr, dup_ptr, lit_ptr, n,
+    DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
+    """For sorted position i (row perm[i], its run's first row perm[first[i]]): dup[row] =
+    that first row where the bits are equal (and it is another row), else -1; lit[row] =
+    whether the row is coded."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mi = i < n
+    f = tl.load(first_ptr + i, mask=mi, other=0)
+    ra = tl.load(perm_ptr + i, mask=mi, other=0)
+    rb = tl.load(perm_ptr + f, mask=mi, other=0)
+    diff = tl.zeros([ROWS], dtype=tl.int32)
+    for d0 in tl.static_range(0, DIM, DB):
+        d = d0 + tl.arange(0, DB)
+        m = mi[:, None] & (d < DIM)[None, :]
+        va = tl.load(bits_ptr + ra[:, None] * DIM + d[None, :], mask=m, other=0)
+        vb = tl.load(bits_ptr + rb[:, None] * DIM + d[None, :], mask=m, other=0)
+        diff += tl.sum((va != vb).to(tl.int32), axis=1)
+    same = (diff == 0) & (f != i)
+    tl.store(dup_ptr + ra, tl.where(same, rb, -1), mask=mi)
+    tl.store(lit_ptr + ra, (~same).to(tl.int32), mask=mi)
+
+
+@triton.jit
+def _ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr):
+    """Literal rank of row r within its group, and the literal count before the group."""
+    r0 = tl.load(row0_ptr + g, mask=mr, other=0)
+    before = tl.load(cz_ptr + r0 - 1, mask=mr & (r0 > 0), other=0)
+    lit = tl.load(lit_ptr + r, mask=mr, other=0)
+    return tl.load(cz_ptr + r, mask=mr, other=0) - lit - before, before, r0, lit
+
+
+@triton.jit
+def encode_rows_kernel(
+    dup_ptr, lit_ptr, cz_ptr, rgroup_ptr, rfirst_ptr, rslot_ptr, row0_ptr, npad_ptr,
+    map_ptr, refs_ptr, nlit_ptr, n_rows, B: tl.constexpr,
+):  # fmt: skip
+    """Literal row r goes to slot row0 + rank (map[slot] = r); a duplicate's reference is
+    its target's rank within the segment + 1; each group's last row writes its literal
+    count."""
+    r = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mr = r < n_rows
+    g = tl.load(rgroup_ptr + r, mask=mr, other=0)
+    rank, before, r0, lit = _ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr)
+    tl.store(map_ptr + r0 + rank, r, mask=mr & (lit != 0))
+    rep = tl.load(dup_ptr + r, mask=mr, other=0)
+    rf = tl.load(rfirst_ptr + r, mask=mr, other=0)
+    rank_rep = tl.load(cz_ptr + rep, mask=mr & (lit == 0), other=1) - 1
+    rank_f = tl.load(cz_ptr + rf, mask=mr, other=0) - tl.load(lit_ptr + rf, mask=mr, other=0)
+    ref = tl.where(lit != 0, 0, rank_rep - rank_f + 1)
+    tl.store(refs_ptr + tl.load(rslot_ptr + r, mask=mr, other=0), ref.to(tl.int32), mask=mr)
+    last = r == r0 + tl.load(npad_ptr + g, mask=mr, other=0) - 1
+    tl.store(nlit_ptr + g, (tl.load(cz_ptr + r, mask=mr, other=0) - before).to(tl.int64),
+             mask=mr & last)  # fmt: skip
+
+
+# ---- encoding ---------------------------------------------------------------------------
+@triton.jit
+def quantize_kernel(
+    x_ptr, map_ptr, seg_ptr, ebs_ptr, zz_ptr, w_ptr, size_ptr, rgroup_ptr, bs_ptr, nrb_ptr,
+    row0_ptr, n, qmax, DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Zig-zagged codes of the code stream (slot s holds row map[s] of x, float32; -1: a
+    zero row; bound ebs[segment of the row], 1.0 for pad rows), and each code block's
+    width and byte size at its place among its group's blocks."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
-    row = tl.load(map_ptr + offs // dim, mask=m, other=-1)
+    row = tl.load(map_ptr + offs // DIM, mask=m, other=-1)
     m2 = m & (row >= 0)
-    x = tl.load(x_ptr + row * dim + offs % dim, mask=m2, other=0.0).to(tl.float64)
-    eb = tl.load(eb_ptr + row, mask=m2, other=1.0)
+    x = tl.load(x_ptr + row * DIM + offs % DIM, mask=m2, other=0.0).to(tl.float64)
+    seg = tl.load(seg_ptr + row, mask=m2, other=-1)
+    eb = tl.load(ebs_ptr + seg, mask=m2 & (seg >= 0), other=1.0)
     step = eb * 2.0
     qf = tl.floor(x / step + 0.5)
     ok = tl.abs(qf) <= qmax
@@ -40,163 +201,355 @@ def quantize_kernel(x_ptr, map_ptr, eb_ptr, zz_ptr, raw_ptr, n, dim, qmax, BLOCK
     y = tl.where(ok, prod, 0.0).to(tl.float32).to(tl.float64)
     ok = ok & (tl.abs(x - y) <= eb)
     q = qf.to(tl.int32)
-    zz = (q << 1) ^ (q >> 31)
-    tl.store(zz_ptr + offs, tl.where(ok, zz, 0), mask=m)
-    missed = tl.max(tl.reshape((~ok).to(tl.int8), (BLOCK // LANES, LANES)), axis=1)
-    blk = tl.program_id(0).to(tl.int64) * (BLOCK // LANES) + tl.arange(0, BLOCK // LANES)
-    tl.store(raw_ptr + blk, missed, mask=blk * LANES < n)
+    zz = tl.where(ok, (q << 1) ^ (q >> 31), 0)
+    tl.store(zz_ptr + offs, zz, mask=m)
+    nb: tl.constexpr = BLOCK // LANES
+    v = tl.reshape(zz.to(tl.uint32), (nb, LANES))
+    missed = tl.max(tl.reshape((~ok).to(tl.int32), (nb, LANES)), axis=1) != 0
+    w = _width(v, missed)
+    c = tl.program_id(0).to(tl.int64) * nb + tl.arange(0, nb)
+    mc = c * LANES < n
+    g = tl.load(rgroup_ptr + (c * LANES) // DIM, mask=mc, other=0)
+    c0 = tl.load(row0_ptr + g, mask=mc, other=0) * DIM // LANES
+    b = tl.load(bs_ptr + g, mask=mc, other=0) + tl.load(nrb_ptr + g, mask=mc, other=0) + c - c0
+    tl.store(w_ptr + b, w.to(tl.uint8), mask=mc)
+    tl.store(size_ptr + b, _size(w).to(tl.int64), mask=mc)
 
 
 @triton.jit
-def _values(src, mb, code_ptr, ref_ptr):
-    """[B, 32] values of the blocks named by the source map entries ``src``."""
+def ref_widths_kernel(refs_ptr, refg_ptr, rb0_ptr, bs_ptr, w_ptr, size_ptr, n_ref,
+                      B: tl.constexpr):  # fmt: skip
+    """Width and byte size of each reference block, at its place among its group's."""
+    rb = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    m = rb < n_ref
     lane = tl.arange(0, LANES)
-    is_code = src >= 0
-    code_at = src[:, None] * LANES + lane[None, :]
-    ref_at = (-src - 1)[:, None] * LANES + lane[None, :]
-    cv = tl.load(code_ptr + code_at, mask=(mb & is_code)[:, None], other=0)
-    rv = tl.load(ref_ptr + ref_at, mask=(mb & ~is_code)[:, None], other=0)
-    return tl.where(is_code[:, None], cv, rv).to(tl.uint32)
-
-
-@triton.jit
-def widths_kernel(src_ptr, code_ptr, ref_ptr, raw_ptr, w_ptr, nb, B: tl.constexpr):
-    """Width of each block: the bit length of its largest value; RAW where that exceeds
-    MAX_WIDTH or the block holds an element the quantizer missed."""
-    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mb = b < nb
-    src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
-    v = _values(src, mb, code_ptr, ref_ptr)
-    top = tl.max(v, axis=1)
-    w = tl.zeros([B], dtype=tl.int32)
-    for j in tl.static_range(26):
-        w += ((top >> j) != 0).to(tl.int32)
-    raw = (tl.load(raw_ptr + src, mask=mb & (src >= 0), other=0) != 0) | (w > MAX_WIDTH)
-    tl.store(w_ptr + b, tl.where(raw, RAW, w).to(tl.uint8), mask=mb)
-
-
-@triton.jit
-def _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B: tl.constexpr):
-    """This program's blocks: index, mask, source map entry, width, byte offset, and the
-    checksum index of its first word (from its payload's first byte)."""
-    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mb = b < nb
-    src = tl.load(src_ptr + b, mask=mb, other=0).to(tl.int64)
-    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
-    off = tl.load(off_ptr + b, mask=mb, other=0)
-    base = tl.load(base_ptr + b, mask=mb, other=0)
-    return b, mb, src, w, off, ((off - base - 8) // 4).to(tl.uint32)
+    v = tl.load(refs_ptr + rb[:, None] * LANES + lane[None, :], mask=m[:, None], other=0)
+    w = _width(v.to(tl.uint32), rb < 0)
+    g = tl.load(refg_ptr + rb, mask=m, other=0)
+    b = tl.load(bs_ptr + g, mask=m, other=0) + rb - tl.load(rb0_ptr + g, mask=m, other=0)
+    tl.store(w_ptr + b, w.to(tl.uint8), mask=m)
+    tl.store(size_ptr + b, _size(w).to(tl.int64), mask=m)
 
 
 @triton.jit
 def pack_kernel(
-    src_ptr, code_ptr, ref_ptr, xbits_ptr, map_ptr, dim, w_ptr, off_ptr, base_ptr, out32_ptr,
-    part_ptr, nb, B: tl.constexpr,
+    bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr,
+    w_ptr, size_ptr, cs_ptr, zz_ptr, refs_ptr, xbits_ptr, map_ptr, out8_ptr, out32_ptr,
+    ck_ptr, nb, DIM: tl.constexpr, B: tl.constexpr,
 ):  # fmt: skip
-    """Write each block's planes, or its raw words (float32 bits, or the references), at
-    its byte offset; ``part`` gets the checksum's share of the block's data words."""
-    b, mb, src, w, off, i0 = _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B)
+    """Each block's planes, or its raw words (float32 bits, or the references), at its
+    byte offset; the width nibbles; the checksum parts of both, added per group."""
+    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mb = b < nb
+    g, local, nrb, nbl, start = _group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
+                                                nrb_ptr, lit_ptr, DIM)  # fmt: skip
+    mb = mb & (local < nbl)
+    base = tl.load(base_ptr + g, mask=mb, other=0)
+    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
+    off = _offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
+    # The width nibbles: byte local // 2 of the widths, from the block pair (2k, 2k + 1).
+    even = mb & (local % 2 == 0)
+    hi = tl.load(w_ptr + b + 1, mask=even & (local + 1 < nbl), other=0).to(tl.int32)
+    nib = w | (hi << 4)
+    q = tl.load(wat_ptr + g, mask=mb, other=0) + local // 2
+    tl.store(out8_ptr + base + q, nib.to(tl.uint8), mask=even)
+    part = tl.where(even, _byte_hash(nib, q), 0)
+    # The values.
     lane = tl.arange(0, LANES)
+    is_ref = local < nrb
+    rb = tl.load(rb0_ptr + g, mask=mb, other=0) + local
+    c = tl.load(row0_ptr + g, mask=mb, other=0) * DIM // LANES + local - nrb
+    rv = tl.load(refs_ptr + rb[:, None] * LANES + lane[None, :], mask=(mb & is_ref)[:, None],
+                 other=0)  # fmt: skip
+    e = c[:, None] * LANES + lane[None, :]
+    cv = tl.load(zz_ptr + e, mask=(mb & ~is_ref)[:, None], other=0)
+    v = tl.where(is_ref[:, None], rv, cv).to(tl.uint32)
     raw = w == RAW
-    v = _values(src, mb, code_ptr, ref_ptr)
     word0 = off // 4
-    part = tl.zeros([B], dtype=tl.uint32)
-    for j in tl.static_range(MAX_WIDTH):
-        plane = tl.sum((((v >> j) & 1) << lane[None, :].to(tl.uint32)), axis=1).to(tl.uint32)
-        keep = mb & (j < w) & ~raw
+    i0 = ((off - base - 8) // 4).to(tl.uint32)
+    packed = mb & ~raw & (w > 0)
+    wmax = tl.max(tl.where(packed, w, 0), axis=0)
+    j = wmax * 0
+    while j < wmax:
+        ju = j.to(tl.uint32)
+        plane = tl.sum(((v >> ju) & 1) << lane[None, :].to(tl.uint32), axis=1).to(tl.uint32)
+        keep = packed & (j < w)
         tl.store(out32_ptr + word0 + j, plane.to(tl.int32, bitcast=True), mask=keep)
-        part += tl.where(keep, plane * (2 * (i0 + j) + 1), 0)
-    is_code = (src >= 0)[:, None]
+        part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
+        j += 1
     rm = (mb & raw)[:, None]
-    at = src[:, None] * LANES + lane[None, :]  # literal element: row map[at // dim] of x
-    row = tl.load(map_ptr + at // dim, mask=rm & is_code, other=-1)
-    xb = tl.load(xbits_ptr + row * dim + at % dim, mask=rm & is_code & (row >= 0), other=0)
-    xu = tl.where(is_code, xb.to(tl.uint32, bitcast=True), v)
+    row = tl.load(map_ptr + e // DIM, mask=rm & ~is_ref[:, None], other=-1)
+    xb = tl.load(xbits_ptr + row * DIM + e % DIM, mask=rm & (row >= 0), other=0)
+    xu = tl.where(is_ref[:, None], v, xb.to(tl.uint32, bitcast=True))
     tl.store(out32_ptr + word0[:, None] + lane[None, :], xu.to(tl.int32, bitcast=True), mask=rm)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
-    tl.store(part_ptr + b, part.to(tl.int32, bitcast=True), mask=mb)
+    _add_per_group(ck_ptr, g, part, mb)
+
+
+@triton.jit
+def head_kernel(
+    base_ptr, wat_ptr, fat_ptr, ebat_ptr, nrb_ptr, bs_ptr, nbmax_ptr, k_ptr, seg0_ptr,
+    hfix_ptr, lit_ptr, cs_ptr, size_ptr, ebs_ptr, ck_ptr, out8_ptr, out32_ptr, used_ptr,
+    DIM: tl.constexpr,
+):  # fmt: skip
+    """Group g's header fields (L, data_len), bounds, the zeros after its widths, its
+    checksum (the header's fixed words' share comes from the plan) and used length."""
+    g = tl.program_id(0)
+    base = tl.load(base_ptr + g)
+    lit = tl.load(lit_ptr + g)
+    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
+    wat = tl.load(wat_ptr + g)
+    data_at = wat + ((nbl + 1) // 2 + 3) // 4 * 4
+    first = tl.load(bs_ptr + g)
+    n = tl.load(nbmax_ptr + g)
+    first_before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
+        size_ptr + first, mask=n > 0, other=0
+    )
+    dlen = tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - first_before
+    fat = tl.load(fat_ptr + g) + 20
+    i_l = ((fat - 8) // 4).to(tl.uint32)
+    ck = tl.load(hfix_ptr + g).to(tl.uint32)
+    ck += lit.to(tl.uint32) * (2 * i_l + 1) + dlen.to(tl.uint32) * (2 * i_l + 3)
+    tl.store(out32_ptr + (base + fat) // 4, lit.to(tl.int32))
+    tl.store(out32_ptr + (base + fat) // 4 + 1, dlen.to(tl.int32))
+    pad = wat + (nbl + 1) // 2 + tl.arange(0, 4)
+    tl.store(out8_ptr + base + pad, tl.zeros([4], dtype=tl.uint8), mask=pad < data_at)
+    ebat = tl.load(ebat_ptr + g)
+    k = tl.load(k_ptr + g)
+    s0 = tl.load(seg0_ptr + g)
+    at = 0
+    while at < k:
+        s = at + tl.arange(0, 32)
+        ms = s < k
+        e = tl.load(ebs_ptr + s0 + s, mask=ms, other=0)
+        lo = (e & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((e >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        wd = (base + ebat) // 4 + 2 * s
+        tl.store(out32_ptr + wd, lo.to(tl.int32, bitcast=True), mask=ms)
+        tl.store(out32_ptr + wd + 1, hi.to(tl.int32, bitcast=True), mask=ms)
+        i = ((ebat - 8) // 4 + 2 * s).to(tl.uint32)
+        ck += tl.sum(tl.where(ms, lo * (2 * i + 1) + hi * (2 * i + 3), 0), axis=0)
+        at += 32
+    ck += tl.load(ck_ptr + g).to(tl.uint32, bitcast=True)
+    tl.store(out32_ptr + base // 4 + 1, ck.to(tl.int32, bitcast=True))
+    tl.store(used_ptr + g, data_at + dlen)
+
+
+# ---- decoding ---------------------------------------------------------------------------
+@triton.jit
+def read_head_kernel(
+    buf_ptr, words_ptr, n_bytes, base_ptr, fat_ptr, ebat_ptr, npad_ptr, nrb_ptr, wat_ptr,
+    k_ptr, seg0_ptr, ipos_ptr, ival_ptr, ibounds_ptr, lit_ptr, dlen_ptr, ebs_ptr, ck_ptr,
+    bad_ptr, DIM: tl.constexpr,
+):  # fmt: skip
+    """Group g's header: the bytes the shapes fix compared, L and data_len read (L beyond
+    the rows is flagged), the bounds copied out, the header words' checksum share."""
+    g = tl.program_id(0)
+    base = tl.load(base_ptr + g)
+    wrong = tl.zeros([64], dtype=tl.int32)
+    at = tl.load(ibounds_ptr + g)
+    stop = tl.load(ibounds_ptr + g + 1)
+    while at < stop:
+        i = at + tl.arange(0, 64)
+        m = i < stop
+        pos = tl.load(ipos_ptr + i, mask=m, other=0)
+        got = tl.load(buf_ptr + pos, mask=m & (pos < n_bytes), other=0)
+        want = tl.load(ival_ptr + i, mask=m, other=0)
+        wrong += (m & ((got != want) | (pos >= n_bytes))).to(tl.int32)
+        at += 64
+    fat = tl.load(fat_ptr + g) + 20
+    stated = tl.load(words_ptr + (base + fat) // 4).to(tl.uint32, bitcast=True).to(tl.int64)
+    npad = tl.load(npad_ptr + g)
+    lit = tl.minimum(stated, npad)
+    tl.store(lit_ptr + g, lit)
+    tl.store(dlen_ptr + g, tl.load(words_ptr + (base + fat) // 4 + 1).to(tl.uint32, bitcast=True)
+             .to(tl.int64))  # fmt: skip
+    k = tl.load(k_ptr + g)
+    s0 = tl.load(seg0_ptr + g)
+    ebat = tl.load(ebat_ptr + g)
+    s = 0
+    while s < k:
+        j = s + tl.arange(0, 32)
+        ms = j < k
+        wd = (base + ebat) // 4 + 2 * j
+        lo = tl.load(words_ptr + wd, mask=ms, other=0).to(tl.uint32, bitcast=True)
+        hi = tl.load(words_ptr + wd + 1, mask=ms, other=0).to(tl.uint32, bitcast=True)
+        e = lo.to(tl.int64) | (hi.to(tl.int64) << 32)
+        tl.store(ebs_ptr + s0 + j, e, mask=ms)
+        s += 32
+    # Header words [8, widths_at): the fixed ones, L and data_len, the bounds.
+    ck = tl.zeros([64], dtype=tl.uint32)
+    i = 0
+    n_head = (tl.load(wat_ptr + g) - 8) // 4
+    while i < n_head:
+        j = i + tl.arange(0, 64)
+        mj = j < n_head
+        v = tl.load(words_ptr + base // 4 + 2 + j, mask=mj, other=0).to(tl.uint32, bitcast=True)
+        ck += tl.where(mj, v * (2 * j.to(tl.uint32) + 1), 0)
+        i += 64
+    tl.store(ck_ptr + g, tl.sum(ck, axis=0).to(tl.int32, bitcast=True))
+    tl.store(bad_ptr + g, tl.sum(wrong, axis=0) + (stated > npad).to(tl.int32))
+
+
+@triton.jit
+def read_widths_kernel(
+    buf_ptr, n_bytes, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, w_ptr,
+    size_ptr, ck_ptr, nb, DIM: tl.constexpr, B: tl.constexpr,
+):  # fmt: skip
+    """Each block's width (0 past its group's blocks) and byte size; the checksum parts of
+    the width bytes and the zeros after them."""
+    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mb = b < nb
+    g, local, _, nbl, start = _group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
+                                              nrb_ptr, lit_ptr, DIM)  # fmt: skip
+    base = tl.load(base_ptr + g, mask=mb, other=0)
+    q = tl.load(wat_ptr + g, mask=mb, other=0) + local // 2
+    mine = mb & (local < nbl)
+    byte = tl.load(buf_ptr + base + q, mask=mine & (base + q < n_bytes), other=0).to(tl.int32)
+    w = tl.where(mine, (byte >> (4 * (local % 2))) & 15, 0)
+    tl.store(w_ptr + b, w.to(tl.uint8), mask=mb)
+    tl.store(size_ptr + b, _size(w).to(tl.int64), mask=mb)
+    part = tl.where(mine & (local % 2 == 0), _byte_hash(byte, q), 0)
+    last = mine & (local == nbl - 1)  # the zeros up to the data (their share, if damaged)
+    for k in tl.static_range(4):
+        p = q + 1 + k
+        mp = last & (p < start - base)
+        z = tl.load(buf_ptr + base + p, mask=mp & (base + p < n_bytes), other=0)
+        part += tl.where(mp, _byte_hash(z, p), 0)
+    _add_per_group(ck_ptr, g, part, mb)
 
 
 @triton.jit
 def unpack_kernel(
-    src_ptr, w_ptr, off_ptr, base_ptr, in32_ptr, n_words, eb_ptr, dim,
-    out_ptr, ref_ptr, part_ptr, nb, B: tl.constexpr, CODES: tl.constexpr, REFS: tl.constexpr,
+    bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr, w_ptr,
+    size_ptr, cs_ptr, in32_ptr, n_words, seg_ptr, ebs_ptr, out_ptr, refs_ptr, ck_ptr,
+    nb, DIM: tl.constexpr, B: tl.constexpr, REFS: tl.constexpr,
 ):  # fmt: skip
-    """Decode each block into the element stream (dequantized, or raw words as they are)
-    or the reference stream; ``part`` gets the checksum's share of its data words."""
-    b, mb, src, w, off, i0 = _blocks_of(src_ptr, w_ptr, off_ptr, base_ptr, nb, B)
+    """Decode the nb blocks: the code blocks into the code stream (dequantized
+    under the bound of each slot's segment, or raw words as they are), ``REFS``: the
+    reference blocks into the references. Adds their words' checksum parts."""
+    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mb = b < nb
+    g, local, nrb, _, start = _group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
+                                              nrb_ptr, lit_ptr, DIM)  # fmt: skip
+    is_ref = local < nrb
+    mb = mb & (is_ref == REFS)
+    base = tl.load(base_ptr + g, mask=mb, other=0)
+    w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
+    off = _offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
     lane = tl.arange(0, LANES)
+    if REFS:  # where the values go: the reference stream, or the code stream
+        at = (tl.load(rb0_ptr + g, mask=mb, other=0) + local)[:, None] * LANES + lane[None, :]
+    else:
+        c = tl.load(row0_ptr + g, mask=mb, other=0) * DIM // LANES + local - nrb
+        at = c[:, None] * LANES + lane[None, :]
     raw = w == RAW
     word0 = off // 4
+    i0 = ((off - base - 8) // 4).to(tl.uint32)
     v = tl.zeros([B, LANES], dtype=tl.uint32)
     part = tl.zeros([B], dtype=tl.uint32)
-    for j in tl.static_range(MAX_WIDTH):
-        at = word0 + j
-        keep = mb & (j < w) & ~raw & (at < n_words)
-        plane = tl.load(in32_ptr + at, mask=keep, other=0).to(tl.uint32, bitcast=True)
-        v |= ((plane[:, None] >> lane[None, :].to(tl.uint32)) & 1) << j
-        part += tl.where(keep, plane * (2 * (i0 + j) + 1), 0)
+    packed = mb & ~raw & (w > 0)
+    wmax = tl.max(tl.where(packed, w, 0), axis=0)
+    j = wmax * 0
+    while j < wmax:
+        ju = j.to(tl.uint32)
+        wj = word0 + j
+        keep = packed & (j < w) & (wj < n_words)
+        plane = tl.load(in32_ptr + wj, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        v |= ((plane[:, None] >> lane[None, :].to(tl.uint32)) & 1) << ju
+        part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
+        j += 1
     ra = word0[:, None] + lane[None, :]
     rm = (mb & raw)[:, None] & (ra < n_words)
-    xb = tl.load(in32_ptr + ra, mask=rm, other=0)
-    xu = xb.to(tl.uint32, bitcast=True)
+    xu = tl.load(in32_ptr + ra, mask=rm, other=0).to(tl.uint32, bitcast=True)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
-    tl.store(part_ptr + b, part.to(tl.int32, bitcast=True), mask=mb)
+    _add_per_group(ck_ptr, g, part, mb)
     v = tl.where(raw[:, None], xu, v)
-    is_code = src >= 0
-    at = src[:, None] * LANES + lane[None, :]
     zi = v.to(tl.int32, bitcast=True)
-    q = (zi >> 1) ^ -(zi & 1)
-    eb = tl.load(eb_ptr + at // dim, mask=(mb & is_code)[:, None], other=1.0)
-    # Clamped: a valid payload never needs it; a damaged one must not overflow (its
-    # checksum fails).
-    y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -F32_MAX), F32_MAX).to(tl.float32)
-    y = tl.where(raw[:, None], xb.to(tl.float32, bitcast=True), y)
-    if CODES:
-        tl.store(out_ptr + at, y, mask=(mb & is_code)[:, None])
     if REFS:
-        ref_at = (-src - 1)[:, None] * LANES + lane[None, :]
-        tl.store(ref_ptr + ref_at, zi, mask=(mb & ~is_code)[:, None])
+        tl.store(refs_ptr + at, zi, mask=mb[:, None])
+    else:
+        q = (zi >> 1) ^ -(zi & 1)
+        seg = tl.load(seg_ptr + at // DIM, mask=mb[:, None], other=-1)
+        eb = tl.load(ebs_ptr + seg, mask=mb[:, None] & (seg >= 0), other=1.0)
+        # Clamped: a valid payload never needs it; a damaged one must not overflow (its
+        # checksum fails).
+        y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -F32_MAX), F32_MAX)
+        y = tl.where(raw[:, None], xu.to(tl.float32, bitcast=True), y.to(tl.float32))
+        tl.store(out_ptr + at, y, mask=mb[:, None])
 
 
 @triton.jit
-def row_key_kernel(
-    bits_ptr, mult_ptr, piece_ptr, pad_ptr, key_ptr, n_rows, hash_mask, shift,
-    dim: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
+def decode_rows_kernel(
+    refs_ptr, lit_ptr, cz_ptr, rgroup_ptr, rfirst_ptr, rslot_ptr, rseg_ptr, row0_ptr,
+    npad_ptr, nlit_ptr, src_ptr, slotseg_ptr, bad_ptr, n_rows, B: tl.constexpr,
 ):  # fmt: skip
-    """Each row's dedup key: (sum_d uint32 bits x mult[d]) & mask | piece << shift,
-    int64 arithmetic wrapping; -(row + 1) for pad rows (never matched)."""
+    """Each row's slot (its own if literal, else its reference's target: references that
+    point at no earlier literal row are flagged), each literal slot's segment, and the
+    literal count checked against the header's."""
+    r = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mr = r < n_rows
+    g = tl.load(rgroup_ptr + r, mask=mr, other=0)
+    rank, before, r0, lit = _ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr)
+    npad = tl.load(npad_ptr + g, mask=mr, other=1)
+    ref = tl.load(refs_ptr + tl.load(rslot_ptr + r, mask=mr, other=0), mask=mr, other=0)
+    rf = tl.load(rfirst_ptr + r, mask=mr, other=0)
+    rank_f = tl.load(cz_ptr + rf, mask=mr, other=0) - tl.load(lit_ptr + rf, mask=mr, other=0)
+    want = rank_f - before + ref.to(tl.int64) - 1
+    wrong = mr & (lit == 0) & ((ref < 0) | (want >= rank))
+    want = tl.minimum(tl.where(wrong, 0, want), npad - 1)
+    tl.store(src_ptr + r, r0 + tl.where(lit != 0, rank, want), mask=mr)
+    tl.store(slotseg_ptr + r0 + rank, tl.load(rseg_ptr + r, mask=mr, other=-1),
+             mask=mr & (lit != 0))  # fmt: skip
+    last = mr & (r == r0 + npad - 1)
+    count = tl.load(cz_ptr + r, mask=mr, other=0) - before
+    bad = wrong | (last & (count != tl.load(nlit_ptr + g, mask=mr, other=0)))
+    _add_per_group(bad_ptr, g, bad.to(tl.int32), mr)
+
+
+@triton.jit
+def literal_kernel(refs_ptr, rslot_ptr, lit_ptr, n_rows, B: tl.constexpr):
+    """lit[r] = whether row r's reference is 0 (it is coded)."""
+    r = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mr = r < n_rows
+    ref = tl.load(refs_ptr + tl.load(rslot_ptr + r, mask=mr, other=0), mask=mr, other=0)
+    tl.store(lit_ptr + r, (ref == 0).to(tl.int32), mask=mr)
+
+
+@triton.jit
+def gather_rows_kernel(y_ptr, src_ptr, out_ptr, n_rows, DIM: tl.constexpr,
+                       ROWS: tl.constexpr, DB: tl.constexpr):  # fmt: skip
+    """out[r] = y[src[r]] (rows of DIM float32)."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mr = r < n_rows
-    h = tl.zeros([ROWS], dtype=tl.int64)
-    for d0 in tl.static_range(0, dim, DB):
+    s = tl.load(src_ptr + r, mask=mr, other=0)
+    for d0 in tl.static_range(0, DIM, DB):
         d = d0 + tl.arange(0, DB)
-        md = d < dim
-        v = tl.load(
-            bits_ptr + r[:, None] * dim + d[None, :], mask=mr[:, None] & md[None, :], other=0
-        )
-        m = tl.load(mult_ptr + d, mask=md, other=0)
-        h += tl.sum((v.to(tl.int64) & 0xFFFFFFFF) * m[None, :], axis=1)
-    piece = tl.load(piece_ptr + r, mask=mr, other=0)
-    pad = tl.load(pad_ptr + r, mask=mr, other=1)
-    key = tl.where(pad != 0, -(r + 1), (h & hash_mask) | (piece << shift))
-    tl.store(key_ptr + r, key, mask=mr)
+        m = mr[:, None] & (d < DIM)[None, :]
+        v = tl.load(y_ptr + s[:, None] * DIM + d[None, :], mask=m, other=0.0)
+        tl.store(out_ptr + r[:, None] * DIM + d[None, :], v, mask=m)
 
 
 @triton.jit
-def same_rows_kernel(
-    bits_ptr, a_ptr, b_ptr, out_ptr, n, dim: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr
+def verdict_kernel(
+    words_ptr, base_ptr, end_ptr, wat_ptr, nrb_ptr, bs_ptr, nbmax_ptr, lit_ptr, dlen_ptr,
+    cs_ptr, size_ptr, ck_ptr, bad_ptr, ok_ptr, DIM: tl.constexpr,
 ):  # fmt: skip
-    """out[i] = row a[i] of bits equals row b[i], bit for bit."""
-    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    mi = i < n
-    ra = tl.load(a_ptr + i, mask=mi, other=0)
-    rb = tl.load(b_ptr + i, mask=mi, other=0)
-    diff = tl.zeros([ROWS], dtype=tl.int32)
-    for d0 in tl.static_range(0, dim, DB):
-        d = d0 + tl.arange(0, DB)
-        m = mi[:, None] & (d < dim)[None, :]
-        va = tl.load(bits_ptr + ra[:, None] * dim + d[None, :], mask=m, other=0)
-        vb = tl.load(bits_ptr + rb[:, None] * dim + d[None, :], mask=m, other=0)
-        diff += tl.sum((va != vb).to(tl.int32), axis=1)
-    tl.store(out_ptr + i, (diff == 0).to(tl.int8), mask=mi)
+    """ok[g]: no check flagged group g, its blocks fill its stated data length inside the
+    payload, and its checksum matches."""
+    g = tl.program_id(0)
+    base = tl.load(base_ptr + g)
+    lit = tl.load(lit_ptr + g)
+    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
+    data_at = tl.load(wat_ptr + g) + ((nbl + 1) // 2 + 3) // 4 * 4
+    first = tl.load(bs_ptr + g)
+    n = tl.load(nbmax_ptr + g)
+    first_before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
+        size_ptr + first, mask=n > 0, other=0
+    )
+    dlen = tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - first_before
+    stored = tl.load(words_ptr + base // 4 + 1)
+    good = (tl.load(bad_ptr + g) == 0) & (dlen == tl.load(dlen_ptr + g))
+    good = good & (base + data_at + dlen <= tl.load(end_ptr + g))
+    good = good & (tl.load(ck_ptr + g) == stored)
+    tl.store(ok_ptr + g, good.to(tl.int8))

@@ -1,10 +1,10 @@
 """Where everything of a call of the format-3 device coder sits, from the shapes alone.
 
 A :class:`Plan` is built once per set of layouts (and payload places): the host works out
-per-group and per-piece numbers and the small index sets (header fields, bounds), and
-uploads them in one asynchronous copy; the per-row and per-block indices are derived from
-them on the device by a few torch operations. Nothing after the upload reads or writes
-host memory, so the coder's work can be captured once as a CUDA graph and replayed.
+every per-group, per-row and per-block index the kernels need (:mod:`recsz.codecs.
+blockkernels` names the index spaces) and uploads them in one asynchronous copy. Nothing
+after the upload reads or writes host memory, so the coder's work can be captured once as
+a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -19,13 +19,19 @@ from recsz.codecs import blockformat as bf
 from recsz.codecs.payload import MAGIC, upload
 
 _pad1 = torch.nn.functional.pad
-_GROUP_COLS = ("nrb", "nb", "cb0", "rb0", "bs", "base", "wat", "row0", "npad", "ebat", "fat", "end")
+#: Per group: payload start and end, header places, rows, blocks, segments, the fixed
+#: header words' checksum share.
+_GROUP = ("base", "end", "wat", "fat", "ebat", "row0", "npad", "nrb", "rb0", "bs", "nb", "k",
+          "seg0", "hfix")  # fmt: skip
+#: Per row (int32): group, segment (-1: pad row); (int64): first row of its piece, slot
+#: of its reference. Per block: group; per reference block: group.
+_SMALL = ("rgroup", "rseg", "bgid", "refg")
 
 
 @dataclass
 class Plan:
-    """One call's layouts, the payloads' first bytes, and the device tensors derived from
-    them (``t[name]``)."""
+    """One call's layouts, the payloads' first bytes, and the device tensors of their
+    indices (``t[name]``)."""
 
     lays: list[bf.Layout]
     base: list[int]
@@ -55,6 +61,10 @@ class Plan:
         return sum(lay.ref_blocks for lay in self.lays)
 
     @property
+    def segments(self) -> int:
+        return sum(len(lay.seg_rows) for lay in self.lays)
+
+    @property
     def dedup(self) -> bool:
         return self.lays[0].dedup
 
@@ -66,58 +76,43 @@ class Plan:
 def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.device) -> Plan:
     """The plan of payloads ``lays`` at bytes ``base`` (each ending by ``ends``)."""
     p = Plan(lays, base, dev)
-    cols: dict[str, list[int]] = {k: [] for k in _GROUP_COLS}
-    counts, ext, is_pad, wb, hh = [], [], [], [], []
-    row0 = cb0 = rb0 = bs = s = 0
-    for lay, b, e in zip(lays, base, ends, strict=True):
-        k = len(lay.seg_rows)
-        for name, v in zip(_GROUP_COLS, (lay.ref_blocks, lay.max_blocks, cb0, rb0, bs, b,
-                                         lay.widths_at, row0, lay.padded, lay.eb_at,
-                                         lay.fields_at, e), strict=True):  # fmt: skip
+    cols: dict[str, list[int]] = {k: [] for k in _GROUP}
+    rgroup, rseg, rfirst, rslot, bgid, refg = [], [], [], [], [], []
+    row0 = rb0 = bs = seg0 = 0
+    for g, (lay, b, e) in enumerate(zip(lays, base, ends, strict=True)):
+        k, npad = len(lay.seg_rows), lay.padded
+        head = np.frombuffer(lay.head(), "<u4")  # words [8, eb_at), L and data_len zero
+        vals = (b, e, lay.widths_at, lay.fields_at, lay.eb_at, row0, npad, lay.ref_blocks, rb0,
+                bs, lay.max_blocks, k, seg0, bf.word_hash(head))  # fmt: skip
+        for name, v in zip(_GROUP, vals, strict=True):
             cols[name].append(v)
-        row0 += lay.padded
-        cb0 += lay.code_blocks(lay.padded)
+        piece, first = bf.pieces(lay)
+        rgroup.append(np.full(npad, g))
+        rseg.append(np.where(piece < k, piece + seg0, -1))
+        rfirst.append(first[piece] + row0)
+        rslot.append(rb0 * bf.LANES + np.arange(npad))
+        bgid.append(np.full(lay.max_blocks, g))
+        refg.append(np.full(lay.ref_blocks, g))
+        row0 += npad
         rb0 += lay.ref_blocks
         bs += lay.max_blocks
-        counts += [*lay.seg_rows, lay.padded - lay.rows]
-        ext += [*range(s, s + k), -1]  # -1: the pad rows' bound (1.0)
-        is_pad += [0] * k + [1]
-        s += k
-        wb.append(lay.data_at(lay.padded) - lay.widths_at)  # widths with their zero pad
-        hh.append((lay.data_at(lay.padded) - 8) // 4)
+        seg0 += k
     ipos, ival, ig = _image(lays, base)
-    small = {
-        "eb_pos": _spans(
-            [b + lay.eb_at for lay, b in zip(lays, base, strict=True)],
-            [8 * len(lay.seg_rows) for lay in lays],
-        ),
-        "field_pos": _spans(
-            [b + lay.fields_at + bf.L_AT for lay, b in zip(lays, base, strict=True)],
-            [8] * len(lays),
-        ),
-        "ck_pos": _spans([b + 4 for b in base], [4] * len(lays)),
-        "ipos": ipos,
-        "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
-        "mult": bf.HASH_MULT[: lays[0].dim],
-    }
-    arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "counts": counts,
-              "ext": ext, "is_pad": is_pad, "wb": wb, "hh": hh, **small}  # fmt: skip
-    flat = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays.values()])
-    dev_flat = upload(flat, torch.int64, dev)
-    at = 0
-    for name, a in arrays.items():
-        n = np.asarray(a).size
-        p.t[name] = dev_flat[at : at + n]
-        at += n
+    cat = lambda a: np.concatenate(a) if a else np.zeros(0, np.int64)  # noqa: E731
+    wide = {**{k: np.asarray(v, np.int64) for k, v in cols.items()},
+            "rfirst": cat(rfirst), "rslot": cat(rslot), "ipos": ipos,
+            "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
+            "mult": bf.HASH_MULT[: lays[0].dim], "arange": np.arange(p.rows)}  # fmt: skip
+    narrow = {"rgroup": cat(rgroup), "rseg": cat(rseg), "bgid": cat(bgid), "refg": cat(refg)}
+    for arrays, dtype in ((wide, torch.int64), (narrow, torch.int32)):
+        flat = np.concatenate([np.asarray(a).reshape(-1) for a in arrays.values()])
+        dev_flat = upload(flat, dtype, dev)
+        at = 0
+        for name, a in arrays.items():
+            p.t[name] = dev_flat[at : at + np.asarray(a).size]
+            at += np.asarray(a).size
     p.t["ival"] = upload(ival, torch.uint8, dev)
-    _derive(p)
     return p
-
-
-def _spans(starts: list[int], lens: list[int]) -> np.ndarray:
-    if not starts:
-        return np.zeros(0, np.int64)
-    return np.concatenate([s + np.arange(n) for s, n in zip(starts, lens, strict=True)])
 
 
 def _image(lays: list[bf.Layout], base: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -146,34 +141,6 @@ def group_of(lens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(ids, lens, output_size=total)
 
 
-def _derive(p: Plan) -> None:
-    """Per-row and per-block indices, on the device."""
-    t = p.t
-    r = torch.arange(p.rows, device=p.dev)
-    t["piece"] = group_of(t["counts"], p.rows)
-    t["rgroup"] = group_of(t["npad"], p.rows)
-    t["rlocal"] = r - t["row0"][t["rgroup"]]
-    t["rfirst"] = (torch.cumsum(t["counts"], 0) - t["counts"])[t["piece"]]
-    t["rpad"] = t["is_pad"][t["piece"]].to(torch.int8)
-    t["rslot"] = t["rb0"][t["rgroup"]] * bf.LANES + t["rlocal"]
-    t["rrow0"] = t["row0"][t["rgroup"]]
-    t["rext"] = t["ext"][t["piece"]]
-    gid = group_of(t["nb"], p.blocks)
-    local = torch.arange(p.blocks, device=p.dev) - t["bs"][gid]
-    nrb = t["nrb"][gid]
-    t["gid"], t["blocal"] = gid, local
-    t["src"] = torch.where(local < nrb, -(t["rb0"][gid] + local) - 1, t["cb0"][gid] + local - nrb)
-    t["bbase"] = t["base"][gid]
-    wb_total = int(sum(lay.data_at(lay.padded) - lay.widths_at for lay in p.lays))
-    t["wpos"] = ranges(t["base"] + t["wat"], t["wb"], wb_total)
-    t["wg"] = group_of(t["wb"], wb_total)
-    t["wk"] = t["wpos"] - (t["base"] + t["wat"])[t["wg"]]
-    t["rbounds"] = _pad1(torch.cumsum(t["npad"], 0), (1, 0))
-    t["bbounds"] = _pad1(torch.cumsum(t["nb"], 0), (1, 0))
-    hh_total = int(sum((lay.data_at(lay.padded) - 8) // 4 for lay in p.lays))
-    t["hidx"], t["hg"], t["hi"], t["hbounds"] = word_spans((t["base"] + 8) // 4, t["hh"], hh_total)
-
-
 def word_spans(
     first: torch.Tensor, lens: torch.Tensor, total: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -182,37 +149,6 @@ def word_spans(
     idx = ranges(first, lens, total)
     g = group_of(lens, total)
     return idx, g, idx - first[g], _pad1(torch.cumsum(lens, 0), (1, 0))
-
-
-def literal_rank(p: Plan, lit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's rank among its group's literal rows, and each group's literal count."""
-    cz = _pad1(torch.cumsum(lit.to(torch.int64), 0), (1, 0))
-    r0 = p.t["row0"]
-    return cz[:-1] - cz[r0][p.t["rgroup"]], cz[r0 + p.t["npad"]] - cz[r0]
-
-
-def block_counts(p: Plan, literal: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each group's block count and data start, given its literal rows."""
-    n_blocks = p.t["nrb"] + (literal * p.dim + bf.LANES - 1) // bf.LANES
-    return n_blocks, p.t["wat"] + ((n_blocks + 1) // 2 + 3) // 4 * 4
-
-
-def offsets(p: Plan, w: torch.Tensor, data_at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Byte offset of every block, and each group's data length."""
-    size = torch.where(w == bf.RAW, 4 * bf.LANES, 4 * w.to(torch.int64))
-    cz = _pad1(torch.cumsum(size, 0), (1, 0))
-    start = cz[p.t["bs"]]
-    data_len = cz[p.t["bs"] + p.t["nb"]] - start
-    off = cz[:-1] + (p.t["base"] + data_at - start)[p.t["gid"]]
-    return off, data_len
-
-
-def head_hash(p: Plan, words: torch.Tensor, data_at: torch.Tensor) -> torch.Tensor:
-    """Checksum share of each payload's words from byte 8 to its data (header, widths)."""
-    i = p.t["hi"]
-    keep = i < (data_at[p.t["hg"]] - 8) // 4
-    idx = p.t["hidx"].clamp(max=words.numel() - 1)
-    return word_sums(words, idx, i, p.t["hbounds"], keep)
 
 
 def word_sums(
@@ -233,11 +169,6 @@ def segment_sum(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
     a prefix sum, not atomics (a few segments of many values would contend)."""
     cz = _pad1(torch.cumsum(v.to(torch.int64), 0), (1, 0))
     return cz[bounds[1:]] - cz[bounds[:-1]]
-
-
-def part_hash(p: Plan, parts: torch.Tensor) -> torch.Tensor:
-    """Checksum share of each payload's blocks (the kernels' per-block parts)."""
-    return segment_sum(parts.to(torch.int64) & bf.MASK32, p.t["bbounds"])
 
 
 def as_u32(v: torch.Tensor) -> torch.Tensor:
