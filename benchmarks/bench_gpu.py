@@ -216,6 +216,42 @@ def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float
     return out
 
 
+#: (blocks per pack/unpack program, elements per quantize program) tried by --sweep.
+SWEEP = [(32, 1024), (64, 2048), (128, 2048), (64, 4096), (128, 4096)]
+
+
+def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
+    """The hybrid codec's encode/decode GB/s at each launch shape of SWEEP (the coder's
+    module constants; each shape gets new plans and graphs)."""
+    from recsz.codecs import blockcoder
+
+    b, n_tables, dim = step_cpu.shape
+    rows_in = step_cpu.to(DEV).transpose(0, 1).reshape(n_tables * b, dim)
+    ebs = absolute_bounds([REL] * n_tables, "rel", rows_in.view(n_tables, b, dim))
+    codec = get_codec("hybrid") if DEV.type == "cuda" else get_codec("hybrid", coder="blocks")
+    groups, raw, out = [(rows_in, [b] * n_tables)], rows_in.numel() * 4, []
+    saved = (blockcoder.BLOCKS, blockcoder.ELEMS)
+    try:
+        for blocks, elems in SWEEP:
+            blockcoder.BLOCKS, blockcoder.ELEMS = blocks, elems
+            blockcoder._PLANS.clear()
+            pays, _ = codec.encode_segments(groups, ebs, trim=False)
+            t_enc = timed(lambda: codec.encode_segments(groups, ebs, trim=False), repeats)
+            t_dec = timed(
+                lambda p=pays: codec.decode_segments(p, [[b] * n_tables], dim, check=False), repeats
+            )
+            gb = {"encode_gbps": raw / t_enc / 1e9, "decode_gbps": raw / t_dec / 1e9}
+            out.append({"data": data, "batch": b, "blocks": blocks, "elems": elems, **gb})
+            print(
+                f"sweep {data:12} b={b:5} blocks {blocks:4} elems {elems:5} "
+                f"enc {out[-1]['encode_gbps']:7.1f} dec {out[-1]['decode_gbps']:7.1f} GB/s"
+            )
+    finally:
+        blockcoder.BLOCKS, blockcoder.ELEMS = saved
+        blockcoder._PLANS.clear()
+    return out
+
+
 def train_rows(batch: int, steps: int) -> list[dict]:
     """One GPU, the bench preset, the real exchange at world size 1 in both directions."""
     cfg = get_preset("bench").model
@@ -317,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", type=Path)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--batch", type=int, help="this batch size only")
+    ap.add_argument("--sweep", action="store_true", help="also try the coder's launch shapes")
+    ap.add_argument("--no-train", action="store_true", help="the codec only, no training step")
     args = ap.parse_args(argv)
     global DEV
     DEV = torch.device(args.device)
@@ -343,11 +381,13 @@ def main(argv: list[str] | None = None) -> int:
             cpu_ratio = real["cpu_hybrid_ratio"].get(bs, float("nan"))
             rows += codec_rows(real["pooled"][:bs], "real Criteo", repeats, cpu_ratio)
         print_rows(rows[-6:])
+        if args.sweep:
+            result.setdefault("sweep", []).extend(sweep_rows(synth, "synthetic", repeats))
     for r in rows:
         r["device"] = result["device"]
     result["codecs"] = rows
     result["train"] = []
-    for bs in batches:
+    for bs in [] if args.no_train else batches:
         result["train"] += train_rows(bs, 3 if DEV.type == "cpu" else 20)
     for r in result["train"]:
         r["device"] = result["device"]
