@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from recsz.codecs import blockkernels as k
+from recsz.policy import rangekernel
 
 #: The type of each argument name, as the coder passes it (per kernel where they differ).
 TYPES = {
@@ -34,6 +35,8 @@ TYPES = {
             "in32_ptr",
             "slotseg_ptr",
             "rseg_ptr",
+            "run_ptr",
+            "start_ptr",
         ],
         "*i32",
     ),
@@ -76,6 +79,12 @@ TYPES = {
     ),
     **dict.fromkeys(["w_ptr", "out8_ptr", "buf_ptr", "ival_ptr"], "*u8"),
     "x_ptr": "*fp32",
+    "lo_ptr": "*fp32",
+    "hi_ptr": "*fp32",
+    "s_t": "i64",
+    "s_b": "i64",
+    "n_b": "i32",
+    "n_chunks": "i32",
     "y_ptr": "*fp32",
     "ebs_ptr": "*fp64",
     "ok_ptr": "*i8",
@@ -91,14 +100,21 @@ PER_KERNEL = {
     "verdict_kernel": {"lit_ptr": "*i64"},
     "gather_rows_kernel": {"out_ptr": "*fp32"},
 }
-CONST = {"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "REFS": False}
+CONST = {
+    **{"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "DP": 64},
+    **{"REFS": False, "PLANES3D": True},
+}
 
 
 def main() -> int:
     failed = 0
-    kernels = [v for v in vars(k).values() if isinstance(v, triton.JITFunction)
-               and not v.__name__.startswith("_")]  # fmt: skip
-    variants = [(fn, CONST) for fn in kernels] + [(k.unpack_kernel, {**CONST, "REFS": True})]
+    kernels = [v for m in (k, rangekernel) for v in vars(m).values()
+               if isinstance(v, triton.JITFunction) and not v.__name__.startswith("_")]  # fmt: skip
+    variants = [(fn, CONST) for fn in kernels] + [
+        (k.unpack_kernel, {**CONST, "REFS": True}),
+        (k.pack_kernel, {**CONST, "PLANES3D": False}),
+        (k.unpack_kernel, {**CONST, "PLANES3D": False}),
+    ]
     for fn, consts in variants:
         names = list(inspect.signature(fn.fn).parameters)
         types = {**TYPES, **PER_KERNEL.get(fn.__name__, {})}

@@ -6,7 +6,7 @@ bytes and codes them with numpy on the CPU; CI runs these kernels under
 One call codes G groups (e.g. one per destination rank, each holding several tables) into
 one buffer, each payload at a place fixed by the shapes alone (its capacity: no row
 deduplicated, every block raw), so nothing waits for sizes. Encoding: row keys, a stable
-sort, a cumulative max (each run's first row), a bitwise check, a prefix sum (literal
+sort, each run's first row (a prefix sum and a scatter), a bitwise check, a prefix sum (literal
 ranks), the rows placed; one launch quantizes and sizes every code block, one sizes the
 reference blocks; a prefix sum of the sizes; one launch packs every block and the width
 nibbles; the fixed header bytes by one index copy; one launch per call writes each
@@ -37,7 +37,8 @@ from recsz.codecs import blockplan as bp
 from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
-BLOCKS = 64  # blocks per width / pack / unpack program
+BLOCKS = 32  # blocks per pack / unpack program
+PLANES3D = True  # pack / unpack every plane at once (else plane after plane)
 _PLANS: OrderedDict[tuple, bp.Plan] = OrderedDict()
 _MAX_PLANS = 16
 
@@ -127,7 +128,7 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
         k.pack_kernel[(triton.cdiv(nb, BLOCKS),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, zz, refs, x.view(torch.int32), row_map, out, out.view(torch.int32),
-            ck, nb, DIM=dim, B=BLOCKS,
+            ck, nb, DIM=dim, B=BLOCKS, PLANES3D=PLANES3D,
         )  # fmt: skip
     out[t["ipos"]] = t["ival"]
     used = torch.empty(p.g, dtype=torch.int64, device=dev)
@@ -146,9 +147,9 @@ ROWS_B = 256  # rows per program of the per-row kernels
 
 def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """blockformat.duplicates on the device: keys by a kernel, a stable sort, each run's
-    first row by a cumulative max, checked bit for bit by a kernel. Returns each row's
-    target (-1: none), whether it is literal (int32) and the inclusive prefix sum of
-    that."""
+    first row (run starts, their prefix sum, a scatter), checked bit for bit by a kernel.
+    Returns each row's target (-1: none), whether it is literal (int32) and the inclusive
+    prefix sum of that."""
     t = p.t
     n = bits.shape[0]
     key = torch.empty(n, dtype=torch.int64, device=p.dev)
@@ -156,12 +157,15 @@ def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     k.row_key_kernel[grid](bits, t["mult"], t["rseg"], key, n, (1 << bf.HASH_BITS) - 1,
                            bf.HASH_BITS, DIM=p.dim, ROWS=ROWS, DB=DB)  # fmt: skip
     ks, perm = torch.sort(key, stable=True)
-    starts = torch.empty(n, dtype=torch.int64, device=p.dev)
-    k.run_start_kernel[(triton.cdiv(n, ROWS_B),)](ks, starts, n, B=ROWS_B)
-    first = torch.cummax(starts, 0).values
+    starts = torch.empty(n, dtype=torch.int32, device=p.dev)
+    rgrid = (triton.cdiv(n, ROWS_B),)
+    k.run_start_kernel[rgrid](ks, starts, n, B=ROWS_B)
+    run = torch.cumsum(starts, 0, dtype=torch.int32)
+    first = torch.empty(n, dtype=torch.int64, device=p.dev)
+    k.run_first_kernel[rgrid](starts, run, first, n, B=ROWS_B)
     dup = torch.empty(n, dtype=torch.int64, device=p.dev)
     lit = torch.empty(n, dtype=torch.int32, device=p.dev)
-    k.duplicates_kernel[grid](bits, perm, first, dup, lit, n, DIM=p.dim, ROWS=ROWS, DB=DB)
+    k.duplicates_kernel[grid](bits, perm, run, first, dup, lit, n, DIM=p.dim, ROWS=ROWS, DB=DB)
     return dup, lit, torch.cumsum(lit, 0, dtype=torch.int32)
 
 
@@ -255,7 +259,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k.unpack_kernel[grid](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, nb, DIM=dim,
-            B=BLOCKS, REFS=refs_pass,
+            B=BLOCKS, REFS=refs_pass, PLANES3D=PLANES3D,
         )  # fmt: skip
 
     out = y.view(nr, dim)

@@ -62,14 +62,26 @@ def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.T
         for eb, xj in zip(factors, x if _abs_checks["left"] > 0 else [], strict=False):
             _warn_if_wider_than_data(eb, xj)  # the first slices only (a host read each)
         return f.clamp(max=EB_MAX)
-    dims = tuple(range(1, x.dim()))
-    inf = float("inf")
-    lo = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=inf).amin(dims).double()
-    hi = torch.nan_to_num(x, nan=-inf, posinf=-inf, neginf=-inf).amax(dims).double()
+    lo, hi = finite_range(x)
     r = hi - lo
     r = torch.where(r > 0, r, torch.maximum(lo.abs(), hi.abs()))  # constant: its magnitude
     r = torch.where(torch.isfinite(r), r, 0.0)  # nothing finite
     return (f * r).clamp(MIN_ABS_BOUND, EB_MAX)
+
+
+def finite_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per table j, the smallest and largest finite value of x[j] (float64; +inf / -inf
+    where it holds none): one Triton pass on a GPU, torch reductions elsewhere."""
+    if x.is_cuda:
+        from recsz.policy import rangekernel
+
+        if rangekernel.applies(x):
+            return rangekernel.finite_range(x)
+    dims = tuple(range(1, x.dim()))
+    inf = float("inf")
+    lo = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=inf).amin(dims).double()
+    hi = torch.nan_to_num(x, nan=-inf, posinf=-inf, neginf=-inf).amax(dims).double()
+    return lo, hi
 
 
 def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
