@@ -99,9 +99,10 @@ PER_KERNEL = {
     "unpack_kernel": {"lit_ptr": "*i64", "out_ptr": "*fp32"},
     "verdict_kernel": {"lit_ptr": "*i64"},
     "gather_rows_kernel": {"out_ptr": "*fp32"},
+    "word_sum_kernel": {"first_ptr": "*i64", "len_ptr": "*i64", "out_ptr": "*i32"},
 }
 CONST = {
-    **{"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "DP": 64},
+    **{"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "DP": 64, "CHUNK": 4096},
     **{"REFS": False, "PLANES3D": True},
 }
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recsz.codecs import Codec, PayloadError, decode_payload, get_codec
 from recsz.codecs.base import saturating_cast
@@ -113,3 +115,26 @@ def test_baselines_on_cuda(name: str) -> None:
     y = c.decode(p)
     assert y.is_cuda
     assert torch.equal(torch.nan_to_num(y.cpu()), torch.nan_to_num(c.decode(p.cpu())))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 9000), min_size=1, max_size=4), st.integers(0, 2**32 - 1))
+def test_the_span_sum_kernel_equals_the_torch_checksum(lens: list[int], seed: int) -> None:
+    """Format 4's checksum on a GPU (one Triton launch, run here under the interpreter)
+    gives the torch sums, spans longer than a program and empty ones included."""
+    import triton
+
+    from recsz.codecs import blockplan as bp
+    from recsz.codecs.blockkernels import word_sum_kernel
+
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(-(2**31), 2**31, (sum(lens) + 7,), dtype=torch.int64, generator=g)
+    words = words.to(torch.int32)
+    first = torch.tensor([3 + sum(lens[:i]) for i in range(len(lens))])
+    n = torch.tensor(lens)
+    want = bp.span_sums(words, first, n, max(lens))  # the torch path on the CPU
+    got = torch.zeros(len(lens), dtype=torch.int32)
+    if max(lens):
+        grid = (triton.cdiv(max(lens), bp.SUM_CHUNK), len(lens))
+        word_sum_kernel[grid](words, first, n, got, CHUNK=bp.SUM_CHUNK)
+    assert torch.equal(got.to(torch.int64) & 0xFFFFFFFF, want)

@@ -583,3 +583,19 @@ def verdict_kernel(
     good = good & (base + data_at + dlen <= tl.load(end_ptr + g))
     good = good & (tl.load(ck_ptr + g) == stored)
     tl.store(ok_ptr + g, good.to(tl.int8))
+
+
+# ---- format 4 -----------------------------------------------------------------------------
+@triton.jit
+def word_sum_kernel(words_ptr, first_ptr, len_ptr, out_ptr, CHUNK: tl.constexpr):
+    """The checksum share of words [c CHUNK, (c + 1) CHUNK) of span g (words first[g] +
+    i, each times 2i + 1), added to out[g]."""
+    g = tl.program_id(1)
+    c = tl.program_id(0).to(tl.int64) * CHUNK
+    i = c + tl.arange(0, CHUNK)
+    n = tl.load(len_ptr + g)
+    m = i < n
+    v = tl.load(words_ptr + tl.load(first_ptr + g) + i, mask=m, other=0)
+    v = v.to(tl.uint32, bitcast=True)
+    s = tl.sum(tl.where(m, v * (2 * i.to(tl.uint32) + 1), 0), axis=0).to(tl.uint32)
+    tl.atomic_add(out_ptr + g, s.to(tl.int32, bitcast=True), mask=c < n)

@@ -151,6 +151,28 @@ def word_spans(
     return idx, g, idx - first[g], _pad1(torch.cumsum(lens, 0), (1, 0))
 
 
+def span_sums(
+    words: torch.Tensor, first: torch.Tensor, lens: torch.Tensor, longest: int
+) -> torch.Tensor:
+    """Per span g, the sum of words[first[g] + i] x (2i + 1) for i < lens[g], modulo 2^32
+    (int64): one Triton launch on a GPU (no index tensors), :func:`word_sums` elsewhere."""
+    if not words.is_cuda:
+        idx, _, local, bounds = word_spans(first, lens, int(lens.sum()))
+        return word_sums(words, idx, local, bounds)
+    import triton
+
+    from recsz.codecs.blockkernels import word_sum_kernel
+
+    out = torch.zeros(first.numel(), dtype=torch.int32, device=words.device)
+    if longest and first.numel():
+        grid = (triton.cdiv(longest, SUM_CHUNK), first.numel())
+        word_sum_kernel[grid](words, first, lens, out, CHUNK=SUM_CHUNK)
+    return out.to(torch.int64) & bf.MASK32
+
+
+SUM_CHUNK = 4096  # words per program of span_sums
+
+
 def word_sums(
     words: torch.Tensor,
     idx: torch.Tensor,
