@@ -216,38 +216,51 @@ def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float
     return out
 
 
-#: (blocks per pack/unpack program, elements per quantize program) tried by --sweep.
-SWEEP = [(32, 1024), (64, 2048), (128, 2048), (64, 4096), (128, 4096)]
+#: The coder's launch shapes tried by --sweep (module constants of blockcoder): blocks per
+#: pack/unpack program, all planes at once or one after another, elements per quantize
+#: program.
+SWEEP = [
+    {"BLOCKS": 128, "PLANES3D": False, "ELEMS": 2048},
+    {"BLOCKS": 256, "PLANES3D": False, "ELEMS": 2048},
+    {"BLOCKS": 16, "PLANES3D": True, "ELEMS": 2048},
+    {"BLOCKS": 32, "PLANES3D": True, "ELEMS": 2048},
+    {"BLOCKS": 64, "PLANES3D": True, "ELEMS": 2048},
+    {"BLOCKS": 32, "PLANES3D": True, "ELEMS": 1024},
+    {"BLOCKS": 32, "PLANES3D": True, "ELEMS": 4096},
+]
 
 
 def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
-    """The hybrid codec's encode/decode GB/s at each launch shape of SWEEP (the coder's
-    module constants; each shape gets new plans and graphs)."""
+    """The hybrid and quant codecs' encode/decode GB/s at each launch shape of SWEEP
+    (each shape gets new plans and graphs)."""
     from recsz.codecs import blockcoder
 
     b, n_tables, dim = step_cpu.shape
     rows_in = step_cpu.to(DEV).transpose(0, 1).reshape(n_tables * b, dim)
     ebs = absolute_bounds([REL] * n_tables, "rel", rows_in.view(n_tables, b, dim))
-    codec = get_codec("hybrid") if DEV.type == "cuda" else get_codec("hybrid", coder="blocks")
     groups, raw, out = [(rows_in, [b] * n_tables)], rows_in.numel() * 4, []
-    saved = (blockcoder.BLOCKS, blockcoder.ELEMS)
+    saved = {k: getattr(blockcoder, k) for k in SWEEP[0]}
     try:
-        for blocks, elems in SWEEP:
-            blockcoder.BLOCKS, blockcoder.ELEMS = blocks, elems
+        for shape, name in [(sh, n) for sh in SWEEP for n in ("hybrid", "quant")]:
+            codec = get_codec(name) if DEV.type == "cuda" else get_codec(name, coder="blocks")
+            for k, v in shape.items():
+                setattr(blockcoder, k, v)
             blockcoder._PLANS.clear()
             pays, _ = codec.encode_segments(groups, ebs, trim=False)
-            t_enc = timed(lambda: codec.encode_segments(groups, ebs, trim=False), repeats)
+            t_enc = timed(lambda c=codec: c.encode_segments(groups, ebs, trim=False), repeats)
             t_dec = timed(
-                lambda p=pays: codec.decode_segments(p, [[b] * n_tables], dim, check=False), repeats
+                lambda c=codec, p=pays: c.decode_segments(p, [[b] * n_tables], dim, check=False),
+                repeats,
             )
             gb = {"encode_gbps": raw / t_enc / 1e9, "decode_gbps": raw / t_dec / 1e9}
-            out.append({"data": data, "batch": b, "blocks": blocks, "elems": elems, **gb})
+            out.append({"data": data, "batch": b, "codec": name, **shape, **gb})
             print(
-                f"sweep {data:12} b={b:5} blocks {blocks:4} elems {elems:5} "
-                f"enc {out[-1]['encode_gbps']:7.1f} dec {out[-1]['decode_gbps']:7.1f} GB/s"
+                f"sweep {data:10} b={b:5} {name:6} {shape} "
+                f"enc {gb['encode_gbps']:7.1f} dec {gb['decode_gbps']:7.1f} GB/s"
             )
     finally:
-        blockcoder.BLOCKS, blockcoder.ELEMS = saved
+        for k, v in saved.items():
+            setattr(blockcoder, k, v)
         blockcoder._PLANS.clear()
     return out
 
