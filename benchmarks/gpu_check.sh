@@ -29,7 +29,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # 1. The CUDA tests (they skip on CI): the format-3 kernels against the CPU reference,
 #    damaged payloads, no host sync in a one-GPU exchange step, format 4 of the casts.
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
-    tests/test_castframe.py -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
+    tests/test_castframe.py tests/test_policy.py -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
 args=(--json-out "$out/gpu.json")

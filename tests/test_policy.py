@@ -194,3 +194,18 @@ def test_the_range_kernel_equals_the_torch_reduction(seed: int, dim: int, rows: 
     lo, hi = rangekernel.finite_range(x)
     want_lo, want_hi = finite_range(x)
     assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bounds_equal_the_cpu_ones() -> None:
+    """absolute_bounds on a GPU (the range kernel) gives the CPU's numbers."""
+    from recsz.policy.base import absolute_bounds
+
+    g = torch.Generator().manual_seed(1)
+    step = torch.randn(4096, 26, 64, generator=g) * torch.rand(1, 26, 1, generator=g) * 5
+    step[7, 3, 5] = float("nan")
+    step[9, 4] = float("inf")
+    x = step.transpose(0, 1)
+    f = [0.01 * (j + 1) for j in range(26)]
+    got = absolute_bounds(f, "rel", x.cuda())
+    assert got.is_cuda and torch.equal(got.cpu(), absolute_bounds(f, "rel", x))
