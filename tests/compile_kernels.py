@@ -85,6 +85,8 @@ TYPES = {
     "s_b": "i64",
     "n_b": "i32",
     "n_chunks": "i32",
+    "f_ptr": "*fp64",
+    "clamp_ptr": "*fp64",
     "y_ptr": "*fp32",
     "ebs_ptr": "*fp64",
     "ok_ptr": "*i8",
@@ -99,11 +101,12 @@ PER_KERNEL = {
     "unpack_kernel": {"lit_ptr": "*i64", "out_ptr": "*fp32"},
     "verdict_kernel": {"lit_ptr": "*i64"},
     "gather_rows_kernel": {"out_ptr": "*fp32"},
+    "bound_kernel": {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp64"},
     "word_sum_kernel": {"first_ptr": "*i64", "len_ptr": "*i64", "out_ptr": "*i32"},
 }
 CONST = {
-    **{"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "DP": 64, "CHUNK": 4096},
-    **{"REFS": False, "PLANES3D": True},
+    **{"DIM": 48, "ROWS": 32, "DB": 32, "B": 64, "BLOCK": 2048, "DP": 64, "CHUNK": 4096, "CH": 128},
+    **{"REFS": False},
 }
 
 
@@ -111,11 +114,7 @@ def main() -> int:
     failed = 0
     kernels = [v for m in (k, rangekernel) for v in vars(m).values()
                if isinstance(v, triton.JITFunction) and not v.__name__.startswith("_")]  # fmt: skip
-    variants = [(fn, CONST) for fn in kernels] + [
-        (k.unpack_kernel, {**CONST, "REFS": True}),
-        (k.pack_kernel, {**CONST, "PLANES3D": False}),
-        (k.unpack_kernel, {**CONST, "PLANES3D": False}),
-    ]
+    variants = [(fn, CONST) for fn in kernels] + [(k.unpack_kernel, {**CONST, "REFS": True})]
     for fn, consts in variants:
         names = list(inspect.signature(fn.fn).parameters)
         types = {**TYPES, **PER_KERNEL.get(fn.__name__, {})}

@@ -179,8 +179,9 @@ def test_absolute_bound_wider_than_the_data_warns() -> None:
 def test_the_range_kernel_equals_the_torch_reduction(seed: int, dim: int, rows: int) -> None:
     """The GPU's one-pass finite range (run here under the Triton interpreter) gives the
     torch reduction's numbers, specials and table-major strided views included."""
+    from recsz.codecs.base import EB_MAX
     from recsz.policy import rangekernel
-    from recsz.policy.base import finite_range
+    from recsz.policy.base import MIN_ABS_BOUND, absolute_bounds, finite_range
 
     g = torch.Generator().manual_seed(seed)
     step = torch.randn(rows, 3, dim, generator=g) * 10.0 ** torch.randint(
@@ -194,6 +195,9 @@ def test_the_range_kernel_equals_the_torch_reduction(seed: int, dim: int, rows: 
     lo, hi = rangekernel.finite_range(x)
     want_lo, want_hi = finite_range(x)
     assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+    f = [0.01, 0.3, 2.0]
+    got = rangekernel.bounds(torch.tensor(f, dtype=torch.float64), x, MIN_ABS_BOUND, EB_MAX)
+    assert torch.equal(got, absolute_bounds(f, "rel", x))  # the torch path here
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -37,8 +37,7 @@ from recsz.codecs import blockplan as bp
 from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
-BLOCKS = 32  # blocks per pack / unpack program
-PLANES3D = True  # pack / unpack every plane at once (else plane after plane)
+BLOCKS = 128  # blocks per pack / unpack program (the H100 sweep's best of 16-256)
 _PLANS: OrderedDict[tuple, bp.Plan] = OrderedDict()
 _MAX_PLANS = 16
 
@@ -128,7 +127,7 @@ def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
         k.pack_kernel[(triton.cdiv(nb, BLOCKS),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, zz, refs, x.view(torch.int32), row_map, out, out.view(torch.int32),
-            ck, nb, DIM=dim, B=BLOCKS, PLANES3D=PLANES3D,
+            ck, nb, DIM=dim, B=BLOCKS,
         )  # fmt: skip
     out[t["ipos"]] = t["ival"]
     used = torch.empty(p.g, dtype=torch.int64, device=dev)
@@ -259,7 +258,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k.unpack_kernel[grid](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, nb, DIM=dim,
-            B=BLOCKS, REFS=refs_pass, PLANES3D=PLANES3D,
+            B=BLOCKS, REFS=refs_pass,
         )  # fmt: skip
 
     out = y.view(nr, dim)

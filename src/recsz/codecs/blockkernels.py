@@ -244,7 +244,7 @@ def ref_widths_kernel(refs_ptr, refg_ptr, rb0_ptr, bs_ptr, w_ptr, size_ptr, n_re
 def pack_kernel(
     bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr,
     w_ptr, size_ptr, cs_ptr, zz_ptr, refs_ptr, xbits_ptr, map_ptr, out8_ptr, out32_ptr,
-    ck_ptr, nb, DIM: tl.constexpr, B: tl.constexpr, PLANES3D: tl.constexpr,
+    ck_ptr, nb, DIM: tl.constexpr, B: tl.constexpr,
 ):  # fmt: skip
     """Each block's planes, or its raw words (float32 bits, or the references), at its
     byte offset; the width nibbles; the checksum parts of both, added per group."""
@@ -277,26 +277,17 @@ def pack_kernel(
     word0 = off // 4
     i0 = ((off - base - 8) // 4).to(tl.uint32)
     packed = mb & ~raw & (w > 0)
-    if PLANES3D:  # every plane of every block at once: one reduction, one store
-        jr = tl.arange(0, 16)
-        bits = (v[:, None, :] >> jr[None, :, None].to(tl.uint32)) & 1
-        planes = tl.sum(bits << lane[None, None, :].to(tl.uint32), axis=2).to(tl.uint32)
-        keep = packed[:, None] & (jr[None, :] < w[:, None])
-        tl.store(out32_ptr + word0[:, None] + jr[None, :], planes.to(tl.int32, bitcast=True),
-                 mask=keep)  # fmt: skip
-        hj = 2 * (i0[:, None] + jr[None, :].to(tl.uint32)) + 1
-        part += tl.sum(tl.where(keep, planes * hj, 0), axis=1).to(tl.uint32)
-    else:  # plane after plane, up to the program's widest block
-        wmax = tl.max(tl.where(packed, w, 0), axis=0)
-        j = wmax * 0
-        while j < wmax:
-            ju = j.to(tl.uint32)
-            plane = tl.sum(((v >> ju) & 1) << lane[None, :].to(tl.uint32), axis=1)
-            plane = plane.to(tl.uint32)
-            keep = packed & (j < w)
-            tl.store(out32_ptr + word0 + j, plane.to(tl.int32, bitcast=True), mask=keep)
-            part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
-            j += 1
+    # Plane after plane, up to the program's widest block.
+    wmax = tl.max(tl.where(packed, w, 0), axis=0)
+    j = wmax * 0
+    while j < wmax:
+        ju = j.to(tl.uint32)
+        plane = tl.sum(((v >> ju) & 1) << lane[None, :].to(tl.uint32), axis=1)
+        plane = plane.to(tl.uint32)
+        keep = packed & (j < w)
+        tl.store(out32_ptr + word0 + j, plane.to(tl.int32, bitcast=True), mask=keep)
+        part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
+        j += 1
     rm = (mb & raw)[:, None]
     row = tl.load(map_ptr + e // DIM, mask=rm & ~is_ref[:, None], other=-1)
     xb = tl.load(xbits_ptr + row * DIM + e % DIM, mask=rm & (row >= 0), other=0)
@@ -443,7 +434,7 @@ def read_widths_kernel(
 def unpack_kernel(
     bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr, w_ptr,
     size_ptr, cs_ptr, in32_ptr, n_words, seg_ptr, ebs_ptr, out_ptr, refs_ptr, ck_ptr,
-    nb, DIM: tl.constexpr, B: tl.constexpr, REFS: tl.constexpr, PLANES3D: tl.constexpr,
+    nb, DIM: tl.constexpr, B: tl.constexpr, REFS: tl.constexpr,
 ):  # fmt: skip
     """Decode the nb blocks: the code blocks into the code stream (dequantized
     under the bound of each slot's segment, or raw words as they are), ``REFS``: the
@@ -469,26 +460,17 @@ def unpack_kernel(
     v = tl.zeros([B, LANES], dtype=tl.uint32)
     part = tl.zeros([B], dtype=tl.uint32)
     packed = mb & ~raw & (w > 0)
-    if PLANES3D:  # every plane of every block at once: one load, one reduction
-        jr = tl.arange(0, 16)
-        wj = word0[:, None] + jr[None, :]
-        keep = packed[:, None] & (jr[None, :] < w[:, None]) & (wj < n_words)
-        planes = tl.load(in32_ptr + wj, mask=keep, other=0).to(tl.uint32, bitcast=True)
-        bits = (planes[:, :, None] >> lane[None, None, :].to(tl.uint32)) & 1
-        v = tl.sum(bits << jr[None, :, None].to(tl.uint32), axis=1).to(tl.uint32)
-        hj = 2 * (i0[:, None] + jr[None, :].to(tl.uint32)) + 1
-        part += tl.sum(tl.where(keep, planes * hj, 0), axis=1).to(tl.uint32)
-    else:  # plane after plane, up to the program's widest block
-        wmax = tl.max(tl.where(packed, w, 0), axis=0)
-        j = wmax * 0
-        while j < wmax:
-            ju = j.to(tl.uint32)
-            wj = word0 + j
-            keep = packed & (j < w) & (wj < n_words)
-            plane = tl.load(in32_ptr + wj, mask=keep, other=0).to(tl.uint32, bitcast=True)
-            v |= ((plane[:, None] >> lane[None, :].to(tl.uint32)) & 1) << ju
-            part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
-            j += 1
+    # Plane after plane, up to the program's widest block.
+    wmax = tl.max(tl.where(packed, w, 0), axis=0)
+    j = wmax * 0
+    while j < wmax:
+        ju = j.to(tl.uint32)
+        wj = word0 + j
+        keep = packed & (j < w) & (wj < n_words)
+        plane = tl.load(in32_ptr + wj, mask=keep, other=0).to(tl.uint32, bitcast=True)
+        v |= ((plane[:, None] >> lane[None, :].to(tl.uint32)) & 1) << ju
+        part += tl.where(keep, plane * (2 * (i0 + ju) + 1), 0)
+        j += 1
     ra = word0[:, None] + lane[None, :]
     rm = (mb & raw)[:, None] & (ra < n_words)
     xu = tl.load(in32_ptr + ra, mask=rm, other=0).to(tl.uint32, bitcast=True)

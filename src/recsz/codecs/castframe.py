@@ -14,7 +14,6 @@ CPU, so both write the same bytes. Layout (little endian)::
 
 from __future__ import annotations
 
-import functools
 import struct
 from collections.abc import Callable
 
@@ -23,7 +22,7 @@ import torch
 
 from recsz.codecs import blockformat as bf
 from recsz.codecs import blockplan as bp
-from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, upload
+from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, constant
 
 FORMAT = 4
 _FIELDS = struct.Struct("<3I")
@@ -48,19 +47,8 @@ def _checksums(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.T
     return bp.span_sums(buf.view(torch.int32), first_t, lens_t, max(lens, default=0))
 
 
-@functools.lru_cache(maxsize=256)
-def _const_cached(
-    data: bytes, dtype: str, shape: tuple[int, ...], dev: torch.device
-) -> torch.Tensor:
-    return upload(np.frombuffer(data, dtype).reshape(shape), _TORCH[dtype], dev)
-
-
-_TORCH = {"int64": torch.int64, "uint8": torch.uint8}
-
-
 def _const(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """``a`` on ``dev``, uploaded once per value (the layouts repeat every step)."""
-    return _const_cached(a.tobytes(), str(a.dtype), a.shape, dev)
+    return constant(a, torch.uint8 if a.dtype == np.uint8 else torch.int64, dev)
 
 
 def encode(

@@ -18,6 +18,7 @@ exact values of "outliers" (:mod:`recsz.codecs.base` says which elements those a
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -65,6 +66,20 @@ def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Te
     """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
     t = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: values may be read-only
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def constant(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`upload` once per value, shape and device (layouts and bounds' factors repeat
+    every step): the tensor is shared, never to be written."""
+    a = np.ascontiguousarray(values)
+    return _constant(a.tobytes(), a.dtype.str, a.shape, dtype, device)
+
+
+@functools.lru_cache(maxsize=512)
+def _constant(
+    data: bytes, np_dtype: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return upload(np.frombuffer(data, np_dtype).reshape(shape), dtype, device)
 
 
 def version_of(payload: torch.Tensor) -> int:

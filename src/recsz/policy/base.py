@@ -11,10 +11,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import numpy as np
 import torch
 
 from recsz.codecs.base import EB_MAX
-from recsz.codecs.payload import upload
+from recsz.codecs.payload import constant
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
@@ -57,11 +58,16 @@ def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.T
     """:func:`to_absolute` of many tables at once, where ``x`` lives and without a host
     sync: ``factors[j]`` read in ``mode`` against table j's values ``x[j]`` (table-major,
     any shape after the first dimension); float64, one reduction per end of the range."""
-    f = upload(factors, torch.float64, x.device)
+    f = constant(np.asarray(factors, np.float64), torch.float64, x.device)
     if mode == "abs":
         for eb, xj in zip(factors, x if _abs_checks["left"] > 0 else [], strict=False):
             _warn_if_wider_than_data(eb, xj)  # the first slices only (a host read each)
         return f.clamp(max=EB_MAX)
+    if x.is_cuda:
+        from recsz.policy import rangekernel
+
+        if rangekernel.applies(x):
+            return rangekernel.bounds(f, x, MIN_ABS_BOUND, EB_MAX)
     lo, hi = finite_range(x)
     r = hi - lo
     r = torch.where(r > 0, r, torch.maximum(lo.abs(), hi.abs()))  # constant: its magnitude
@@ -71,12 +77,7 @@ def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.T
 
 def finite_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per table j, the smallest and largest finite value of x[j] (float64; +inf / -inf
-    where it holds none): one Triton pass on a GPU, torch reductions elsewhere."""
-    if x.is_cuda:
-        from recsz.policy import rangekernel
-
-        if rangekernel.applies(x):
-            return rangekernel.finite_range(x)
+    where it holds none), by torch reductions (a GPU uses :mod:`recsz.policy.rangekernel`)."""
     dims = tuple(range(1, x.dim()))
     inf = float("inf")
     lo = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=inf).amin(dims).double()
