@@ -101,6 +101,8 @@ PER_KERNEL = {
     "unpack_kernel": {"lit_ptr": "*i64", "out_ptr": "*fp32"},
     "verdict_kernel": {"lit_ptr": "*i64"},
     "gather_rows_kernel": {"out_ptr": "*fp32"},
+    "row_key_kernel": {"key_ptr": "*i32"},
+    "run_start_kernel": {"ks_ptr": "*i32"},
     "bound_kernel": {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp64"},
     "word_sum_kernel": {"first_ptr": "*i64", "len_ptr": "*i64", "out_ptr": "*i32"},
 }

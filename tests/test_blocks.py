@@ -297,3 +297,23 @@ def test_groups_of_narrow_dtypes_decode_in_the_format_they_were_coded_in(
     (y,) = c.decode_segments([p], [[10, 20]], 8)
     err = (y.double() - x.double()).abs()
     assert float(err[:10].max()) <= 1e-2 and float(err[10:].max()) <= 2e-2
+
+
+@pytest.mark.parametrize("dim", [7, 64])
+def test_kernels_keep_equal_rows_of_different_segments_apart(dim: int) -> None:
+    """Rows equal across segments and groups (one hash), zero rows beside the zero pad
+    rows: the device sorts hashes alone, so segments must split the runs as the
+    reference's (segment, hash) keys do."""
+    rng = np.random.default_rng(dim)
+    row = rng.standard_normal(dim).astype(np.float32)
+    lays, xs, ebl = [], [], []
+    for segs in ([5, 3, 4], [2, 6]):
+        x = rng.standard_normal((sum(segs), dim)).astype(np.float32)
+        x[::2] = row  # the same row in every segment of both groups
+        x[1::3] = 0.0  # zero rows, as the pad rows are
+        lays.append(bf.Layout("hybrid", 0, dim, tuple(segs), True))
+        xs.append(x)
+        ebl.append(np.full(len(segs), 1e-3))
+    got = kernels(lays, xs, np.concatenate(ebl), "cpu")
+    for lay, x, ebs, p in zip(lays, xs, ebl, got, strict=True):
+        assert p.numpy().tobytes() == bf.encode_group(lay, x, ebs)

@@ -145,20 +145,20 @@ ROWS_B = 256  # rows per program of the per-row kernels
 
 
 def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """blockformat.duplicates on the device: keys by a kernel, a stable sort, each run's
-    first row (run starts, their prefix sum, a scatter), checked bit for bit by a kernel.
+    """blockformat.duplicates on the device: 32-bit hashes by a kernel, a stable sort,
+    each run's first row (starts of runs of one hash and segment, their prefix sum, a
+    scatter), checked bit for bit by a kernel.
     Returns each row's target (-1: none), whether it is literal (int32) and the inclusive
     prefix sum of that."""
     t = p.t
     n = bits.shape[0]
-    key = torch.empty(n, dtype=torch.int64, device=p.dev)
+    key = torch.empty(n, dtype=torch.int32, device=p.dev)
     grid = (triton.cdiv(n, ROWS),)
-    k.row_key_kernel[grid](bits, t["mult"], t["rseg"], key, n, (1 << bf.HASH_BITS) - 1,
-                           bf.HASH_BITS, DIM=p.dim, ROWS=ROWS, DB=DB)  # fmt: skip
+    k.row_key_kernel[grid](bits, t["mult"], key, n, DIM=p.dim, ROWS=ROWS, DB=DB)
     ks, perm = torch.sort(key, stable=True)
     starts = torch.empty(n, dtype=torch.int32, device=p.dev)
     rgrid = (triton.cdiv(n, ROWS_B),)
-    k.run_start_kernel[rgrid](ks, starts, n, B=ROWS_B)
+    k.run_start_kernel[rgrid](ks, perm, t["rseg"], starts, n, B=ROWS_B)
     run = torch.cumsum(starts, 0, dtype=torch.int32)
     first = torch.empty(n, dtype=torch.int64, device=p.dev)
     k.run_first_kernel[rgrid](starts, run, first, n, B=ROWS_B)

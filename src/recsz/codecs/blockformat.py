@@ -19,7 +19,7 @@ Layout (little endian; every offset past the prefix a multiple of 4)::
 
 Deduplication (flag bit 0). A row whose float32 bits equal those of an earlier row of its
 segment is not coded: its *reference* says which of the segment's literal rows it copies
-(k + 1 for the k-th; 0 for a literal row itself). Candidates come from a 40-bit hash of
+(k + 1 for the k-th; 0 for a literal row itself). Candidates come from a 32-bit hash of
 the row's bits, sorted stably with the segment, the first row of each run being the
 target, and are verified bit for bit; so a copy is exact, whatever the bound. The rows
 are padded with zero rows (literal, never referenced) to Np, a multiple of
@@ -62,7 +62,7 @@ FIELDS = struct.Struct("<7I")
 DEDUP = 1
 #: Odd 64-bit multipliers of the row hash (fixed: both ends and every build agree).
 HASH_MULT = np.random.default_rng(0x5EED_B10C).integers(1, 1 << 62, 4096, dtype=np.int64) | 1
-HASH_BITS = 40
+HASH_BITS = 32  # a GPU sorts 32-bit keys in half the passes of 64-bit ones
 
 
 def padded_rows(n: int, d: int) -> int:

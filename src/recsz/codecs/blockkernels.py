@@ -85,12 +85,11 @@ def _offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr):
 
 # ---- deduplication ----------------------------------------------------------------------
 @triton.jit
-def row_key_kernel(
-    bits_ptr, mult_ptr, seg_ptr, key_ptr, n_rows, hash_mask, shift,
-    DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
-):  # fmt: skip
-    """Each row's dedup key: (sum_d uint32 bits x mult[d]) & mask | segment << shift,
-    int64 arithmetic wrapping; -(row + 1) for pad rows (segment -1: never matched)."""
+def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr,
+                   DB: tl.constexpr):  # fmt: skip
+    """Each row's hash: the low 32 bits of sum_d uint32 bits x mult[d] (int64 arithmetic,
+    wrapping), as int32. Sorted stably, rows of equal hash stay in row order, so those of
+    one segment stay together: their segment need not be in the key."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mr = r < n_rows
     h = tl.zeros([ROWS], dtype=tl.int64)
@@ -102,19 +101,22 @@ def row_key_kernel(
         )
         m = tl.load(mult_ptr + d, mask=md, other=0)
         h += tl.sum((v.to(tl.int64) & 0xFFFFFFFF) * m[None, :], axis=1)
-    seg = tl.load(seg_ptr + r, mask=mr, other=-1).to(tl.int64)
-    key = tl.where(seg < 0, -(r + 1), (h & hash_mask) | (seg << shift))
-    tl.store(key_ptr + r, key, mask=mr)
+    tl.store(key_ptr + r, h.to(tl.int32), mask=mr)
 
 
 @triton.jit
-def run_start_kernel(ks_ptr, out_ptr, n, B: tl.constexpr):
-    """out[i] = 1 where sorted key i starts a run of equal keys, else 0."""
+def run_start_kernel(ks_ptr, perm_ptr, seg_ptr, out_ptr, n, B: tl.constexpr):
+    """out[i] = 1 where sorted position i starts a run of rows of one segment and hash
+    (pad rows, segment -1, each start their own), else 0."""
     i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     m = i < n
+    mp = m & (i > 0)
     k = tl.load(ks_ptr + i, mask=m, other=0)
-    prev = tl.load(ks_ptr + i - 1, mask=m & (i > 0), other=0)
-    tl.store(out_ptr + i, ((i == 0) | (k != prev)).to(tl.int32), mask=m)
+    prev = tl.load(ks_ptr + i - 1, mask=mp, other=0)
+    seg = tl.load(seg_ptr + tl.load(perm_ptr + i, mask=m, other=0), mask=m, other=-1)
+    pseg = tl.load(seg_ptr + tl.load(perm_ptr + i - 1, mask=mp, other=0), mask=mp, other=-1)
+    start = (i == 0) | (k != prev) | (seg != pseg) | (seg < 0)
+    tl.store(out_ptr + i, start.to(tl.int32), mask=m)
 
 
 @triton.jit
