@@ -142,8 +142,12 @@ def cpu_hybrid_ratio(step: torch.Tensor) -> float:
     return step.numel() * 4 / sent
 
 
-def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float) -> list[dict]:
-    """Every measured number of the codec on one step buffer."""
+def codec_rows(
+    step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float, probes: list
+) -> list[dict]:
+    """Every timed number of the codec on one step buffer; ``probes`` gets (row, encode,
+    decode) for :func:`probe`, run after every timing (the profiler's hooks can slow what
+    runs after it)."""
     b, n_tables, dim = step_cpu.shape
     step = step_cpu.to(DEV)
     t = step.transpose(0, 1)  # table-major view, as the exchange hands it to the policy
@@ -203,14 +207,10 @@ def codec_rows(step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float
                 "cpu_hybrid_ratio": cpu_ratio,
                 "max_err_over_eb": float(err),
                 "same_bytes_as_cpu_reference": same,
-                "syncs_per_step": count_syncs(lambda enc=enc, dec=dec: (enc(), dec())),
-                "launches_encode": count_launches(enc),
-                "launches_decode": count_launches(dec),
                 "break_even_gbit": saved * 8 / (t_enc + t_dec) / 1e9,
-                "top_kernels_encode": top_kernels(enc) if b >= 2048 else [],
-                "top_kernels_decode": top_kernels(dec) if b >= 2048 else [],
             }
         )
+        probes.append((out[-1], enc, dec))
     for r in out:
         r.update({"data": data, "batch": b, "tables": n_tables, "dim": dim, "raw_MB": raw / 1e6})
     return out
@@ -226,6 +226,15 @@ SWEEP = [
     {"BLOCKS": 128, "ELEMS": 1024},
     {"BLOCKS": 128, "ELEMS": 4096},
 ]
+
+
+def probe(row: dict, enc: Any, dec: Any) -> None:
+    """Host syncs, launches and the top kernels of one codec's calls (into ``row``)."""
+    row["syncs_per_step"] = count_syncs(lambda: (enc(), dec()))
+    row["launches_encode"] = count_launches(enc)
+    row["launches_decode"] = count_launches(dec)
+    row["top_kernels_encode"] = top_kernels(enc)
+    row["top_kernels_decode"] = top_kernels(dec)
 
 
 def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
@@ -385,13 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     real = torch.load(args.traffic) if args.traffic and args.traffic.exists() else None
     rows: list[dict] = []
+    probes: list = []
     for bs in batches:
         synth = synthetic_step(bs)
-        rows += codec_rows(synth, "synthetic", repeats, cpu_hybrid_ratio(synth))
+        rows += codec_rows(synth, "synthetic", repeats, cpu_hybrid_ratio(synth), probes)
         if real is not None and bs <= real["pooled"].shape[0]:
             cpu_ratio = real["cpu_hybrid_ratio"].get(bs, float("nan"))
-            rows += codec_rows(real["pooled"][:bs], "real Criteo", repeats, cpu_ratio)
-        print_rows(rows[-6:])
+            rows += codec_rows(real["pooled"][:bs], "real Criteo", repeats, cpu_ratio, probes)
         if args.sweep:
             result.setdefault("sweep", []).extend(sweep_rows(synth, "synthetic", repeats))
     for r in rows:
@@ -406,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
             f"train b={r['batch']:5} {r['config']:7} {r['step_ms']:8.2f} ms "
             f"x{r['step_ratio']:.3f} syncs {r['syncs_per_step']}"
         )
+    for args_ in probes:  # last: the profiler's hooks may slow whatever runs after it
+        probe(*args_)
+    print_rows(rows)
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1))
     return 0
