@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from recsz.model import TTSpec, get_preset
 from recsz.model.ttrec import TTEmbeddingBag, factorize, split_dim
 
 
@@ -141,6 +142,26 @@ def test_tt_tables_in_the_sparse_arch_train_with_their_own_rate() -> None:
             p.copy_(b)
     (probe(ids[:, 2:3]) * g[:, 2]).sum().backward()
     torch.testing.assert_close(c0.detach(), before[0] - 0.5 * probe.cores[0].grad)
+
+
+def test_adagrad_state_moves_with_the_tt_tables() -> None:
+    """``.to()`` of the tables takes the cores' Adagrad sums along (they are made with the
+    optimizer, on the cores' first device: on a GPU the step failed on a CPU sum). A cast
+    stands in for the device move here: every sum follows its core, and a step runs."""
+    from recsz.model import RowOptimizer
+    from recsz.model.ttrec import TTTables
+
+    m = get_preset("tiny").model
+    tt = TTTables(m, [2], 0, RowOptimizer("rowwise_adagrad", 0.1), TTSpec(frozenset({2}), 3))
+    tt = tt.double()
+    ids = torch.randint(0, 3, (16, m.n_tables), generator=torch.Generator().manual_seed(2))
+    for opt in tt._opts:
+        (p,) = opt.param_groups[0]["params"]
+        assert opt.state[p]["sum"].dtype == p.dtype == torch.float64
+    before = [c.detach().clone() for c in tt.parameters()]
+    (tt(ids) ** 2).sum().backward()
+    tt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, tt.parameters(), strict=True))
 
 
 # ---- the cache of hot rows --------------------------------------------------------------

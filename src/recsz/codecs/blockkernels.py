@@ -84,7 +84,7 @@ def _offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr):
 
 
 # ---- deduplication ----------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr,
                    DB: tl.constexpr):  # fmt: skip
     """Each row's hash: the low 32 bits of sum_d uint32 bits x mult[d] (int64 arithmetic,
@@ -104,7 +104,7 @@ def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS:
     tl.store(key_ptr + r, h.to(tl.int32), mask=mr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def run_start_kernel(ks_ptr, perm_ptr, seg_ptr, out_ptr, n, B: tl.constexpr):
     """out[i] = 1 where sorted position i starts a run of rows of one segment and hash
     (pad rows, segment -1, each start their own), else 0."""
@@ -119,7 +119,7 @@ def run_start_kernel(ks_ptr, perm_ptr, seg_ptr, out_ptr, n, B: tl.constexpr):
     tl.store(out_ptr + i, start.to(tl.int32), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def run_first_kernel(start_ptr, run_ptr, first_ptr, n, B: tl.constexpr):
     """first[run] = the sorted position where each run starts (``run``: the inclusive
     prefix sum of the starts)."""
@@ -129,7 +129,7 @@ def run_first_kernel(start_ptr, run_ptr, first_ptr, n, B: tl.constexpr):
     tl.store(first_ptr + tl.load(run_ptr + i, mask=m, other=1) - 1, i, mask=m & (s != 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def duplicates_kernel(
     bits_ptr, perm_ptr, run_ptr, first_ptr, dup_ptr, lit_ptr, n,
     DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
@@ -163,7 +163,7 @@ def _ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr):
     return tl.load(cz_ptr + r, mask=mr, other=0) - lit - before, before, r0, lit
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def encode_rows_kernel(
     dup_ptr, lit_ptr, cz_ptr, rgroup_ptr, rfirst_ptr, rslot_ptr, row0_ptr, npad_ptr,
     map_ptr, refs_ptr, nlit_ptr, n_rows, B: tl.constexpr,
@@ -188,7 +188,7 @@ def encode_rows_kernel(
 
 
 # ---- encoding ---------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def quantize_kernel(
     x_ptr, map_ptr, seg_ptr, ebs_ptr, zz_ptr, w_ptr, size_ptr, rgroup_ptr, bs_ptr, nrb_ptr,
     row0_ptr, n, qmax, DIM: tl.constexpr, BLOCK: tl.constexpr,
@@ -227,7 +227,7 @@ def quantize_kernel(
     tl.store(size_ptr + b, _size(w).to(tl.int64), mask=mc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_ref"])
 def ref_widths_kernel(refs_ptr, refg_ptr, rb0_ptr, bs_ptr, w_ptr, size_ptr, n_ref,
                       B: tl.constexpr):  # fmt: skip
     """Width and byte size of each reference block, at its place among its group's."""
@@ -242,7 +242,7 @@ def ref_widths_kernel(refs_ptr, refg_ptr, rb0_ptr, bs_ptr, w_ptr, size_ptr, n_re
     tl.store(size_ptr + b, _size(w).to(tl.int64), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["nb"])
 def pack_kernel(
     bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr,
     w_ptr, size_ptr, cs_ptr, zz_ptr, refs_ptr, xbits_ptr, map_ptr, out8_ptr, out32_ptr,
@@ -349,7 +349,7 @@ def head_kernel(
 
 
 # ---- decoding ---------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n_bytes"])
 def read_head_kernel(
     buf_ptr, words_ptr, n_bytes, base_ptr, fat_ptr, ebat_ptr, npad_ptr, nrb_ptr, wat_ptr,
     k_ptr, seg0_ptr, ipos_ptr, ival_ptr, ibounds_ptr, lit_ptr, dlen_ptr, ebs_ptr, ck_ptr,
@@ -404,7 +404,7 @@ def read_head_kernel(
     tl.store(bad_ptr + g, tl.sum(wrong, axis=0) + (stated > npad).to(tl.int32))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bytes", "nb"])
 def read_widths_kernel(
     buf_ptr, n_bytes, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, w_ptr,
     size_ptr, ck_ptr, nb, DIM: tl.constexpr, B: tl.constexpr,
@@ -432,7 +432,7 @@ def read_widths_kernel(
     _add_per_group(ck_ptr, g, part, mb)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_words", "nb"])
 def unpack_kernel(
     bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr, w_ptr,
     size_ptr, cs_ptr, in32_ptr, n_words, seg_ptr, ebs_ptr, out_ptr, refs_ptr, ck_ptr,
@@ -493,7 +493,7 @@ def unpack_kernel(
         tl.store(out_ptr + at, y, mask=mb[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def decode_rows_kernel(
     refs_ptr, lit_ptr, cz_ptr, rgroup_ptr, rfirst_ptr, rslot_ptr, rseg_ptr, row0_ptr,
     npad_ptr, nlit_ptr, src_ptr, slotseg_ptr, bad_ptr, n_rows, B: tl.constexpr,
@@ -521,7 +521,7 @@ def decode_rows_kernel(
     _add_per_group(bad_ptr, g, bad.to(tl.int32), mr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def literal_kernel(refs_ptr, rslot_ptr, lit_ptr, n_rows, B: tl.constexpr):
     """lit[r] = whether row r's reference is 0 (it is coded)."""
     r = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
@@ -530,7 +530,7 @@ def literal_kernel(refs_ptr, rslot_ptr, lit_ptr, n_rows, B: tl.constexpr):
     tl.store(lit_ptr + r, (ref == 0).to(tl.int32), mask=mr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def gather_rows_kernel(y_ptr, src_ptr, out_ptr, n_rows, DIM: tl.constexpr,
                        ROWS: tl.constexpr, DB: tl.constexpr):  # fmt: skip
     """out[r] = y[src[r]] (rows of DIM float32)."""

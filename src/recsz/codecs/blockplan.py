@@ -23,9 +23,6 @@ _pad1 = torch.nn.functional.pad
 #: header words' checksum share.
 _GROUP = ("base", "end", "wat", "fat", "ebat", "row0", "npad", "nrb", "rb0", "bs", "nb", "k",
           "seg0", "hfix")  # fmt: skip
-#: Per row (int32): group, segment (-1: pad row); (int64): first row of its piece, slot
-#: of its reference. Per block: group; per reference block: group.
-_SMALL = ("rgroup", "rseg", "bgid", "refg")
 
 
 @dataclass
@@ -74,45 +71,58 @@ class Plan:
 
 
 def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.device) -> Plan:
-    """The plan of payloads ``lays`` at bytes ``base`` (each ending by ``ends``)."""
+    """The plan of payloads ``lays`` at bytes ``base`` (each ending by ``ends``): per group
+    and per piece (a segment's rows, or a group's pad rows) numbers from the host, in one
+    upload; the per-row and per-block indices derived from them on the device (sizes
+    change every step under id-aware traffic, so plans are made often)."""
     p = Plan(lays, base, dev)
     cols: dict[str, list[int]] = {k: [] for k in _GROUP}
-    rgroup, rseg, rfirst, rslot, bgid, refg = [], [], [], [], [], []
+    counts, pseg, pfirst = [], [], []
     row0 = rb0 = bs = seg0 = 0
-    for g, (lay, b, e) in enumerate(zip(lays, base, ends, strict=True)):
+    for lay, b, e in zip(lays, base, ends, strict=True):
         k, npad = len(lay.seg_rows), lay.padded
         head = np.frombuffer(lay.head(), "<u4")  # words [8, eb_at), L and data_len zero
         vals = (b, e, lay.widths_at, lay.fields_at, lay.eb_at, row0, npad, lay.ref_blocks, rb0,
                 bs, lay.max_blocks, k, seg0, bf.word_hash(head))  # fmt: skip
         for name, v in zip(_GROUP, vals, strict=True):
             cols[name].append(v)
-        piece, first = bf.pieces(lay)
-        rgroup.append(np.full(npad, g))
-        rseg.append(np.where(piece < k, piece + seg0, -1))
-        rfirst.append(first[piece] + row0)
-        rslot.append(rb0 * bf.LANES + np.arange(npad))
-        bgid.append(np.full(lay.max_blocks, g))
-        refg.append(np.full(lay.ref_blocks, g))
+        c = [*lay.seg_rows, npad - lay.rows]
+        counts += c
+        pseg += [*range(seg0, seg0 + k), -1]
+        pfirst += (row0 + np.cumsum(c) - c).tolist()
         row0 += npad
         rb0 += lay.ref_blocks
         bs += lay.max_blocks
         seg0 += k
     ipos, ival, ig = _image(lays, base)
-    cat = lambda a: np.concatenate(a) if a else np.zeros(0, np.int64)  # noqa: E731
-    wide = {**{k: np.asarray(v, np.int64) for k, v in cols.items()},
-            "rfirst": cat(rfirst), "rslot": cat(rslot), "ipos": ipos,
-            "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
-            "mult": bf.HASH_MULT[: lays[0].dim], "arange": np.arange(p.rows)}  # fmt: skip
-    narrow = {"rgroup": cat(rgroup), "rseg": cat(rseg), "bgid": cat(bgid), "refg": cat(refg)}
-    for arrays, dtype in ((wide, torch.int64), (narrow, torch.int32)):
-        flat = np.concatenate([np.asarray(a).reshape(-1) for a in arrays.values()])
-        dev_flat = upload(flat, dtype, dev)
-        at = 0
-        for name, a in arrays.items():
-            p.t[name] = dev_flat[at : at + np.asarray(a).size]
-            at += np.asarray(a).size
+    arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "counts": counts,
+              "pseg": pseg, "pfirst": pfirst, "ipos": ipos,
+              "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
+              "mult": bf.HASH_MULT[: lays[0].dim]}  # fmt: skip
+    flat = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays.values()])
+    dev_flat = upload(flat, torch.int64, dev)
+    at = 0
+    for name, a in arrays.items():
+        p.t[name] = dev_flat[at : at + np.asarray(a).size]
+        at += np.asarray(a).size
     p.t["ival"] = upload(ival, torch.uint8, dev)
+    _derive(p)
     return p
+
+
+def _derive(p: Plan) -> None:
+    """Per row: group, segment (-1: pad), first row of its piece, reference slot; per
+    block and per reference block: group (torch on the device, no host sync)."""
+    t, rows = p.t, p.rows
+    t["arange"] = r = torch.arange(rows, device=p.dev)
+    groups = torch.arange(p.g, device=p.dev)
+    rgroup = group_of(t["npad"], rows)
+    t["rgroup"] = rgroup.to(torch.int32)
+    t["rseg"] = torch.repeat_interleave(t["pseg"], t["counts"], output_size=rows).to(torch.int32)
+    t["rfirst"] = torch.repeat_interleave(t["pfirst"], t["counts"], output_size=rows)
+    t["rslot"] = t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup]
+    t["bgid"] = torch.repeat_interleave(groups, t["nb"], output_size=p.blocks).to(torch.int32)
+    t["refg"] = torch.repeat_interleave(groups, t["nrb"], output_size=p.ref_blocks).to(torch.int32)
 
 
 def _image(lays: list[bf.Layout], base: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -240,6 +240,19 @@ class TTTables(nn.Module):
                 p.register_post_accumulate_grad_hook(_stepper(opt))
             self._opts.append(opt)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> TTTables:
+        """Moves and casts (``.to(device)``) take the optimizers' per-core state along
+        (Adagrad makes its sums when it is made, on the cores' device then)."""
+        super()._apply(fn, recurse)
+        for opt in self._opts:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    st = opt.state.get(p, {})
+                    for k, v in st.items():
+                        if isinstance(v, torch.Tensor) and v.shape == p.shape:
+                            st[k] = fn(v)
+        return self
+
     def step(self) -> None:
         """Step every core's optimizer on its gradient (tables not stepped in backward)."""
         for opt in self._opts:

@@ -15,7 +15,7 @@ from recsz.codecs.payload import constant
 ROWS = 64  # rows of one table per program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_t", "s_b", "n_b", "n_chunks"])
 def range_kernel(x_ptr, s_t, s_b, n_b, lo_ptr, hi_ptr, n_chunks, DIM: tl.constexpr,
                  DP: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
     """Smallest and largest finite value of rows [c ROWS, (c + 1) ROWS) of table t (+inf
@@ -34,7 +34,7 @@ def range_kernel(x_ptr, s_t, s_b, n_b, lo_ptr, hi_ptr, n_chunks, DIM: tl.constex
     tl.store(hi_ptr + t * n_chunks + c, hi)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def bound_kernel(lo_ptr, hi_ptr, f_ptr, clamp_ptr, out_ptr, n_chunks, CH: tl.constexpr):
     """Table t's bound: factor x its finite range (its magnitude where the range is 0, 0
     where nothing is finite), clamped to [clamp[0], clamp[1]], in float64 (the torch
