@@ -16,10 +16,12 @@ prefix sum, the references, literal ranks, the values, the duplicated rows, a ve
 the checks (header, lengths, references, checksum) become one device flag per payload,
 read once by :func:`check` where the caller wants a PayloadError.
 
-On a GPU, the second call with the same shapes (and, decoding, the same buffer) captures
+On a GPU, the third call with the same shapes (and, decoding, the same buffer) captures
 the call's device work as a CUDA graph; later calls copy their inputs in and replay it
 (one launch instead of about twenty). Their outputs then live in the graph's buffers:
-valid until the next call of the same shapes (``static=True`` asks for this).
+valid until the next call of the same shapes (``static=True`` asks for this). Shapes that
+change every step (id-aware traffic) run eagerly: kernels take their sizes as plain
+arguments (no recompilation), and a plan's indices are derived on the device.
 """
 
 from __future__ import annotations
@@ -52,12 +54,20 @@ def _plan(key: tuple, make: Any) -> bp.Plan:
     return p
 
 
-def _replay(p: bp.Plan, run: Any, static: bool) -> Any:
-    """run() eagerly, or, from the second call on a GPU with ``static``, through a CUDA
-    graph captured from it."""
+#: Calls of one plan before its work is captured as a CUDA graph. A step's forward and
+#: backward share their shapes, so under id-aware traffic (new sizes every step) each plan
+#: sees two calls: capturing then (a sync, a private memory pool) would never pay.
+REPLAY_FROM = 3
+
+
+def _graphed(p: bp.Plan, static: bool) -> bool:
+    """Whether this call of ``p`` runs through its CUDA graph (counts the call)."""
     p.calls += 1
-    if not static or p.dev.type != "cuda" or p.calls < 2:
-        return run()
+    return static and p.dev.type == "cuda" and p.calls >= REPLAY_FROM
+
+
+def _replay(p: bp.Plan, run: Any) -> Any:
+    """run() through the plan's CUDA graph, captured on first use."""
     if p.graph is None:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, capture_error_mode="thread_local"):  # batches load aside
@@ -82,19 +92,31 @@ def encode(
     base = np.concatenate([[0], np.cumsum(caps)])[:-1].tolist()
     ends = [b + c for b, c in zip(base, caps, strict=True)]
     p = _plan(("enc", tuple(lays), dev), lambda: bp.build(lays, base, ends, dev))
-    if "x" not in p.t:  # the inputs' places (pad rows stay zero)
+    if not _graphed(p, static):
+        out, used = _encode(p, _stacked(lays, xs), ebs.to(torch.float64))
+        return out, base, used
+    if "x" not in p.t:  # the graph's inputs (pad rows stay zero)
         p.t["x"] = torch.zeros(p.rows, p.dim, dtype=torch.float32, device=dev)
         p.t["ebs"] = torch.zeros(ebs.numel(), dtype=torch.float64, device=dev)
     for lay, x, r0 in zip(lays, xs, _row_starts(lays), strict=True):
         p.t["x"][r0 : r0 + lay.rows].copy_(x)
     p.t["ebs"].copy_(ebs)
-    out, used = _replay(p, lambda: _encode(p), static)
+    out, used = _replay(p, lambda: _encode(p, p.t["x"], p.t["ebs"]))
     return out, base, used
 
 
-def _encode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor]:
+def _stacked(lays: list[bf.Layout], xs: list[torch.Tensor]) -> torch.Tensor:
+    """The groups' rows end to end, each group padded with zero rows."""
+    if len(xs) == 1 and lays[0].rows == lays[0].padded:
+        return xs[0]
+    parts = []
+    for lay, x in zip(lays, xs, strict=True):
+        parts += [x, x.new_zeros(lay.padded - lay.rows, lay.dim)]
+    return torch.cat(parts)
+
+
+def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t, dim, dev, nr = p.t, p.dim, p.dev, p.rows
-    x, ebs = t["x"], t["ebs"]
     refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
     if p.dedup:
         row_map = torch.full((nr,), -1, dtype=torch.int64, device=dev)
@@ -223,7 +245,7 @@ def decode(
     key = ("dec", tuple(lays), buf.data_ptr(), buf.numel(), tuple(base), tuple(ends), dev)
     p = _plan(key, lambda: bp.build(lays, base, ends, dev))
     p.t["buf"] = buf
-    y, ebs, ok = _replay(p, lambda: _decode(p), static)
+    y, ebs, ok = _replay(p, lambda: _decode(p)) if _graphed(p, static) else _decode(p)
     rows = [y[r0 : r0 + lay.rows] for r0, lay in zip(_row_starts(lays), lays, strict=True)]
     return rows, ebs, ok
 
