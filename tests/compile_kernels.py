@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from recsz.codecs import blockkernels as k
+from recsz.codecs import blockunpack as u
 from recsz.policy import rangekernel
 
 #: The type of each argument name, as the coder passes it (per kernel where they differ).
@@ -114,9 +115,9 @@ CONST = {
 
 def main() -> int:
     failed = 0
-    kernels = [v for m in (k, rangekernel) for v in vars(m).values()
-               if isinstance(v, triton.JITFunction) and not v.__name__.startswith("_")]  # fmt: skip
-    variants = [(fn, CONST) for fn in kernels] + [(k.unpack_kernel, {**CONST, "REFS": True})]
+    kernels = [v for m in (k, u, rangekernel) for v in vars(m).values()
+               if isinstance(v, triton.JITFunction) and v.__name__.endswith("_kernel")]  # fmt: skip
+    variants = [(fn, CONST) for fn in kernels] + [(u.unpack_kernel, {**CONST, "REFS": True})]
     for fn, consts in variants:
         names = list(inspect.signature(fn.fn).parameters)
         types = {**TYPES, **PER_KERNEL.get(fn.__name__, {})}

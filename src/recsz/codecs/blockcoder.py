@@ -36,6 +36,7 @@ import triton
 from recsz.codecs import blockformat as bf
 from recsz.codecs import blockkernels as k
 from recsz.codecs import blockplan as bp
+from recsz.codecs import blockunpack as u
 from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
@@ -258,7 +259,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ebs = torch.empty(p.segments, dtype=torch.int64, device=dev)
     ck = torch.empty(p.g, dtype=torch.int32, device=dev)
     bad = torch.empty(p.g, dtype=torch.int32, device=dev)
-    k.read_head_kernel[(p.g,)](
+    u.read_head_kernel[(p.g,)](
         buf, words, buf.numel(), t["base"], t["fat"], t["ebat"], t["npad"], t["nrb"],
         t["wat"], t["k"], t["seg0"], t["ipos"], t["ival"], t["ibounds"], n_lit, stated, ebs,
         ck, bad, DIM=dim,
@@ -267,7 +268,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     size = torch.empty(nb, dtype=torch.int64, device=dev)
     grid = (triton.cdiv(nb, BLOCKS),)
     if nb:
-        k.read_widths_kernel[grid](
+        u.read_widths_kernel[grid](
             buf, buf.numel(), t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, w,
             size, ck, nb, DIM=dim, B=BLOCKS,
         )  # fmt: skip
@@ -277,7 +278,7 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ebs_f = ebs.view(torch.float64)
 
     def unpack(seg: torch.Tensor, refs_pass: bool) -> None:
-        k.unpack_kernel[grid](
+        u.unpack_kernel[grid](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, nb, DIM=dim,
             B=BLOCKS, REFS=refs_pass,
@@ -288,23 +289,23 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         unpack(t["rseg"], True)
         lit = torch.empty(nr, dtype=torch.int32, device=dev)
         rgrid = (triton.cdiv(nr, ROWS_B),)
-        k.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=ROWS_B)
+        u.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=ROWS_B)
         cz = torch.cumsum(lit, 0, dtype=torch.int32)
         src = torch.empty(nr, dtype=torch.int64, device=dev)
         slot_seg = torch.full((nr,), -1, dtype=torch.int32, device=dev)
-        k.decode_rows_kernel[rgrid](
+        u.decode_rows_kernel[rgrid](
             refs, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["rseg"], t["row0"],
             t["npad"], n_lit, src, slot_seg, bad, nr, B=ROWS_B,
         )  # fmt: skip
         if nb:
             unpack(slot_seg, False)
         out = torch.empty(nr, dim, dtype=torch.float32, device=dev)
-        k.gather_rows_kernel[(triton.cdiv(nr, ROWS),)](y, src, out, nr, DIM=dim, ROWS=ROWS,
+        u.gather_rows_kernel[(triton.cdiv(nr, ROWS),)](y, src, out, nr, DIM=dim, ROWS=ROWS,
                                                        DB=DB)  # fmt: skip
     elif nb:
         unpack(t["rseg"], False)
     ok = torch.empty(p.g, dtype=torch.int8, device=dev)
-    k.verdict_kernel[(p.g,)](
+    u.verdict_kernel[(p.g,)](
         words, t["base"], t["end"], t["wat"], t["nrb"], t["bs"], t["nb"], n_lit, stated, cs,
         size, ck, bad, ok, DIM=dim,
     )  # fmt: skip
