@@ -84,6 +84,20 @@ def block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr):
     return start + before - first_before
 
 
+@triton.jit
+def group_extent(g, lit, wat, nrb_ptr, bs_ptr, nbmax_ptr, cs_ptr, size_ptr, DIM: tl.constexpr):
+    """Group g's block count and data start (given its L literal rows), and the bytes its
+    blocks take (from the inclusive prefix sum ``cs`` of the blocks' sizes)."""
+    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
+    data_at = wat + ((nbl + 1) // 2 + 3) // 4 * 4
+    first = tl.load(bs_ptr + g)
+    n = tl.load(nbmax_ptr + g)
+    before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
+        size_ptr + first, mask=n > 0, other=0
+    )
+    return nbl, data_at, tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - before
+
+
 # ---- deduplication ----------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
 def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr,
@@ -311,15 +325,9 @@ def head_kernel(
     g = tl.program_id(0)
     base = tl.load(base_ptr + g)
     lit = tl.load(lit_ptr + g)
-    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
     wat = tl.load(wat_ptr + g)
-    data_at = wat + ((nbl + 1) // 2 + 3) // 4 * 4
-    first = tl.load(bs_ptr + g)
-    n = tl.load(nbmax_ptr + g)
-    first_before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
-        size_ptr + first, mask=n > 0, other=0
-    )
-    dlen = tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - first_before
+    nbl, data_at, dlen = group_extent(g, lit, wat, nrb_ptr, bs_ptr, nbmax_ptr, cs_ptr,
+                                      size_ptr, DIM)  # fmt: skip
     fat = tl.load(fat_ptr + g) + 20
     i_l = ((fat - 8) // 4).to(tl.uint32)
     ck = tl.load(hfix_ptr + g).to(tl.uint32)

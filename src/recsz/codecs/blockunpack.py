@@ -16,6 +16,7 @@ from recsz.codecs.blockkernels import (
     block_offset,
     block_size,
     byte_hash,
+    group_extent,
     group_of_block,
     literal_ranks,
 )
@@ -225,15 +226,8 @@ def verdict_kernel(
     payload, and its checksum matches."""
     g = tl.program_id(0)
     base = tl.load(base_ptr + g)
-    lit = tl.load(lit_ptr + g)
-    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
-    data_at = tl.load(wat_ptr + g) + ((nbl + 1) // 2 + 3) // 4 * 4
-    first = tl.load(bs_ptr + g)
-    n = tl.load(nbmax_ptr + g)
-    first_before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
-        size_ptr + first, mask=n > 0, other=0
-    )
-    dlen = tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - first_before
+    _, data_at, dlen = group_extent(g, tl.load(lit_ptr + g), tl.load(wat_ptr + g), nrb_ptr,
+                                    bs_ptr, nbmax_ptr, cs_ptr, size_ptr, DIM)  # fmt: skip
     stored = tl.load(words_ptr + base // 4 + 1)
     good = (tl.load(bad_ptr + g) == 0) & (dlen == tl.load(dlen_ptr + g))
     good = good & (base + data_at + dlen <= tl.load(end_ptr + g))
