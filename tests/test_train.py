@@ -16,6 +16,7 @@ REQUIRED = {
     "accuracy",
     "steps",
     "samples_per_s",
+    "samples_per_s_steady",
     "world_size",
     "fwd_ratio",
     "bwd_ratio",
@@ -63,6 +64,8 @@ def test_main_writes_run_directory(tmp_path: Path) -> None:
     # samples/s counts training alone; generating the batches is timed apart
     assert s["data_s"] > 0 and s["train_s"] > 0
     assert s["samples_per_s"] == pytest.approx(12 * 64 / s["train_s"])
+    # the pace after the first steps: 9 steps in less time than all 12 took
+    assert s["samples_per_s_steady"] > 9 * 64 / s["train_s"]
 
 
 def test_bad_flags_fail_loudly() -> None:

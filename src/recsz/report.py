@@ -164,7 +164,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  logloss        {s['logloss']:.4f}",
             f"  accuracy       {s['accuracy']:.4f}",
             f"  steps          {s['steps']} on {s['world_size']} rank(s)",
-            f"  samples/s      {s['samples_per_s']:.0f}",
+            f"  samples/s      {s['samples_per_s']:.0f} ({s['samples_per_s_steady']:.0f} after "
+            f"the first steps)",
             f"  fwd ratio      {s['fwd_ratio']:.2f}x   (embedding all-to-all)",
             f"  bwd ratio      {s['bwd_ratio']:.2f}x   (gradient all-to-all)",
             f"  bytes on wire  {s['bytes_sent'] / 1e6:.2f} MB of {s['bytes_raw'] / 1e6:.2f} MB raw",

@@ -50,6 +50,8 @@ from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch, watch_parent
 
 SYNTHETIC_DEFAULT_STEPS = 1000
+#: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
+WARM_STEPS = 3
 
 
 # ---- model parts and optimizers -------------------------------------------------------
@@ -261,6 +263,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         )
         losses: list[float] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
+        warm: tuple[float, int] | None = None  # train_s and step after the first steps
 
         def gathered() -> list[dict]:
             """Every rank's counters, in one collective (metrics rows and the summary)."""
@@ -289,6 +292,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             train_s += time.perf_counter() - t0
             bar.update(1)
             done = step + 1
+            if done - start == WARM_STEPS:  # compilation, graph capture and caches behind
+                warm = (train_s, done)
             row: dict[str, Any] = {}
             if done % cfg.log_every == 0 or done == steps:
                 row = {"step": done, **report.summarize(gathered(), done, bsz)}
@@ -313,6 +318,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "skipped_lines": source.skipped_lines,
             **totals,
             "per_table": totals.pop("tables"),
+            # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).
+            "samples_per_s_steady": (steps - warm[1]) * bsz / (train_s - warm[0])
+            if warm is not None and steps > warm[1] and train_s > warm[0]
+            else float("nan"),
             **report.final_extras(recs, cfg.check_bounds),
             "config": cfg.to_dict(),
         }
