@@ -25,6 +25,7 @@ Needs a CUDA device; without one it says so and exits 0 (CI has none).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -145,9 +146,9 @@ def cpu_hybrid_ratio(step: torch.Tensor) -> float:
 def codec_rows(
     step_cpu: torch.Tensor, data: str, repeats: int, cpu_ratio: float, probes: list
 ) -> list[dict]:
-    """Every timed number of the codec on one step buffer; ``probes`` gets (row, encode,
-    decode) for :func:`probe`, run after every timing (the profiler's hooks can slow what
-    runs after it)."""
+    """Every timed number of the codec on one step buffer; ``probes`` gets :func:`probe`
+    of each codec, run after every timing (the profiler's hooks can slow what runs after
+    it)."""
     b, n_tables, dim = step_cpu.shape
     step = step_cpu.to(DEV)
     t = step.transpose(0, 1)  # table-major view, as the exchange hands it to the policy
@@ -210,7 +211,7 @@ def codec_rows(
                 "break_even_gbit": saved * 8 / (t_enc + t_dec) / 1e9,
             }
         )
-        probes.append((out[-1], enc, dec))
+        probes.append(functools.partial(probe, out[-1], enc, dec))
     for r in out:
         r.update({"data": data, "batch": b, "tables": n_tables, "dim": dim, "raw_MB": raw / 1e6})
     return out
@@ -272,12 +273,19 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
     return out
 
 
-def train_rows(batch: int, steps: int) -> list[dict]:
-    """One GPU, the bench preset, the real exchange at world size 1 in both directions."""
+#: Training-step configurations: the codec both ways, "+ids" with id-aware traffic (sizes
+#: change every step, so the coder runs eagerly, as in the trainer by default).
+TRAIN_CONFIGS = ["direct", "none", "fp16", "hybrid", "quant", "hybrid+ids"]
+
+
+def train_rows(batch: int, steps: int, probes: list) -> list[dict]:
+    """One GPU, the bench preset, the real exchange at world size 1 in both directions:
+    step time (each timed step on a new batch), host syncs; ``probes`` gets how busy the
+    GPU is (profiled after every timing)."""
     cfg = get_preset("bench").model
     gen = SyntheticCriteo(cfg.table_sizes, seed=0)
     data = []
-    for i in range(4):
+    for i in range(steps + 8):  # distinct batches: "+ids" sizes never repeat a step's
         blk = gen.block(0, i * batch, batch)
         data.append(
             (
@@ -287,12 +295,13 @@ def train_rows(batch: int, steps: int) -> list[dict]:
             )
         )
     rows = []
-    for name in ["direct", "none", "fp16", "hybrid", "quant"]:
+    for name in TRAIN_CONFIGS:
         sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("rowwise_adagrad", 0.05))
         sparse = sparse.to(DEV)
         dense = DenseArch(cfg, 0).to(DEV)
         opt = torch.optim.SGD(dense.parameters(), lr=0.05)
-        codec = get_codec("none" if name == "direct" else name)
+        codec_name = name.removesuffix("+ids")
+        codec = get_codec("none" if name == "direct" else codec_name)
 
         def policy(codec: Any = codec) -> BoundPolicy:
             if not codec.error_bounded:
@@ -301,22 +310,27 @@ def train_rows(batch: int, steps: int) -> list[dict]:
                 cfg.n_tables, {"tight": 0.01, "base": 0.03, "loose": 0.05}, probe_steps=2, every=0
             )
 
+        ids_aware = name.endswith("+ids")
         ex = EmbeddingExchange(
             ShardPlan([0] * cfg.n_tables, 1),
             0,
             Direction("fwd", codec, policy()),
             Direction("bwd", codec, policy()),
-            id_dedup=False,
+            id_dedup=ids_aware,
+            coalesce=ids_aware,
         )
+        at = [0]
 
         def step(
-            k: int,
             sparse: Any = sparse,
             dense: Any = dense,
             opt: Any = opt,
             ex: Any = ex,
             name: str = name,
+            at: list[int] = at,
         ) -> None:
+            k = at[0]
+            at[0] += 1
             d, ids, y = data[k % len(data)]
             pooled = sparse(ids)
             emb = pooled if name == "direct" else ex.start_forward(pooled, k, ids)
@@ -325,21 +339,43 @@ def train_rows(batch: int, steps: int) -> list[dict]:
             loss.backward()
             opt.step()
 
-        for k in range(4):  # past the policy's probe window
-            step(k)
-        ms = timed(lambda step=step: step(5), steps) * 1e3
+        for _ in range(4):  # past the policy's probe window, kernels compiled
+            step()
+        ms = timed(step, steps) * 1e3
         rows.append(
             {
                 "config": name,
                 "batch": batch,
                 "step_ms": ms,
-                "syncs_per_step": count_syncs(lambda step=step: step(6)),
+                "syncs_per_step": count_syncs(step),
             }
         )
+        row = rows[-1]
+        probes.append(lambda row=row, step=step: row.update(gpu_busy=gpu_busy(step, 5)))
     base = rows[0]["step_ms"]
     for r in rows:
         r["step_ratio"] = r["step_ms"] / base
     return rows
+
+
+def gpu_busy(fn: Any, calls: int) -> float:
+    """Share of the wall time of ``calls`` calls of fn in which a GPU kernel ran (kernel
+    times summed, torch profiler; nan on the CPU)."""
+    if DEV.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync()
+        wall = time.perf_counter() - t
+    kernel_us = sum(
+        e.device_time for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    return kernel_us / 1e6 / wall
 
 
 def save_traffic(path: Path) -> int:
@@ -408,15 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     result["codecs"] = rows
     result["train"] = []
     for bs in [] if args.no_train else batches:
-        result["train"] += train_rows(bs, 3 if DEV.type == "cpu" else 20)
+        result["train"] += train_rows(bs, 3 if DEV.type == "cpu" else 20, probes)
+    for run in probes:  # last: the profiler's hooks may slow whatever runs after it
+        run()
     for r in result["train"]:
         r["device"] = result["device"]
         print(
-            f"train b={r['batch']:5} {r['config']:7} {r['step_ms']:8.2f} ms "
-            f"x{r['step_ratio']:.3f} syncs {r['syncs_per_step']}"
+            f"train b={r['batch']:5} {r['config']:10} {r['step_ms']:8.2f} ms "
+            f"x{r['step_ratio']:.3f} syncs {r['syncs_per_step']} "
+            f"GPU busy {r.get('gpu_busy', float('nan')):.2f}"
         )
-    for args_ in probes:  # last: the profiler's hooks may slow whatever runs after it
-        probe(*args_)
     print_rows(rows)
     if args.json_out:
         args.json_out.write_text(json.dumps(result, indent=1))
