@@ -148,8 +148,9 @@ def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: in
     return parts.dense(batch_dense, pending, mine)  # bottom MLP runs while the bytes fly
 
 
-def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
-    """One optimizer step on the global ``batch`` (each rank trains on its slice)."""
+def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Tensor:
+    """One optimizer step on the global ``batch`` (each rank trains on its slice); the
+    loss stays where it was computed (read when logged: no host sync in the step)."""
     b = len(batch) // ranks.world
     mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
     logits = forward(parts, mine.dense, batch.ids, step)
@@ -159,7 +160,7 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> float:
     parts.dense_opt.step()
     if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
         parts.dense_module.local.step()
-    return float(loss.detach())
+    return loss.detach()
 
 
 @torch.no_grad()
@@ -261,13 +262,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             unit="step",
             leave=False,
         )
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
         warm: tuple[float, int] | None = None  # train_s and step after the first steps
 
         def gathered() -> list[dict]:
             """Every rank's counters, in one collective (metrics rows and the summary)."""
-            loss = float(np.mean(losses)) if losses else float("nan")
+            loss = float(torch.stack(losses).double().mean()) if losses else float("nan")
             losses.clear()
             return ranks.gather(report.rank_record(parts, ranks.rank, loss, train_s, data_s))
 
