@@ -48,7 +48,7 @@ for c in none hybrid; do
     cp "/tmp/recsz_gpu/train_$c/summary.json" "$out/train_${c}_8192.json" 2>/dev/null
 done
 
-# 4. The table types on one GPU (never run on one yet): FIITED's store pruning every 10
+# 4. The table types on one GPU (first run on an H100 on 2026-11-26): FIITED's store pruning every 10
 #    steps, and TT-Rec's 7 largest tables with their hot-row caches (refilled every 10).
 timeout 45 python3 -m recsz.train --device cuda --preset bench --steps 20 --batch-size 8192 \
     --fiited-budget 0.25 --fiited-interval 10 --fiited-mask-backward --synthetic-eval 8192 \
