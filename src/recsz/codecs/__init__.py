@@ -6,7 +6,7 @@ See :mod:`recsz.codecs.base` for the contract every codec keeps.
 from recsz.codecs import anchors as _anchors  # noqa: F401  (registers TorchRec's tr-* codecs)
 from recsz.codecs import baselines as _baselines  # noqa: F401  (registers the baselines)
 from recsz.codecs import hybrid as _hybrid  # noqa: F401  (registers hybrid and its stages)
-from recsz.codecs import sparse as _sparse  # noqa: F401  (registers dct, sparse, dct-mask)
+from recsz.codecs import sparse as _sparse  # noqa: F401  (registers dct, dct-mask)
 from recsz.codecs.base import Codec
 from recsz.codecs.payload import PayloadError, parse_payload
 from recsz.codecs.registry import (
