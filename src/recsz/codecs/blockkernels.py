@@ -98,6 +98,35 @@ def group_extent(g, lit, wat, nrb_ptr, bs_ptr, nbmax_ptr, cs_ptr, size_ptr, DIM:
     return nbl, data_at, tl.load(cs_ptr + first + n - 1, mask=n > 0, other=0) - before
 
 
+@triton.jit
+def copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, words_ptr, TO_PAYLOAD: tl.constexpr):
+    """Group g's bounds (int64 bits at ebs[seg0 + j]) into its payload's words, or out of
+    them; returns those words' checksum share."""
+    ebat = tl.load(ebat_ptr + g)
+    k = tl.load(k_ptr + g)
+    s0 = tl.load(seg0_ptr + g)
+    share = tl.zeros([32], dtype=tl.uint32)
+    at = 0
+    while at < k:
+        j = at + tl.arange(0, 32)
+        ms = j < k
+        wd = (base + ebat) // 4 + 2 * j
+        if TO_PAYLOAD:
+            e = tl.load(ebs_ptr + s0 + j, mask=ms, other=0)
+            lo = (e & 0xFFFFFFFF).to(tl.uint32)
+            hi = ((e >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            tl.store(words_ptr + wd, lo.to(tl.int32, bitcast=True), mask=ms)
+            tl.store(words_ptr + wd + 1, hi.to(tl.int32, bitcast=True), mask=ms)
+        else:
+            lo = tl.load(words_ptr + wd, mask=ms, other=0).to(tl.uint32, bitcast=True)
+            hi = tl.load(words_ptr + wd + 1, mask=ms, other=0).to(tl.uint32, bitcast=True)
+            tl.store(ebs_ptr + s0 + j, lo.to(tl.int64) | (hi.to(tl.int64) << 32), mask=ms)
+        i = ((ebat - 8) // 4 + 2 * j).to(tl.uint32)
+        share += tl.where(ms, lo * (2 * i + 1) + hi * (2 * i + 3), 0)
+        at += 32
+    return tl.sum(share, axis=0)
+
+
 # ---- deduplication ----------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
 def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr,
@@ -336,22 +365,7 @@ def head_kernel(
     tl.store(out32_ptr + (base + fat) // 4 + 1, dlen.to(tl.int32))
     pad = wat + (nbl + 1) // 2 + tl.arange(0, 4)
     tl.store(out8_ptr + base + pad, tl.zeros([4], dtype=tl.uint8), mask=pad < data_at)
-    ebat = tl.load(ebat_ptr + g)
-    k = tl.load(k_ptr + g)
-    s0 = tl.load(seg0_ptr + g)
-    at = 0
-    while at < k:
-        s = at + tl.arange(0, 32)
-        ms = s < k
-        e = tl.load(ebs_ptr + s0 + s, mask=ms, other=0)
-        lo = (e & 0xFFFFFFFF).to(tl.uint32)
-        hi = ((e >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        wd = (base + ebat) // 4 + 2 * s
-        tl.store(out32_ptr + wd, lo.to(tl.int32, bitcast=True), mask=ms)
-        tl.store(out32_ptr + wd + 1, hi.to(tl.int32, bitcast=True), mask=ms)
-        i = ((ebat - 8) // 4 + 2 * s).to(tl.uint32)
-        ck += tl.sum(tl.where(ms, lo * (2 * i + 1) + hi * (2 * i + 3), 0), axis=0)
-        at += 32
+    ck += copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, out32_ptr, True)
     ck += tl.load(ck_ptr + g).to(tl.uint32, bitcast=True)
     tl.store(out32_ptr + base // 4 + 1, ck.to(tl.int32, bitcast=True))
     tl.store(used_ptr + g, data_at + dlen)

@@ -16,6 +16,7 @@ from recsz.codecs.blockkernels import (
     block_offset,
     block_size,
     byte_hash,
+    copy_bounds,
     group_extent,
     group_of_block,
     literal_ranks,
@@ -50,19 +51,7 @@ def read_head_kernel(
     tl.store(lit_ptr + g, lit)
     tl.store(dlen_ptr + g, tl.load(words_ptr + (base + fat) // 4 + 1).to(tl.uint32, bitcast=True)
              .to(tl.int64))  # fmt: skip
-    k = tl.load(k_ptr + g)
-    s0 = tl.load(seg0_ptr + g)
-    ebat = tl.load(ebat_ptr + g)
-    s = 0
-    while s < k:
-        j = s + tl.arange(0, 32)
-        ms = j < k
-        wd = (base + ebat) // 4 + 2 * j
-        lo = tl.load(words_ptr + wd, mask=ms, other=0).to(tl.uint32, bitcast=True)
-        hi = tl.load(words_ptr + wd + 1, mask=ms, other=0).to(tl.uint32, bitcast=True)
-        e = lo.to(tl.int64) | (hi.to(tl.int64) << 32)
-        tl.store(ebs_ptr + s0 + j, e, mask=ms)
-        s += 32
+    copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, words_ptr, False)
     # Header words [8, widths_at): the fixed ones, L and data_len, the bounds.
     ck = tl.zeros([64], dtype=tl.uint32)
     i = 0
