@@ -184,16 +184,12 @@ SUM_CHUNK = 4096  # words per program of span_sums
 
 
 def word_sums(
-    words: torch.Tensor,
-    idx: torch.Tensor,
-    local: torch.Tensor,
-    bounds: torch.Tensor,
-    keep: torch.Tensor | None = None,
+    words: torch.Tensor, idx: torch.Tensor, local: torch.Tensor, bounds: torch.Tensor
 ) -> torch.Tensor:
     """The checksum of formats 3 and 4 over spans of words (:func:`word_spans`): per span,
-    the sum of words[idx] x (2 local + 1) (only where ``keep``), modulo 2^32."""
+    the sum of words[idx] x (2 local + 1), modulo 2^32."""
     v = (words[idx].to(torch.int64) & bf.MASK32) * (2 * local + 1)
-    return segment_sum(v if keep is None else v * keep, bounds) & bf.MASK32
+    return segment_sum(v, bounds) & bf.MASK32
 
 
 def segment_sum(v: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
