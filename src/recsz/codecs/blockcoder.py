@@ -41,6 +41,9 @@ from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
 BLOCKS = 128  # blocks per pack / unpack program (the H100 sweep's best of 16-256)
+ROWS = 32  # rows per program of the row-comparing kernels (dedup, row gather)
+DB = 32  # dims per step of their loops
+ROWS_B = 256  # rows per program of the per-row kernels
 _PLANS: OrderedDict[tuple, bp.Plan] = OrderedDict()
 _MAX_PLANS = 16
 
@@ -162,11 +165,6 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
     return out, used
 
 
-ROWS = 32  # rows per dedup-kernel program
-DB = 32  # dims per step of its loop
-ROWS_B = 256  # rows per program of the per-row kernels
-
-
 def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """blockformat.duplicates on the device: 32-bit hashes by a kernel, a stable sort,
     each run's first row (starts of runs of one hash and segment, their prefix sum, a
@@ -278,15 +276,17 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     ebs_f = ebs.view(torch.float64)
 
     def unpack(seg: torch.Tensor, refs_pass: bool) -> None:
-        u.unpack_kernel[grid](
+        n = p.ref_blocks if refs_pass else nb  # the reference blocks, or all of them
+        u.unpack_kernel[(triton.cdiv(n, BLOCKS),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
-            w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, nb, DIM=dim,
-            B=BLOCKS, REFS=refs_pass,
+            t["refg"], w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, n,
+            DIM=dim, B=BLOCKS, REFS=refs_pass,
         )  # fmt: skip
 
     out = y.view(nr, dim)
     if p.dedup and nr:  # the references first: the literal slots' bounds depend on them
-        unpack(t["rseg"], True)
+        if p.ref_blocks:
+            unpack(t["rseg"], True)
         lit = torch.empty(nr, dtype=torch.int32, device=dev)
         rgrid = (triton.cdiv(nr, ROWS_B),)
         u.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=ROWS_B)

@@ -64,13 +64,15 @@ def byte_hash(v, q):
 @triton.jit
 def group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr,
                     DIM: tl.constexpr):  # fmt: skip
-    """Block b's group, index in it, ref block count, block count and data start."""
+    """Block b's group, index in it, ref block count, block count, the payload's first
+    byte and its data's."""
     g = tl.load(bgid_ptr + b, mask=mb, other=0)
     local = b - tl.load(bs_ptr + g, mask=mb, other=0)
     nrb = tl.load(nrb_ptr + g, mask=mb, other=0)
     nbl = nrb + (tl.load(lit_ptr + g, mask=mb, other=0) * DIM + LANES - 1) // LANES
     data_at = tl.load(wat_ptr + g, mask=mb, other=0) + ((nbl + 1) // 2 + 3) // 4 * 4
-    return g, local, nrb, nbl, tl.load(base_ptr + g, mask=mb, other=0) + data_at
+    base = tl.load(base_ptr + g, mask=mb, other=0)
+    return g, local, nrb, nbl, base, base + data_at
 
 
 @triton.jit
@@ -296,10 +298,9 @@ def pack_kernel(
     byte offset; the width nibbles; the checksum parts of both, added per group."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mb = b < nb
-    g, local, nrb, nbl, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
-                                                nrb_ptr, lit_ptr, DIM)  # fmt: skip
+    g, local, nrb, nbl, base, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr,
+                                                      wat_ptr, nrb_ptr, lit_ptr, DIM)  # fmt: skip
     mb = mb & (local < nbl)
-    base = tl.load(base_ptr + g, mask=mb, other=0)
     w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
     off = block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
     # The width nibbles: byte local // 2 of the widths, from the block pair (2k, 2k + 1).

@@ -75,9 +75,8 @@ def read_widths_kernel(
     the width bytes and the zeros after them."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mb = b < nb
-    g, local, _, nbl, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
-                                              nrb_ptr, lit_ptr, DIM)  # fmt: skip
-    base = tl.load(base_ptr + g, mask=mb, other=0)
+    g, local, _, nbl, base, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr,
+                                                    wat_ptr, nrb_ptr, lit_ptr, DIM)  # fmt: skip
     q = tl.load(wat_ptr + g, mask=mb, other=0) + local // 2
     mine = mb & (local < nbl)
     byte = tl.load(buf_ptr + base + q, mask=mine & (base + q < n_bytes), other=0).to(tl.int32)
@@ -96,20 +95,24 @@ def read_widths_kernel(
 
 @triton.jit(do_not_specialize=["n_words", "nb"])
 def unpack_kernel(
-    bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr, w_ptr,
-    size_ptr, cs_ptr, in32_ptr, n_words, seg_ptr, ebs_ptr, out_ptr, refs_ptr, ck_ptr,
+    bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr, rb0_ptr, row0_ptr, refg_ptr,
+    w_ptr, size_ptr, cs_ptr, in32_ptr, n_words, seg_ptr, ebs_ptr, out_ptr, refs_ptr, ck_ptr,
     nb, DIM: tl.constexpr, B: tl.constexpr, REFS: tl.constexpr,
 ):  # fmt: skip
-    """Decode the nb blocks: the code blocks into the code stream (dequantized
-    under the bound of each slot's segment, or raw words as they are), ``REFS``: the
+    """Decode blocks: the nb blocks' code blocks into the code stream (dequantized under
+    the bound of each slot's segment, or raw words as they are), or, ``REFS``, the nb
     reference blocks into the references. Adds their words' checksum parts."""
-    b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    mb = b < nb
-    g, local, nrb, _, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr,
-                                              nrb_ptr, lit_ptr, DIM)  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mi = i < nb
+    if REFS:  # reference block i, at its place among its group's blocks
+        rg = tl.load(refg_ptr + i, mask=mi, other=0)
+        b = tl.load(bs_ptr + rg, mask=mi, other=0) + i - tl.load(rb0_ptr + rg, mask=mi, other=0)
+    else:
+        b = i
+    g, local, nrb, _, base, start = group_of_block(b, mi, bgid_ptr, bs_ptr, base_ptr,
+                                                    wat_ptr, nrb_ptr, lit_ptr, DIM)  # fmt: skip
     is_ref = local < nrb
-    mb = mb & (is_ref == REFS)
-    base = tl.load(base_ptr + g, mask=mb, other=0)
+    mb = mi & (is_ref == REFS)
     w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
     off = block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
     lane = tl.arange(0, LANES)
