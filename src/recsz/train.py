@@ -286,17 +286,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             losses.append(train_step(parts, batch, step, ranks))
-            if fiited is not None and (step + 1) % fiited.interval == 0:
+            done = step + 1
+            if fiited is not None and done % fiited.interval == 0:
                 parts.sparse.prune()
                 if cfg.fiited_mask_backward:
                     share_chunk_counts(parts, ranks, fiited.chunk)
+            logged = done % cfg.log_every == 0 or done == steps
+            if ranks.device.type == "cuda" and (logged or done - start == WARM_STEPS):
+                # The loss is read only when logged, so the GPU may lag the host: the
+                # queued work of the steps counted so far counts here.
+                torch.cuda.synchronize(ranks.device)
             train_s += time.perf_counter() - t0
             bar.update(1)
-            done = step + 1
             if done - start == WARM_STEPS:  # compilation, graph capture and caches behind
                 warm = (train_s, done)
             row: dict[str, Any] = {}
-            if done % cfg.log_every == 0 or done == steps:
+            if logged:
                 row = {"step": done, **report.summarize(gathered(), done, bsz)}
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
