@@ -36,8 +36,6 @@ TYPES = {
             "in32_ptr",
             "slotseg_ptr",
             "rseg_ptr",
-            "run_ptr",
-            "start_ptr",
         ],
         "*i32",
     ),
@@ -45,8 +43,7 @@ TYPES = {
         [
             "mult_ptr",
             "key_ptr",
-            "ks_ptr",
-            "perm_ptr",
+            "tab_ptr",
             "first_ptr",
             "dup_ptr",
             "rfirst_ptr",
@@ -92,7 +89,7 @@ TYPES = {
     "ebs_ptr": "*fp64",
     "ok_ptr": "*i8",
     **dict.fromkeys(["n_rows", "shift", "qmax", "n_ref", "nb"], "i32"),
-    **dict.fromkeys(["hash_mask", "n", "n_bytes", "n_words"], "i64"),
+    **dict.fromkeys(["hash_mask", "n", "n_bytes", "n_words", "mask"], "i64"),
 }
 PER_KERNEL = {
     "pack_kernel": {"lit_ptr": "*i64"},
@@ -102,8 +99,6 @@ PER_KERNEL = {
     "unpack_kernel": {"lit_ptr": "*i64", "out_ptr": "*fp32"},
     "verdict_kernel": {"lit_ptr": "*i64"},
     "gather_rows_kernel": {"out_ptr": "*fp32"},
-    "row_key_kernel": {"key_ptr": "*i32"},
-    "run_start_kernel": {"ks_ptr": "*i32"},
     "bound_kernel": {"lo_ptr": "*fp32", "hi_ptr": "*fp32", "out_ptr": "*fp64"},
     "word_sum_kernel": {"first_ptr": "*i64", "len_ptr": "*i64", "out_ptr": "*i32"},
 }

@@ -135,6 +135,31 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rows_of_one_hash_but_other_bits_stay_literal(device: str) -> None:
+    """Rows whose keys collide (same segment, same 32-bit hash, other bits): each copies
+    only the key's first row, and only where its bits equal that row's, as the reference."""
+    rng = np.random.default_rng(11)
+    dim = 4
+    a = rng.integers(0, 1 << 20, dim).astype(np.uint32) | np.uint32(0x3F000000)
+    m = bf.HASH_MULT[:dim].astype(object) % (1 << 32)
+    d1 = 12345
+    d2 = (-d1 * m[0] * pow(int(m[1]), -1, 1 << 32)) % (1 << 32)
+    b = a.copy()
+    b[0] = (int(a[0]) + d1) % (1 << 32)
+    b[1] = (int(a[1]) + d2) % (1 << 32)
+    c = rng.integers(0, 1 << 20, dim).astype(np.uint32) | np.uint32(0x3F000000)
+    bits = np.stack([b, a, a, b, c, a, b])
+    x = bits.view(np.float32)
+    piece = np.zeros(len(x), np.int64)
+    ref_dup = bf.duplicates(bits.view(np.int32), piece, np.ones(len(x), bool))
+    assert ref_dup.tolist() == [-1, -1, -1, 0, -1, -1, 0]  # a and b collide; a never copies
+    lay = bf.Layout("hybrid", 0, dim, (len(x),), True)
+    ebs = np.array([1e-3])
+    (got,) = kernels([lay], [x], ebs, device)
+    assert got.cpu().numpy().tobytes() == bf.encode_group(lay, x, ebs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_damaged_payloads_are_rejected(device: str) -> None:
     rng = np.random.default_rng(5)
     x = adversarial(rng, 20, 16, 0.01)

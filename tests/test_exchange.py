@@ -62,8 +62,8 @@ class Spy(FixedBound):
         super().__init__(eb, "abs")
         self.observed = 0
 
-    def observe(self, table: int, step: int, x: torch.Tensor) -> None:
-        self.observed += 1
+    def observe(self, tables: list[int], step: int, x: torch.Tensor) -> None:
+        self.observed += len(tables)
 
 
 def one_rank(codec: str, policy: BoundPolicy, **kw: bool) -> EmbeddingExchange:

@@ -66,3 +66,55 @@ def test_planner_balances_and_is_deterministic() -> None:
     mem = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(2)]
     assert max(mem) / sum(mem) < 0.65
     assert plan_tables(sizes, 16, 1) == [0] * 26
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_one_gpu_training_step_never_syncs_the_host() -> None:
+    """The trainer's step on one GPU: lookup, the exchange with the hybrid codec both ways
+    (the dual policy inside its probe window), MLPs, loss, row-wise Adagrad and SGD
+    updates, and no host synchronization anywhere."""
+    import warnings
+
+    from recsz.codecs import get_codec
+    from recsz.comm import EmbeddingExchange
+    from recsz.comm.embedding import Direction
+    from recsz.comm.stats import ShardPlan
+    from recsz.model import DenseArch, RowOptimizer, SparseArch
+    from recsz.policy.adaptive import DualBound
+
+    cfg = get_preset("tiny").model
+    n = cfg.n_tables
+    classes = {"tight": 0.01, "base": 0.03, "loose": 0.05}
+    sparse = SparseArch(cfg, range(n), 0, RowOptimizer("rowwise_adagrad", 0.05)).cuda()
+    dense = DenseArch(cfg, 0).cuda()
+    opt = torch.optim.SGD(dense.parameters(), lr=0.05)
+
+    def direction(name: str) -> Direction:
+        return Direction(name, get_codec("hybrid"), DualBound(n, classes, probe_steps=50))
+
+    ex = EmbeddingExchange(ShardPlan([0] * n, 1), 0, direction("fwd"), direction("bwd"))
+    sizes = torch.tensor(cfg.table_sizes, device="cuda")
+
+    def step(k: int) -> None:
+        g = torch.Generator(device="cuda").manual_seed(k)
+        ids = (torch.rand(256, n, device="cuda", generator=g) * sizes).long()
+        d = torch.rand(256, cfg.n_dense, device="cuda", generator=g)
+        y = (torch.rand(256, device="cuda", generator=g) > 0.5).float()
+        emb = ex.start_forward(sparse(ids, checked=True), k, ids)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(dense(d, emb), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for k in range(4):  # compiles the kernels, fills the caches, captures the graphs
+        step(k)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # "a prototype feature" (torch warns on every use)
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert ex.stats.summary()["fwd_ratio"] > 1

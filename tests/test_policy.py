@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,7 +13,12 @@ from hypothesis import strategies as st
 
 from recsz.config import TrainConfig
 from recsz.policy import FixedBound, to_absolute
-from recsz.policy.adaptive import DualBound, decay_multiplier, parse_overrides
+from recsz.policy.adaptive import (
+    DualBound,
+    decay_multiplier,
+    homogenization_counts,
+    parse_overrides,
+)
 from recsz.policy.factory import make_policy
 
 CLS = {"tight": 0.01, "base": 0.03, "loose": 0.05}
@@ -58,14 +64,33 @@ def _spread(g: torch.Generator) -> torch.Tensor:
     return rows[torch.randint(0, 4, (256,), generator=g)]
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_homogenization_counts_equal_a_per_column_reference(seed: int) -> None:
+    """Batched over tables: distinct finite values per column before and after rounding
+    x / 2eb, rows holding NaN/Inf left out, as np.unique column by column."""
+    rng = np.random.default_rng(seed)
+    t, n, d = 3, int(rng.integers(1, 40)), int(rng.integers(1, 6))
+    x = (rng.integers(-5, 5, (t, n, d)) * rng.choice([0.01, 0.3, 1.0])).astype(np.float32)
+    x[rng.random((t, n, d)) < 0.05] = rng.choice([np.nan, np.inf, -np.inf])
+    eb = rng.uniform(0.001, 2.0, t)
+    got = homogenization_counts(torch.from_numpy(x), torch.from_numpy(eb)).numpy()
+    for j in range(t):
+        rows = x[j][np.isfinite(x[j]).all(1)]
+        codes = np.round(rows.astype(np.float64) / (2 * eb[j]))
+        before = sum(len(np.unique(rows[:, c])) for c in range(d))
+        after = sum(len(np.unique(codes[:, c])) for c in range(d))
+        assert got[j].tolist() == [before, after]
+
+
 def test_index_separates_collapsing_from_distinct_tables() -> None:
     g = torch.Generator().manual_seed(0)
     p = DualBound(n_tables=3, class_eb=CLS, probe_steps=2, every=0, decay_schedule="constant")
     mid = torch.randn(256, 16, generator=g) * 0.3
     for step in range(2):
-        p.observe(0, step, _collapsing(g))
-        p.observe(1, step, _spread(g))
-        p.observe(2, step, mid)
+        p.observe([0], step, _collapsing(g))
+        p.observe([1], step, _spread(g))
+        p.observe([2], step, mid)
     assert p.class_of(0) == "base"  # nothing classified before the window ends
     x = torch.ones(4, 4)
     p.bound(0, 2, x)
@@ -80,13 +105,13 @@ def test_index_separates_collapsing_from_distinct_tables() -> None:
 def test_reclassification_every_k_steps() -> None:
     g = torch.Generator().manual_seed(1)
     p = DualBound(n_tables=1, class_eb=CLS, probe_steps=1, every=10, decay_schedule="constant")
-    p.observe(0, 0, _collapsing(g))
+    p.observe([0], 0, _collapsing(g))
     p.bound(0, 1, torch.ones(2, 2))
     assert p.class_of(0) == "tight"
-    p.observe(0, 5, _spread(g))  # outside a window: ignored
+    p.observe([0], 5, _spread(g))  # outside a window: ignored
     p.bound(0, 6, torch.ones(2, 2))
     assert p.class_of(0) == "tight"
-    p.observe(0, 10, _spread(g))  # window [10, 11)
+    p.observe([0], 10, _spread(g))  # window [10, 11)
     p.bound(0, 11, torch.ones(2, 2))
     assert p.class_of(0) == "loose" and len(p.events) == 2
 
@@ -97,8 +122,8 @@ def test_overrides_win() -> None:
     p = DualBound(
         n_tables=2, class_eb=CLS, probe_steps=1, every=0, overrides=ov, decay_schedule="constant"
     )
-    p.observe(0, 0, _collapsing(g))
-    p.observe(1, 0, _collapsing(g))
+    p.observe([0], 0, _collapsing(g))
+    p.observe([1], 0, _collapsing(g))
     p.bound(0, 1, torch.ones(2, 2))
     assert p.class_of(0) == "loose" and p.class_of(1) == "tight"
     with pytest.raises(ValueError, match="table 9"):
@@ -127,12 +152,12 @@ def test_dual_multiplies_class_bound_by_decay() -> None:
 def test_state_survives_checkpoint_roundtrip() -> None:
     g = torch.Generator().manual_seed(3)
     a = DualBound(n_tables=2, class_eb=CLS, probe_steps=2, every=0)
-    a.observe(0, 0, _collapsing(g))
-    a.observe(1, 0, _spread(g))
+    a.observe([0], 0, _collapsing(g))
+    a.observe([1], 0, _spread(g))
     b = DualBound(n_tables=2, class_eb=CLS, probe_steps=2, every=0)
     b.load_state_dict(a.state_dict())  # mid-window: counts carried over
     for p in (a, b):
-        p.observe(0, 1, _collapsing(torch.Generator().manual_seed(9)))
+        p.observe([0], 1, _collapsing(torch.Generator().manual_seed(9)))
         p.bound(0, 2, torch.ones(2, 2))
     assert a.classes == b.classes and a.index == b.index and a.events == b.events
 

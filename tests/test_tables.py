@@ -115,6 +115,28 @@ def test_fused_optimizer_equals_torch_sparse_optimizer(kind: str) -> None:
         torch.testing.assert_close(mine, bag.weight.detach(), rtol=1e-6, atol=1e-7)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]))
+def test_sync_free_row_sums_update_as_the_distinct_rows_do(seed: int, kind: str) -> None:
+    """The GPU's sync-free update (every position keeps its row, copies write the same
+    result) leaves the weights and state of the update over distinct rows."""
+    g = torch.Generator().manual_seed(seed)
+    n_rows, n = 40, int(torch.randint(1, 60, (1,), generator=g))
+    rows = torch.randint(0, n_rows, (n,), generator=g) ** 2 % n_rows  # many repeats
+    grad = torch.randn(n, 8, generator=g)
+    opt = RowOptimizer(kind, 0.3)
+    w0 = torch.randn(n_rows, 8, generator=g)
+    out = []
+    for keep in (False, True):
+        w = w0.clone()
+        state = opt.new_state(w)
+        for _ in range(2):
+            opt.step(w, state, rows, grad, keep_size=keep)
+        out.append((w, state))
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-6, atol=1e-6)
+
+
 def test_rowwise_adagrad_equals_row_by_row_reference() -> None:
     tables = [0, 1, 2, 3]
     lr, eps = 0.2, 1e-8

@@ -141,7 +141,8 @@ def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
 # ---- one step and evaluation ------------------------------------------------------------
 def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
-    pooled = parts.sparse(ids)  # (B, |T_r|, D)
+    # checked: the sources are made for the model's table sizes (no host sync on a GPU).
+    pooled = parts.sparse(ids, checked=True)  # (B, |T_r|, D)
     pending = parts.exchange.start_forward(pooled, step, ids)
     b = len(batch_dense)
     mine = ids[parts.exchange.rank * b : (parts.exchange.rank + 1) * b]

@@ -5,9 +5,9 @@ bytes and codes them with numpy on the CPU; CI runs these kernels under
 
 One call codes G groups (e.g. one per destination rank, each holding several tables) into
 one buffer, each payload at a place fixed by the shapes alone (its capacity: no row
-deduplicated, every block raw), so nothing waits for sizes. Encoding: row keys, a stable
-sort, each run's first row (a prefix sum and a scatter), a bitwise check, a prefix sum (literal
-ranks), the rows placed; one launch quantizes and sizes every code block, one sizes the
+deduplicated, every block raw), so nothing waits for sizes. Encoding: row keys into a hash table
+that keeps each key's first row, a bitwise check against it, a prefix sum (literal ranks),
+the rows placed; one launch quantizes and sizes every code block, one sizes the
 reference blocks; a prefix sum of the sizes; one launch packs every block and the width
 nibbles; the fixed header bytes by one index copy; one launch per call writes each
 group's fields, bounds and checksum. The used sizes come back as a device tensor; a
@@ -166,26 +166,20 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
 
 
 def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """blockformat.duplicates on the device: 32-bit hashes by a kernel, a stable sort,
-    each run's first row (starts of runs of one hash and segment, their prefix sum, a
-    scatter), checked bit for bit by a kernel.
-    Returns each row's target (-1: none), whether it is literal (int32) and the inclusive
-    prefix sum of that."""
-    t = p.t
+    """blockformat.duplicates on the device: each row's key (segment, 32-bit hash) into a
+    hash table that keeps each key's first row, then each row checked bit for bit against
+    that row (equal to the reference's stable sort by key: a run's first row is the key's
+    first row). Returns each row's target (-1: none), whether it is literal (int32) and
+    the inclusive prefix sum of that."""
     n = bits.shape[0]
-    key = torch.empty(n, dtype=torch.int32, device=p.dev)
-    grid = (triton.cdiv(n, ROWS),)
-    k.row_key_kernel[grid](bits, t["mult"], key, n, DIM=p.dim, ROWS=ROWS, DB=DB)
-    ks, perm = torch.sort(key, stable=True)
-    starts = torch.empty(n, dtype=torch.int32, device=p.dev)
-    rgrid = (triton.cdiv(n, ROWS_B),)
-    k.run_start_kernel[rgrid](ks, perm, t["rseg"], starts, n, B=ROWS_B)
-    run = torch.cumsum(starts, 0, dtype=torch.int32)
-    first = torch.empty(n, dtype=torch.int64, device=p.dev)
-    k.run_first_kernel[rgrid](starts, run, first, n, B=ROWS_B)
+    slots = 1 << max(4, (2 * n - 1).bit_length())  # at most half full
+    tab = torch.zeros(2 * slots, dtype=torch.int64, device=p.dev)
+    key = torch.empty(n, dtype=torch.int64, device=p.dev)
     dup = torch.empty(n, dtype=torch.int64, device=p.dev)
     lit = torch.empty(n, dtype=torch.int32, device=p.dev)
-    k.duplicates_kernel[grid](bits, perm, run, first, dup, lit, n, DIM=p.dim, ROWS=ROWS, DB=DB)
+    grid, cfg = (triton.cdiv(n, ROWS),), {"DIM": p.dim, "ROWS": ROWS, "DB": DB}
+    k.row_insert_kernel[grid](bits, p.t["mult"], p.t["rseg"], tab, key, n, slots - 1, **cfg)
+    k.row_match_kernel[grid](bits, tab, key, dup, lit, n, slots - 1, **cfg)
     return dup, lit, torch.cumsum(lit, 0, dtype=torch.int32)
 
 

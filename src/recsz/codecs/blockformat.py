@@ -62,7 +62,7 @@ FIELDS = struct.Struct("<7I")
 DEDUP = 1
 #: Odd 64-bit multipliers of the row hash (fixed: both ends and every build agree).
 HASH_MULT = np.random.default_rng(0x5EED_B10C).integers(1, 1 << 62, 4096, dtype=np.int64) | 1
-HASH_BITS = 32  # a GPU sorts 32-bit keys in half the passes of 64-bit ones
+HASH_BITS = 32  # the GPU keys its hash table by (segment, 32-bit hash) in one int64
 
 
 def padded_rows(n: int, d: int) -> int:

@@ -130,12 +130,22 @@ def copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, words_ptr, TO_PAYLO
 
 
 # ---- deduplication ----------------------------------------------------------------------
-@triton.jit(do_not_specialize=["n_rows"])
-def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS: tl.constexpr,
-                   DB: tl.constexpr):  # fmt: skip
-    """Each row's hash: the low 32 bits of sum_d uint32 bits x mult[d] (int64 arithmetic,
-    wrapping), as int32. Sorted stably, rows of equal hash stay in row order, so those of
-    one segment stay together: their segment need not be in the key."""
+@triton.jit
+def _slot(key, mask):
+    """Home slot of a row key in a table of ``mask + 1`` (a power of two) slots."""
+    return ((key * -7046029254386353131) >> 29) & mask
+
+
+@triton.jit(do_not_specialize=["n_rows", "mask"])
+def row_insert_kernel(
+    bits_ptr, mult_ptr, rseg_ptr, tab_ptr, key_ptr, n_rows, mask,
+    DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
+):  # fmt: skip
+    """Each row's key (its segment above the low 32 bits of sum_d uint32 bits x mult[d],
+    int64 arithmetic, wrapping; -1 for pad rows) into ``key``, and into an open-addressing
+    table (``tab``: mask + 1 key slots holding key + 1, 0 when free, then as many slots
+    holding n_rows - the first row of the key, by atomic max: the same whatever order the
+    rows arrive in). Plain loads skip the atomics a hot key would queue up on."""
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     mr = r < n_rows
     h = tl.zeros([ROWS], dtype=tl.int64)
@@ -147,57 +157,58 @@ def row_key_kernel(bits_ptr, mult_ptr, key_ptr, n_rows, DIM: tl.constexpr, ROWS:
         )
         m = tl.load(mult_ptr + d, mask=md, other=0)
         h += tl.sum((v.to(tl.int64) & 0xFFFFFFFF) * m[None, :], axis=1)
-    tl.store(key_ptr + r, h.to(tl.int32), mask=mr)
+    seg = tl.load(rseg_ptr + r, mask=mr, other=-1).to(tl.int64)
+    key = tl.where(seg >= 0, (seg << 32) | (h & 0xFFFFFFFF), -1)
+    tl.store(key_ptr + r, key, mask=mr)
+    slot = _slot(key, mask)
+    todo = mr & (seg >= 0)
+    while tl.max(todo.to(tl.int32), axis=0) > 0:
+        held = tl.load(tab_ptr + slot, mask=todo, other=0, volatile=True)
+        free = todo & (held == 0)
+        # Rows not inserting compare with -1, which no slot holds: no write.
+        old = tl.atomic_cas(tab_ptr + slot, tl.where(free, 0, -1).to(tl.int64), key + 1)
+        held = tl.where(free, old, held)
+        found = todo & ((held == 0) | (held == key + 1))
+        score = n_rows - r
+        best = tl.load(tab_ptr + mask + 1 + slot, mask=found, other=0, volatile=True)
+        tl.atomic_max(tab_ptr + mask + 1 + slot, score, mask=found & (best < score))
+        todo = todo & ~found
+        slot = tl.where(todo, (slot + 1) & mask, slot)
 
 
-@triton.jit(do_not_specialize=["n"])
-def run_start_kernel(ks_ptr, perm_ptr, seg_ptr, out_ptr, n, B: tl.constexpr):
-    """out[i] = 1 where sorted position i starts a run of rows of one segment and hash
-    (pad rows, segment -1, each start their own), else 0."""
-    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    m = i < n
-    mp = m & (i > 0)
-    k = tl.load(ks_ptr + i, mask=m, other=0)
-    prev = tl.load(ks_ptr + i - 1, mask=mp, other=0)
-    seg = tl.load(seg_ptr + tl.load(perm_ptr + i, mask=m, other=0), mask=m, other=-1)
-    pseg = tl.load(seg_ptr + tl.load(perm_ptr + i - 1, mask=mp, other=0), mask=mp, other=-1)
-    start = (i == 0) | (k != prev) | (seg != pseg) | (seg < 0)
-    tl.store(out_ptr + i, start.to(tl.int32), mask=m)
-
-
-@triton.jit(do_not_specialize=["n"])
-def run_first_kernel(start_ptr, run_ptr, first_ptr, n, B: tl.constexpr):
-    """first[run] = the sorted position where each run starts (``run``: the inclusive
-    prefix sum of the starts)."""
-    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
-    m = i < n
-    s = tl.load(start_ptr + i, mask=m, other=0)
-    tl.store(first_ptr + tl.load(run_ptr + i, mask=m, other=1) - 1, i, mask=m & (s != 0))
-
-
-@triton.jit(do_not_specialize=["n"])
-def duplicates_kernel(
-    bits_ptr, perm_ptr, run_ptr, first_ptr, dup_ptr, lit_ptr, n,
+@triton.jit(do_not_specialize=["n_rows", "mask"])
+def row_match_kernel(
+    bits_ptr, tab_ptr, key_ptr, dup_ptr, lit_ptr, n_rows, mask,
     DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
 ):  # fmt: skip
-    """For sorted position i (row perm[i], its run's first row perm[first[run[i] - 1]]):
-    dup[row] = that first row where the bits are equal (and it is another row), else -1;
+    """Each row's first row of its key (from the table ``row_insert_kernel`` filled):
+    dup[row] = that row where the bits are equal (and it is another row), else -1;
     lit[row] = whether the row is coded."""
-    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    mi = i < n
-    f = tl.load(first_ptr + tl.load(run_ptr + i, mask=mi, other=1) - 1, mask=mi, other=0)
-    ra = tl.load(perm_ptr + i, mask=mi, other=0)
-    rb = tl.load(perm_ptr + f, mask=mi, other=0)
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    mr = r < n_rows
+    key = tl.load(key_ptr + r, mask=mr, other=-1)
+    slot = _slot(key, mask)
+    todo = mr & (key >= 0)
+    first = r
+    probes = tl.full([], 0, tl.int64)  # a key not found (never, if inserted) ends as literal
+    while (tl.max(todo.to(tl.int32), axis=0) > 0) & (probes <= mask):
+        probes += 1
+        held = tl.load(tab_ptr + slot, mask=todo, other=0)
+        found = todo & (held == key + 1)
+        best = tl.load(tab_ptr + mask + 1 + slot, mask=found, other=0)
+        first = tl.where(found, n_rows - best, first)
+        todo = todo & ~found
+        slot = tl.where(todo, (slot + 1) & mask, slot)
     diff = tl.zeros([ROWS], dtype=tl.int32)
     for d0 in tl.static_range(0, DIM, DB):
         d = d0 + tl.arange(0, DB)
-        m = mi[:, None] & (d < DIM)[None, :]
-        va = tl.load(bits_ptr + ra[:, None] * DIM + d[None, :], mask=m, other=0)
-        vb = tl.load(bits_ptr + rb[:, None] * DIM + d[None, :], mask=m, other=0)
+        m = mr[:, None] & (d < DIM)[None, :]
+        va = tl.load(bits_ptr + r[:, None] * DIM + d[None, :], mask=m, other=0)
+        vb = tl.load(bits_ptr + first[:, None] * DIM + d[None, :], mask=m, other=0)
         diff += tl.sum((va != vb).to(tl.int32), axis=1)
-    same = (diff == 0) & (f != i)
-    tl.store(dup_ptr + ra, tl.where(same, rb, -1), mask=mi)
-    tl.store(lit_ptr + ra, (~same).to(tl.int32), mask=mi)
+    same = (diff == 0) & (first != r)
+    tl.store(dup_ptr + r, tl.where(same, first, -1), mask=mr)
+    tl.store(lit_ptr + r, (~same).to(tl.int32), mask=mr)
 
 
 @triton.jit

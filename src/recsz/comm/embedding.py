@@ -67,12 +67,11 @@ class Direction:
         """The tables' bounds for ``step``, one tensor, from their values (``values[j]``:
         all of table ``tables[j]`` that is sent), computed where the values are (on a GPU:
         no host sync); None for a codec that takes none. ``observe``: a training step, which
-        adaptive policies probe first (on the host, in their windows only)."""
+        adaptive policies probe first (in their windows only)."""
         if not self.codec.error_bounded:
             return None
         if observe:
-            for j, t in enumerate(tables):
-                self.policy.observe(t, step, values[j])
+            self.policy.observe(tables, step, values)
         ebs = self.policy.bounds(tables, step, values)
         if ebs is None:
             raise ValueError(

@@ -118,23 +118,26 @@ class SparseArch(nn.Module):
         k = self.store.k if self.store is not None else 1
         return {t: float(c.float().mean()) / k for t, c in self.chunk_counts().items()}
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D)."""
+    def forward(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
+        """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D).
+        Each id is checked against its table's size (on a GPU one host sync) unless the
+        caller has (``checked``: ids from a source made for these tables' sizes)."""
         if not self.tt.tables:
-            return self._dense(ids)
+            return self._dense(ids, checked)
         b = ids.shape[0]
         out = self.weight.new_zeros(b, len(self.tables), self.dim)
         if self.dense_tables:
-            out = out.index_copy(1, self.dense_pos, self._dense(ids))
+            out = out.index_copy(1, self.dense_pos, self._dense(ids, checked))
         return out.index_copy(1, self.tt_pos, self.tt(ids))
 
-    def _dense(self, ids: torch.Tensor) -> torch.Tensor:
+    def _dense(self, ids: torch.Tensor, checked: bool) -> torch.Tensor:
         n = len(self.dense_tables)
         if not n or not ids.numel():
             return self.weight.new_zeros(ids.shape[0], n, self.dim)
         with record_function("recsz.lookup"):
             mine = ids[:, self.dense_tables]  # (B, T_dense)
-            self._check_range(mine)
+            if not checked:
+                self._check_range(mine)
             rows = (mine + self.offsets).view(-1)
             out = self._pool(rows, None, None)
         return out.view(ids.shape[0], n, self.dim)

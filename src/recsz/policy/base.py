@@ -107,8 +107,9 @@ class BoundPolicy:
         b = self.bounds([table], step, x.unsqueeze(0))
         return None if b is None else float(b[0])
 
-    def observe(self, table: int, step: int, x: torch.Tensor) -> None:
-        """Feed the values of a chunk; adaptive policies learn from it."""
+    def observe(self, tables: list[int], step: int, x: torch.Tensor) -> None:
+        """Feed a training step's values of ``tables`` (``x[j]``: table j's); adaptive
+        policies learn from them."""
 
     def describe(self) -> dict[int, dict[str, Any]]:
         """Per-table state for the logs."""
