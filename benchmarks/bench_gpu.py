@@ -277,9 +277,12 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
 #: Training-step configurations: the codec both ways, "+ids" with id-aware traffic (sizes
 #: change every step, so the coder runs eagerly, as in the trainer by default).
 TRAIN_CONFIGS = ["direct", "none", "fp16", "hybrid", "quant", "hybrid+ids"]
+#: At the largest batch only (each compiles the dense part): "+compile" puts the MLPs and
+#: the interaction under torch.compile.
+COMPILED_CONFIGS = ["direct+compile", "none+compile", "hybrid+compile"]
 
 
-def train_rows(batch: int, steps: int, probes: list) -> list[dict]:
+def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> list[dict]:
     """One GPU, the bench preset, the real exchange at world size 1 in both directions:
     step time (each timed step on a new batch), host syncs; ``probes`` gets how busy the
     GPU is (profiled after every timing)."""
@@ -296,13 +299,15 @@ def train_rows(batch: int, steps: int, probes: list) -> list[dict]:
             )
         )
     rows = []
-    for name in TRAIN_CONFIGS:
+    for name in TRAIN_CONFIGS + (COMPILED_CONFIGS if compiled else []):
         sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("rowwise_adagrad", 0.05))
         sparse = sparse.to(DEV)
         dense = DenseArch(cfg, 0).to(DEV)
         opt = torch.optim.SGD(dense.parameters(), lr=0.05)
-        codec_name = name.removesuffix("+ids")
-        codec = get_codec("none" if name == "direct" else codec_name)
+        if name.endswith("+compile"):
+            dense = torch.compile(dense)
+        codec_name, direct = name.split("+")[0], name.startswith("direct")
+        codec = get_codec("none" if direct else codec_name)
 
         def policy(codec: Any = codec) -> BoundPolicy:
             if not codec.error_bounded:
@@ -333,8 +338,8 @@ def train_rows(batch: int, steps: int, probes: list) -> list[dict]:
             k = at[0]
             at[0] += 1
             d, ids, y = data[k % len(data)]
-            pooled = sparse(ids)
-            emb = pooled if name == "direct" else ex.start_forward(pooled, k, ids)
+            pooled = sparse(ids, checked=True)  # as the trainer: ids made for these tables
+            emb = pooled if name.startswith("direct") else ex.start_forward(pooled, k, ids)
             loss = nn.functional.binary_cross_entropy_with_logits(dense(d, emb), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -353,11 +358,32 @@ def train_rows(batch: int, steps: int, probes: list) -> list[dict]:
         )
         row = rows[-1]
         probes.append(lambda row=row, step=step: row.update(gpu_busy=gpu_busy(step, 5)))
+        if name in ("none", "hybrid") and compiled:
+            probes.append(
+                lambda row=row, step=step: row.update(
+                    top_kernels=top_kernels(step, 15), top_host_ops=host_ops(step, 15)
+                )
+            )
     ms = {r["config"]: r["step_ms"] for r in rows}
     for r in rows:  # the issue's ratio: over the same step with codec none both ways
-        r["step_ratio"] = r["step_ms"] / ms["none"]
-        r["ratio_vs_direct"] = r["step_ms"] / ms["direct"]
+        plain = "+compile" if r["config"].endswith("+compile") else ""
+        r["step_ratio"] = r["step_ms"] / ms["none" + plain]
+        r["ratio_vs_direct"] = r["step_ms"] / ms["direct" + plain]
     return rows
+
+
+def host_ops(fn: Any, n: int) -> list[tuple[str, float, int]]:
+    """The n operators one call of fn spends most host time in (name, self CPU
+    microseconds, calls), torch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+        _sync()
+    ev = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return [(e.key[:60], e.self_cpu_time_total, e.count) for e in ev]
 
 
 def gpu_busy(fn: Any, calls: int) -> float:
@@ -446,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     result["codecs"] = rows
     result["train"] = []
     for bs in [] if args.no_train else batches:
-        result["train"] += train_rows(bs, 3 if DEV.type == "cpu" else 20, probes)
+        steps = 3 if DEV.type == "cpu" else 20
+        result["train"] += train_rows(bs, steps, probes, compiled=bs == max(batches))
     for run in probes:  # last: the profiler's hooks may slow whatever runs after it
         run()
     for r in result["train"]:

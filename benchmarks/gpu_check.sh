@@ -7,7 +7,7 @@
 # wheels for Python 3.12 in .whl/ (zstandard>=0.25, lz4; see /work/.library/device/README.md)
 # and the real traffic saved here by `python benchmarks/bench_gpu.py --save-traffic F`
 # (../shared/data does not travel). Writes the CUDA tests' log, bench_gpu's JSON and
-# the 1-GPU training summaries to OUT_DIR. Each part has its own time limit (about 5
+# the 1-GPU training summaries to OUT_DIR. Each part has its own time limit (about 5-8
 # minutes in all; a lease is 15 minutes, the machine's start included), so one failing
 # part leaves the others' results.
 set -uo pipefail
@@ -36,16 +36,20 @@ timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
 args=(--json-out "$out/gpu.json")
 [ -n "$traffic" ] && args+=(--traffic "$traffic")
-timeout 130 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | tee "$out/bench.txt"
+timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | tee "$out/bench.txt"
 
 # 3. The trainer on one GPU at batch 8192 (the trainer issue's target), uncompressed and
 #    compressed (no wire with one rank: this measures what compression costs there); 40
 #    steps, so that samples_per_s_steady (after the first 3) is past compiles and captures
 #    and mostly past the policy's 10-step probe window. Only the summaries come back.
-for c in none hybrid; do
-    timeout 60 python3 -m recsz.train --device cuda --preset bench --steps 40 \
+#    The last run puts the MLPs under torch.compile (--compile).
+for run in none hybrid "hybrid --compile"; do
+    c=${run%% *}
+    name=train_${run// --/_}_8192
+    timeout 90 python3 -m recsz.train --device cuda --preset bench --steps 40 \
         --batch-size 8192 --fwd-codec "$c" --bwd-codec "$c" --eb-policy dual \
-        --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/train_$c" 2>&1 | tail -12
-    cp "/tmp/recsz_gpu/train_$c/summary.json" "$out/train_${c}_8192.json" 2>/dev/null
+        --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \
+        2>&1 | tail -12
+    cp "/tmp/recsz_gpu/$name/summary.json" "$out/$name.json" 2>/dev/null
 done
 echo "gpu_check: ${SECONDS} s"

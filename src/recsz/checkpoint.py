@@ -41,6 +41,7 @@ _MAY_CHANGE = {
     "check_bounds",
     "dist_timeout",
     "prefetch",
+    "compile",
     "device",  # a run may move between CPU and GPU (the state is mapped on load)
 }
 

@@ -92,6 +92,9 @@ class TrainConfig:
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")
     nproc: int = opt(1, "local ranks to launch (under torchrun its env decides)", ge=1)
     prefetch: int = opt(2, "batches a thread makes ahead (0: in the loop, no thread)", ge=0)
+    compile: bool = opt(
+        False, "the MLPs and interaction under torch.compile (fewer launches on a GPU)"
+    )
     # ---- the embedding all-to-all
     fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
     bwd_codec: str = opt("none", "codec of the backward (gradient) all-to-all", CODECS)

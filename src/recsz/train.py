@@ -95,6 +95,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     dense_arch = DenseArch(mcfg, cfg.seed, replicated).to(ranks.device)
+    if cfg.compile:
+        dense_arch.compile()  # in place: DDP and the checkpoints see the same module
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
     if ranks.world > 1:

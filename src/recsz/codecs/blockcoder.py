@@ -121,12 +121,17 @@ def _stacked(lays: list[bf.Layout], xs: list[torch.Tensor]) -> torch.Tensor:
 
 def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     t, dim, dev, nr = p.t, p.dim, p.dev, p.rows
-    refs = torch.zeros(p.ref_blocks * bf.LANES, dtype=torch.int32, device=dev)
+    # One zeroed workspace (one memset): the dedup table, literal counts, references and
+    # checksum parts.
+    n_ref, slots = p.ref_blocks * bf.LANES, _slots(nr) if p.dedup and nr else 0
+    ws = torch.zeros(2 * slots + p.g + (n_ref + p.g + 1) // 2, dtype=torch.int64, device=dev)
+    ws32 = ws[2 * slots + p.g :].view(torch.int32)
+    refs, ck = ws32[:n_ref], ws32[n_ref : n_ref + p.g]
     if p.dedup:
-        row_map = torch.full((nr,), -1, dtype=torch.int64, device=dev)
-        n_lit = torch.zeros(p.g, dtype=torch.int64, device=dev)
+        row_map = torch.empty(nr, dtype=torch.int64, device=dev)  # -1s by row_insert_kernel
+        n_lit = ws[2 * slots : 2 * slots + p.g]
         if nr:
-            dup, lit, cz = _duplicates(p, x.view(torch.int32))
+            dup, lit, cz = _duplicates(p, x.view(torch.int32), ws[: 2 * slots], row_map)
             k.encode_rows_kernel[(triton.cdiv(nr, ROWS_B),)](
                 dup, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["row0"], t["npad"],
                 row_map, refs, n_lit, nr, B=ROWS_B,
@@ -148,7 +153,6 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
         )
     cs = torch.cumsum(size, 0)
     out = torch.empty(p.size, dtype=torch.uint8, device=dev)
-    ck = torch.zeros(p.g, dtype=torch.int32, device=dev)
     if nb:
         k.pack_kernel[(triton.cdiv(nb, BLOCKS),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
@@ -165,20 +169,28 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
     return out, used
 
 
-def _duplicates(p: bp.Plan, bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _slots(rows: int) -> int:
+    """Slots of the dedup hash table for ``rows`` rows: a power of two, at most half full."""
+    return 1 << max(4, (2 * rows - 1).bit_length())
+
+
+def _duplicates(
+    p: bp.Plan, bits: torch.Tensor, tab: torch.Tensor, row_map: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
     """blockformat.duplicates on the device: each row's key (segment, 32-bit hash) into a
-    hash table that keeps each key's first row, then each row checked bit for bit against
-    that row (equal to the reference's stable sort by key: a run's first row is the key's
-    first row). Returns each row's target (-1: none), whether it is literal (int32) and
-    the inclusive prefix sum of that."""
+    hash table (``tab``, zeros) that keeps each key's first row, then each row checked bit
+    for bit against that row (equal to the reference's stable sort by key: a run's first
+    row is the key's first row); ``row_map`` filled with -1 on the way. Returns each row's
+    target (-1: none), whether it is literal (int32) and the inclusive prefix sum of that."""
     n = bits.shape[0]
-    slots = 1 << max(4, (2 * n - 1).bit_length())  # at most half full
-    tab = torch.zeros(2 * slots, dtype=torch.int64, device=p.dev)
+    slots = tab.numel() // 2
     key = torch.empty(n, dtype=torch.int64, device=p.dev)
     dup = torch.empty(n, dtype=torch.int64, device=p.dev)
     lit = torch.empty(n, dtype=torch.int32, device=p.dev)
     grid, cfg = (triton.cdiv(n, ROWS),), {"DIM": p.dim, "ROWS": ROWS, "DB": DB}
-    k.row_insert_kernel[grid](bits, p.t["mult"], p.t["rseg"], tab, key, n, slots - 1, **cfg)
+    k.row_insert_kernel[grid](
+        bits, p.t["mult"], p.t["rseg"], tab, key, row_map, n, slots - 1, **cfg
+    )
     k.row_match_kernel[grid](bits, tab, key, dup, lit, n, slots - 1, **cfg)
     return dup, lit, torch.cumsum(lit, 0, dtype=torch.int32)
 

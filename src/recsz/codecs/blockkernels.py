@@ -138,11 +138,12 @@ def _slot(key, mask):
 
 @triton.jit(do_not_specialize=["n_rows", "mask"])
 def row_insert_kernel(
-    bits_ptr, mult_ptr, rseg_ptr, tab_ptr, key_ptr, n_rows, mask,
+    bits_ptr, mult_ptr, rseg_ptr, tab_ptr, key_ptr, map_ptr, n_rows, mask,
     DIM: tl.constexpr, ROWS: tl.constexpr, DB: tl.constexpr,
 ):  # fmt: skip
     """Each row's key (its segment above the low 32 bits of sum_d uint32 bits x mult[d],
-    int64 arithmetic, wrapping; -1 for pad rows) into ``key``, and into an open-addressing
+    int64 arithmetic, wrapping; -1 for pad rows) into ``key`` (and -1 into ``map``, which
+    the rows' placement fills later), and into an open-addressing
     table (``tab``: mask + 1 key slots holding key + 1, 0 when free, then as many slots
     holding n_rows - the first row of the key, by atomic max: the same whatever order the
     rows arrive in). Plain loads skip the atomics a hot key would queue up on."""
@@ -160,6 +161,7 @@ def row_insert_kernel(
     seg = tl.load(rseg_ptr + r, mask=mr, other=-1).to(tl.int64)
     key = tl.where(seg >= 0, (seg << 32) | (h & 0xFFFFFFFF), -1)
     tl.store(key_ptr + r, key, mask=mr)
+    tl.store(map_ptr + r, tl.full([ROWS], -1, tl.int64), mask=mr)
     slot = _slot(key, mask)
     todo = mr & (seg >= 0)
     while tl.max(todo.to(tl.int32), axis=0) > 0:

@@ -49,6 +49,7 @@ class SparseArch(nn.Module):
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
     dense_pos: torch.Tensor  # where the dense tables' columns go in the output
+    dense_cols: torch.Tensor  # the dense tables' columns in the global ids
     tt_pos: torch.Tensor  # where the TT tables' columns go
     rows: torch.Tensor  # (|tables|,) rows per table, for one range check of all
     optimizer_state: torch.Tensor  # the row optimizer's accumulator
@@ -78,6 +79,9 @@ class SparseArch(nn.Module):
         pos = {t: j for j, t in enumerate(self.tables)}
         self.register_buffer(
             "dense_pos", torch.tensor([pos[t] for t in self.dense_tables]), persistent=False
+        )
+        self.register_buffer(
+            "dense_cols", torch.tensor(self.dense_tables, dtype=torch.int64), persistent=False
         )
         self.register_buffer(
             "tt_pos", torch.tensor([pos[t] for t in self.tt.tables], dtype=torch.int64),
@@ -135,7 +139,7 @@ class SparseArch(nn.Module):
         if not n or not ids.numel():
             return self.weight.new_zeros(ids.shape[0], n, self.dim)
         with record_function("recsz.lookup"):
-            mine = ids[:, self.dense_tables]  # (B, T_dense)
+            mine = ids.index_select(1, self.dense_cols)  # (B, T_dense); a list: a host copy
             if not checked:
                 self._check_range(mine)
             rows = (mine + self.offsets).view(-1)
