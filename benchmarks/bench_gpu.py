@@ -345,9 +345,13 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
             loss.backward()
             opt.step()
 
-        for _ in range(6):  # past the policy's probe window, kernels compiled, graphs captured
-            step()
-        ms = timed(step, steps) * 1e3
+        try:
+            for _ in range(6):  # past the probe window, kernels compiled, graphs captured
+                step()
+            ms = timed(step, steps) * 1e3
+        except Exception as e:  # one configuration failing keeps the others' numbers
+            print(f"train b={batch} {name}: failed: {type(e).__name__}: {str(e)[:300]}")
+            continue
         rows.append(
             {
                 "config": name,

@@ -72,6 +72,13 @@ def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, z.view(b, n * n).index_select(1, li * n + lj)], dim=1)
 
 
+@torch.compiler.disable
+def _received(pending: Awaitable) -> torch.Tensor:
+    """The embeddings of an exchange in flight (never traced by torch.compile: it is
+    communication and the codecs' own kernels)."""
+    return pending.wait()
+
+
 class DenseArch(nn.Module):
     """Bottom MLP, interaction and top MLP; replicated on every rank, with the tables
     replicated beside them (``local``: TT-Rec tables small enough to hold everywhere,
@@ -104,12 +111,11 @@ class DenseArch(nn.Module):
         flight (the all-to-all overlap of facebookresearch/dlrm), inside DDP's forward.
         """
         x = self.bottom(dense)  # (B, D)
-        if not isinstance(emb, torch.Tensor):
-            emb = emb.wait()
+        e: torch.Tensor = emb if isinstance(emb, torch.Tensor) else _received(emb)
         if self.local is not None:
             assert ids is not None, "local tables need the samples' ids"
-            emb = emb.index_copy(1, self.local_pos, self.local(ids))
-        return self.top(interact_features(x, emb)).squeeze(1)
+            e = e.index_copy(1, self.local_pos, self.local(ids))
+        return self.top(interact_features(x, e)).squeeze(1)
 
 
 class DLRM(nn.Module):
