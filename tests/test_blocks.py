@@ -135,6 +135,22 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eb", [0.3828125, 0.011962890625])
+def test_exact_ties_where_a_multiply_rounds_otherwise(device: str, eb: float) -> None:
+    """x / 2eb exactly k + 1/2 where x * (0.5 / eb) rounds below it (eb = 49 x 2^-7, 49 x
+    2^-12: the inverse is inexact): the kernels' multiply must give way to the division,
+    or codes differ from the reference's."""
+    k = np.arange(-96, 96, dtype=np.float64)
+    x = ((k + 0.5) * 2 * eb).astype(np.float32).reshape(-1, 4)
+    assert np.array_equal(x.astype(np.float64).ravel(), (k + 0.5) * 2 * eb)  # exact ties
+    x64 = x.astype(np.float64)
+    assert (np.floor(x64 * (0.5 / eb) + 0.5) != np.floor(x64 / (2 * eb) + 0.5)).any()
+    lay = bf.Layout("hybrid", 0, 4, (len(x),), False)
+    (got,) = kernels([lay], [x], np.array([eb]), device)
+    assert got.cpu().numpy().tobytes() == bf.encode_group(lay, x, np.array([eb]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_rows_of_one_hash_but_other_bits_stay_literal(device: str) -> None:
     """Rows whose keys collide (same segment, same 32-bit hash, other bits): each copies
     only the key's first row, and only where its bits equal that row's, as the reference."""
