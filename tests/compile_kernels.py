@@ -87,7 +87,6 @@ TYPES = {
     "clamp_ptr": "*fp64",
     "y_ptr": "*fp32",
     "ebs_ptr": "*fp64",
-    "inv_ptr": "*fp64",
     "ok_ptr": "*i8",
     **dict.fromkeys(["n_rows", "shift", "qmax", "n_ref", "nb"], "i32"),
     **dict.fromkeys(["hash_mask", "n", "n_bytes", "n_words", "mask"], "i64"),

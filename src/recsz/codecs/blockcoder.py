@@ -144,8 +144,8 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
     size = torch.empty(nb, dtype=torch.int64, device=dev)
     if n:
         k.quantize_kernel[(triton.cdiv(n, ELEMS),)](
-            x, row_map, t["rseg"], ebs, _halved_inverse(ebs), zz, w, size, t["rgroup"],
-            t["bs"], t["nrb"], t["row0"], n, bf.QMAX, DIM=dim, BLOCK=ELEMS,
+            x, row_map, t["rseg"], ebs, zz, w, size, t["rgroup"], t["bs"], t["nrb"],
+            t["row0"], n, bf.QMAX, DIM=dim, BLOCK=ELEMS,
         )  # fmt: skip
     if p.ref_blocks:
         k.ref_widths_kernel[(triton.cdiv(p.ref_blocks, BLOCKS),)](
@@ -167,11 +167,6 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
         out.view(torch.int32), used, DIM=dim,
     )  # fmt: skip
     return out, used
-
-
-def _halved_inverse(ebs: torch.Tensor) -> torch.Tensor:
-    """0.5 / eb for quantize_kernel's multiply; NaN (divide instead) where that overflows."""
-    return torch.where(ebs >= 1e-300, 0.5 / ebs, torch.nan)
 
 
 def _slots(rows: int) -> int:

@@ -249,17 +249,12 @@ def encode_rows_kernel(
 # ---- encoding ---------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n"])
 def quantize_kernel(
-    x_ptr, map_ptr, seg_ptr, ebs_ptr, inv_ptr, zz_ptr, w_ptr, size_ptr, rgroup_ptr, bs_ptr,
-    nrb_ptr, row0_ptr, n, qmax, DIM: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, map_ptr, seg_ptr, ebs_ptr, zz_ptr, w_ptr, size_ptr, rgroup_ptr, bs_ptr, nrb_ptr,
+    row0_ptr, n, qmax, DIM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Zig-zagged codes of the code stream (slot s holds row map[s] of x, float32; -1: a
-    zero row; bound ebs[segment of the row], 1.0 for pad rows; ``inv`` = 0.5 / ebs), and
-    each code block's width and byte size at its place among its group's blocks.
-
-    The code is floor(x / 2eb + 0.5) with a correctly rounded float64 division, as the
-    reference's; a division costs ~20 multiplies, so x * inv stands in for it wherever the
-    sum's fraction is over 2^-40 |sum| from an integer (the two differ by a few ulps), and a
-    program divides only if one of its elements is nearer (ties, non-finite values)."""
+    zero row; bound ebs[segment of the row], 1.0 for pad rows), and each code block's
+    width and byte size at its place among its group's blocks."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     row = tl.load(map_ptr + offs // DIM, mask=m, other=-1)
@@ -267,18 +262,8 @@ def quantize_kernel(
     x = tl.load(x_ptr + row * DIM + offs % DIM, mask=m2, other=0.0).to(tl.float64)
     seg = tl.load(seg_ptr + row, mask=m2, other=-1)
     eb = tl.load(ebs_ptr + seg, mask=m2 & (seg >= 0), other=1.0)
-    inv = tl.load(inv_ptr + seg, mask=m2 & (seg >= 0), other=0.5)
     step = eb * 2.0
-    fin = tl.abs(x) <= F32_MAX  # not NaN, not infinite
-    v = tl.where(fin, x, 0.0) * inv + 0.5  # inv NaN: a bound too small to invert
-    far = tl.abs(v) < 1.152921504606847e18  # 2^60, and not NaN
-    v = tl.where(far, v, 0.5)
-    qf = tl.floor(v)
-    frac = v - qf
-    margin = tl.maximum(tl.abs(v), 1.0) * 9.094947017729282e-13  # 2^-40
-    near = ~(fin & far & (frac > margin) & (frac < 1.0 - margin))
-    if tl.max(near.to(tl.int32), axis=0) > 0:
-        qf = tl.where(near, tl.floor(x / step + 0.5), qf)
+    qf = tl.floor(x / step + 0.5)
     ok = tl.abs(qf) <= qmax
     prod = tl.where(ok, qf * step, 0.0)
     ok = ok & (tl.abs(prod) <= F32_MAX)  # beyond it float32 holds no reconstruction
