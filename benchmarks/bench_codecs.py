@@ -64,14 +64,15 @@ class Row:
     max_err_over_eb: float | None
 
 
-def _real_model() -> tuple[DLRM, DataSource, torch.optim.Optimizer] | None:
-    """A dim-32 DLRM (the paper's Kaggle dim), the real sample, SGD lr 0.1; None if absent."""
+def real_model(dim: int = 32) -> tuple[DLRM, DataSource, torch.optim.Optimizer] | None:
+    """A DLRM of ``dim`` (32: the paper's Kaggle dim), the real sample, SGD lr 0.1; None if
+    absent."""
     path = SHARED / "criteo_kaggle_head10k.tsv"
     if not path.exists():
         print(f"[skip] real traffic: {path} not found", file=sys.stderr)
         return None
     tiny = get_preset("tiny").model
-    mcfg = ModelConfig(tiny.table_sizes, 32, (64, 32), (64, 32, 1))
+    mcfg = ModelConfig(tiny.table_sizes, dim, (2 * dim, dim), (64, 32, 1))
     torch.manual_seed(0)
     model = DLRM(mcfg, seed=0, emb_optimizer=RowOptimizer("sgd", lr=0.1))
     src = make_source(str(path), mcfg.table_sizes, seed=0)
@@ -80,7 +81,7 @@ def _real_model() -> tuple[DLRM, DataSource, torch.optim.Optimizer] | None:
 
 def real_traffic(cfg: BenchConfig) -> list[torch.Tensor] | None:
     """Pooled embeddings of a DLRM trained briefly on the real sample (None if absent)."""
-    setup = _real_model()
+    setup = real_model()
     if setup is None:
         return None
     model, src, opt = setup
@@ -105,7 +106,7 @@ def real_sequence(cfg: BenchConfig) -> list[tuple[torch.Tensor, torch.Tensor]] |
     The published setting: SGD lr 0.1, batch 128; captured while the model trains, so a
     repeated id's vector has moved by one step's updates, as temporal references see it.
     """
-    setup = _real_model()
+    setup = real_model()
     if setup is None:
         return None
     model, src, opt = setup

@@ -4,7 +4,8 @@
     python benchmarks/bench_gpu.py --save-traffic FILE   # here, where ../shared/data is
 
 Per data (synthetic: the bench preset's 26 tables x dim 64 looked up by the synthetic
-generator; real: a dim-32 DLRM trained briefly on the real Criteo sample) and batch
+generator; real: a dim-64 DLRM trained briefly on the real Criteo sample; until the
+seventh session's last GPU call it was dim 32, half the bytes per launch) and batch
 (2048, 8192), the step buffer (batch x 26 tables x dim rows, one group of 26 segments,
 as the exchange codes a direction at one rank) is coded under the dual policy's base
 bound (relative 0.03 per table):
@@ -411,10 +412,11 @@ def gpu_busy(fn: Any, calls: int) -> float:
 
 
 def save_traffic(path: Path) -> int:
-    """Real pooled embeddings (8192 samples x 26 tables x 32) and the CPU ratio on them."""
-    from bench_codecs import BenchConfig, _real_model
+    """Real pooled embeddings (8192 samples x 26 tables x 64, the issue's step buffer) and
+    the CPU ratio on them."""
+    from bench_codecs import BenchConfig, real_model
 
-    setup = _real_model()
+    setup = real_model(dim=64)
     if setup is None:
         print("no real data (../shared/data) here")
         return 1
