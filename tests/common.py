@@ -7,6 +7,7 @@ decoding, and corrupted or foreign bytes rejected with PayloadError.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +130,21 @@ def bound_violation(codec: Codec, x: torch.Tensor, eb: float) -> str | None:
     elif not bool(torch.isfinite(y[fin]).all()):
         return "finite values decoded as Inf or NaN"
     return None
+
+
+def run_without_host_sync(step: Callable[[int], None], warm: int = 4) -> None:
+    """step(0..warm-1) (kernels compile, caches fill, graphs are captured), then step(warm)
+    under torch's sync debug mode "error": any host synchronization raises."""
+    import warnings
+
+    for k in range(warm):
+        step(k)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():  # "a prototype feature" (torch warns on every use)
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(warm)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from recsz.comm.stats import ShardPlan
 from recsz.policy import FixedBound
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds, to_absolute
-from tests.common import bound_violation, extreme_case
+from tests.common import bound_violation, extreme_case, run_without_host_sync
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
@@ -312,17 +311,7 @@ def test_a_one_gpu_exchange_step_never_syncs_the_host() -> None:
         emb = ex.start_forward(pooled, k, ids).wait()
         (emb * emb).sum().backward()
 
-    for k in range(4):  # compiles the kernels, fills the caches, captures the graphs
-        step(k)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():  # "a prototype feature" (torch warns on every use)
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(4)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    run_without_host_sync(step)
     assert ex.stats.summary()["fwd_ratio"] > 1
 
 

@@ -7,6 +7,7 @@ import torch
 
 from recsz.model import DLRM, ModelConfig, get_preset, interact_features
 from recsz.model.sharding import plan_tables
+from tests.common import run_without_host_sync
 
 
 def test_interaction_matches_hand_computation() -> None:
@@ -73,8 +74,6 @@ def test_a_one_gpu_training_step_never_syncs_the_host() -> None:
     """The trainer's step on one GPU: lookup, the exchange with the hybrid codec both ways
     (the dual policy inside its probe window), MLPs, loss, row-wise Adagrad and SGD
     updates, and no host synchronization anywhere."""
-    import warnings
-
     from recsz.codecs import get_codec
     from recsz.comm import EmbeddingExchange
     from recsz.comm.embedding import Direction
@@ -106,17 +105,7 @@ def test_a_one_gpu_training_step_never_syncs_the_host() -> None:
         loss.backward()
         opt.step()
 
-    for k in range(4):  # compiles the kernels, fills the caches, captures the graphs
-        step(k)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():  # "a prototype feature" (torch warns on every use)
-        warnings.simplefilter("ignore", UserWarning)
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        step(4)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    run_without_host_sync(step)
     assert ex.stats.summary()["fwd_ratio"] > 1
 
 
