@@ -255,7 +255,7 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
             codec = get_codec(name) if DEV.type == "cuda" else get_codec(name, coder="blocks")
             for k, v in shape.items():
                 setattr(blockcoder, k, v)
-            blockcoder._PLANS.clear()
+            blockcoder.clear_plans()
             pays, _ = codec.encode_segments(groups, ebs, trim=False)
             t_enc = timed(lambda c=codec: c.encode_segments(groups, ebs, trim=False), repeats)
             t_dec = timed(
@@ -271,7 +271,7 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
     finally:
         for k, v in saved.items():
             setattr(blockcoder, k, v)
-        blockcoder._PLANS.clear()
+        blockcoder.clear_plans()
     return out
 
 

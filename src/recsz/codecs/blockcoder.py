@@ -58,6 +58,11 @@ def _plan(key: tuple, make: Any) -> bp.Plan:
     return p
 
 
+def clear_plans() -> None:
+    """Forget every plan and graph (after changing the launch constants above)."""
+    _PLANS.clear()
+
+
 #: Calls of one plan before its work is captured as a CUDA graph. A step's forward and
 #: backward share their shapes, so under id-aware traffic (new sizes every step) each plan
 #: sees two calls: capturing then (a sync, a private memory pool) would never pay.
