@@ -83,6 +83,13 @@ def test_homogenization_counts_equal_a_per_column_reference(seed: int) -> None:
         assert got[j].tolist() == [before, after]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_homogenization_counts_take_narrow_floats(dtype: torch.dtype) -> None:
+    x = torch.tensor([[[0.5, 1.0], [0.5, 2.0], [1.5, 2.0]]], dtype=dtype)
+    got = homogenization_counts(x, torch.tensor([0.5], dtype=torch.float64))
+    assert got.tolist() == [[4, 4]]  # columns {0.5, 1.5}, {1, 2}; codes {0, 2}, {1, 2}
+
+
 def test_index_separates_collapsing_from_distinct_tables() -> None:
     g = torch.Generator().manual_seed(0)
     p = DualBound(n_tables=3, class_eb=CLS, probe_steps=2, every=0, decay_schedule="constant")

@@ -82,6 +82,8 @@ def homogenization_counts(x: torch.Tensor, probe_eb: torch.Tensor) -> torch.Tens
     """Per table j of x (T, N, D): distinct values before and after quantization at
     ``probe_eb[j]`` (absolute), summed over the columns, as (T, 2) int64 where x lives.
     Rows holding a NaN or an infinity are left out."""
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # exact for fp16 / bf16 (numpy has no bf16)
     fin = torch.isfinite(x).all(-1, keepdim=True)
     x = torch.where(fin, x, torch.inf)  # sorts last, counted by neither
     codes = torch.round(x.double() / (2 * probe_eb.to(x.device).view(-1, 1, 1)))
