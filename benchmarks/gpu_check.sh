@@ -7,7 +7,7 @@
 # wheels for Python 3.12 in .whl/ (zstandard>=0.25, lz4; see /work/.library/device/README.md)
 # and the real traffic saved here by `python benchmarks/bench_gpu.py --save-traffic F`
 # (../shared/data does not travel). Writes the CUDA tests' log, bench_gpu's JSON and
-# the 1-GPU training summaries to OUT_DIR. Each part has its own time limit (about 5-8
+# the 1-GPU training summaries to OUT_DIR. Each part has its own time limit (about 5-9
 # minutes in all; a lease is 15 minutes, the machine's start included), so one failing
 # part leaves the others' results.
 set -uo pipefail
@@ -42,10 +42,12 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    compressed (no wire with one rank: this measures what compression costs there); 40
 #    steps, so that samples_per_s_steady (after the first 3) is past compiles and captures
 #    and mostly past the policy's 10-step probe window. Only the summaries come back.
-#    The last run puts the MLPs under torch.compile (--compile).
-for run in none hybrid "hybrid --compile"; do
+#    The trainer's default traffic is id-aware (sizes change every step: eager coder, a few
+#    syncs); "--no-id-dedup --no-bwd-coalesce" runs the fixed-size, sync-free step; the
+#    last run puts the MLPs under torch.compile (--compile).
+for run in none hybrid "hybrid --no-id-dedup --no-bwd-coalesce" "hybrid --compile"; do
     c=${run%% *}
-    name=train_${run// --/_}_8192
+    name=train_$(echo "$run" | sed 's/ --/_/g; s/-/_/g')_8192
     timeout 90 python3 -m recsz.train --device cuda --preset bench --steps 40 \
         --batch-size 8192 --fwd-codec "$c" --bwd-codec "$c" --eb-policy dual \
         --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \
