@@ -18,6 +18,7 @@ from recsz.policy.adaptive import (
     decay_multiplier,
     homogenization_counts,
     parse_overrides,
+    sorted_counts,
 )
 from recsz.policy.factory import make_policy
 
@@ -67,8 +68,9 @@ def _spread(g: torch.Generator) -> torch.Tensor:
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_homogenization_counts_equal_a_per_column_reference(seed: int) -> None:
-    """Batched over tables: distinct finite values per column before and after rounding
-    x / 2eb, rows holding NaN/Inf left out, as np.unique column by column."""
+    """Distinct finite values per column before and after rounding x / 2eb (float32),
+    rows holding NaN/Inf left out, as np.unique column by column; the GPU's batched torch
+    version gives the same counts."""
     rng = np.random.default_rng(seed)
     t, n, d = 3, int(rng.integers(1, 40)), int(rng.integers(1, 6))
     x = (rng.integers(-5, 5, (t, n, d)) * rng.choice([0.01, 0.3, 1.0])).astype(np.float32)
@@ -77,10 +79,13 @@ def test_homogenization_counts_equal_a_per_column_reference(seed: int) -> None:
     got = homogenization_counts(torch.from_numpy(x), torch.from_numpy(eb)).numpy()
     for j in range(t):
         rows = x[j][np.isfinite(x[j]).all(1)]
-        codes = np.round(rows.astype(np.float64) / (2 * eb[j]))
+        codes = np.round(rows / np.float32(2 * eb[j]))  # in the values' precision
         before = sum(len(np.unique(rows[:, c])) for c in range(d))
         after = sum(len(np.unique(codes[:, c])) for c in range(d))
         assert got[j].tolist() == [before, after]
+    assert torch.equal(
+        sorted_counts(torch.from_numpy(x), torch.from_numpy(eb)), torch.from_numpy(got)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
