@@ -295,13 +295,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 if cfg.fiited_mask_backward:
                     share_chunk_counts(parts, ranks, fiited.chunk)
             logged = done % cfg.log_every == 0 or done == steps
-            if ranks.device.type == "cuda" and (logged or done - start == WARM_STEPS):
+            warmed = done - start == WARM_STEPS  # compilation, graph capture, caches behind
+            if ranks.device.type == "cuda" and (logged or warmed):
                 # The loss is read only when logged, so the GPU may lag the host: the
                 # queued work of the steps counted so far counts here.
                 torch.cuda.synchronize(ranks.device)
             train_s += time.perf_counter() - t0
             bar.update(1)
-            if done - start == WARM_STEPS:  # compilation, graph capture and caches behind
+            if warmed:
                 warm = (train_s, done)
             row: dict[str, Any] = {}
             if logged:

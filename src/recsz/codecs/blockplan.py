@@ -1,10 +1,10 @@
 """Where everything of a call of the format-3 device coder sits, from the shapes alone.
 
 A :class:`Plan` is built once per set of layouts (and payload places): the host works out
-every per-group, per-row and per-block index the kernels need (:mod:`recsz.codecs.
-blockkernels` names the index spaces) and uploads them in one asynchronous copy. Nothing
-after the upload reads or writes host memory, so the coder's work can be captured once as
-a CUDA graph and replayed.
+the per-group and per-piece numbers and uploads them in one asynchronous copy; the per-row
+and per-block indices the kernels need (:mod:`recsz.codecs.blockkernels` names the index
+spaces) are derived from them on the device. Nothing after the upload reads or writes
+host memory, so the coder's work can be captured once as a CUDA graph and replayed.
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
     dev_flat = upload(flat, torch.int64, dev)
     at = 0
     for name, a in arrays.items():
-        p.t[name] = dev_flat[at : at + np.asarray(a).size]
-        at += np.asarray(a).size
+        n = np.asarray(a).size
+        p.t[name] = dev_flat[at : at + n]
+        at += n
     p.t["ival"] = upload(ival, torch.uint8, dev)
     _derive(p)
     return p
