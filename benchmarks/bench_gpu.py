@@ -98,35 +98,36 @@ def count_syncs(fn: Any) -> int:
     return sum("called a synchronizing" in str(w.message) for w in caught)
 
 
-def count_launches(fn: Any) -> int:
-    """CUDA kernels (and memcpy/memset) one call of fn launches (torch profiler)."""
-    if DEV.type != "cuda":
-        return -1
+def profiled(fn: Any, cuda: bool = True) -> Any:
+    """The torch profiler over one call of fn (after one unprofiled call), recording the
+    GPU's kernels (``cuda``) or the host's operators."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as p:
         fn()
         _sync()
-    return sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return p
+
+
+def cuda_events(p: Any) -> list:
+    """The GPU's events (kernels, memcpy, memset) a profiler recorded."""
+    return [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def count_launches(fn: Any) -> int:
+    """CUDA kernels (and memcpy/memset) one call of fn launches (torch profiler)."""
+    return len(cuda_events(profiled(fn))) if DEV.type == "cuda" else -1
 
 
 def top_kernels(fn: Any, n: int = 12) -> list[tuple[str, float]]:
     """The n GPU kernels one call of fn spends most time in (name, microseconds)."""
     if DEV.type != "cuda":
         return []
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    _sync()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        fn()
-        _sync()
     times: dict[str, float] = {}
-    for e in p.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
+    for e in cuda_events(profiled(fn)):
+        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
     return sorted(times.items(), key=lambda kv: -kv[1])[:n]
 
 
@@ -380,15 +381,8 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
 def host_ops(fn: Any, n: int) -> list[tuple[str, float, int]]:
     """The n operators one call of fn spends most host time in (name, self CPU
     microseconds, calls), torch profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU]) as p:
-        fn()
-        _sync()
-    ev = sorted(p.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
-    return [(e.key[:60], e.self_cpu_time_total, e.count) for e in ev]
+    ev = sorted(profiled(fn, cuda=False).key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return [(e.key[:60], e.self_cpu_time_total, e.count) for e in ev[:n]]
 
 
 def gpu_busy(fn: Any, calls: int) -> float:
@@ -405,10 +399,7 @@ def gpu_busy(fn: Any, calls: int) -> float:
             fn()
         _sync()
         wall = time.perf_counter() - t
-    kernel_us = sum(
-        e.device_time for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    return kernel_us / 1e6 / wall
+    return sum(e.device_time for e in cuda_events(p)) / 1e6 / wall
 
 
 def save_traffic(path: Path) -> int:
