@@ -62,6 +62,14 @@ def byte_hash(v, q):
 
 
 @triton.jit
+def block_count(nrb, lit, wat, DIM: tl.constexpr):
+    """A group's block count (its nrb reference blocks, then the code blocks of its L
+    literal rows) and its data's first byte (after the width nibbles, 4-aligned)."""
+    nbl = nrb + (lit * DIM + LANES - 1) // LANES
+    return nbl, wat + ((nbl + 1) // 2 + 3) // 4 * 4
+
+
+@triton.jit
 def group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr,
                     DIM: tl.constexpr):  # fmt: skip
     """Block b's group, index in it, ref block count, block count, the payload's first
@@ -69,8 +77,8 @@ def group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr, wat_ptr, nrb_ptr, lit_ptr,
     g = tl.load(bgid_ptr + b, mask=mb, other=0)
     local = b - tl.load(bs_ptr + g, mask=mb, other=0)
     nrb = tl.load(nrb_ptr + g, mask=mb, other=0)
-    nbl = nrb + (tl.load(lit_ptr + g, mask=mb, other=0) * DIM + LANES - 1) // LANES
-    data_at = tl.load(wat_ptr + g, mask=mb, other=0) + ((nbl + 1) // 2 + 3) // 4 * 4
+    nbl, data_at = block_count(nrb, tl.load(lit_ptr + g, mask=mb, other=0),
+                               tl.load(wat_ptr + g, mask=mb, other=0), DIM)  # fmt: skip
     base = tl.load(base_ptr + g, mask=mb, other=0)
     return g, local, nrb, nbl, base, base + data_at
 
@@ -90,8 +98,7 @@ def block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr):
 def group_extent(g, lit, wat, nrb_ptr, bs_ptr, nbmax_ptr, cs_ptr, size_ptr, DIM: tl.constexpr):
     """Group g's block count and data start (given its L literal rows), and the bytes its
     blocks take (from the inclusive prefix sum ``cs`` of the blocks' sizes)."""
-    nbl = tl.load(nrb_ptr + g) + (lit * DIM + LANES - 1) // LANES
-    data_at = wat + ((nbl + 1) // 2 + 3) // 4 * 4
+    nbl, data_at = block_count(tl.load(nrb_ptr + g), lit, wat, DIM)
     first = tl.load(bs_ptr + g)
     n = tl.load(nbmax_ptr + g)
     before = tl.load(cs_ptr + first, mask=n > 0, other=0) - tl.load(
