@@ -17,6 +17,7 @@ from recsz.comm.exchange import frame, unframe
 from recsz.comm.ids import distinct_pairs, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args
+from recsz.model.fiited import HeldMask
 from recsz.policy import BoundPolicy, FixedBound
 from recsz.report import per_table, summarize
 
@@ -101,12 +102,29 @@ def test_lossless_exchange_is_the_identity_forward_and_backward(ids_aware: bool)
     assert ex.stats.ratio("fwd") > 1 and (ex.stats.ratio("bwd") > 2) == ids_aware
 
 
+def test_an_identity_codecs_own_rows_skip_the_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``none`` at one rank: nothing is coded, the rows come back as they were (both
+    ways), and their bytes count as payload, none as wire."""
+    ex = one_rank("none", BoundPolicy())
+    for name in ("encode", "decode", "_encode_tensor", "_decode_tensor"):
+        monkeypatch.setattr(type(ex.fwd.codec), name, lambda *a, **k: pytest.fail("coded"))
+    pooled, ids = batch()
+    emb = ex.start_forward(pooled, 0, ids).wait()
+    assert torch.equal(emb, pooled.detach())
+    g = torch.randn_like(emb)
+    (emb * g).sum().backward()
+    assert torch.equal(pooled.grad, g)
+    s = ex.stats.summary()
+    assert s["bytes_payload"] == s["bytes_raw"] == 2 * pooled.numel() * 4
+    assert s["bytes_sent"] == 0
+
+
 def test_pruned_chunks_gradients_are_sent_as_zeros() -> None:
     """FIITED's mask: the gradient dims past each row's held chunks arrive as zeros, the
     others unchanged (lossless codec, no coalescing: one gradient row per sample)."""
     ex = one_rank("zstd", BoundPolicy())
     counts = {t: torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.uint8) for t in range(3)}
-    ex.mask_pruned(counts, 2)  # chunks of 2 dims, dim 4: 0, 1 or 2 chunks held
+    ex.grad_filter = HeldMask(counts, 2)  # chunks of 2 dims, dim 4: 0, 1 or 2 chunks held
     pooled, ids = batch(2)
     emb = ex.start_forward(pooled, 0, ids).wait()
     g = torch.randn_like(emb)
@@ -120,7 +138,7 @@ def test_tables_without_chunk_counts_keep_their_whole_gradient() -> None:
     """A table FIITED does not prune (a TT table) is named in no count: left unmasked."""
     ex = one_rank("zstd", BoundPolicy())
     counts = {t: torch.tensor([0, 1, 2, 1, 2, 0], dtype=torch.uint8) for t in (0, 2)}
-    ex.mask_pruned(counts, 2)
+    ex.grad_filter = HeldMask(counts, 2)
     pooled, ids = batch(2)
     emb = ex.start_forward(pooled, 0, ids).wait()
     g = torch.randn_like(emb)

@@ -44,6 +44,7 @@ from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, DataSource, make_source, prefetch
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
+from recsz.model.fiited import HeldMask
 from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
@@ -137,7 +138,7 @@ def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
     """FIITED: every rank's held chunks per row, to every rank's exchange (one gather)."""
     gathered = ranks.gather(parts.sparse.chunk_counts())
     counts = {t: c.to(ranks.device) for mine in gathered for t, c in mine.items()}
-    parts.exchange.mask_pruned(counts, chunk)
+    parts.exchange.grad_filter = HeldMask(counts, chunk) if counts else None
 
 
 # ---- one step and evaluation ------------------------------------------------------------

@@ -87,6 +87,8 @@ class Codec(ABC):
     #: tables' rows coded as one chunk decodes to what per-table chunks would: the
     #: exchange then codes a destination's tables together (one header, one call).
     joinable: ClassVar[bool] = False
+    #: The payload carries the tensor's bytes unchanged: a rank's own rows skip the codec.
+    identity: ClassVar[bool] = False
 
     @classmethod
     def available(cls) -> bool:

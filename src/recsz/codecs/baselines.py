@@ -49,8 +49,7 @@ class NoneCodec(Codec):
     """No compression: the payload body is the tensor's bytes."""
 
     codec_id = "none"
-    lossless = True
-    joinable = True
+    lossless = identity = joinable = True
     takes_nonfinite = True  # NaN and Inf are bytes like any other
 
     def cast_width(self, dtype: torch.dtype) -> int | None:

@@ -1,28 +1,20 @@
 """The embedding all-to-all of hybrid-parallel DLRM, compressed in both directions.
 
-Forward: the owner of tables T_r looked them up for the whole global batch,
-pooled (B, |T_r|, D). Sample owner s needs rows [s*b, (s+1)*b) of every table. Backward:
-sample owner s holds d(loss)/d(emb) (b, T, D) and sends each table's rows back to its
-owner, which places them into (B, |T_r|, D).
+Forward: the owner of tables T_r looked them up for the global batch, pooled (B, |T_r|, D);
+sample owner s gets rows [s*b, (s+1)*b) of each. Backward: s sends d(loss)/d(emb) (b, T, D)
+back to the tables' owners. Both go through one path (``_send`` / ``_receive``): one
+:class:`Block` per peer (its tables' rows, table after table, each table under its own bound
+for the step), one payload per block (:meth:`~recsz.codecs.Codec.encode_segments`);
+a direction only chooses its rows and places what it receives (docs/ARCHITECTURE.md).
 
-Both directions go through one path (:meth:`EmbeddingExchange._send` and ``_receive``):
-one :class:`Block` per peer (its tables' rows, table after table, each table under its
-own bound for the step), one payload per block by the codec
-(:meth:`~recsz.codecs.Codec.encode_segments`), moved by :mod:`recsz.comm.exchange`,
-decoded, shape-checked. Each direction only chooses its rows and places what it
-receives, with a few tensor operations per peer and none per table.
+Id-aware traffic (every rank reads the global batch, so both ends know the ids): forward,
+``id_dedup`` sends one row per distinct id of a destination's slice, which the receiver
+expands; backward, ``coalesce`` sends one summed gradient per distinct id, which the owner
+puts on the id's first sample (the table's gradient is unchanged).
 
-Id-aware traffic: every rank reads the global batch, so both ends know every sample's
-ids. Forward, ``id_dedup`` sends one row per distinct id of each table in a destination's
-slice (sorted id order), which the receiver expands with its own copy of the ids (exact
-for single-id bags). Backward, ``coalesce`` sums the gradients of samples sharing an id and
-sends one row per distinct id; the owner puts each sum on the id's first sample (the
-table's gradient, a sum over samples per id, is unchanged).
-
-The loss on each rank is a mean over its b samples and DDP averages dense gradients
-over W ranks; the single-process loss is a mean over B = W b. So the gradient for the
-tables is divided by W before it is encoded: the bound then applies to the gradient the
-owner actually uses, and a lossless run equals the single-process one.
+Each rank's loss is a mean over its b samples, the single-process loss one over B = W b:
+the tables' gradient is divided by W before it is coded, so the bound applies to what the
+owner uses and a lossless run equals the single-process one.
 """
 
 from __future__ import annotations
@@ -41,6 +33,13 @@ from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.policy import BoundPolicy
+
+
+class Sent(NamedTuple):
+    """One direction's bytes in flight, and the rank's own rows where they skip the codec."""
+
+    bytes: PendingBytes
+    own: torch.Tensor | None
 
 
 class Block(NamedTuple):
@@ -113,9 +112,9 @@ class EmbeddingExchange:
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
         self.mask_backward = bwd.codec.forward_mask
-        #: FIITED (:meth:`mask_pruned`): the pruned tables, their rows' held chunks laid
-        #: end to end, each table's first row there, and the chunk width.
-        self._held: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
+        #: (grad (b, T, D), this rank's samples' ids (b, T)) -> the gradient to send
+        #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
+        self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Tables no rank sends (replicated, owner -1) arrive as zeros for the caller to fill.
         self._alloc = torch.zeros if min(plan.owners) < 0 else torch.empty
         #: Training steps feed the policies and the statistics; evaluation does neither.
@@ -139,7 +138,7 @@ class EmbeddingExchange:
         blocks: list[Block],
         bound_src: tuple[list[int], torch.Tensor],
         raw_bytes: int,
-    ) -> PendingBytes:
+    ) -> Sent:
         """Encode one block per destination and start the byte all-to-all.
 
         A table's bound is set once per step from its values in ``bound_src`` (tables,
@@ -158,8 +157,15 @@ class EmbeddingExchange:
             at = {t: j for j, t in enumerate(tables)}
             order = tuple(at[t] for blk in blocks for t in blk.tables)
             ebs = all_ebs[self._index_of(order, all_ebs.device)]
-        groups = [(blk.rows, blk.sizes) for blk in blocks]
+        # An identity codec's payload is the rows' bytes: the rank's own rows skip it (an
+        # empty payload in their place, their bytes counted as sent).
+        own = blocks[self.rank].rows if d.codec.identity else None
+        groups = [(blk.rows, blk.sizes) for blk in blocks if own is None or blk.peer != self.rank]
         payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
+        if own is not None:
+            payloads.insert(self.rank, own.new_empty(0, dtype=torch.uint8))
+            nb = used.new_tensor([own.numel() * own.element_size()])
+            used = torch.cat([used[: self.rank], nb, used[self.rank :]])
         if self.check_bounds and ebs is not None:
             self._check_groups(d, blocks, payloads, ebs)
         if self.training:
@@ -167,7 +173,7 @@ class EmbeddingExchange:
             tabs = [(blk.tables, blk.sizes) for blk in blocks]
             self.stats.count_groups(GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote))
         self._time_codec(t0)
-        return start_all_to_all_bytes([[p] for p in payloads], self.world)
+        return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world), own)
 
     def _index_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
         """``order`` as an index tensor on ``device`` (made once)."""
@@ -197,7 +203,7 @@ class EmbeddingExchange:
     def _receive(
         self,
         d: Direction,
-        pending: PendingBytes,
+        sent: Sent,
         tables_from: Callable[[int], list[int]],
         sizes_from: Callable[[int], list[int]],
         dim: int,
@@ -205,6 +211,7 @@ class EmbeddingExchange:
         """Wait for the bytes and decode them into one block per source, holding the
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
         each."""
+        pending = sent.bytes
         with record_function(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
         if self.training:
@@ -212,15 +219,24 @@ class EmbeddingExchange:
         t0 = time.perf_counter()
         sizes = [sizes_from(src) for src in range(self.world)]
         # Payloads this process made itself never left its memory: no checks to read.
-        own = pending.pieces is not None
         payloads = pending.pieces if pending.pieces is not None else bufs
+        coded = [s for s in range(self.world) if sent.own is None or s != self.rank]
         with record_function(f"recsz.a2a_{d.name}.decode"):
             try:
-                rows = d.codec.decode_segments(payloads, sizes, dim, check=not own)
+                decoded = d.codec.decode_segments(
+                    [payloads[s] for s in coded],
+                    [sizes[s] for s in coded],
+                    dim,
+                    check=pending.pieces is None,
+                )
             except ValueError as e:
                 raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+        rows = dict(zip(coded, decoded, strict=True))
+        if sent.own is not None:
+            rows[self.rank] = sent.own
         blocks = []
-        for src, (y, want) in enumerate(zip(rows, sizes, strict=True)):
+        for src, want in enumerate(sizes):
+            y = rows[src]
             if tuple(y.shape) != (sum(want), dim):
                 raise ValueError(
                     f"rank {src} sent tables {tables_from(src)} ({d.name}) as "
@@ -271,15 +287,15 @@ class EmbeddingExchange:
             sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
         with record_function("recsz.a2a_fwd.encode"):
-            pending = self._send(
+            sent = self._send(
                 self.fwd, step, blocks, (self.mine, data.transpose(0, 1)), b * dim * 4
             )
-        return Pending(self, pooled, pending, step, ids)
+        return Pending(self, pooled, sent, step, ids)
 
-    def finish_forward(self, pending: PendingBytes, ids: torch.Tensor, dim: int) -> torch.Tensor:
+    def finish_forward(self, sent: Sent, ids: torch.Tensor, dim: int) -> torch.Tensor:
         b = ids.shape[0] // self.world
         sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
-        received = self._receive(self.fwd, pending, self.plan.tables_of, sizes, dim)
+        received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim)
         # Table-major, so each table's rows land contiguously; the caller gets the
         # (b, T, D) view.
         out = self._alloc(len(self.plan.owners), b, dim, device=ids.device)
@@ -293,29 +309,12 @@ class EmbeddingExchange:
             out.index_copy_(0, at, rows.view(len(blk.tables), b, dim).to(out.dtype))
         return out.transpose(0, 1)
 
-    def mask_pruned(self, counts: dict[int, torch.Tensor], chunk: int) -> None:
-        """FIITED: ``counts[t][row]`` chunks of ``chunk`` dims are held for each row of
-        table t (every pruned table, all owners; tables not named, e.g. TT tables, keep
-        every dim); the backward zeroes the rest of each gradient row before it is coded
-        (their owner would discard them)."""
-        if not counts:
-            self._held = None
-            return
-        tables = sorted(counts)
-        flat = torch.cat([counts[t].long() for t in tables])
-        n = torch.tensor([len(counts[t]) for t in tables], device=flat.device)
-        at = torch.tensor(tables, device=flat.device)
-        self._held = (at, flat, torch.cumsum(n, 0) - n, chunk)
-
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
         """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners."""
         b, n_tables, dim = grad.shape
-        if self._held is not None:  # one gather for all pruned tables
-            at, flat, first, chunk = self._held
-            held = flat[ids[self.rank * b : (self.rank + 1) * b][:, at] + first]  # (b, |at|)
-            keep = torch.arange(dim, device=grad.device) // chunk < held.unsqueeze(-1)
-            grad = grad.index_copy(1, at, grad.index_select(1, at) * keep)
+        if self.grad_filter is not None:
+            grad = self.grad_filter(grad, ids[self.rank * b : (self.rank + 1) * b])
         # Scaled and laid out table-major in one pass: every table's (b, D) slice is then
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
@@ -336,12 +335,12 @@ class EmbeddingExchange:
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
             per_sample = (list(range(n_tables)), by_table)  # table-major (T, b, D)
-            pending = self._send(self.bwd, step, blocks, per_sample, b * dim * 4)
+            sent = self._send(self.bwd, step, blocks, per_sample, b * dim * 4)
 
         def sizes_from(src: int) -> list[int]:
             return self._sizes(self.coalesce, ids, src, self.rank)
 
-        received = self._receive(self.bwd, pending, lambda _: self.mine, sizes_from, dim)
+        received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim)
         n_mine, bsz = len(self.mine), b * self.world
         out = grad.new_zeros(n_mine, bsz, dim)  # table-major; the caller gets (B, |T_r|, D)
         for blk in received:
@@ -355,21 +354,18 @@ class EmbeddingExchange:
         return out.transpose(0, 1)
 
 
+@dataclass
 class Pending:
     """Forward all-to-all in flight; ``wait()`` gives (b, T, D) tied into autograd."""
 
-    def __init__(
-        self,
-        ex: EmbeddingExchange,
-        pooled: torch.Tensor,
-        pending: PendingBytes,
-        step: int,
-        ids: torch.Tensor,
-    ) -> None:
-        self.ex, self.pooled, self.pending, self.step, self.ids = ex, pooled, pending, step, ids
+    ex: EmbeddingExchange
+    pooled: torch.Tensor
+    sent: Sent
+    step: int
+    ids: torch.Tensor
 
     def wait(self) -> torch.Tensor:
-        received = self.ex.finish_forward(self.pending, self.ids, self.pooled.shape[2])
+        received = self.ex.finish_forward(self.sent, self.ids, self.pooled.shape[2])
         return _ExchangeGrad.apply(self.pooled, received, self.ex, self.step, self.ids)
 
 

@@ -219,6 +219,27 @@ class FiitedStore(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
 
+class HeldMask:
+    """Zeroes the dims of each gradient row past its row's held chunks (``counts[t][row]``
+    chunks of ``chunk`` dims, every pruned table of every owner; tables not named, e.g. TT
+    tables, keep every dim): the exchange's ``grad_filter``, so the sample owner sends
+    zeros where the row's owner would discard the gradient."""
+
+    def __init__(self, counts: dict[int, torch.Tensor], chunk: int) -> None:
+        tables = sorted(counts)
+        self.flat = torch.cat([counts[t].long() for t in tables])  # rows end to end
+        n = torch.tensor([len(counts[t]) for t in tables], device=self.flat.device)
+        self.at = torch.tensor(tables, device=self.flat.device)
+        self.first = torch.cumsum(n, 0) - n  # each table's first row in ``flat``
+        self.chunk = chunk
+
+    def __call__(self, grad: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """grad (b, T, D) of samples with ids (b, T) -> the masked gradient (one gather)."""
+        held = self.flat[ids[:, self.at] + self.first]  # (b, |at|)
+        keep = torch.arange(grad.shape[2], device=grad.device) // self.chunk < held[..., None]
+        return grad.index_copy(1, self.at, grad.index_select(1, self.at) * keep)
+
+
 def _moved(x: torch.Tensor, src: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """Rows ``src`` of x where ``live``, zeros elsewhere (x may have no rows)."""
     if not len(x):
