@@ -1,6 +1,5 @@
 """The fused CPU kernels of the hybrid codecs (float32/float64 on the CPU): against the
-plain torch quantizer (recsz.codecs.stages), under any bound, on malformed planes, and the
-range coder of row references."""
+plain torch quantizer (recsz.codecs.stages), under any bound, on malformed planes."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from recsz.codecs import PayloadError, get_codec, kernels, rangecoder
+from recsz.codecs import PayloadError, get_codec, kernels
 from recsz.codecs.stages import dequantize, quantize
 
 PIPELINES = ["hybrid", "quant", "quant+lz", "quant+zstd"]
@@ -105,33 +104,7 @@ def test_forged_reference_payload_raises_payload_error() -> None:
         codec.decode(payload)
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    n=st.integers(1, 3000),
-    alpha=st.floats(0.3, 3.0),
-    seed=st.integers(0, 2**16),
-)
-def test_range_coded_references_round_trip(n: int, alpha: float, seed: int) -> None:
-    """Reference streams as encode_rows writes them (each literal before its repeats)."""
-    rng = np.random.default_rng(seed)
-    ids = (rng.pareto(alpha, n) * 10).astype(np.int64)
-    first: dict[int, int] = {}
-    refs = np.zeros(n, np.int64)
-    for i, v in enumerate(ids):
-        if v in first:
-            refs[i] = first[v]
-        else:
-            first[v] = len(first) + 1
-    w = 1 if refs.max() < 256 else 2
-    planes = np.empty(n * w, np.uint8)
-    kernels.put_planes(planes, 0, refs, n, w)
-    coded = rangecoder.encode_refs(planes, n, w)
-    back, status = rangecoder.decode_refs(coded, n, w)
-    assert status == kernels.OK
-    assert np.array_equal(back, planes)
-
-
-def test_power_law_references_take_the_range_coder() -> None:
+def test_power_law_references_are_entropy_coded() -> None:
     from recsz.codecs.payload import parse_payload, split_sections
 
     x = power_law_rows(4096, 16, seed=3)
@@ -144,4 +117,4 @@ def test_power_law_references_take_the_range_coder() -> None:
         while core[o] & 0x80:
             o += 1
         o += 1
-    assert core[o] == 3 and core[o + 1] == 2  # SPLIT, range-coded references
+    assert core[o] == 3 and core[o + 1] == 1  # SPLIT, zstd-coded references

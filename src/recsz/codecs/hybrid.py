@@ -8,11 +8,10 @@ so the contribution of each can be measured. Every variant writes the same body 
 which records the stages it used, so decoding depends on the bytes alone.
 
 On the CPU (format 1) the entropy stage codes each integer stream on its own: the literal
-codes by zstd (Huffman-coded literals) over byte planes of the zig-zagged codes, the row
-references by an adaptive range coder (:mod:`recsz.codecs.rangecoder`), each kept only
-where it is smaller than the raw planes; fused numba kernels (:mod:`recsz.codecs.kernels`)
-do everything but zstd. fp16/bf16 chunks are coded from their float32 values and checked
-in their own precision (misses travel exactly).
+codes and the row references by zstd (Huffman-coded literals) over byte planes of the
+zig-zagged integers, each kept only where it is smaller than the raw planes; fused numba
+kernels (:mod:`recsz.codecs.kernels`) do everything but zstd. fp16/bf16 chunks are coded
+from their float32 values and checked in their own precision (misses travel exactly).
 
 float32 on a GPU (and ``coder="blocks"`` anywhere) takes format 3
 (:mod:`recsz.codecs.blocks`): a destination's tables in one payload, bit-plane blocks made
@@ -47,7 +46,7 @@ class QuantPipeline(Codec):
     error_bounded = True
     dedup: ClassVar[str] = "off"  # "off", "on", or "auto" (when repeats save more than refs)
     entropy: ClassVar[bool] = False
-    #: Payload format: "auto" = format 1 (zstd, range coder) on the CPU, format 3 for
+    #: Payload format: "auto" = format 1 (zstd) on the CPU, format 3 for
     #: float32 on a GPU; "blocks" = format 3 on every device (what GPUs send).
     default_coder: ClassVar[str] = "auto"
 
@@ -98,7 +97,7 @@ class QuantPipeline(Codec):
         return blocks.decode_segments(payloads, self.codec_id)
 
     def warm_up(self) -> None:
-        # Repeated rows exercise every kernel: quantize, dedup, range-coded references.
+        # Repeated rows exercise every kernel: quantize, dedup, references.
         x = torch.arange(64, dtype=torch.float32).view(16, 4).remainder_(3)
         self.decode(self.encode(x, 0.1))
 

@@ -2,8 +2,7 @@
 
 They quantize, check the bound, hash and deduplicate rows, zig-zag and lay out byte planes
 in a few loops, so what remains is zstd's entropy stage (a kept library) and the payload
-header; the coder no library offers lives beside (:mod:`recsz.codecs.rangecoder`, row
-references). tests/test_kernels.py holds them to the plain torch quantizer of
+header. tests/test_kernels.py holds them to the plain torch quantizer of
 :mod:`recsz.codecs.stages`.
 
 Exactness: the reconstruction is ``float(q) * float(2 eb)`` in the working precision
