@@ -10,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from recsz import ranks
 from recsz.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +38,24 @@ def test_cli_reports_bad_input_without_a_traceback(
     monkeypatch.setenv("RECSZ_TRACEBACK", "1")
     with pytest.raises(ValueError, match="dct-keep"):
         cli_main(["train", "--dct-keep", "5"])
+
+
+def test_launch_leaves_the_rank_count_to_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[list[str]] = []
+
+    class Agent:
+        def __init__(self, cmd: list[str], **kw: object) -> None:
+            seen.append(cmd)
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(ranks.subprocess, "Popen", Agent)
+    argv = ["--nproc", "2", "--steps", "3", "--nproc=2", "--out", "--nproc-x"]
+    assert ranks.launch(2, argv) == 0
+    cmd = seen[0]
+    assert "--nproc-per-node=2" in cmd
+    assert cmd[cmd.index("recsz.train") + 1 :] == ["--steps", "3", "--out", "--nproc-x"]
 
 
 def test_plot_writes_pngs(tmp_path: Path) -> None:

@@ -26,24 +26,13 @@ if TYPE_CHECKING:
     from recsz.ranks import Ranks
     from recsz.train import Parts
 
-# Fields that may differ between the run that saved and the run that resumes.
+# Fields that may differ between the run that saved and the run that resumes ("device": a
+# run may move between CPU and GPU, the state is mapped on load).
 _MAY_CHANGE = {
-    "steps",
-    "resume",
-    "resume_fallback",
-    "out",
-    "progress",
-    "eval_every",
-    "log_every",
-    "nproc",
-    "checkpoint_every",
-    "keep_checkpoints",
-    "check_bounds",
-    "dist_timeout",
-    "prefetch",
-    "compile",
-    "device",  # a run may move between CPU and GPU (the state is mapped on load)
-}
+    "steps", "resume", "resume_fallback", "out", "progress", "eval_every", "log_every",
+    "nproc", "checkpoint_every", "keep_checkpoints", "check_bounds", "dist_timeout",
+    "prefetch", "compile", "device",
+}  # fmt: skip
 
 
 class CheckpointError(ValueError):

@@ -79,15 +79,11 @@ class Ranks:
 def launch(nproc: int, argv: list[str]) -> int:
     """Run ``recsz.train`` on ``nproc`` local ranks under torchrun; its agent stops all of
     them on any failure."""
-    worker_argv: list[str] = []
-    skip = False
-    for a in argv:  # workers learn their count from torchrun's env; torchrun would
-        if skip:  # also misread "--nproc" as an abbreviation of its own flag
-            skip = False
-        elif a == "--nproc":
-            skip = True
-        elif not a.startswith("--nproc="):
-            worker_argv.append(a)
+    # Workers learn their count from torchrun's env (torchrun would also misread "--nproc"
+    # as an abbreviation of its own flag): "--nproc N" and "--nproc=N" are left out.
+    at = [i for i, a in enumerate(argv) if a == "--nproc"]
+    drop = {*at, *(i + 1 for i in at)}
+    worker_argv = [a for i, a in enumerate(argv) if i not in drop and a[:8] != "--nproc="]
     cmd = [
         sys.executable,
         "-m",

@@ -31,7 +31,6 @@ import torch
 
 MAGIC = b"RSZ"
 FORMAT_VERSION = 1
-RETIRED_FORMAT = 2  # the torch-op device framing, no longer written or read
 BLOCK_FORMAT = 3  # groups of tables in bit-plane blocks (recsz.codecs.blockformat)
 CAST_FORMAT = 4  # the casts' bodies made on a device (recsz.codecs.castframe)
 HEAD_WINDOW = 4096  # host copy of a device payload's first bytes (headers, stream tables)
@@ -136,8 +135,6 @@ def parse_payload(
 
         codec, dtype, n, d, _ = read_header(payload)
         return Header(codec, 1, {}, dtype, (n, d), 0.0, 0), payload
-    elif fver == RETIRED_FORMAT:
-        raise PayloadError("format-2 payloads (the retired torch-op device coder) are not read")
     else:
         raise PayloadError(
             f"payload format version {fver}, this build reads {FORMAT_VERSION}, "

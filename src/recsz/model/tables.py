@@ -141,7 +141,7 @@ class SparseArch(nn.Module):
         with record_function("recsz.lookup"):
             mine = ids.index_select(1, self.dense_cols)  # (B, T_dense); a list: a host copy
             if not checked:
-                self._check_range(mine)
+                self._check_range(mine, torch.arange(n, device=ids.device))
             rows = (mine + self.offsets).view(-1)
             out = self._pool(rows, None, None)
         return out.view(ids.shape[0], n, self.dim)
@@ -167,25 +167,23 @@ class SparseArch(nn.Module):
         table_of = (
             torch.arange(n_t, device=ids.device).repeat(b).repeat_interleave(lengths.view(-1))
         )
-        bad = (ids < 0) | (ids >= self.rows[table_of])
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            j = int(table_of[i])
-            raise IndexError(
-                f"table {self.tables[j]}: id {int(ids[i])} outside [0, {self.sizes[j]})"
-            )
+        self._check_range(ids, table_of)
         starts = torch.zeros(b * n_t, dtype=torch.int64, device=ids.device)
         starts[1:] = lengths.view(-1)[:-1].cumsum(0)
         out = self._pool(ids + self.offsets[table_of], starts, per_sample_weights)
         return out.view(b, n_t, self.dim)
 
-    def _check_range(self, mine: torch.Tensor) -> None:
-        wrong = (mine < 0) | (mine >= self.rows)
-        if bool(wrong.any()):  # one check (one host sync on a GPU) for every table
-            j = int(wrong.any(0).nonzero()[0])
-            bad = int(mine[:, j][wrong[:, j]][0])
-            t = self.dense_tables[j]
-            raise IndexError(f"table {t}: id {bad} outside [0, {self.sizes[j]})")
+    def _check_range(self, ids: torch.Tensor, table_of: torch.Tensor) -> None:
+        """Each id against the size of its dense table (``table_of``, broadcast against
+        ``ids``): one check (one host sync on a GPU) for every table."""
+        ids, table_of = (t.reshape(-1) for t in torch.broadcast_tensors(ids, table_of))
+        wrong = (ids < 0) | (ids >= self.rows[table_of])
+        if bool(wrong.any()):
+            i = int(wrong.nonzero()[0])
+            j = int(table_of[i])
+            raise IndexError(
+                f"table {self.dense_tables[j]}: id {int(ids[i])} outside [0, {self.sizes[j]})"
+            )
 
     def _pool(
         self, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None

@@ -1,5 +1,5 @@
 """Error-bound policies (fixed, table-wise, dual-level adaptive)."""
 
-from recsz.policy.base import BoundPolicy, FixedBound, to_absolute, value_range
+from recsz.policy.base import BoundPolicy, FixedBound, to_absolute
 
-__all__ = ["BoundPolicy", "FixedBound", "to_absolute", "value_range"]
+__all__ = ["BoundPolicy", "FixedBound", "to_absolute"]

@@ -21,19 +21,6 @@ from recsz.codecs.payload import constant
 MIN_ABS_BOUND = 1e-30
 
 
-def value_range(x: torch.Tensor) -> float:
-    """max - min over the finite values of x (0.0 if none)."""
-    if x.numel():
-        lo, hi = torch.aminmax(x)
-        r = float(hi) - float(lo)
-        if r == r and r != float("inf"):  # common case: all finite, one pass, no copy
-            return r
-    f = x[torch.isfinite(x)]
-    if f.numel() == 0:
-        return 0.0
-    return float(f.max()) - float(f.min())  # in float64, as above
-
-
 _abs_checks = {"left": 1000}  # slices checked against an absolute bound, then no more
 
 
@@ -43,13 +30,13 @@ def _warn_if_wider_than_data(eb: float, x: torch.Tensor) -> None:
     if _abs_checks["left"] <= 0:
         return
     _abs_checks["left"] -= 1
-    r = value_range(x)
-    if 0 < r <= eb:
+    lo, hi = finite_range(x.unsqueeze(0))
+    if 0 < float(hi - lo) <= eb:  # (-inf where nothing is finite: no warning)
         _abs_checks["left"] = 0
         warnings.warn(
             f"absolute error bound {eb:g} is at least the range of the data it bounds "
-            f"({r:g}): the codec may send every value as the same number; use --eb-mode rel "
-            "or a bound well below the range",
+            f"({float(hi - lo):g}): the codec may send every value as the same number; use "
+            "--eb-mode rel or a bound well below the range",
             stacklevel=3,
         )
 
