@@ -66,6 +66,10 @@ def finite_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per table j, the smallest and largest finite value of x[j] (float64; +inf / -inf
     where it holds none), by torch reductions (a GPU uses :mod:`recsz.policy.rangekernel`)."""
     dims = tuple(range(1, x.dim()))
+    if not x.is_cuda and x.numel():  # all finite, the usual case: two passes, no copy
+        lo, hi = x.amin(dims).double(), x.amax(dims).double()
+        if bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
+            return lo, hi
     inf = float("inf")
     lo = torch.nan_to_num(x, nan=inf, posinf=inf, neginf=inf).amin(dims).double()
     hi = torch.nan_to_num(x, nan=-inf, posinf=-inf, neginf=-inf).amax(dims).double()
