@@ -83,7 +83,7 @@ def launch(nproc: int, argv: list[str]) -> int:
     # as an abbreviation of its own flag): "--nproc N" and "--nproc=N" are left out.
     at = [i for i, a in enumerate(argv) if a == "--nproc"]
     drop = {*at, *(i + 1 for i in at)}
-    worker_argv = [a for i, a in enumerate(argv) if i not in drop and a[:8] != "--nproc="]
+    worker_argv = [a for i, a in enumerate(argv) if i not in drop and not a.startswith("--nproc=")]
     cmd = [
         sys.executable,
         "-m",

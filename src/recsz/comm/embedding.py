@@ -230,7 +230,9 @@ class EmbeddingExchange:
                     check=pending.pieces is None,
                 )
             except ValueError as e:
-                raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+                raise ValueError(
+                    f"rank {self.rank}: {d.name} payloads from ranks {coded}: {e}"
+                ) from e
         rows = dict(zip(coded, decoded, strict=True))
         if sent.own is not None:
             rows[self.rank] = sent.own
