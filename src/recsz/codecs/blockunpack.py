@@ -1,14 +1,14 @@
 """Triton kernels of the format-3 block coder that read payloads: headers, widths, blocks,
-references, rows, and one verdict per payload (:mod:`recsz.codecs.blockkernels` names the
-index spaces and makes the payloads). They run on a GPU, and on the CPU under
-``TRITON_INTERPRET=1``, where CI checks them against the numpy reference."""
+references, rows, and one verdict per payload (:mod:`recsz.codecs.blocklayout` names the
+index spaces, :mod:`recsz.codecs.blockkernels` makes the payloads). They run on a GPU, and
+on the CPU under ``TRITON_INTERPRET=1``, where CI checks them against the numpy reference."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from recsz.codecs.blockkernels import (
+from recsz.codecs.blocklayout import (
     F32_MAX,
     LANES,
     RAW,
