@@ -8,19 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from recsz.codecs.blocklayout import (
-    F32_MAX,
-    LANES,
-    RAW,
-    add_per_group,
-    block_offset,
-    block_size,
-    byte_hash,
-    copy_bounds,
-    group_extent,
-    group_of_block,
-    literal_ranks,
-)
+from recsz.codecs import blocklayout as lay
 
 
 @triton.jit(do_not_specialize=["n_bytes"])
@@ -51,7 +39,7 @@ def read_head_kernel(
     tl.store(lit_ptr + g, lit)
     tl.store(dlen_ptr + g, tl.load(words_ptr + (base + fat) // 4 + 1).to(tl.uint32, bitcast=True)
              .to(tl.int64))  # fmt: skip
-    copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, words_ptr, False)
+    lay.copy_bounds(g, base, ebat_ptr, k_ptr, seg0_ptr, ebs_ptr, words_ptr, False)
     # Header words [8, widths_at): the fixed ones, L and data_len, the bounds.
     ck = tl.zeros([64], dtype=tl.uint32)
     i = 0
@@ -75,22 +63,22 @@ def read_widths_kernel(
     the width bytes and the zeros after them."""
     b = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mb = b < nb
-    g, local, _, nbl, base, start = group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr,
+    g, local, _, nbl, base, start = lay.group_of_block(b, mb, bgid_ptr, bs_ptr, base_ptr,
                                                     wat_ptr, nrb_ptr, lit_ptr, DIM)  # fmt: skip
     q = tl.load(wat_ptr + g, mask=mb, other=0) + local // 2
     mine = mb & (local < nbl)
     byte = tl.load(buf_ptr + base + q, mask=mine & (base + q < n_bytes), other=0).to(tl.int32)
     w = tl.where(mine, (byte >> (4 * (local % 2))) & 15, 0)
     tl.store(w_ptr + b, w.to(tl.uint8), mask=mb)
-    tl.store(size_ptr + b, block_size(w).to(tl.int64), mask=mb)
-    part = tl.where(mine & (local % 2 == 0), byte_hash(byte, q), 0)
+    tl.store(size_ptr + b, lay.block_size(w).to(tl.int64), mask=mb)
+    part = tl.where(mine & (local % 2 == 0), lay.byte_hash(byte, q), 0)
     last = mine & (local == nbl - 1)  # the zeros up to the data (their share, if damaged)
     for k in tl.static_range(4):
         p = q + 1 + k
         mp = last & (p < start - base)
         z = tl.load(buf_ptr + base + p, mask=mp & (base + p < n_bytes), other=0)
-        part += tl.where(mp, byte_hash(z, p), 0)
-    add_per_group(ck_ptr, g, part, mb)
+        part += tl.where(mp, lay.byte_hash(z, p), 0)
+    lay.add_per_group(ck_ptr, g, part, mb)
 
 
 @triton.jit(do_not_specialize=["n_words", "nb"])
@@ -109,22 +97,22 @@ def unpack_kernel(
         b = tl.load(bs_ptr + rg, mask=mi, other=0) + i - tl.load(rb0_ptr + rg, mask=mi, other=0)
     else:
         b = i
-    g, local, nrb, _, base, start = group_of_block(b, mi, bgid_ptr, bs_ptr, base_ptr,
+    g, local, nrb, _, base, start = lay.group_of_block(b, mi, bgid_ptr, bs_ptr, base_ptr,
                                                     wat_ptr, nrb_ptr, lit_ptr, DIM)  # fmt: skip
     is_ref = local < nrb
     mb = mi & (is_ref == REFS)
     w = tl.load(w_ptr + b, mask=mb, other=0).to(tl.int32)
-    off = block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
-    lane = tl.arange(0, LANES)
+    off = lay.block_offset(b, mb, g, start, cs_ptr, size_ptr, bs_ptr)
+    lane = tl.arange(0, lay.LANES)
     if REFS:  # where the values go: the reference stream, or the code stream
-        at = (tl.load(rb0_ptr + g, mask=mb, other=0) + local)[:, None] * LANES + lane[None, :]
+        at = (tl.load(rb0_ptr + g, mask=mb, other=0) + local)[:, None] * lay.LANES + lane[None, :]
     else:
-        c = tl.load(row0_ptr + g, mask=mb, other=0) * DIM // LANES + local - nrb
-        at = c[:, None] * LANES + lane[None, :]
-    raw = w == RAW
+        c = tl.load(row0_ptr + g, mask=mb, other=0) * DIM // lay.LANES + local - nrb
+        at = c[:, None] * lay.LANES + lane[None, :]
+    raw = w == lay.RAW
     word0 = off // 4
     i0 = ((off - base - 8) // 4).to(tl.uint32)
-    v = tl.zeros([B, LANES], dtype=tl.uint32)
+    v = tl.zeros([B, lay.LANES], dtype=tl.uint32)
     part = tl.zeros([B], dtype=tl.uint32)
     packed = mb & ~raw & (w > 0)
     # Plane after plane, up to the program's widest block.
@@ -142,7 +130,7 @@ def unpack_kernel(
     rm = (mb & raw)[:, None] & (ra < n_words)
     xu = tl.load(in32_ptr + ra, mask=rm, other=0).to(tl.uint32, bitcast=True)
     part += tl.sum(tl.where(rm, xu * (2 * (i0[:, None] + lane[None, :]) + 1), 0), axis=1)
-    add_per_group(ck_ptr, g, part, mb)
+    lay.add_per_group(ck_ptr, g, part, mb)
     v = tl.where(raw[:, None], xu, v)
     zi = v.to(tl.int32, bitcast=True)
     if REFS:
@@ -153,7 +141,7 @@ def unpack_kernel(
         eb = tl.load(ebs_ptr + seg, mask=mb[:, None] & (seg >= 0), other=1.0)
         # Clamped: a valid payload never needs it; a damaged one must not overflow (its
         # checksum fails).
-        y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -F32_MAX), F32_MAX)
+        y = tl.minimum(tl.maximum(q.to(tl.float64) * (eb * 2.0), -lay.F32_MAX), lay.F32_MAX)
         y = tl.where(raw[:, None], xu.to(tl.float32, bitcast=True), y.to(tl.float32))
         tl.store(out_ptr + at, y, mask=mb[:, None])
 
@@ -169,7 +157,7 @@ def decode_rows_kernel(
     r = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
     mr = r < n_rows
     g = tl.load(rgroup_ptr + r, mask=mr, other=0)
-    rank, before, r0, lit = literal_ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr)
+    rank, before, r0, lit = lay.literal_ranks(r, mr, g, lit_ptr, cz_ptr, row0_ptr)
     npad = tl.load(npad_ptr + g, mask=mr, other=1)
     ref = tl.load(refs_ptr + tl.load(rslot_ptr + r, mask=mr, other=0), mask=mr, other=0)
     rf = tl.load(rfirst_ptr + r, mask=mr, other=0)
@@ -183,7 +171,7 @@ def decode_rows_kernel(
     last = mr & (r == r0 + npad - 1)
     count = tl.load(cz_ptr + r, mask=mr, other=0) - before
     bad = wrong | (last & (count != tl.load(nlit_ptr + g, mask=mr, other=0)))
-    add_per_group(bad_ptr, g, bad.to(tl.int32), mr)
+    lay.add_per_group(bad_ptr, g, bad.to(tl.int32), mr)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -218,7 +206,7 @@ def verdict_kernel(
     payload, and its checksum matches."""
     g = tl.program_id(0)
     base = tl.load(base_ptr + g)
-    _, data_at, dlen = group_extent(g, tl.load(lit_ptr + g), tl.load(wat_ptr + g), nrb_ptr,
+    _, data_at, dlen = lay.group_extent(g, tl.load(lit_ptr + g), tl.load(wat_ptr + g), nrb_ptr,
                                     bs_ptr, nbmax_ptr, cs_ptr, size_ptr, DIM)  # fmt: skip
     stored = tl.load(words_ptr + base // 4 + 1)
     good = (tl.load(bad_ptr + g) == 0) & (dlen == tl.load(dlen_ptr + g))
