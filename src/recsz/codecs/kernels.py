@@ -2,14 +2,13 @@
 
 They quantize, check the bound, hash and deduplicate rows, zig-zag and lay out byte planes
 in a few loops, so what remains is zstd's entropy stage (a kept library) and the payload
-header. tests/test_kernels.py holds them to the plain torch quantizer of
-:mod:`recsz.codecs.stages`.
+header. tests/test_kernels.py holds them to a plain torch quantizer.
 
 Exactness: the reconstruction is ``float(q) * float(2 eb)`` in the working precision
 (float32 for float32 input, float64 for float64), one IEEE multiplication, bit-identical to
-:func:`recsz.codecs.stages.dequantize`. The encoder checks every element's reconstruction
-against the bound in float64 with ``>=`` (rounding is monotonic, so a true error above eb
-never computes below eb) and hands every element that fails to the caller as an outlier.
+``torch.mul`` of the same values. The encoder checks every element's reconstruction against
+the bound in float64 with ``>=`` (rounding is monotonic, so a true error above eb never
+computes below eb) and hands every element that fails to the caller as an outlier.
 No fastmath anywhere: contracting the check into an FMA would test a value the decoder
 never produces.
 """

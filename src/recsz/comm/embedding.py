@@ -386,7 +386,7 @@ class _ExchangeGrad(torch.autograd.Function):
         ctx.ex, ctx.step, ctx.ids = ex, step, ids
         if ex.mask_backward:
             ctx.save_for_backward(received != 0)
-        return received.clone()
+        return received
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
