@@ -100,7 +100,7 @@ def test_kernels_match_the_reference_on_random_extreme_chunks(seed: int) -> None
     x, eb = extreme_case(rng)
     x = x.float().numpy()
     eb = min(max(eb, bf_eb_min()), 1e38)
-    lay = bf.Layout("quant+lz", 0, x.shape[1], (x.shape[0],), bool(rng.integers(2)))
+    lay = bf.Layout("hybrid", 0, x.shape[1], (x.shape[0],), bool(rng.integers(2)))
     ebs = np.array([eb])
     (p,) = kernels([lay], [x], ebs, "cpu")
     ref = bf.encode_group(lay, x, ebs)

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from recsz.codecs import PayloadError, kernels
-from recsz.codecs.stages import dequantize, magicless_zstd, pack_planes, quantize, unpack_planes
+from recsz.codecs.stages import magicless_zstd, pack_planes, unpack_planes
+from tests.reference import dequantize, quantize
 
 
 def pack_streams(streams: list[np.ndarray], cctx: object) -> bytes:

@@ -3,9 +3,10 @@
     x (N, D) ──quantize(2 eb)──► codes ──vector dedup──► literal rows + refs ──entropy──► bytes
 
 ``hybrid`` deduplicates a chunk's rows when that pays (the paper chooses LZ or Huffman per
-table), then entropy-codes; ``quant``, ``quant+lz`` and ``quant+zstd`` expose single stages
-so the contribution of each can be measured. Every variant writes the same body layout,
-which records the stages it used, so decoding depends on the bytes alone.
+table), then entropy-codes; ``quant`` is the quantizer alone (the fastest to code: it wins
+at 10 Gbit/s here). Both write the same body layout, which records the stages it used, so
+decoding depends on the bytes alone. (``quant+lz`` and ``quant+zstd``, the single later
+stages, went: they won no row of ``bench_train.py``; results/issue18/session8.)
 
 On the CPU (format 1) the entropy stage codes each integer stream on its own: the literal
 codes and the row references by zstd (Huffman-coded literals) over byte planes of the
@@ -33,7 +34,6 @@ from recsz.codecs.stages import magicless_zstd, pack_planes, unpack_planes
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 CODERS = ("auto", "blocks")
-_DEDUP_MODES = {"off": 0, "on": 1, "auto": 2}
 _DECODE_ERRORS = {
     kernels.BAD_LITERAL_COUNT: "row references and literal codes do not fit the shape",
     kernels.BAD_REFERENCE: "vector reference points past the literal rows",
@@ -44,7 +44,7 @@ class QuantPipeline(Codec):
     """Quantize, then optionally deduplicate rows and entropy-code."""
 
     error_bounded = True
-    dedup: ClassVar[str] = "off"  # "off", "on", or "auto" (when repeats save more than refs)
+    dedup: ClassVar[bool] = False  # references to repeated rows, where they save bytes
     entropy: ClassVar[bool] = False
     #: Payload format: "auto" = format 1 (zstd) on the CPU, format 3 for
     #: float32 on a GPU; "blocks" = format 3 on every device (what GPUs send).
@@ -83,14 +83,14 @@ class QuantPipeline(Codec):
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         if ebs is None:
             raise ValueError(f"{self.codec_id} needs an error bound per table")
-        return blocks.encode_segments(self.codec_id, self.dedup != "off", groups, ebs, trim)
+        return blocks.encode_segments(self.codec_id, self.dedup, groups, ebs, trim)
 
     def _decode_own_groups(
         self, payloads: list[torch.Tensor], sizes: list[list[int]] | None, dim: int, check: bool
     ) -> list[torch.Tensor]:
         expect = None
         if sizes is not None:
-            expect = blocks.layouts(self.codec_id, dim, sizes, self.dedup != "off")
+            expect = blocks.layouts(self.codec_id, dim, sizes, self.dedup)
         return blocks.decode_segments(payloads, self.codec_id, expect, check)
 
     def _decode_blocks(self, payloads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -107,7 +107,7 @@ class QuantPipeline(Codec):
         qmax = kernels.QMAX32 if a.dtype == np.float32 else kernels.QMAX64
         step = np.array([2.0 * eb], a.dtype)
         planes, w_refs, n_refs, w_codes, n_codes, missed = kernels.encode_rows(
-            a, step, eb, _DEDUP_MODES[self.dedup], qmax
+            a, step, eb, self.dedup, qmax
         )
         dims = [(w_refs, n_refs), (w_codes, n_codes)] if n_refs else [(w_codes, n_codes)]
         body = pack_planes(dims, planes, self._cctx)
@@ -140,7 +140,7 @@ class HybridCodec(QuantPipeline):
     """Quantize + vector dedup (where it pays) + entropy coding."""
 
     codec_id = "hybrid"
-    dedup = "auto"
+    dedup = True
     entropy = True
 
 
@@ -149,20 +149,3 @@ class QuantCodec(QuantPipeline):
     """Quantization alone; codes packed at the narrowest byte width."""
 
     codec_id = "quant"
-
-
-@register_codec
-class QuantLZCodec(QuantPipeline):
-    """Quantization + vector dedup, no entropy coding."""
-
-    codec_id = "quant+lz"
-    dedup = "on"
-
-
-@register_codec
-class QuantEntropyCodec(QuantPipeline):
-    """Quantization + entropy coding (zstd on byte planes; on a GPU, like every quantizing
-    codec there, bit-plane blocks), no vector dedup."""
-
-    codec_id = "quant+zstd"
-    entropy = True

@@ -91,7 +91,7 @@ def get_planes(raw: np.ndarray, base: int, n: int, w: int) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def encode_rows(
-    x: np.ndarray, stepv: np.ndarray, eb: float, dedup: int, qmax: int
+    x: np.ndarray, stepv: np.ndarray, eb: float, dedup: bool, qmax: int
 ) -> tuple[np.ndarray, int, int, int, int, np.ndarray]:
     """Quantize, check, deduplicate and lay out one chunk.
 
@@ -100,7 +100,7 @@ def encode_rows(
         stepv: one-element array of x's dtype holding 2 eb rounded once to that dtype (the
             decoder's step; an array so that the multiplication below runs in x's dtype).
         eb: absolute error bound (> 0).
-        dedup: 0 never, 1 always, 2 when repeated rows save more than the references cost.
+        dedup: references to repeated rows where they save more than they cost.
         qmax: largest code magnitude (QMAX32 or QMAX64).
     Returns:
         planes (uint8: the refs stream's planes, if any, then the literal codes' planes),
@@ -138,7 +138,7 @@ def encode_rows(
     refs = np.zeros(n, np.int64)
     lit_of = np.empty(n, np.int64)  # ordinal of each literal row, by row
     n_lit = n
-    if dedup != 0 and n > 1:
+    if dedup and n > 1:
         size = 1
         while size < 2 * n:
             size *= 2
@@ -173,9 +173,9 @@ def encode_rows(
                     refs[i] = lit_of[r] + 1
                     break
                 slot = (slot + 1) & (size - 1)
-        if dedup == 2 and (n - n_lit) * d <= n:
+        if (n - n_lit) * d <= n:
             n_lit = n
-    use_refs = n_lit < n or dedup == 1
+    use_refs = n_lit < n
     w_codes = width(np.int64(bits))  # repeated rows hold no code the literal ones lack
     n_codes = n_lit * d if use_refs else n * d
     top_ref = np.int64(0)
