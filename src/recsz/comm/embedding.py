@@ -164,7 +164,7 @@ class EmbeddingExchange:
         payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
         if own is not None:
             payloads.insert(self.rank, own.new_empty(0, dtype=torch.uint8))
-            nb = used.new_tensor([own.numel() * own.element_size()])
+            nb = torch.full((1,), own.numel() * own.element_size(), device=used.device)
             used = torch.cat([used[: self.rank], nb, used[self.rank :]])
         if self.check_bounds and ebs is not None:
             self._check_groups(d, blocks, payloads, ebs)
