@@ -1,11 +1,14 @@
 """The MLP gradients' hooks without ranks: the error-bounded hook's bound, its error
-feedback and its lossless case, on one rank (no collective)."""
+feedback and its lossless case, on one rank (no collective); on a GPU, the eb and DCT-DP
+hooks on CUDA gradients and the ragged all-gather through a one-rank gloo + NCCL group."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from recsz.codecs import get_codec
+from recsz.codecs import get_codec, get_codec_with
+from recsz.comm.dct_dp import DCTState, all_gather_ragged, dct_hook
 from recsz.comm.dp_hooks import DPComm, EBState, _eb_exchange
 
 PARAMS = [torch.nn.Parameter(torch.zeros(n)) for n in (600, 400, 300, 20_000)]
@@ -24,18 +27,22 @@ class Bucket:
     def parameters(self) -> list[torch.Tensor]:
         return self.params
 
+    def is_last(self) -> bool:
+        return True
+
 
 def residual(dp: DPComm) -> torch.Tensor:
     return torch.cat([dp.inner.residual[k] for k in sorted(dp.inner.residual)])
 
 
-def eb_state(codec: str, eb: float = 0.01) -> DPComm:
-    return DPComm("eb", 1, inner=EBState(get_codec(codec), eb))
+def eb_state(codec: str, eb: float = 0.01, coder: str = "auto") -> DPComm:
+    return DPComm("eb", 1, inner=EBState(get_codec_with(codec, coder=coder), eb))
 
 
-def test_eb_hook_keeps_the_bound_and_feeds_back_the_error() -> None:
-    dp = eb_state("hybrid", 0.05)
-    g1 = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("coder", ["auto", "blocks"])  # blocks: format 3, a GPU's payloads
+def test_eb_hook_keeps_the_bound_and_feeds_back_the_error(coder: str) -> None:
+    dp = eb_state("hybrid", 0.05, coder)
+    g1 = torch.randn(1000, generator=torch.Generator().manual_seed(0))  # not rows of 64
     out1 = _eb_exchange(dp, Bucket(g1.clone())).value()
     eb = 0.05 * float(g1.max() - g1.min())
     assert float((out1 - g1).abs().max()) <= eb
@@ -64,6 +71,28 @@ def test_checkpoint_state_round_trip() -> None:
     again.load_state_dict(dp.state_dict())
     assert torch.equal(residual(again), residual(dp))
     assert again.bytes_sent == dp.bytes_sent
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_eb_and_dct_hooks_on_cuda_gradients(tmp_path) -> None:
+    import torch.distributed as dist
+
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).cuda()
+    dp = eb_state("hybrid", 0.05)
+    out = _eb_exchange(dp, Bucket(g.clone())).value()
+    assert out.is_cuda and float((out - g).abs().max()) <= 0.05 * float(g.max() - g.min())
+    torch.testing.assert_close(residual(dp), g - out, rtol=0, atol=0)
+    dct = DCTState(1, keep=0.1)
+    sent = dct_hook(dct, Bucket(g.clone())).value()
+    assert sent.is_cuda and int((sent != 0).sum()) == 100
+    torch.testing.assert_close(sent + residual(DPComm("dct", 1, inner=dct)), g)
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path}/rdv",
+                            rank=0, world_size=1, device_id=torch.device("cuda", 0))  # fmt: skip
+    try:  # lengths on the CPU (gloo), payloads on the GPU (NCCL)
+        (got,), nbytes = all_gather_ragged([out], 1)
+        assert torch.equal(got[0], out) and nbytes == 0
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- three ranks (gloo): the all-gather and the reduce-scatter + all-gather ---------------

@@ -200,10 +200,6 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda, but torch sees no CUDA device here")
-            if self.dp_comm in ("dct", "eb"):
-                raise ValueError(
-                    f"--dp-comm {self.dp_comm} runs on the CPU only: not with --device cuda"
-                )
         if self.log_every == 0:
             self.log_every = 1
 

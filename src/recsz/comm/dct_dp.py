@@ -119,6 +119,7 @@ class DCTState:
     bytes_dense: int = 0  # what a ring all-reduce would have sent (2 (W-1)/W n 4 bytes)
     bytes_sent: int = 0  # what this rank put on the wire
     seconds: float = 0.0
+    group: Any = None  # the hooks' process group (DPComm.group)
 
 
 def dct_hook(state: DCTState, bucket):
@@ -142,7 +143,7 @@ def dct_hook(state: DCTState, bucket):
     state.refreshes += int(refreshed)
     thr = torch.cat(
         [
-            torch.full((n,), state.threshold[k], dtype=acc.dtype)
+            torch.full((n,), state.threshold[k], dtype=acc.dtype, device=acc.device)
             for k, n in zip(keys, sizes, strict=True)
         ]
     )
@@ -152,7 +153,7 @@ def dct_hook(state: DCTState, bucket):
     if state.world == 1:
         out.index_add_(0, idx, vals)
     else:
-        got, sent = all_gather_ragged([idx, vals], state.world)
+        got, sent = all_gather_ragged([idx, vals], state.world, state.group)
         for ii, vv in got:
             out.index_add_(0, ii, vv)
         state.bytes_sent += sent

@@ -127,7 +127,7 @@ def register(ddp: Any, mode: str, world: int, group: Any = None, **opts: Any) ->
         raise ValueError(f"--dp-comm {mode!r} is not one of: {', '.join(DP_MODES)}")
     dp = DPComm(mode, world, group=group)
     if mode == "dct":
-        dp.inner = DCTState(world, opts["dct_keep"], opts["dct_refresh"])
+        dp.inner = DCTState(world, opts["dct_keep"], opts["dct_refresh"], group=group)
         ddp.register_comm_hook(dp, _dct)
         return dp
     if mode == "powersgd":
@@ -217,18 +217,29 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
             got, sent = all_gather_ragged([payload], dp.world, dp.group)
             dp.bytes_sent += sent
             for r, (p,) in enumerate(got):
-                out += mine if r == me else st.codec.decode(p).view(-1).to(grad.dtype)
+                out += mine if r == me else _decoded(st, p, grad)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out.div_(dp.world))
     return fut
 
 
+#: The eb hook codes a bucket as rows of this many values, zero-padded (a GPU's coder takes
+#: the row width as a kernel constant: a bucket is never one row of a million values).
+EB_ROW = 64
+
+
 def _code(st: EBState, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (flat) coded under the relative bound, and what the payload decodes to."""
-    flat = x.detach().reshape(1, -1)
-    eb = to_absolute(st.eb, "rel", flat) if st.codec.error_bounded else None
-    payload = st.codec.encode(flat, eb)
-    return payload, st.codec.decode(payload).view(-1).to(x.dtype)
+    flat = x.detach().reshape(-1)
+    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % EB_ROW)).view(-1, EB_ROW)
+    eb = to_absolute(st.eb, "rel", rows) if st.codec.error_bounded else None
+    payload = st.codec.encode(rows, eb)
+    return payload, _decoded(st, payload, x)
+
+
+def _decoded(st: EBState, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A payload of :func:`_code` back as ``like``'s flat values (the padding dropped)."""
+    return st.codec.decode(payload).reshape(-1)[: like.numel()].to(like.device, like.dtype)
 
 
 def _reduce_scatter_gather(
@@ -256,7 +267,7 @@ def _reduce_scatter_gather(
     # Chunk ``me`` of every rank, summed in rank order, and what was lost coding it before.
     total = torch.zeros_like(coded[me][1])
     for r, b in enumerate(bufs):
-        total += coded[me][1] if r == me else st.codec.decode(b).view(-1).to(acc.dtype)
+        total += coded[me][1] if r == me else _decoded(st, b, coded[me][1])
     total += add_residual(torch.zeros_like(acc), st.reduced, keys, sizes)[at[me]]
     payload, back = _code(st, total)
     lost = torch.zeros_like(acc)
@@ -266,7 +277,7 @@ def _reduce_scatter_gather(
     dp.bytes_sent += nbytes
     out = torch.empty_like(acc)
     for r, (p,) in enumerate(got):
-        out[at[r]] = back if r == me else st.codec.decode(p).view(-1).to(acc.dtype)
+        out[at[r]] = back if r == me else _decoded(st, p, acc[at[r]])
     return out
 
 
