@@ -38,7 +38,7 @@ from recsz.policy import BoundPolicy
 class Sent(NamedTuple):
     """One direction's bytes in flight, and the rank's own rows where they skip the codec."""
 
-    bytes: PendingBytes
+    pending: PendingBytes
     own: torch.Tensor | None
 
 
@@ -211,7 +211,7 @@ class EmbeddingExchange:
         """Wait for the bytes and decode them into one block per source, holding the
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
         each."""
-        pending = sent.bytes
+        pending = sent.pending
         with record_function(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
         if self.training:
