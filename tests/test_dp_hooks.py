@@ -57,6 +57,14 @@ def test_eb_hook_keeps_the_bound_and_feeds_back_the_error(coder: str) -> None:
     assert dp.bytes_sent < 0.5 * 2 * 1000 * 4
 
 
+def test_eb_hooks_bound_is_relative_to_the_buckets_own_range() -> None:
+    """A bucket of one sign, not a whole number of rows: the padding must not widen the
+    range the relative bound is taken from (zeros would, here by a factor of ~10)."""
+    g = 10.0 + torch.rand(1000, generator=torch.Generator().manual_seed(4))
+    out = _eb_exchange(eb_state("hybrid", 0.05), Bucket(g.clone())).value()
+    assert float((out - g).abs().max()) <= 0.05 * float(g.max() - g.min())
+
+
 def test_eb_hook_with_a_lossless_codec_is_exact() -> None:
     dp = eb_state("zstd")
     g = torch.randn(1000, generator=torch.Generator().manual_seed(2))

@@ -223,15 +223,16 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     return fut
 
 
-#: The eb hook codes a bucket as rows of this many values, zero-padded (a GPU's coder takes
-#: the row width as a kernel constant: a bucket is never one row of a million values).
+#: The eb hook codes a bucket as rows of this many values (a GPU's coder takes the row
+#: width as a kernel constant: a bucket is never one row of a million values), padded with
+#: copies of its first value, which leave the range the relative bound is taken from as it is.
 EB_ROW = 64
 
 
 def _code(st: EBState, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (flat) coded under the relative bound, and what the payload decodes to."""
     flat = x.detach().reshape(-1)
-    rows = torch.nn.functional.pad(flat, (0, -flat.numel() % EB_ROW)).view(-1, EB_ROW)
+    rows = torch.cat([flat, flat[:1].expand(-flat.numel() % EB_ROW)]).view(-1, EB_ROW)
     eb = to_absolute(st.eb, "rel", rows) if st.codec.error_bounded else None
     payload = st.codec.encode(rows, eb)
     return payload, _decoded(st, payload, x)
