@@ -176,10 +176,10 @@ class SparseArch(nn.Module):
     def _check_range(self, ids: torch.Tensor, table_of: torch.Tensor) -> None:
         """Each id against the size of its dense table (``table_of``, broadcast against
         ``ids``): one check (one host sync on a GPU) for every table."""
-        ids, table_of = (t.reshape(-1) for t in torch.broadcast_tensors(ids, table_of))
         wrong = (ids < 0) | (ids >= self.rows[table_of])
         if bool(wrong.any()):
-            i = int(wrong.nonzero()[0])
+            ids, table_of = (t.reshape(-1) for t in torch.broadcast_tensors(ids, table_of))
+            i = int(wrong.reshape(-1).nonzero()[0])
             j = int(table_of[i])
             raise IndexError(
                 f"table {self.dense_tables[j]}: id {int(ids[i])} outside [0, {self.sizes[j]})"
