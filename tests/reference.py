@@ -1,11 +1,13 @@
 """The plain torch quantizer that the fused CPU kernels (recsz.codecs.kernels) are held to,
-value for value (tests/test_kernels.py); its own properties: tests/test_stages.py."""
+value for value (tests/test_kernels.py); its own properties: tests/test_stages.py. And
+one table's bound from a policy (the trainer asks for many tables at once)."""
 
 from __future__ import annotations
 
 import torch
 
 from recsz.codecs import kernels
+from recsz.policy import BoundPolicy
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -63,3 +65,9 @@ def dequantize(q: torch.Tensor, eb: float, dtype: torch.dtype) -> torch.Tensor:
     wd = work_dtype(dtype)
     y = torch.mul(q if q.dtype == wd else q.to(wd), torch.tensor(2.0 * eb, dtype=wd))
     return y if dtype == wd else y.to(dtype)
+
+
+def one_bound(policy: BoundPolicy, table: int, step: int, x: torch.Tensor) -> float | None:
+    """One table's bound as a float: the policy's ``bounds`` of that table alone."""
+    b = policy.bounds([table], step, x.unsqueeze(0))
+    return None if b is None else float(b[0])

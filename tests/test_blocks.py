@@ -26,6 +26,7 @@ from recsz.policy import FixedBound
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds, to_absolute
 from tests.common import bound_violation, extreme_case, run_without_host_sync
+from tests.reference import one_bound
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
@@ -259,11 +260,11 @@ def test_dual_policy_bounds_equal_its_per_table_bounds() -> None:
     p = DualBound(
         n_tables=3,
         class_eb={"tight": 0.01, "base": 0.03, "loose": 0.05},
-        overrides={1: "loose"},
         decay_t=10,
     )
+    p.classes[1] = "loose"
     x = torch.randn(3, 40, 8)
-    assert p.bounds([0, 1, 2], 3, x).tolist() == [p.bound(t, 3, x[t]) for t in range(3)]
+    assert p.bounds([0, 1, 2], 3, x).tolist() == [one_bound(p, t, 3, x[t]) for t in range(3)]
 
 
 # ---- the exchange through format 3 ----------------------------------------------------

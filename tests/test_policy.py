@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -17,10 +16,10 @@ from recsz.policy.adaptive import (
     DualBound,
     decay_multiplier,
     homogenization_counts,
-    parse_overrides,
     sorted_counts,
 )
 from recsz.policy.factory import make_policy
+from tests.reference import one_bound
 
 CLS = {"tight": 0.01, "base": 0.03, "loose": 0.05}
 
@@ -33,11 +32,6 @@ CLS = {"tight": 0.01, "base": 0.03, "loose": 0.05}
         ("step", 6554, 1.9),
         ("step", 65535, 1.1),
         ("step", 65536, 1.0),
-        ("linear", 32768, 1.5),
-        ("linear", 0, 2.0),
-        ("log", 0, 2.0),
-        ("log", 65536, 1.0),
-        ("log", 32768, 2.0 * ((1 - math.log(1 + 0.5 * (math.e - 1))) * 0.5 + 0.5)),
         ("constant", 0, 1.0),
         ("step", 10**7, 1.0),
     ],
@@ -46,9 +40,11 @@ def test_schedules_match_formulas(schedule: str, t: int, expect: float) -> None:
     assert decay_multiplier(t, 65536, 2.0, schedule) == pytest.approx(expect, abs=1e-12)
 
 
-def test_log_schedule_is_monotone() -> None:
-    ms = [decay_multiplier(t, 1000, 3.0, "log") for t in range(0, 1001, 50)]
+def test_step_schedule_is_monotone() -> None:
+    ms = [decay_multiplier(t, 1000, 3.0, "step") for t in range(0, 1001, 7)]
     assert all(a >= b for a, b in itertools.pairwise(ms)) and ms[0] == 3.0
+    with pytest.raises(ValueError, match="linear"):
+        decay_multiplier(0, 1000, 3.0, "linear")  # retired
 
 
 def _collapsing(g: torch.Generator) -> torch.Tensor:
@@ -105,43 +101,27 @@ def test_index_separates_collapsing_from_distinct_tables() -> None:
         p.observe([2], step, mid)
     assert p.class_of(0) == "base"  # nothing classified before the window ends
     x = torch.ones(4, 4)
-    p.bound(0, 2, x)
+    one_bound(p, 0, 2, x)
     assert p.index[0] < 0.035 < p.index[2] < 0.5 <= p.index[1]
     assert [p.class_of(t) for t in range(3)] == ["tight", "loose", "base"]
     assert {e["table"] for e in p.events} == {0, 1}
     rng = torch.tensor([[0.0, 2.0]])
-    assert p.bound(0, 5, rng) == pytest.approx(0.02)
-    assert p.bound(1, 5, rng) == pytest.approx(0.10)
+    assert one_bound(p, 0, 5, rng) == pytest.approx(0.02)
+    assert one_bound(p, 1, 5, rng) == pytest.approx(0.10)
 
 
 def test_reclassification_every_k_steps() -> None:
     g = torch.Generator().manual_seed(1)
     p = DualBound(n_tables=1, class_eb=CLS, probe_steps=1, every=10, decay_schedule="constant")
     p.observe([0], 0, _collapsing(g))
-    p.bound(0, 1, torch.ones(2, 2))
+    one_bound(p, 0, 1, torch.ones(2, 2))
     assert p.class_of(0) == "tight"
     p.observe([0], 5, _spread(g))  # outside a window: ignored
-    p.bound(0, 6, torch.ones(2, 2))
+    one_bound(p, 0, 6, torch.ones(2, 2))
     assert p.class_of(0) == "tight"
     p.observe([0], 10, _spread(g))  # window [10, 11)
-    p.bound(0, 11, torch.ones(2, 2))
+    one_bound(p, 0, 11, torch.ones(2, 2))
     assert p.class_of(0) == "loose" and len(p.events) == 2
-
-
-def test_overrides_win() -> None:
-    g = torch.Generator().manual_seed(2)
-    ov = parse_overrides("0=loose", 2)
-    p = DualBound(
-        n_tables=2, class_eb=CLS, probe_steps=1, every=0, overrides=ov, decay_schedule="constant"
-    )
-    p.observe([0], 0, _collapsing(g))
-    p.observe([1], 0, _collapsing(g))
-    p.bound(0, 1, torch.ones(2, 2))
-    assert p.class_of(0) == "loose" and p.class_of(1) == "tight"
-    with pytest.raises(ValueError, match="table 9"):
-        parse_overrides("9=tight", 3)
-    with pytest.raises(ValueError, match="class 'huge'"):
-        parse_overrides("1=huge", 3)
 
 
 def test_dual_multiplies_class_bound_by_decay() -> None:
@@ -151,14 +131,13 @@ def test_dual_multiplies_class_bound_by_decay() -> None:
         mode="abs",
         probe_steps=0,
         every=0,
-        decay_schedule="linear",
         decay_c=2.0,
         decay_t=100,
     )
     x = torch.zeros(2, 2)
-    assert p.bound(0, 0, x) == pytest.approx(0.06)
-    assert p.bound(0, 50, x) == pytest.approx(0.045)
-    assert p.bound(0, 100, x) == pytest.approx(0.03)
+    assert one_bound(p, 0, 0, x) == pytest.approx(0.06)
+    assert one_bound(p, 0, 50, x) == pytest.approx(0.045)  # 1.5 x
+    assert one_bound(p, 0, 100, x) == pytest.approx(0.03)
 
 
 def test_state_survives_checkpoint_roundtrip() -> None:
@@ -170,14 +149,14 @@ def test_state_survives_checkpoint_roundtrip() -> None:
     b.load_state_dict(a.state_dict())  # mid-window: counts carried over
     for p in (a, b):
         p.observe([0], 1, _collapsing(torch.Generator().manual_seed(9)))
-        p.bound(0, 2, torch.ones(2, 2))
+        one_bound(p, 0, 2, torch.ones(2, 2))
     assert a.classes == b.classes and a.index == b.index and a.events == b.events
 
 
 def test_fixed_and_relative_bounds() -> None:
     x = torch.tensor([[-1.0, 3.0]])
-    assert FixedBound(0.03, "rel").bound(0, 0, x) == pytest.approx(0.12)
-    assert FixedBound(1e-3, "abs").bound(0, 0, x) == 1e-3
+    assert one_bound(FixedBound(0.03, "rel"), 0, 0, x) == pytest.approx(0.12)
+    assert one_bound(FixedBound(1e-3, "abs"), 0, 0, x) == 1e-3
     assert to_absolute(0.1, "rel", torch.full((2, 2), 5.0)) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         FixedBound(0.0)
@@ -186,7 +165,7 @@ def test_fixed_and_relative_bounds() -> None:
 def test_factory_wiring() -> None:
     cfg = TrainConfig(fwd_codec="hybrid", bwd_codec="none", eb_policy="dual")
     assert isinstance(make_policy(cfg, "fwd", 26), DualBound)
-    assert make_policy(cfg, "bwd", 26).bound(0, 0, torch.ones(2, 2)) is None
+    assert one_bound(make_policy(cfg, "bwd", 26), 0, 0, torch.ones(2, 2)) is None
     cfg = TrainConfig(fwd_codec="hybrid", eb_policy="table")
     p = make_policy(cfg, "fwd", 26)
     assert isinstance(p, DualBound) and p.decay_schedule == "constant"

@@ -19,8 +19,9 @@ from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 from recsz.model.fiited import RULES
 
-CONFIG_VERSION = 5  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
-# 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective
+CONFIG_VERSION = 6  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+# 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
+# the linear/log decays removed
 
 
 def opt(
@@ -110,10 +111,9 @@ class TrainConfig:
     eb_mode: str = opt("rel", "bounds relative to each slice's range, or absolute", ("rel", "abs"))
     fwd_class_eb: str = opt("0.01,0.03,0.05", "table/dual: tight,base,loose forward bounds")
     bwd_class_eb: str = opt("0.01,0.03,0.05", "table/dual: tight,base,loose backward bounds")
-    table_class: str | None = opt(None, "manual table classes, e.g. 3=tight,8=loose")
     hindex_probe_steps: int = opt(10, "iterations of traffic behind each homogenization index")
     hindex_every: int = opt(1000, "iterations between re-classifications (0: classify once)")
-    decay_schedule: str = opt("step", "dual: bound decay", ("step", "linear", "log", "constant"))
+    decay_schedule: str = opt("step", "dual: bound decay (10 equal steps)", ("step", "constant"))
     decay_c: float = opt(2.0, "dual: bound multiplier at iteration 0")
     decay_t: int = opt(65_536, "dual: iteration where the multiplier reaches 1")
     id_dedup: bool = opt(True, "forward: one vector per distinct id of a destination's slice")

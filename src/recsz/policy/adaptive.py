@@ -25,9 +25,10 @@ The index is computed online from the first ``probe_steps`` iterations' traffic 
 then every table gets the base bound), and again over a window every ``every``
 iterations; every class change is logged.
 
-Iteration level: a multiplier m(t) on every bound, from C at t = 0 to 1 at t = T, then 1.
-Schedules: ``step`` (10 equal steps, the published default), ``linear``, ``log``
-(m = C (s (1 - 1/C) + 1/C), s = 1 - ln(1 + (t/T)(e - 1))), ``constant`` (m = 1).
+Iteration level: a multiplier m(t) on every bound, from C at t = 0 down to 1 at t = T in
+10 equal steps (the published schedule), then 1; ``constant`` (m = 1) is the table-wise
+policy alone. (Linear and logarithmic decays and hand-set table classes went in the ninth
+session: no benchmark row chose them.)
 """
 
 from __future__ import annotations
@@ -45,22 +46,16 @@ if TYPE_CHECKING:
     from recsz.config import TrainConfig
 
 CLASSES = ("tight", "base", "loose")
-SCHEDULES = ("step", "linear", "log", "constant")
+SCHEDULES = ("step", "constant")
 
 
 def decay_multiplier(t: int, total: int, c: float, schedule: str) -> float:
-    """m(t): C at t = 0 down to 1 at t = total, 1 afterwards (see module docstring)."""
+    """m(t): C at t = 0 down to 1 at t = total in 10 equal steps, 1 afterwards."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown decay schedule {schedule!r}; choose from {SCHEDULES}")
     if schedule == "constant" or t >= total or c == 1.0:
         return 1.0
-    f = max(0.0, t / total)
-    if schedule == "step":
-        return c - (c - 1.0) * math.floor(10 * f) / 10
-    if schedule == "linear":
-        return c - (c - 1.0) * f
-    s = 1.0 - math.log(1.0 + f * (math.e - 1.0))
-    return c * (s * (1.0 - 1.0 / c) + 1.0 / c)
+    return c - (c - 1.0) * math.floor(10 * max(0.0, t / total)) / 10
 
 
 def _distinct(a: np.ndarray) -> int:
@@ -103,25 +98,6 @@ def sorted_counts(x: torch.Tensor, probe_eb: torch.Tensor) -> torch.Tensor:
     return torch.stack(counts, 1)
 
 
-def parse_overrides(spec: str | None, n_tables: int) -> dict[int, str]:
-    """``"3=tight,8=loose"`` -> {3: "tight", 8: "loose"}, validated."""
-    out: dict[int, str] = {}
-    if not spec:
-        return out
-    for item in spec.split(","):
-        try:
-            t_s, cls = item.split("=")
-            t = int(t_s)
-        except ValueError:
-            raise ValueError(f"--table-class item {item!r}: expected TABLE=CLASS") from None
-        if not 0 <= t < n_tables:
-            raise ValueError(f"--table-class: table {t} outside 0..{n_tables - 1}")
-        if cls not in CLASSES:
-            raise ValueError(f"--table-class: class {cls!r} not one of {CLASSES}")
-        out[t] = cls
-    return out
-
-
 @dataclass
 class _Window:
     before: int = 0
@@ -144,7 +120,6 @@ class DualBound(BoundPolicy):
     decay_schedule: str = "step"
     decay_c: float = 2.0
     decay_t: int = 65_536
-    overrides: dict[int, str] = field(default_factory=dict)
     name: str = "dual"
     classes: dict[int, str] = field(default_factory=dict)
     index: dict[int, float] = field(default_factory=dict)
@@ -161,11 +136,9 @@ class DualBound(BoundPolicy):
         if self.decay_c < 1:
             raise ValueError(f"decay C must be >= 1, got {self.decay_c}")
         decay_multiplier(0, max(1, self.decay_t), self.decay_c, self.decay_schedule)
-        for t, cls in self.overrides.items():
-            self.classes[t] = cls
 
     def class_of(self, table: int) -> str:
-        return self.overrides.get(table, self.classes.get(table, "base"))
+        return self.classes.get(table, "base")
 
     def _in_window(self, step: int) -> bool:
         """Probe windows: [0, probe) and then [k every, k every + probe) for k >= 1."""
@@ -177,13 +150,11 @@ class DualBound(BoundPolicy):
         """In a probe window: the tables' counts before and after quantization at the
         base bound (``x[j]``: table j's rows, (N, D)), kept where x lives until the window
         closes (no host sync on a GPU)."""
-        keep = [j for j, t in enumerate(tables) if t not in self.overrides]
-        if not keep or x.numel() == 0 or not self._in_window(step):
+        if not tables or x.numel() == 0 or not self._in_window(step):
             return
         x = x.detach().reshape(len(tables), -1, x.shape[-1])
-        x = x if len(keep) == len(tables) else x[keep]
-        probe = absolute_bounds([self.class_eb["base"]] * len(keep), self.mode, x)
-        self._pending.append(([tables[j] for j in keep], homogenization_counts(x, probe)))
+        probe = absolute_bounds([self.class_eb["base"]] * len(tables), self.mode, x)
+        self._pending.append((list(tables), homogenization_counts(x, probe)))
 
     def _fold(self) -> None:
         """Add the window's pending counts into its per-table totals (one host read each)."""
@@ -246,8 +217,6 @@ class DualBound(BoundPolicy):
         self.index = {int(k): float(v) for k, v in state["index"].items()}
         self.events = list(state["events"])
         self._win = {int(t): _Window(*v) for t, v in state["win"].items()}
-        for t, cls in self.overrides.items():
-            self.classes[t] = cls
 
 
 def _floats(spec: str, what: str) -> dict[str, float]:
@@ -272,6 +241,5 @@ def make_adaptive(cfg: TrainConfig, direction: str, n_tables: int) -> DualBound:
         decay_schedule=cfg.decay_schedule if cfg.eb_policy == "dual" else "constant",
         decay_c=cfg.decay_c,
         decay_t=cfg.decay_t,
-        overrides=parse_overrides(cfg.table_class, n_tables),
         name=cfg.eb_policy,
     )

@@ -93,11 +93,6 @@ class BoundPolicy:
         values of ``tables[j]``), computed there without a host sync; None: no bound."""
         return None
 
-    def bound(self, table: int, step: int, x: torch.Tensor) -> float | None:
-        """One table's bound as a float (:meth:`bounds` of one table)."""
-        b = self.bounds([table], step, x.unsqueeze(0))
-        return None if b is None else float(b[0])
-
     def observe(self, tables: list[int], step: int, x: torch.Tensor) -> None:
         """Feed a training step's values of ``tables`` (``x[j]``: table j's); adaptive
         policies learn from them."""
