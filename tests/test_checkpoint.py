@@ -36,7 +36,7 @@ def flipped(src: Path, tmp: Path, at: int) -> Path:
 
     dst = tmp / f"flip-{at}"
     shutil.copytree(src, dst)
-    d = checkpoint.latest(dst)
+    d = checkpoint.complete(dst)[-1]
     assert d is not None
     rank, meta = d / "rank-0.pt", d / "meta.json"
     f, i = (rank, at) if at < rank.stat().st_size else (meta, at - rank.stat().st_size)
@@ -47,7 +47,7 @@ def flipped(src: Path, tmp: Path, at: int) -> Path:
 
 
 def test_flipped_bytes_are_refused_with_the_file_named(run_dir: Path, tmp_path: Path) -> None:
-    d = checkpoint.latest(run_dir)
+    d = checkpoint.complete(run_dir)[-1]
     assert d is not None
     n_rank = (d / "rank-0.pt").stat().st_size
     n = n_rank + (d / "meta.json").stat().st_size
@@ -63,7 +63,7 @@ def test_flipped_bytes_are_refused_with_the_file_named(run_dir: Path, tmp_path: 
 def test_every_byte_flip_changes_the_digest_checked(run_dir: Path) -> None:
     """The check behind the refusals, for every byte of the (small) record and a dense
     sample of the state file, without loading a run each time."""
-    d = checkpoint.latest(run_dir)
+    d = checkpoint.complete(run_dir)[-1]
     assert d is not None
     meta = (d / "meta.json").read_bytes()
     for i in range(len(meta)):
@@ -93,7 +93,7 @@ def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) ->
     for size in (0, 1000):
         dst = tmp_path / f"cut-{size}"
         shutil.copytree(run_dir, dst)
-        f = checkpoint.latest(dst) / "rank-0.pt"  # type: ignore[operator]
+        f = checkpoint.complete(dst)[-1] / "rank-0.pt"
         f.write_bytes(f.read_bytes()[:size])
         with pytest.raises(ValueError, match=r"rank-0\.pt: checksum mismatch"):
             main([*BASE, "--steps", "6", "--resume", str(dst)])

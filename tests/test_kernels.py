@@ -110,11 +110,11 @@ def test_power_law_references_are_entropy_coded() -> None:
     x = power_law_rows(4096, 16, seed=3)
     payload = get_codec("hybrid").encode(x, 0.03 * float(x.max() - x.min()))
     core = split_sections(parse_payload(payload)[1], 3)[0]
-    # stream table: count 2, (width, varint count) x 2, then mode SPLIT, then stream 0's coder
+    # stream table: count 2, (width, varint count) x 2, then stream 0's coder
     o = 1
     for _ in range(2):
         o += 1
         while core[o] & 0x80:
             o += 1
         o += 1
-    assert core[o] == 3 and core[o + 1] == 1  # SPLIT, zstd-coded references
+    assert core[o] == 1  # zstd-coded references

@@ -82,6 +82,6 @@ def test_unpack_streams_rejects_corruption_and_retired_modes() -> None:
     with pytest.raises(PayloadError, match="count"):
         unpack_streams(buf, 10, dctx)
     old = buf.copy()
-    old[3] = 1  # the first generation's whole-block zstd frame
-    with pytest.raises(PayloadError, match="unknown integer stream mode 1"):
+    old[3] = 2  # the first stream's coder: the retired range coder
+    with pytest.raises(PayloadError, match="unknown integer stream coder 2"):
         unpack_streams(old, 100, dctx)

@@ -136,12 +136,6 @@ def complete(run_dir: Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if (p / "meta.json").exists())
 
 
-def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint directory of a run, or None."""
-    done = complete(run_dir)
-    return done[-1] if done else None
-
-
 def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
     """Read and verify checkpoint ``d`` for this rank: (step, state); CheckpointError
     names the file otherwise."""

@@ -317,7 +317,7 @@ def test_incomplete_checkpoint_is_ignored(tmp_path: Path) -> None:
     (tmp_path / "checkpoints" / "step-000000004" / "meta.json").unlink()  # crash mid-write
     from recsz import checkpoint
 
-    assert checkpoint.latest(tmp_path).name == "step-000000002"
+    assert checkpoint.complete(tmp_path)[-1].name == "step-000000002"
 
 
 def test_dct_dp_keep_all_reproduces_ddp(single: Path, tmp_path: Path) -> None:

@@ -84,15 +84,13 @@ def _constant(
 def version_of(payload: torch.Tensor) -> int:
     """The format version byte (0 for what is no payload at all): a view on the CPU, one
     small copy from a device."""
-    if not isinstance(payload, torch.Tensor) or not version_ok(payload):
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        return 0
+    if payload.numel() < PREFIX.size:
         return 0
     if payload.device.type == "cpu":
         return int(payload.detach().numpy()[3])
     return int(payload[3])
-
-
-def version_ok(payload: torch.Tensor) -> bool:
-    return payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() >= PREFIX.size
 
 
 def parse_payload(

@@ -13,13 +13,11 @@ import zstandard
 from recsz.codecs.payload import PayloadError, read_uvarint, uvarint
 
 # ---- integer packing and entropy coding ------------------------------------------------
-#: Entropy modes of an integer-stream block: raw planes, or each stream coded on its own
-#: (SPLIT: its own Huffman table). (1, 2: whole-block zstd frames of the first payload
-#: generation, retired: payloads never outlive the build that made them.)
-RAW, SPLIT = 0, 3
-#: Per-stream coders inside a SPLIT block: raw planes or zstd. (Retired: 2, the range coder
-#: of row references, 0.15% fewer bytes on id-aware traffic for 4-7% more codec time; 3,
-#: hybrid-ac's arithmetic coder; 4, the torch-op Huffman coder of format 2.)
+#: Coders of an integer stream: its raw byte planes, or zstd over them (Huffman-coded
+#: literals). (Retired: 2, the range coder of row references, 0.15% fewer bytes on id-aware
+#: traffic for 4-7% more codec time; 3, hybrid-ac's arithmetic coder; 4, the torch-op
+#: Huffman coder of format 2. Until the ninth session a block began with a mode byte, which
+#: could say "all raw"; every block is now streams coded one by one.)
 PLANES, ZSTD_PLANES = 0, 1
 
 
@@ -41,34 +39,23 @@ def pack_planes(
     dims: list[tuple[int, int]], data: bytes | np.ndarray, cctx: zstandard.ZstdCompressor | None
 ) -> bytes:
     """Integer streams, given as their byte planes (each stream's ``n`` codes of ``w`` bytes
-    laid out byte plane by byte plane, (width, count) in ``dims``), entropy-coded stream by
-    stream when a (magicless) ``cctx`` is given, raw otherwise.
+    laid out byte plane by byte plane, (width, count) in ``dims``), each entropy-coded on
+    its own when a (magicless) ``cctx`` is given and that makes it smaller, raw otherwise.
 
     Byte planes put the (mostly zero) high bytes together, which is what lets an entropy
-    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. A stream stays raw
-    whenever coding would not make it smaller. Layout: u8 count, (u8 width, varint n) per
-    stream, u8 mode, data.
+    coder (zstd's Huffman/FSE stage) spend close to the codes' entropy. Layout: u8 count,
+    (u8 width, varint n) per stream, then per stream (u8 coder, varint length, bytes).
     """
-    head = bytearray([len(dims)])
+    out = bytearray([len(dims)])
     for w, n in dims:
-        head.append(w)
-        head += uvarint(n)
-    if cctx is None:
-        return bytes(head) + bytes([RAW]) + bytes(data)
-    return bytes(head) + _pack_split(dims, np.frombuffer(data, np.uint8), cctx)
-
-
-def _pack_split(
-    dims: list[tuple[int, int]], data: np.ndarray, cctx: zstandard.ZstdCompressor
-) -> bytes:
-    """Each stream as (u8 coder, varint length, bytes), the smallest coding of each."""
-    out = bytearray([SPLIT])
-    p = 0
+        out.append(w)
+        out += uvarint(n)
+    buf, p = np.frombuffer(data, np.uint8), 0
     for w, n in dims:
-        planes = data[p : p + w * n]
+        planes = buf[p : p + w * n]
         p += w * n
         best, coder = planes.tobytes(), PLANES
-        if n:
+        if n and cctx is not None:
             z = cctx.compress(planes.data)
             if len(z) < len(best):
                 best, coder = z, ZSTD_PLANES
@@ -78,20 +65,29 @@ def _pack_split(
     return bytes(out)
 
 
-def _unpack_split(
-    buf: np.ndarray,
-    o: int,
-    dims: list[tuple[int, int]],
-    magicless: zstandard.ZstdDecompressor,
-) -> np.ndarray:
+def unpack_planes(
+    buf: np.ndarray, max_elems: int, magicless: zstandard.ZstdDecompressor
+) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
+    if buf.size < 1:
+        raise PayloadError("truncated integer streams")
+    o, dims = 1, []
+    for _ in range(int(buf[0])):
+        if o >= buf.size:
+            raise PayloadError("truncated integer stream table")
+        w = int(buf[o])
+        n, o = read_uvarint(buf, o + 1)
+        if w not in (1, 2, 4, 8) or n > max_elems:
+            raise PayloadError(f"bad integer stream header (width {w}, count {n})")
+        dims.append((w, n))
     parts: list[np.ndarray] = []
     for w, n in dims:
         if o >= buf.size:
-            raise PayloadError("truncated stream in a split block")
+            raise PayloadError("truncated integer stream")
         coder = int(buf[o])
         ln, o = read_uvarint(buf, o + 1)
         if o + ln > buf.size:
-            raise PayloadError("stream runs past the end of a split block")
+            raise PayloadError("integer stream runs past the end of its block")
         chunk = buf[o : o + ln]
         o += ln
         if coder == PLANES:
@@ -104,40 +100,10 @@ def _unpack_split(
             except zstandard.ZstdError as e:
                 raise PayloadError(f"entropy-coded stream does not decode: {e}") from None
         else:
-            raise PayloadError(f"unknown stream coder {coder} in a split block")
+            raise PayloadError(f"unknown integer stream coder {coder}")
         if part.size != w * n:
             raise PayloadError(f"stream holds {part.size} bytes, expected {w * n}")
         parts.append(part)
     if o != buf.size:
-        raise PayloadError(f"{buf.size - o} stray bytes after a split block")
-    return np.concatenate(parts) if len(parts) != 1 else parts[0]
-
-
-def unpack_planes(
-    buf: np.ndarray, max_elems: int, magicless: zstandard.ZstdDecompressor
-) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """The (width, count) of each stream and their byte planes, entropy-decoded, checked."""
-    if buf.size < 1:
-        raise PayloadError("truncated integer streams")
-    count = int(buf[0])
-    o = 1
-    dims = []
-    for _ in range(count):
-        if o >= buf.size:
-            raise PayloadError("truncated integer stream table")
-        w = int(buf[o])
-        n, o = read_uvarint(buf, o + 1)
-        if w not in (1, 2, 4, 8) or n > max_elems:
-            raise PayloadError(f"bad integer stream header (width {w}, count {n})")
-        dims.append((w, n))
-    if o >= buf.size:
-        raise PayloadError("truncated integer stream table")
-    mode = int(buf[o])
-    if mode == SPLIT:
-        return dims, _unpack_split(buf, o + 1, dims, magicless)
-    if mode != RAW:
-        raise PayloadError(f"unknown integer stream mode {mode}")
-    total = sum(w * n for w, n in dims)
-    if buf.size - o - 1 != total:
-        raise PayloadError(f"integer streams hold {buf.size - o - 1} bytes, expected {total}")
-    return dims, buf[o + 1 :]
+        raise PayloadError(f"{buf.size - o} stray bytes after the integer streams")
+    return dims, np.concatenate(parts) if len(parts) != 1 else parts[0]
