@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -41,20 +41,6 @@ class CommStats:
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     _later: list[GroupsSent] = field(default_factory=list)
 
-    def count(
-        self, direction: str, table: int, raw: int, sent: int, eb: float | None, remote: bool
-    ) -> None:
-        """One chunk sent: ``raw`` bytes it stood for, ``sent`` payload bytes, its bound;
-        ``remote``: it left this rank (only those bytes are on the wire)."""
-        self.raw[direction] += raw
-        self.sent[direction] += sent
-        self.table_raw[direction][table] += raw
-        self.table_sent[direction][table] += sent
-        if remote:
-            self.wire[direction] += sent
-        if eb is not None:
-            self.last_eb[direction][table] = eb
-
     def count_groups(self, sent: GroupsSent) -> None:
         """Group payloads sent; kept as they are when their lengths or bounds are on a
         device, and read when the counters next are (:meth:`settle`): no sync in the
@@ -71,32 +57,28 @@ class CommStats:
         self._later.clear()
 
     def _fold(self, s: GroupsSent) -> None:
-        """A group's bytes shared out to its tables by rows."""
-        u, k = s.used.tolist(), 0
+        """A group's payload bytes shared out to its tables by rows; each table's rows
+        stood for ``s.raw`` bytes; only the bytes of groups that left the rank count as
+        on the wire."""
+        d, u, k = s.direction, s.used.tolist(), 0
         e = s.ebs.tolist() if s.ebs is not None else [None] * sum(len(t) for t, _ in s.groups)
         for (tables, sizes), nb, far in zip(s.groups, u, s.remote, strict=True):
             rows = max(1, sum(sizes))
             for t, r in zip(tables, sizes, strict=True):
-                self.count(s.direction, t, s.raw, int(nb) * r // rows, e[k], far)
+                sent = int(nb) * r // rows
+                self.raw[d] += s.raw
+                self.sent[d] += sent
+                self.wire[d] += sent if far else 0
+                self.table_raw[d][t] += s.raw
+                self.table_sent[d][t] += sent
+                if (eb := e[k]) is not None:
+                    self.last_eb[d][t] = eb
                 k += 1
 
     def ratio(self, direction: str) -> float:
         self.settle()
         s = self.sent[direction]
         return self.raw[direction] / s if s else float("nan")
-
-    def summary(self) -> dict[str, Any]:
-        self.settle()
-        return {
-            "fwd_ratio": self.ratio("fwd"),
-            "bwd_ratio": self.ratio("bwd"),
-            "bytes_raw": self.raw["fwd"] + self.raw["bwd"],
-            "bytes_payload": self.sent["fwd"] + self.sent["bwd"],
-            "bytes_sent": self.wire["fwd"] + self.wire["bwd"],
-            "a2a_fwd_s": self.a2a_s["fwd"],
-            "a2a_bwd_s": self.a2a_s["bwd"],
-            "codec_s": self.codec_s,
-        }
 
 
 @dataclass
