@@ -88,6 +88,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-bf16": ("--dmp", "bf16"),
     "trdmp-mx4": ("--dmp", "mx4"),
     "trdmp-hybrid": ("--dmp", "hybrid"),  # TorchRec's DMP with recsz's sharder
+    # The MLPs and interaction in bfloat16 (torch.autocast), ours and DMP's alike.
+    "none+amp": (*_PLAIN, "--dense-dtype", "bf16"),
+    "hybrid-dual+ids+amp": (*_DUAL, "--bwd-codec", "hybrid", "--dense-dtype", "bf16"),
+    "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
+    "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
 }
 
 
@@ -213,6 +218,7 @@ def run_one(
             str(Path(__file__).with_name("torchrec_dmp.py")),
             "--precision",
             flags[1],
+            *flags[2:],
             *(f for k in DMP_OPTS for f in (k, opts[k])),
         ]
     else:
@@ -251,7 +257,8 @@ def plot(rows: list[Row], path: Path, batch: int = 2048) -> None:
             )
             for r in rates
         ]
-        ax[0].plot(rates, ys, marker="os^"[i // 10], linestyle="-" if i < 10 else "--", label=cfg)
+        style = {"marker": "os^D"[(i // 10) % 4], "linestyle": "-" if i < 10 else "--"}
+        ax[0].plot(rates, ys, label=cfg, **style)
     ax[0].set(
         xlabel="link rate",
         ylabel=f"speedup vs none ({world} ranks)",

@@ -45,11 +45,12 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    steps, so that samples_per_s_steady (after the first 3) is past compiles and captures
 #    and mostly past the policy's 10-step probe window. Only the summaries come back.
 #    The trainer's default traffic is id-aware (sizes change every step: eager coder, a few
-#    syncs); "--no-id-dedup --no-bwd-coalesce" runs the fixed-size, sync-free step; the
-#    last run puts the MLPs under torch.compile (--compile).
-for run in none hybrid "hybrid --no-id-dedup --no-bwd-coalesce" "hybrid --compile"; do
+#    syncs); "--no-id-dedup --no-bwd-coalesce" runs the fixed-size, sync-free step; then the
+#    MLPs under torch.compile (--compile), then in bfloat16 (--dense-dtype bf16).
+for run in none hybrid "hybrid --no-id-dedup --no-bwd-coalesce" "hybrid --compile" \
+    "none --dense-dtype bf16" "hybrid --dense-dtype bf16"; do
     c=${run%% *}
-    name=train_$(echo "$run" | sed 's/ --/_/g; s/-/_/g')_8192
+    name=train_$(echo "$run" | sed 's/ --/_/g; s/[- ]/_/g')_8192
     timeout 90 python3 -m recsz.train --device cuda --preset bench --steps 40 \
         --batch-size 8192 --fwd-codec "$c" --bwd-codec "$c" --eb-policy dual \
         --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \

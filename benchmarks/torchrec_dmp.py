@@ -40,6 +40,9 @@ _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="bf16", choices=[*sorted(_WIRE_BYTES), "hybrid"])
+    ap.add_argument(
+        "--autocast", action="store_true", help="the dense part under bfloat16 torch.autocast"
+    )
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
@@ -131,8 +134,9 @@ def main() -> None:
         batch = src.train_batch(step, a.batch_size)
         mine = batch.slice(rank * b, (rank + 1) * b)
         t0 = time.perf_counter()
-        logits = dmp(mine.dense, local(mine.ids)).view(-1)
-        loss = loss_fn(logits, mine.labels)
+        with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
+            logits = dmp(mine.dense, local(mine.ids)).view(-1)
+        loss = loss_fn(logits.float(), mine.labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -147,7 +151,8 @@ def main() -> None:
                 continue
             k = n // world
             mine = batch.slice(rank * k, (rank + 1) * k)
-            p = torch.sigmoid(dmp(mine.dense, local(mine.ids)).view(-1))
+            with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
+                p = torch.sigmoid(dmp(mine.dense, local(mine.ids)).view(-1).float())
             gathered = [torch.empty_like(p) for _ in range(world)]
             dist.all_gather(gathered, p)
             preds.append(torch.cat(gathered).double().numpy())

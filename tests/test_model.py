@@ -137,3 +137,28 @@ def test_compiled_dense_arch_equals_eager_and_waits_outside_the_graph() -> None:
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
     assert Pending.waited == 2
+
+
+def test_bf16_dense_arch_follows_fp32_and_keeps_fp32_state() -> None:
+    """--dense-dtype bf16: logits within bfloat16's rounding of float32's and returned as
+    float32; the weights, their gradients and the embeddings' gradient (what the exchange
+    sends back) stay float32."""
+    from recsz.model import DenseArch
+
+    cfg = get_preset("tiny").model
+    ref, amp = DenseArch(cfg, 0), DenseArch(cfg, 0, compute=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    d = torch.rand(64, cfg.n_dense, generator=g)
+    emb = torch.randn(64, cfg.n_tables, cfg.emb_dim, generator=g) * 0.1
+    outs = []
+    for m in (ref, amp):
+        e = emb.clone().requires_grad_()
+        y = m(d, e)
+        y.sum().backward()
+        assert y.dtype == e.grad.dtype == torch.float32  # type: ignore[union-attr]
+        outs.append((y.detach(), e.grad))
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in amp.parameters())  # type: ignore[union-attr]
+    (y32, g32), (y16, g16) = outs
+    assert not torch.equal(y32, y16)  # it did compute in bfloat16
+    torch.testing.assert_close(y16, y32, rtol=0.03, atol=0.03)
+    assert float((g16 - g32).norm() / g32.norm()) < 0.03

@@ -21,7 +21,7 @@ from recsz.model.fiited import RULES
 
 CONFIG_VERSION = 6  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
-# the linear/log decays removed
+# the linear/log decays removed, --dense-dtype
 
 
 def opt(
@@ -93,6 +93,12 @@ class TrainConfig:
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")
     nproc: int = opt(1, "local ranks to launch (under torchrun its env decides)", ge=1)
     prefetch: int = opt(2, "batches a thread makes ahead (0: in the loop, no thread)", ge=0)
+    dense_dtype: str = opt(
+        "fp32",
+        "bf16: the MLPs and interaction under torch.autocast (fp32 weights, optimizer, loss "
+        "and embeddings)",
+        ("fp32", "bf16"),
+    )
     compile: bool = opt(
         False, "the MLPs and interaction under torch.compile (fewer launches on a GPU)"
     )

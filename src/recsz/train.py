@@ -95,7 +95,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited)
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
-    dense_arch = DenseArch(mcfg, cfg.seed, replicated).to(ranks.device)
+    compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
+    dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute).to(ranks.device)
     if cfg.compile:
         dense_arch.compile()  # in place: DDP and the checkpoints see the same module
     dp = DPComm(cfg.dp_comm, ranks.world)

@@ -82,12 +82,22 @@ def _received(pending: Awaitable) -> torch.Tensor:
 class DenseArch(nn.Module):
     """Bottom MLP, interaction and top MLP; replicated on every rank, with the tables
     replicated beside them (``local``: TT-Rec tables small enough to hold everywhere,
-    looked up for this rank's samples; their columns of ``emb`` are replaced)."""
+    looked up for this rank's samples; their columns of ``emb`` are replaced).
+
+    ``compute``: the MLPs and the interaction run under ``torch.autocast`` in this dtype
+    (bfloat16: float32 weights, gradients and logits; None: float32 throughout)."""
 
     local_pos: torch.Tensor  # the local tables' columns
 
-    def __init__(self, cfg: ModelConfig, seed: int, local: TTTables | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int,
+        local: TTTables | None = None,
+        compute: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
+        self.compute = compute
         g = torch.Generator().manual_seed(seed)
         self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, last_activation=True, g=g)
         n_feat = cfg.n_tables + 1
@@ -110,12 +120,19 @@ class DenseArch(nn.Module):
         Taking an awaitable lets the bottom MLP run while the embeddings are still in
         flight (the all-to-all overlap of facebookresearch/dlrm), inside DDP's forward.
         """
-        x = self.bottom(dense)  # (B, D)
+        with self._autocast(dense):
+            x = self.bottom(dense)  # (B, D)
         e: torch.Tensor = emb if isinstance(emb, torch.Tensor) else _received(emb)
         if self.local is not None:
             assert ids is not None, "local tables need the samples' ids"
             e = e.index_copy(1, self.local_pos, self.local(ids))
-        return self.top(interact_features(x, e)).squeeze(1)
+        with self._autocast(dense):
+            logits = self.top(interact_features(x, e)).squeeze(1)
+        return logits.float()
+
+    def _autocast(self, like: torch.Tensor) -> torch.autocast:
+        dtype = self.compute or torch.float32
+        return torch.autocast(like.device.type, dtype, enabled=self.compute is not None)
 
 
 class DLRM(nn.Module):
