@@ -90,6 +90,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-hybrid": ("--dmp", "hybrid"),  # TorchRec's DMP with recsz's sharder
     # The MLPs and interaction in bfloat16 (torch.autocast), ours and DMP's alike.
     "none+amp": (*_PLAIN, "--dense-dtype", "bf16"),
+    # The trainer's defaults with no codec: id-aware traffic (lossless), no TorchRec peer.
+    "none+ids": ("--id-dedup", "--bwd-coalesce"),
+    "none+ids+amp": ("--id-dedup", "--bwd-coalesce", "--dense-dtype", "bf16"),
     "hybrid-dual+ids+amp": (*_DUAL, "--bwd-codec", "hybrid", "--dense-dtype", "bf16"),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
