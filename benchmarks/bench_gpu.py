@@ -280,8 +280,16 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
 #: change every step, so the coder runs eagerly, as in the trainer by default).
 TRAIN_CONFIGS = ["direct", "none", "fp16", "hybrid", "quant", "hybrid+ids"]
 #: At the largest batch only (each compiles the dense part): "+compile" puts the MLPs and
-#: the interaction under torch.compile.
-COMPILED_CONFIGS = ["direct+compile", "none+compile", "hybrid+compile"]
+#: the interaction under torch.compile; "+bf16" runs them under bfloat16 autocast
+#: (``--dense-dtype bf16``).
+COMPILED_CONFIGS = [
+    "direct+compile",
+    "none+compile",
+    "hybrid+compile",
+    "direct+bf16",
+    "none+bf16",
+    "hybrid+bf16",
+]
 
 
 def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> list[dict]:
@@ -304,7 +312,8 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
     for name in TRAIN_CONFIGS + (COMPILED_CONFIGS if compiled else []):
         sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("rowwise_adagrad", 0.05))
         sparse = sparse.to(DEV)
-        dense = DenseArch(cfg, 0).to(DEV)
+        compute = torch.bfloat16 if name.endswith("+bf16") else None
+        dense = DenseArch(cfg, 0, compute=compute).to(DEV)
         opt = torch.optim.SGD(dense.parameters(), lr=0.05)
         if name.endswith("+compile"):
             dense = torch.compile(dense)
@@ -372,7 +381,7 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
             )
     ms = {r["config"]: r["step_ms"] for r in rows}
     for r in rows:  # the ratio: over the same step with codec none both ways
-        plain = "+compile" if r["config"].endswith("+compile") else ""
+        plain = next((x for x in ("+compile", "+bf16") if r["config"].endswith(x)), "")
         r["step_ratio"] = r["step_ms"] / ms["none" + plain]
         r["ratio_vs_direct"] = r["step_ms"] / ms["direct" + plain]
     return rows
