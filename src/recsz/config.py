@@ -96,7 +96,8 @@ class TrainConfig:
     dense_dtype: str = opt(
         "fp32",
         "bf16: the MLPs and interaction under torch.autocast (fp32 weights, optimizer, loss "
-        "and embeddings)",
+        "and embeddings); pays where the hardware has bfloat16 arithmetic (GPUs since "
+        "Ampere, CPUs with AVX-512 BF16 or AMX)",
         ("fp32", "bf16"),
     )
     compile: bool = opt(
@@ -206,6 +207,8 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda, but torch sees no CUDA device here")
+            if self.dense_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+                raise ValueError("--dense-dtype bf16, but this GPU has no bfloat16 arithmetic")
         if self.log_every == 0:
             self.log_every = 1
 
