@@ -74,6 +74,31 @@ def test_pack_streams_roundtrip_and_widths(entropy: bool) -> None:
     assert [b.tolist() for b in back] == [s.tolist() for s in streams]
 
 
+_CCTX, _DCTX = magicless_zstd(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    streams=st.lists(
+        st.lists(st.integers(0, 2**40), max_size=40).map(lambda v: np.array(v, np.int64)),
+        min_size=1,
+        max_size=3,
+    ),
+    entropy=st.booleans(),
+    cut=st.integers(1, 10_000),
+)
+def test_streams_roundtrip_and_any_truncation_is_refused(
+    streams: list[np.ndarray], entropy: bool, cut: int
+) -> None:
+    """Any streams come back exactly; a block cut short anywhere raises PayloadError
+    (never a wrong answer)."""
+    buf = np.frombuffer(pack_streams(streams, _CCTX if entropy else None), np.uint8)
+    back = unpack_streams(buf, 64, _DCTX)
+    assert [b.tolist() for b in back] == [s.tolist() for s in streams]
+    with pytest.raises(PayloadError):
+        unpack_streams(buf[: max(0, buf.size - cut)], 64, _DCTX)
+
+
 def test_unpack_streams_rejects_corruption_and_retired_modes() -> None:
     cctx, dctx = magicless_zstd(1)
     buf = np.frombuffer(pack_streams([np.arange(100) % 7], cctx), np.uint8)
