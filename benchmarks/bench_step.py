@@ -9,7 +9,8 @@ speed and accuracy against the reference DLRM's published settings.
     over 3 seeds), 3 seeds: seconds in the training loop and AUC.
 (b) ``bench`` preset (Terabyte dims), one process, batch 2048: the torch profiler's CPU time
     per stage (lookup, exchange encode / decode, table update, the rest of forward and
-    backward, the dense optimizer), averaged over the profiled steps.
+    backward, the dense optimizer), averaged over the profiled steps; with the MLPs in
+    float32 and in bfloat16 (``--dense-dtype bf16``), side by side.
 Prints both tables and writes JSON.
 """
 
@@ -72,9 +73,9 @@ def one_process(seeds: list[int]) -> list[dict]:
     return rows
 
 
-def stages(steps: int) -> dict[str, float]:
+def stages(steps: int, dense_dtype: str = "fp32") -> dict[str, float]:
     """Milliseconds per step of each stage, one process, bench preset."""
-    cfg = parse_train_args(["--preset", "bench", "--prefetch", "0"])
+    cfg = parse_train_args(["--preset", "bench", "--prefetch", "0", "--dense-dtype", dense_dtype])
     ranks = Ranks.from_env(60.0, "cpu")
     parts, _ = train.build_parts(cfg, ranks)
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
@@ -123,12 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mean AUC {statistics.mean(aucs):.4f} (reference DLRM: 0.678, 0.53-0.72 s)")
     else:
         print(f"[skip] (a): {REAL} not found", file=sys.stderr)
-    st = stages(a.steps)
+    st, bf = stages(a.steps), stages(a.steps, "bf16")
     result["stages_ms_bench_1proc"] = st
-    print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step")
-    print("| stage | ms | share |\n|---|---|---|")
+    result["stages_ms_bench_1proc_bf16"] = bf
+    print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step, MLPs in fp32 / bf16")
+    print("| stage | fp32 ms | share | bf16 ms | share |\n|---|---|---|---|---|")
     for k, v in st.items():
-        print(f"| {k} | {v:.1f} | {v / st['step (profiled)']:.0%} |")
+        w = bf[k]
+        print(
+            f"| {k} | {v:.1f} | {v / st['step (profiled)']:.0%} | "
+            f"{w:.1f} | {w / bf['step (profiled)']:.0%} |"
+        )
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
