@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.codecs import available_codecs, get_codec
+from recsz.codecs.framing import frame, unframe
 from recsz.comm.embedding import Direction, EmbeddingExchange
-from recsz.comm.exchange import frame, unframe
 from recsz.comm.ids import distinct_pairs, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args

@@ -95,9 +95,7 @@ class TrainConfig:
     prefetch: int = opt(2, "batches a thread makes ahead (0: in the loop, no thread)", ge=0)
     dense_dtype: str = opt(
         "fp32",
-        "bf16: the MLPs and interaction under torch.autocast (fp32 weights, optimizer, loss "
-        "and embeddings); pays where the hardware has bfloat16 arithmetic (GPUs since "
-        "Ampere, CPUs with AVX-512 BF16 or AMX)",
+        "bf16: MLPs and interaction under autocast (pays on Ampere+ GPUs, AVX-512 BF16)",
         ("fp32", "bf16"),
     )
     compile: bool = opt(

@@ -119,12 +119,9 @@ def _die_with_parent() -> None:
     """In a child before exec (Linux): SIGTERM it when its parent dies."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: watch_parent in the workers still acts
         pass
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def watch_parent(interval_s: float = 0.5) -> None:

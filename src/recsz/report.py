@@ -9,8 +9,6 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
-
 if TYPE_CHECKING:
     from recsz.train import Parts
 
@@ -176,7 +174,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 class Log:
-    """Writes metrics.jsonl and prints lines, on rank 0 only (``out`` None elsewhere)."""
+    """Writes metrics.jsonl on rank 0 only (``out`` None elsewhere)."""
 
     def __init__(self, out: Path | None, keep_until: int | None = None) -> None:
         """A new log, or (``keep_until``, a resumed run) the existing one without its rows
@@ -189,9 +187,6 @@ class Log:
             rows = [json.loads(r) for r in self.path.read_text().splitlines() if r.strip()]
             kept = [r for r in rows if r.get("step", 0) <= keep_until]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-
-    def line(self, text: str) -> None:
-        tqdm.write(text)
 
     def metrics(self, row: dict[str, Any]) -> None:
         if self.path:

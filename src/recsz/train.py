@@ -253,12 +253,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
         if ranks.rank == 0:
-            log.line(
+            tqdm.write(
                 f"recsz: preset {cfg.preset}, data {source.name}, {ranks.world} rank(s), "
                 f"global batch {bsz}, steps {start}..{steps}, codecs "
                 f"fwd={cfg.fwd_codec} bwd={cfg.bwd_codec} ({cfg.eb_policy} {cfg.eb_mode})"
             )
-            log.line(f"table owners: {owners}")
+            tqdm.write(f"table owners: {owners}")
         bar = tqdm(
             total=steps,
             initial=start,
@@ -341,7 +341,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             log.metrics({"step": steps, **{f"eval_{k}": v for k, v in ev.items()}})
         if ranks.rank == 0:
-            log.line(report.format_summary(summary))
+            tqdm.write(report.format_summary(summary))
         ok = True
         return summary
     finally:

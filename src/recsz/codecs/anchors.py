@@ -37,10 +37,6 @@ def fbgemm_available() -> bool:
 class _FbgemmCodec(Codec):
     sparse_type: ClassVar[str]
 
-    @classmethod
-    def available(cls) -> bool:
-        return fbgemm_available()
-
     def _codec(self, row_dim: int) -> Any:
         try:
             qc = importlib.import_module("fbgemm_gpu.quantize_comm")

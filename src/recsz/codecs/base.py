@@ -90,11 +90,6 @@ class Codec(ABC):
     #: The payload carries the tensor's bytes unchanged: a rank's own rows skip the codec.
     identity: ClassVar[bool] = False
 
-    @classmethod
-    def available(cls) -> bool:
-        """False when an optional package this codec needs is missing."""
-        return True
-
     # ---- configuration --------------------------------------------------------------
     def get_config(self) -> dict[str, Any]:
         """JSON-serialisable keyword arguments that rebuild this codec."""

@@ -14,10 +14,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from recsz.codecs.framing import frame, unframe
-
-__all__ = ["PendingBytes", "frame", "start_all_to_all_bytes", "unframe"]
-
 
 @dataclass
 class PendingBytes:
