@@ -279,10 +279,10 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
 #: Training-step configurations: the codec both ways, "+ids" with id-aware traffic (sizes
 #: change every step, so the coder runs eagerly, as in the trainer by default).
 TRAIN_CONFIGS = ["direct", "none", "fp16", "hybrid", "quant", "hybrid+ids"]
-#: At the largest batch only (each compiles the dense part): "+compile" puts the MLPs and
-#: the interaction under torch.compile; "+bf16" runs them under bfloat16 autocast
+#: At the largest batch only: "+compile" puts the MLPs and the interaction under
+#: torch.compile (each compiles the dense part); "+bf16" runs them under bfloat16 autocast
 #: (``--dense-dtype bf16``).
-COMPILED_CONFIGS = [
+LARGEST_BATCH_CONFIGS = [
     "direct+compile",
     "none+compile",
     "hybrid+compile",
@@ -292,7 +292,7 @@ COMPILED_CONFIGS = [
 ]
 
 
-def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> list[dict]:
+def train_rows(batch: int, steps: int, probes: list, largest: bool = False) -> list[dict]:
     """One GPU, the bench preset, the real exchange at world size 1 in both directions:
     step time (each timed step on a new batch), host syncs; ``probes`` gets how busy the
     GPU is (profiled after every timing)."""
@@ -309,7 +309,7 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
             )
         )
     rows = []
-    for name in TRAIN_CONFIGS + (COMPILED_CONFIGS if compiled else []):
+    for name in TRAIN_CONFIGS + (LARGEST_BATCH_CONFIGS if largest else []):
         sparse = SparseArch(cfg, range(cfg.n_tables), 0, RowOptimizer("rowwise_adagrad", 0.05))
         sparse = sparse.to(DEV)
         compute = torch.bfloat16 if name.endswith("+bf16") else None
@@ -373,7 +373,7 @@ def train_rows(batch: int, steps: int, probes: list, compiled: bool = False) -> 
         )
         row = rows[-1]
         probes.append(lambda row=row, step=step: row.update(gpu_busy=gpu_busy(step, 5)))
-        if name in ("none", "hybrid") and compiled:
+        if name in ("none", "hybrid") and largest:
             probes.append(
                 lambda row=row, step=step: row.update(
                     top_kernels=top_kernels(step, 15), top_host_ops=host_ops(step, 15)
@@ -479,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     result["train"] = []
     for bs in [] if args.no_train else batches:
         steps = 3 if DEV.type == "cpu" else 20
-        compiled = bs == max(batches) and DEV.type == "cuda"  # compiling on a CPU: minutes
-        result["train"] += train_rows(bs, steps, probes, compiled=compiled)
+        largest = bs == max(batches) and DEV.type == "cuda"  # compiling on a CPU: minutes
+        result["train"] += train_rows(bs, steps, probes, largest=largest)
     for run in probes:  # last: the profiler's hooks may slow whatever runs after it
         run()
     for r in result["train"]:

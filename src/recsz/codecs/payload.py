@@ -84,8 +84,9 @@ def _constant(
 def version_of(payload: torch.Tensor) -> int:
     """The format version byte (0 for what is no payload at all): a view on the CPU, one
     small copy from a device."""
-    t = payload if isinstance(payload, torch.Tensor) else torch.empty(0)
-    if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() < PREFIX.size:
+    if not (isinstance(payload, torch.Tensor) and payload.dtype == torch.uint8):
+        return 0
+    if payload.dim() != 1 or payload.numel() < PREFIX.size:
         return 0
     if payload.device.type == "cpu":
         return int(payload.detach().numpy()[3])
