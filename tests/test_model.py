@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recsz.model import DLRM, ModelConfig, get_preset, interact_features
 from recsz.model.sharding import plan_tables
@@ -20,6 +22,52 @@ def test_interaction_matches_hand_computation() -> None:
     expect = torch.cat([x, torch.stack(dots, 1)], 1)
     torch.testing.assert_close(out, expect)
     assert out.shape == (2, 3 + 3)
+
+
+def _autograd_interaction(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """The interaction as plain tensor operations, differentiated by autograd."""
+    b, d = x.shape
+    feats = torch.cat([x.view(b, 1, d), emb], dim=1)
+    n = feats.shape[1]
+    li, lj = torch.tril_indices(n, n, offset=-1)
+    return torch.cat([x, torch.bmm(feats, feats.transpose(1, 2))[:, li, lj]], dim=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 9), t=st.integers(1, 7), d=st.integers(1, 6), seed=st.integers(0, 99))
+def test_interaction_gradients_equal_autograds(b: int, t: int, d: int, seed: int) -> None:
+    """The interaction's own backward ((G + G^T) F in one product) gives autograd's
+    gradients of the plain computation, for both inputs (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, generator=g, dtype=torch.float64)
+    emb = torch.randn(b, t, d, generator=g, dtype=torch.float64)
+    w = torch.randn(b, d + (t + 1) * t // 2, generator=g, dtype=torch.float64)
+    grads = []
+    for f in (interact_features, _autograd_interaction):
+        xs, es = x.clone().requires_grad_(), emb.clone().requires_grad_()
+        out = f(xs, es)
+        (out * w).sum().backward()
+        grads.append((out.detach(), xs.grad, es.grad))
+    for a, r in zip(*grads, strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_interaction_runs_in_the_bottom_outputs_dtype() -> None:
+    """Under bfloat16 autocast the products are bfloat16 (x's dtype) and the embeddings'
+    gradient comes back float32, within bfloat16's rounding of the float32 one."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 8, generator=g)
+    emb = torch.randn(16, 5, 8, generator=g)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        es = emb.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == torch.bfloat16):
+            out = interact_features(x.to(dtype), es)
+        assert out.dtype == dtype
+        out.float().square().sum().backward()
+        assert es.grad is not None and es.grad.dtype == torch.float32
+        outs.append(es.grad)
+    assert float((outs[1] - outs[0]).norm() / outs[0].norm()) < 0.02
 
 
 @pytest.mark.parametrize("preset", ["tiny"])

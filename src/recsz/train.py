@@ -108,6 +108,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
             process_group=group,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
+            broadcast_buffers=False,  # its one buffer is a constant: no collective a step
         )
         dp = register_dp_hook(
             dense,

@@ -116,7 +116,6 @@ class EmbeddingExchange:
         #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
         self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # Tables no rank sends (replicated, owner -1) arrive as zeros for the caller to fill.
-        self._alloc = torch.zeros if min(plan.owners) < 0 else torch.empty
         #: Training steps feed the policies and the statistics; evaluation does neither.
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
@@ -298,18 +297,26 @@ class EmbeddingExchange:
         b = ids.shape[0] // self.world
         sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
         received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim)
-        # Table-major, so each table's rows land contiguously; the caller gets the
-        # (b, T, D) view.
-        out = self._alloc(len(self.plan.owners), b, dim, device=ids.device)
+        # One gather from all blocks' rows straight into the (b, T, D) layout the model
+        # reads: each (sample, table) names its row (its id's row with id_dedup); tables
+        # no rank sends (replicated beside the MLPs) read a zero row at the end.
+        n_tables = len(self.plan.owners)
+        parts = [blk.rows for blk in received if blk.tables]
+        index = torch.full((n_tables, b), sum(len(r) for r in parts), device=ids.device)
+        at = 0
         for blk in received:
             if not blk.tables:
                 continue
-            rows = blk.rows
             if self.id_dedup:  # every sample gets its id's row
-                rows = rows.index_select(0, self._distinct(ids, self.rank, blk.peer).inverse)
-            at = self._index_of(blk.tables, out.device)
-            out.index_copy_(0, at, rows.view(len(blk.tables), b, dim).to(out.dtype))
-        return out.transpose(0, 1)
+                of = self._distinct(ids, self.rank, blk.peer).inverse
+            else:
+                of = torch.arange(len(blk.tables) * b, device=ids.device)
+            index[self._index_of(blk.tables, ids.device)] = of.view(-1, b) + at
+            at += len(blk.rows)
+        if min(self.plan.owners) < 0:
+            parts.append(received[0].rows.new_zeros(1, dim))
+        rows = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return rows.index_select(0, index.t().reshape(-1)).view(b, n_tables, dim).float()
 
     # ---- backward -----------------------------------------------------------------
     def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:

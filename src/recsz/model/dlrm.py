@@ -13,8 +13,9 @@ an all-to-all between them without the model knowing about communication.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def create_mlp(
 
 
 def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
-    """Dot-product interaction.
+    """Dot-product interaction, in ``x``'s dtype (the bottom MLP's: bfloat16 under its
+    autocast).
 
     Args:
         x: bottom MLP output, (B, D).
@@ -63,13 +65,45 @@ def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         (B, D + (T + 1) T / 2): x, then z[i, j] = <f_i, f_j> for i > j over f = [x, e].
     """
     b, d = x.shape
-    feats = torch.cat([x.view(b, 1, d), emb], dim=1)  # (B, T+1, D)
-    z = torch.bmm(feats, feats.transpose(1, 2))  # (B, T+1, T+1)
-    n = feats.shape[1]
-    li, lj = torch.tril_indices(n, n, offset=-1, device=x.device)
-    # One index_select over the flattened products: on the CPU ~2x faster, forward and
-    # backward, than advanced indexing z[:, li, lj] (which gives the same values).
-    return torch.cat([x, z.view(b, n * n).index_select(1, li * n + lj)], dim=1)
+    feats = torch.cat([x.view(b, 1, d), emb.to(x.dtype)], dim=1)  # (B, T+1, D)
+    return torch.cat([x, _PairDots.apply(feats)], dim=1)
+
+
+@functools.cache
+def _pairs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat positions in an (n, n) matrix of the pairs i > j, row by row, and of their
+    mirror images (j, i)."""
+    li, lj = torch.tril_indices(n, n, offset=-1, device=device)
+    return li * n + lj, lj * n + li
+
+
+class _PairDots(torch.autograd.Function):
+    """feats (B, n, D) -> (B, n (n - 1) / 2): <f_i, f_j> for i > j, in feats' dtype.
+
+    Its backward is one batched product, d/dF = (G + G^T) F, with G the pairs' gradients
+    placed in an (n, n) matrix per sample; autograd's own (through the product with a
+    transposed operand and the triangle's gather) takes two products, their sum and
+    transposed copies: 1.4x the time in float32 and 1.7x in bfloat16 on the CPU for the
+    bench preset's shape."""
+
+    @staticmethod
+    def forward(ctx: Any, feats: torch.Tensor) -> torch.Tensor:
+        b, n, _ = feats.shape
+        pairs = _pairs(n, feats.device)[0]
+        ctx.save_for_backward(feats)
+        with torch.autocast(feats.device.type, enabled=False):
+            z = torch.bmm(feats, feats.transpose(1, 2))
+        return z.view(b, n * n).index_select(1, pairs)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        (feats,) = ctx.saved_tensors
+        b, n, _ = feats.shape
+        pairs, mirrored = _pairs(n, feats.device)
+        g = g.to(feats.dtype)
+        sym = g.new_zeros(b, n * n).index_copy_(1, pairs, g).index_copy_(1, mirrored, g)
+        with torch.autocast(feats.device.type, enabled=False):
+            return torch.bmm(sym.view(b, n, n), feats)
 
 
 @torch.compiler.disable
