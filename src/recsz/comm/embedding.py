@@ -311,7 +311,7 @@ class EmbeddingExchange:
                 of = self._distinct(ids, self.rank, blk.peer).inverse
             else:
                 of = torch.arange(len(blk.tables) * b, device=ids.device)
-            index[self._index_of(blk.tables, ids.device)] = of.view(-1, b) + at
+            index.index_copy_(0, self._index_of(blk.tables, ids.device), of.view(-1, b) + at)
             at += len(blk.rows)
         if min(self.plan.owners) < 0:
             parts.append(received[0].rows.new_zeros(1, dim))
