@@ -109,10 +109,20 @@ def plan(quick: bool, extra_policies: dict[str, tuple[str, ...]]) -> list[Run]:
     return runs
 
 
-def plan_hooks(synthetic: bool) -> list[Run]:
+#: --hooks --sweep: each hook at several settings, for the bytes-against-AUC curves.
+SWEEP = {
+    "eb": ("--dp-eb", ("0.003", "0.01", "0.03", "0.1")),
+    "powersgd": ("--powersgd-rank", ("1", "2", "4")),
+    "dct": ("--dct-keep", ("0.003", "0.01", "0.03")),
+}
+
+
+def plan_hooks(synthetic: bool, sweep: bool = False) -> list[Run]:
     """--hooks: the MLP gradients' exchanges (--dp-comm) on 2 ranks, with the hybrid codec
     and dual bounds both ways on the all-to-all, 3 seeds, on the real sample (or with
-    --synthetic on 1,024,000 synthetic samples); "none" is uncompressed everywhere."""
+    --synthetic on 1,024,000 synthetic samples); "none" is uncompressed everywhere. With
+    ``sweep``, the settings of :data:`SWEEP` (direction ``dp-MODE@VALUE``) instead of each
+    hook's default."""
     real_file = SHARED / "criteo_kaggle_head10k.tsv"
     if synthetic:
         name = "synthetic"
@@ -128,7 +138,13 @@ def plan_hooks(synthetic: bool) -> list[Run]:
         base = (*data, "--nproc", "2", "--seed", str(seed))
         runs.append(Run(name, "none", "dp-allreduce", seed, base))
         for m in ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb"):
-            runs.append(Run(name, "dual", f"dp-{m}", seed, (*base, *dual, "--dp-comm", m)))
+            flags = (*base, *dual, "--dp-comm", m)
+            if not sweep or m not in SWEEP:
+                runs.append(Run(name, "dual", f"dp-{m}", seed, flags))
+                continue
+            opt, values = SWEEP[m]
+            for v in values:
+                runs.append(Run(name, "dual", f"dp-{m}@{v}", seed, (*flags, opt, v)))
     return runs
 
 
@@ -138,10 +154,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default="bench_out/accuracy.json")
     ap.add_argument("--hooks", action="store_true", help="only the --dp-comm study (2 ranks)")
     ap.add_argument("--synthetic", action="store_true", help="--hooks on 1M synthetic samples")
+    ap.add_argument("--sweep", action="store_true", help="--hooks: each hook at several settings")
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
-    for run in plan_hooks(a.synthetic) if a.hooks else plan(a.quick, {}):
+    for run in plan_hooks(a.synthetic, a.sweep) if a.hooks else plan(a.quick, {}):
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             train_main([*run.flags, "--no-progress", "--out", tmp])
