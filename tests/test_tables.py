@@ -139,40 +139,6 @@ def test_sync_free_row_sums_update_as_the_distinct_rows_do(seed: int, kind: str)
     torch.testing.assert_close(out[0][1], out[1][1], rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    st.integers(0, 2**32 - 1),
-    st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]),
-    st.sampled_from([torch.float32, torch.float64]),
-    st.booleans(),
-)
-def test_cpu_kernel_updates_as_torch_ops_do(
-    seed: int, kind: str, dtype: torch.dtype, distinct: bool
-) -> None:
-    """The CPU's fused kernel (the default there) leaves the weights and state that the
-    torch operations over the distinct rows leave, over steps with repeated rows (and
-    with rows the caller made distinct)."""
-    g = torch.Generator().manual_seed(seed)
-    n_rows, n = 50, int(torch.randint(1, 80, (1,), generator=g))
-    rows = torch.randint(0, n_rows, (n,), generator=g) ** 2 % n_rows
-    if distinct:
-        rows = torch.unique(rows)
-    grad = torch.randn(len(rows), 8, generator=g, dtype=dtype)
-    opt = RowOptimizer(kind, 0.3)
-    w0 = torch.randn(n_rows, 8, generator=g, dtype=dtype)
-    out = []
-    for keep in (None, False):  # None: the kernel; False: torch's unique and index ops
-        w = w0.clone()
-        state = opt.new_state(w)
-        for _ in range(3):
-            opt.step(w, state, rows, grad, distinct=distinct, keep_size=keep)
-        out.append((w, state))
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(out[0][0], out[1][0], rtol=tol, atol=tol)
-    torch.testing.assert_close(out[0][1], out[1][1], rtol=tol, atol=tol)
-    assert not torch.equal(out[0][0], w0)
-
-
 def test_rowwise_adagrad_equals_row_by_row_reference() -> None:
     tables = [0, 1, 2, 3]
     lr, eps = 0.2, 1e-8

@@ -15,20 +15,14 @@ each row gets one update from its whole gradient, as torch's sparse optimizers d
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
-from numba import njit
 
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 #: Default eps of each: torch's Adagrad, fbgemm's row-wise Adagrad.
 _EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8}
-
-#: Row positions times batch positions must stay below this for the CPU kernel's sort keys.
-_KEY_LIMIT = 2**62
 
 
 @dataclass(frozen=True)
@@ -48,11 +42,7 @@ class RowOptimizer:
             raise ValueError(f"embedding learning rate must be positive, got {self.lr}")
 
     def new_state(self, weight: torch.Tensor) -> torch.Tensor:
-        """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows).
-        On the CPU it also loads the kernel for ``weight``'s dtype (~0.3 s from numba's
-        cache), so that the first training step does not wait for it."""
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.float64):
-            _load_kernel(weight.dtype)
+        """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows)."""
         if self.kind == "adagrad":
             return torch.zeros_like(weight)
         n = weight.shape[0] if self.kind == "rowwise_adagrad" else 0
@@ -70,29 +60,19 @@ class RowOptimizer:
     ) -> None:
         """Update ``weight`` in place from ``grad`` (n, D), the gradient of rows ``rows`` (n,),
         which may repeat (``distinct``: the caller has summed them already). ``keep_size``
-        (:func:`sum_by_row`; by default on a GPU) avoids a host sync. On the CPU, unless
-        ``keep_size`` is given, one fused kernel does it all (:func:`_update_rows`)."""
+        (:func:`sum_by_row`; by default on a GPU) avoids a host sync."""
         if not rows.numel():
-            return
-        eps = _EPS[self.kind] if self.eps is None else self.eps
-        if keep_size is None and _fits_kernel(weight, state, rows, grad):
-            st = state.view(state.shape[0], -1) if state.numel() else state.new_empty(0, 1)
-            n = rows.numel()
-            # Sorted row by row, each row's positions in batch order (numpy's sort: ~20x
-            # numba's here).
-            keys = np.sort(rows.numpy() * n + np.arange(n))
-            kind = ROW_OPTIMIZERS.index(self.kind)
-            _update_rows(weight.numpy(), st.numpy(), keys, grad.contiguous().numpy(),
-                         self.lr, eps, kind)  # fmt: skip
             return
         keep = rows.is_cuda if keep_size is None else keep_size
         uniq, g = (rows, grad) if distinct else sum_by_row(rows, grad, keep)
         # Gather the rows, update them, scatter them back: index_select / index_copy_ are
-        # several times faster on a large table than advanced indexing or index_add_.
+        # several times faster on the CPU than advanced indexing or index_add_ into a large
+        # table (measured: 26k rows of a 325k x 64 table, 2.2 ms against 5.3 ms).
         w = weight.index_select(0, uniq)
         if self.kind == "sgd":
             w.add_(g, alpha=-self.lr)
         else:
+            eps = _EPS[self.kind] if self.eps is None else self.eps
             s = state.index_select(0, uniq)
             if self.kind == "adagrad":
                 s.addcmul_(g, g)
@@ -102,74 +82,6 @@ class RowOptimizer:
                 w.add_(g * (self.lr / s.sqrt().add_(eps)).unsqueeze(1), alpha=-1)
             state.index_copy_(0, uniq, s)
         weight.index_copy_(0, uniq, w)
-
-
-@functools.cache
-def _load_kernel(dtype: torch.dtype) -> None:
-    """Compile or load :func:`_update_rows` for ``dtype`` by updating a one-row table."""
-    one = torch.zeros(1, 1, dtype=dtype).numpy()
-    _update_rows(one, one.copy(), np.zeros(1, np.int64), one.copy(), 0.0, 0.0, 0)
-
-
-def _fits_kernel(
-    weight: torch.Tensor, state: torch.Tensor, rows: torch.Tensor, grad: torch.Tensor
-) -> bool:
-    """The CPU kernel takes contiguous float32/float64 tables and row numbers whose sort
-    keys (row * n + position) fit 63 bits."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.float64)
-        and grad.dtype == state.dtype == weight.dtype
-        and weight.is_contiguous()
-        and state.is_contiguous()
-        and rows.dtype == torch.int64
-        and int(rows.max()) < _KEY_LIMIT // rows.numel()
-    )
-
-
-@njit(cache=True, nogil=True)
-def _update_rows(
-    weight: np.ndarray,
-    state: np.ndarray,
-    keys: np.ndarray,
-    grad: np.ndarray,
-    lr: float,
-    eps: float,
-    kind: int,
-) -> None:
-    """The update in one pass over the sorted keys (row * n + position; CPU): each row's
-    gradients summed in batch order, then its update (kind: index into ROW_OPTIMIZERS),
-    in the tables' precision, where torch's ops gather, update and scatter the rows in
-    several passes."""
-    n, d = grad.shape
-    acc = np.empty(d, grad.dtype)
-    zero = grad.dtype.type(0)
-    lr_, eps_ = grad.dtype.type(lr), grad.dtype.type(eps)
-    i = 0
-    while i < n:
-        r = keys[i] // n
-        acc[:] = grad[keys[i] - r * n]
-        i += 1
-        while i < n and keys[i] // n == r:
-            acc += grad[keys[i] - r * n]
-            i += 1
-        w = weight[r]
-        if kind == 0:  # sgd
-            for c in range(d):
-                w[c] -= lr_ * acc[c]
-        elif kind == 1:  # adagrad
-            s = state[r]
-            for c in range(d):
-                s[c] += acc[c] * acc[c]
-                w[c] -= lr_ * (acc[c] / (np.sqrt(s[c]) + eps_))
-        else:  # rowwise_adagrad
-            sq = zero
-            for c in range(d):
-                sq += acc[c] * acc[c]
-            state[r, 0] += sq / d
-            scale = lr_ / (np.sqrt(state[r, 0]) + eps_)
-            for c in range(d):
-                w[c] -= acc[c] * scale
 
 
 def sum_by_row(
