@@ -115,7 +115,6 @@ class EmbeddingExchange:
         #: (grad (b, T, D), this rank's samples' ids (b, T)) -> the gradient to send
         #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
         self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        # Tables no rank sends (replicated, owner -1) arrive as zeros for the caller to fill.
         #: Training steps feed the policies and the statistics; evaluation does neither.
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
