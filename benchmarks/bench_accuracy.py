@@ -1,6 +1,7 @@
 """Accuracy study: the same model and data under each error-bound policy.
 
     python benchmarks/bench_accuracy.py [--quick] [--json-out PATH]
+    python benchmarks/bench_accuracy.py --hooks [--synthetic] [--sweep] [--json-out PATH]
 
 Trains the ``tiny`` DLRM in one process (the codec runs on the same all-to-all path as in
 distributed runs, looping back to itself) with:
@@ -14,6 +15,9 @@ each forward only (``fwd``, the published setting) and forward + backward (``fwd
 Data: (a) the synthetic generator, >= 1,000,000 training samples (100,000 with --quick);
 (b) the real 10k Criteo sample, one pass, 3 seeds. Prints one table, writes JSON rows
 with ``data, policy, direction, seed, auc, logloss, auc_delta, fwd_ratio, bwd_ratio``.
+
+``--hooks``: the MLP gradients' exchanges on 2 ranks instead (:func:`plan_hooks`), each at
+its default or, with ``--sweep``, at several settings (bytes against AUC).
 """
 
 from __future__ import annotations

@@ -119,6 +119,28 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
             assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
 
 
+def test_bench_accuracy_hook_sweep_plans_every_setting() -> None:
+    """--hooks --sweep: each swept hook once per setting, with its flag and value, every
+    other hook at its default, and the uncompressed run first for each seed; every run's
+    flags parse as a training configuration."""
+    from recsz.config import parse_train_args
+
+    bench = _bench("bench_accuracy")
+    runs = bench.plan_hooks(synthetic=True, sweep=True)
+    by_seed = {seed: [r for r in runs if r.seed == seed] for seed in (0, 1, 2)}
+    for seed_runs in by_seed.values():
+        assert seed_runs[0].policy == "none"
+        names = [r.direction for r in seed_runs[1:]]
+        for mode, (flag, values) in bench.SWEEP.items():
+            assert f"dp-{mode}" not in names
+            for v in values:
+                run = seed_runs[1 + names.index(f"dp-{mode}@{v}")]
+                assert run.flags[run.flags.index(flag) + 1] == v
+        assert {"dp-allreduce", "dp-fp16", "dp-bf16"} <= set(names)
+    for r in runs:
+        parse_train_args(list(r.flags))
+
+
 def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     """The GPU benchmark's own logic, run on the CPU (the reference coder), tiny."""
     bench_gpu = _bench("bench_gpu")
