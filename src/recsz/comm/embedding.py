@@ -296,16 +296,13 @@ class EmbeddingExchange:
         b = ids.shape[0] // self.world
         sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
         received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim)
-        # One gather from all blocks' rows straight into the (b, T, D) layout the model
-        # reads: each (sample, table) names its row (its id's row with id_dedup); tables
-        # no rank sends (replicated beside the MLPs) read a zero row at the end.
-        n_tables = len(self.plan.owners)
-        parts = [blk.rows for blk in received if blk.tables]
+        # One gather of all blocks' rows into the (b, T, D) layout the model reads: each
+        # (sample, table) names its row; tables no rank sends read a zero row at the end.
+        n_tables, sent_by = len(self.plan.owners), [blk for blk in received if blk.tables]
+        parts = [blk.rows for blk in sent_by]
         index = torch.full((n_tables, b), sum(len(r) for r in parts), device=ids.device)
         at = 0
-        for blk in received:
-            if not blk.tables:
-                continue
+        for blk in sent_by:
             if self.id_dedup:  # every sample gets its id's row
                 of = self._distinct(ids, self.rank, blk.peer).inverse
             else:
