@@ -2,6 +2,7 @@
 
     python benchmarks/bench_accuracy.py [--quick] [--json-out PATH]
     python benchmarks/bench_accuracy.py --hooks [--synthetic] [--sweep] [--json-out PATH]
+    python benchmarks/bench_accuracy.py --a2a [--synthetic] [--seeds N] [--json-out PATH]
 
 Trains the ``tiny`` DLRM in one process (the codec runs on the same all-to-all path as in
 distributed runs, looping back to itself) with:
@@ -17,7 +18,8 @@ Data: (a) the synthetic generator, >= 1,000,000 training samples (100,000 with -
 with ``data, policy, direction, seed, auc, logloss, auc_delta, fwd_ratio, bwd_ratio``.
 
 ``--hooks``: the MLP gradients' exchanges on 2 ranks instead (:func:`plan_hooks`), each at
-its default or, with ``--sweep``, at several settings (bytes against AUC).
+its default or, with ``--sweep``, at several settings (bytes against AUC). ``--a2a``: the
+all-to-all's bounds instead (:func:`plan_a2a`), with the MLP gradients through ``eb``.
 """
 
 from __future__ import annotations
@@ -121,34 +123,74 @@ SWEEP = {
 }
 
 
-def plan_hooks(synthetic: bool, sweep: bool = False) -> list[Run]:
-    """--hooks: the MLP gradients' exchanges (--dp-comm) on 2 ranks, with the hybrid codec
-    and dual bounds both ways on the all-to-all, 3 seeds, on the real sample (or with
-    --synthetic on 1,024,000 synthetic samples); "none" is uncompressed everywhere. With
-    ``sweep``, the settings of :data:`SWEEP` (direction ``dp-MODE@VALUE``) instead of each
-    hook's default."""
+def _hook_data(synthetic: bool) -> tuple[str, tuple[str, ...]] | None:
+    """The 2-rank studies' data: 1,024,000 synthetic samples or the real sample, one pass."""
     real_file = SHARED / "criteo_kaggle_head10k.tsv"
     if synthetic:
-        name = "synthetic"
-        data: tuple[str, ...] = ("--data", "synthetic", "--batch-size", "1024", "--steps", "1000")
-    elif real_file.exists():
-        name, data = "real10k", ("--data", str(real_file))
-    else:
-        print(f"[skip] real data: {real_file} not found", file=sys.stderr)
+        return "synthetic", ("--data", "synthetic", "--batch-size", "1024", "--steps", "1000")
+    if real_file.exists():
+        return "real10k", ("--data", str(real_file))
+    print(f"[skip] real data: {real_file} not found", file=sys.stderr)
+    return None
+
+
+_DUAL_BOTH = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual")
+
+
+def plan_hooks(synthetic: bool, sweep: bool = False, seeds: int = 3) -> list[Run]:
+    """--hooks: the MLP gradients' exchanges (--dp-comm) on 2 ranks, with the hybrid codec
+    and dual bounds both ways on the all-to-all, on the real sample (or with --synthetic on
+    1,024,000 synthetic samples); "none" is uncompressed everywhere. With ``sweep``, the
+    settings of :data:`SWEEP` (direction ``dp-MODE@VALUE``) instead of each hook's
+    default."""
+    data = _hook_data(synthetic)
+    if data is None:
         return []
-    dual = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual")
+    name, dflags = data
     runs = []
-    for seed in (0, 1, 2):
-        base = (*data, "--nproc", "2", "--seed", str(seed))
+    for seed in range(seeds):
+        base = (*dflags, "--nproc", "2", "--seed", str(seed))
         runs.append(Run(name, "none", "dp-allreduce", seed, base))
         for m in ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb"):
-            flags = (*base, *dual, "--dp-comm", m)
+            flags = (*base, *_DUAL_BOTH, "--dp-comm", m)
             if not sweep or m not in SWEEP:
                 runs.append(Run(name, "dual", f"dp-{m}", seed, flags))
                 continue
             opt, values = SWEEP[m]
             for v in values:
                 runs.append(Run(name, "dual", f"dp-{m}@{v}", seed, (*flags, opt, v)))
+    return runs
+
+
+def _classes(scale: float) -> tuple[str, ...]:
+    eb = ",".join(f"{scale * b:.6g}" for b in (0.01, 0.03, 0.05))
+    return ("--fwd-class-eb", eb, "--bwd-class-eb", eb)
+
+
+#: --a2a: the all-to-all's settings (policy "dual" at its class bounds times a scale, or
+#: forward only, the published setting), each with the MLP gradients through ``eb``.
+A2A = {
+    "dual": _DUAL_BOTH,
+    "dual/3": (*_DUAL_BOTH, *_classes(1 / 3)),
+    "dual/10": (*_DUAL_BOTH, *_classes(1 / 10)),
+    "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual"),
+}
+
+
+def plan_a2a(synthetic: bool, seeds: int = 5) -> list[Run]:
+    """--a2a: how much of the uncompressed run's AUC each all-to-all setting of :data:`A2A`
+    keeps, with the MLP gradients through ``--dp-comm eb`` (2 ranks, id-aware traffic);
+    "none" is uncompressed everywhere, first for each seed."""
+    data = _hook_data(synthetic)
+    if data is None:
+        return []
+    name, dflags = data
+    runs = []
+    for seed in range(seeds):
+        base = (*dflags, "--nproc", "2", "--seed", str(seed))
+        runs.append(Run(name, "none", "-", seed, base))
+        for a2a, flags in A2A.items():
+            runs.append(Run(name, a2a, "dp-eb", seed, (*base, *flags, "--dp-comm", "eb")))
     return runs
 
 
@@ -159,10 +201,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hooks", action="store_true", help="only the --dp-comm study (2 ranks)")
     ap.add_argument("--synthetic", action="store_true", help="--hooks on 1M synthetic samples")
     ap.add_argument("--sweep", action="store_true", help="--hooks: each hook at several settings")
+    ap.add_argument("--a2a", action="store_true", help="only the all-to-all bounds study (2 ranks)")
+    ap.add_argument("--seeds", type=int, default=None, help="--hooks/--a2a: seeds (3 / 5)")
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
-    for run in plan_hooks(a.synthetic, a.sweep) if a.hooks else plan(a.quick, {}):
+    if a.a2a:
+        runs = plan_a2a(a.synthetic, a.seeds or 5)
+    elif a.hooks:
+        runs = plan_hooks(a.synthetic, a.sweep, a.seeds or 3)
+    else:
+        runs = plan(a.quick, {})
+    for run in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
             train_main([*run.flags, "--no-progress", "--out", tmp])

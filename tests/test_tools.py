@@ -216,3 +216,25 @@ def test_bench_train_tiny(tmp_path: Path) -> None:
     assert rows[0]["speedup"] == 1.0 and rows[1]["bytes_sent"] < rows[0]["bytes_sent"] / 5
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "| unshaped | 2 | none |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
+    """--a2a: per seed the uncompressed run first, then every all-to-all setting once with
+    the MLP gradients through eb; the scaled settings carry scaled class bounds; every
+    run's flags parse as a training configuration."""
+    from recsz.config import parse_train_args
+
+    bench = _bench("bench_accuracy")
+    runs = bench.plan_a2a(synthetic=True, seeds=2)
+    assert len(runs) == 2 * (1 + len(bench.A2A))
+    for seed in (0, 1):
+        seed_runs = [r for r in runs if r.seed == seed]
+        assert seed_runs[0].policy == "none" and "--fwd-codec" not in seed_runs[0].flags
+        assert [r.policy for r in seed_runs[1:]] == list(bench.A2A)
+    for r in runs:
+        cfg = parse_train_args(list(r.flags))
+        assert cfg.dp_comm == ("allreduce" if r.policy == "none" else "eb")
+        if r.policy == "dual/10":
+            assert cfg.fwd_class_eb == cfg.bwd_class_eb == "0.001,0.003,0.005"
+        if r.policy == "dual-fwd":
+            assert cfg.fwd_codec == "hybrid" and cfg.bwd_codec == "none"

@@ -155,3 +155,25 @@ def test_fiited_with_a_masked_backward_beside_tt_tables(tmp_path: Path) -> None:
     tt = TrainConfig(tt_tables=2).tt_spec()
     assert tt is not None
     assert set(s["fiited_kept"]) == {str(t) for t in range(26) if t not in tt.tables}
+
+
+def test_ddp_without_buffer_sync_warns_nothing(tmp_path: Path) -> None:
+    """The MLPs' DDP skips the per-step buffer broadcast with the keyword this torch knows,
+    without its deprecation warning (pytest turns warnings into errors), and keeps the
+    buffer as it was at init."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from recsz.train import DDP_NO_BUFFER_SYNC
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
+    try:
+        m = torch.nn.Linear(2, 2)
+        m.register_buffer("c", torch.arange(3.0))
+        ddp = DDP(m, **DDP_NO_BUFFER_SYNC)
+        ddp(torch.ones(1, 2)).sum().backward()
+        assert not ddp.will_sync_module_buffers()
+        assert torch.equal(ddp.module.c, torch.arange(3.0))
+    finally:
+        dist.destroy_process_group()

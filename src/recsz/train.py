@@ -18,6 +18,7 @@ single-process run measures exactly the codec the distributed one uses.
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -49,6 +50,15 @@ from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch, watch_parent
+
+# DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
+# `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
+# the lent GPU machines).
+DDP_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
@@ -108,7 +118,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
             process_group=group,
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
-            broadcast_buffers=False,  # its one buffer is a constant: no collective a step
+            **DDP_NO_BUFFER_SYNC,  # its one buffer is a constant: no collective a step
         )
         dp = register_dp_hook(
             dense,
