@@ -54,7 +54,7 @@ from recsz.ranks import Ranks, launch, watch_parent
 # DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
 # `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
 # the lent GPU machines).
-DDP_NO_BUFFER_SYNC = (
+DDP_NO_BUFFER_SYNC: dict[str, Any] = (
     {"forward_sync_buffers": False}
     if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     else {"broadcast_buffers": False}
