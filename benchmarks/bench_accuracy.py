@@ -163,17 +163,18 @@ def plan_hooks(synthetic: bool, sweep: bool = False, seeds: int = 3) -> list[Run
 
 
 def _classes(scale: float) -> tuple[str, ...]:
-    eb = ",".join(f"{scale * b:.6g}" for b in (0.01, 0.03, 0.05))
+    eb = ",".join(f"{scale * b:.3g}" for b in (0.01, 0.03, 0.05))
     return ("--fwd-class-eb", eb, "--bwd-class-eb", eb)
 
 
-#: --a2a: the all-to-all's settings (policy "dual" at its class bounds times a scale, or
-#: forward only, the published setting), each with the MLP gradients through ``eb``.
+#: --a2a: the all-to-all's settings: policy "dual" at the published method's class bounds
+#: (0.01, 0.03, 0.05) times a scale (/3 is the default since the eleventh session), or forward
+#: only at the published bounds (the published setting), each with the MLP gradients via eb.
 A2A = {
-    "dual": _DUAL_BOTH,
+    "dual": (*_DUAL_BOTH, *_classes(1)),
     "dual/3": (*_DUAL_BOTH, *_classes(1 / 3)),
     "dual/10": (*_DUAL_BOTH, *_classes(1 / 10)),
-    "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual"),
+    "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual", *_classes(1)[:2]),
 }
 
 

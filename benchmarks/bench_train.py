@@ -68,15 +68,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
         f"hybrid-dual+ids+dp-{m}": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", m)
         for m in ("fp16", "bf16", "powersgd", "dct", "eb")
     },
-    # The dual policy at a third of its class bounds both ways (bench_accuracy --a2a: the
-    # AUC of the uncompressed run within its seeds' noise), with the MLP gradients via eb.
-    "hybrid-dual-tight+ids+dp-eb": (
-        *_DUAL,
-        "--bwd-codec",
-        "hybrid",
-        *("--fwd-class-eb", "0.00333,0.01,0.0167", "--bwd-class-eb", "0.00333,0.01,0.0167"),
-        *("--dp-comm", "eb"),
-    ),
     # --dp-comm eb's two collectives (allgather is the default).
     **{
         f"hybrid-dual+ids+dp-eb-{c}": (
