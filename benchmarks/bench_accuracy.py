@@ -123,15 +123,19 @@ SWEEP = {
 }
 
 
-def _hook_data(synthetic: bool) -> tuple[str, tuple[str, ...]] | None:
-    """The 2-rank studies' data: 1,024,000 synthetic samples or the real sample, one pass."""
+def _two_ranks(synthetic: bool, seeds: int) -> list[tuple[str, int, tuple[str, ...]]]:
+    """The 2-rank studies' (data name, seed, flags) per seed: 1,024,000 synthetic samples or
+    the real sample, one pass (none where the real sample is missing)."""
     real_file = SHARED / "criteo_kaggle_head10k.tsv"
     if synthetic:
-        return "synthetic", ("--data", "synthetic", "--batch-size", "1024", "--steps", "1000")
-    if real_file.exists():
-        return "real10k", ("--data", str(real_file))
-    print(f"[skip] real data: {real_file} not found", file=sys.stderr)
-    return None
+        name = "synthetic"
+        data: tuple[str, ...] = ("--data", "synthetic", "--batch-size", "1024", "--steps", "1000")
+    elif real_file.exists():
+        name, data = "real10k", ("--data", str(real_file))
+    else:
+        print(f"[skip] real data: {real_file} not found", file=sys.stderr)
+        return []
+    return [(name, seed, (*data, "--nproc", "2", "--seed", str(seed))) for seed in range(seeds)]
 
 
 _DUAL_BOTH = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual")
@@ -143,13 +147,8 @@ def plan_hooks(synthetic: bool, sweep: bool = False, seeds: int = 3) -> list[Run
     1,024,000 synthetic samples); "none" is uncompressed everywhere. With ``sweep``, the
     settings of :data:`SWEEP` (direction ``dp-MODE@VALUE``) instead of each hook's
     default."""
-    data = _hook_data(synthetic)
-    if data is None:
-        return []
-    name, dflags = data
     runs = []
-    for seed in range(seeds):
-        base = (*dflags, "--nproc", "2", "--seed", str(seed))
+    for name, seed, base in _two_ranks(synthetic, seeds):
         runs.append(Run(name, "none", "dp-allreduce", seed, base))
         for m in ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb"):
             flags = (*base, *_DUAL_BOTH, "--dp-comm", m)
@@ -182,13 +181,8 @@ def plan_a2a(synthetic: bool, seeds: int = 5) -> list[Run]:
     """--a2a: how much of the uncompressed run's AUC each all-to-all setting of :data:`A2A`
     keeps, with the MLP gradients through ``--dp-comm eb`` (2 ranks, id-aware traffic);
     "none" is uncompressed everywhere, first for each seed."""
-    data = _hook_data(synthetic)
-    if data is None:
-        return []
-    name, dflags = data
     runs = []
-    for seed in range(seeds):
-        base = (*dflags, "--nproc", "2", "--seed", str(seed))
+    for name, seed, base in _two_ranks(synthetic, seeds):
         runs.append(Run(name, "none", "-", seed, base))
         for a2a, flags in A2A.items():
             runs.append(Run(name, a2a, "dp-eb", seed, (*base, *flags, "--dp-comm", "eb")))
