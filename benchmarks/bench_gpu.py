@@ -7,8 +7,9 @@ Per data (synthetic: the bench preset's 26 tables x dim 64 looked up by the synt
 generator; real: a dim-64 DLRM trained briefly on the real Criteo sample; until the
 seventh session's last GPU call it was dim 32, half the bytes per launch) and batch
 (2048, 8192), the step buffer (batch x 26 tables x dim rows, one group of 26 segments,
-as the exchange codes a direction at one rank) is coded under the dual policy's base
-bound (relative 0.03 per table):
+as the exchange codes a direction at one rank) is coded under the published dual policy's
+base bound (relative 0.03 per table; kept so that GPU runs compare across sessions, although
+the trainer's default classes are a third of the published ones since the eleventh session):
 
 - encode / decode GB/s (fp32 bytes in; CUDA events, median of 50), the bare
   ``x.half()`` / ``.float()`` as the floor; bound computation timed apart;
