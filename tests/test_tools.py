@@ -222,7 +222,7 @@ def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
     """--a2a: per seed the uncompressed run first, then every all-to-all setting once with
     the MLP gradients through eb; the scaled settings carry scaled class bounds; every
     run's flags parse as a training configuration."""
-    from recsz.config import parse_train_args
+    from recsz.config import TrainConfig, parse_train_args
 
     bench = _bench("bench_accuracy")
     runs = bench.plan_a2a(synthetic=True, seeds=2)
@@ -236,5 +236,9 @@ def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
         assert cfg.dp_comm == ("allreduce" if r.policy == "none" else "eb")
         if r.policy == "dual/10":
             assert cfg.fwd_class_eb == cfg.bwd_class_eb == "0.001,0.003,0.005"
+        if r.policy == "dual/3":  # the README calls this row the trainer's default
+            default = TrainConfig()
+            assert cfg.fwd_class_eb == default.fwd_class_eb
+            assert cfg.bwd_class_eb == default.bwd_class_eb
         if r.policy == "dual-fwd":
             assert cfg.fwd_codec == "hybrid" and cfg.bwd_codec == "none"
