@@ -43,7 +43,7 @@ from torch import nn
 from recsz.codecs import blockformat as bf
 from recsz.codecs import get_codec
 from recsz.comm import EmbeddingExchange
-from recsz.comm.embedding import Direction
+from recsz.comm.direction import Direction
 from recsz.comm.stats import ShardPlan
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset

@@ -20,7 +20,7 @@ from recsz.codecs import PayloadError, get_codec
 from recsz.codecs import blockformat as bf
 from recsz.codecs.blocks import decode_segments, encode_segments
 from recsz.comm import EmbeddingExchange
-from recsz.comm.embedding import Direction
+from recsz.comm.direction import Direction
 from recsz.comm.stats import ShardPlan
 from recsz.policy import FixedBound
 from recsz.policy.adaptive import DualBound

@@ -7,7 +7,8 @@ import torch
 
 from recsz.codecs import get_codec
 from recsz.comm.dct_dp import sparsify
-from recsz.comm.embedding import Direction, EmbeddingExchange, ShardPlan
+from recsz.comm.direction import Direction
+from recsz.comm.embedding import EmbeddingExchange, ShardPlan
 from recsz.policy import BoundPolicy
 from recsz.policy.dct import DCTThreshold, topk_threshold
 from tests.reference import one_bound

@@ -11,9 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.codecs import available_codecs, get_codec
+from recsz.codecs import available_codecs, castframe, get_codec
 from recsz.codecs.framing import frame, unframe
-from recsz.comm.embedding import Direction, EmbeddingExchange
+from recsz.comm.direction import Direction
+from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.ids import distinct_pairs, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args
@@ -291,3 +292,110 @@ def test_joinable_codecs_decode_a_block_as_its_tables(name: str) -> None:
     joined = codec.decode(codec.encode(torch.cat(parts)))
     alone = torch.cat([codec.decode(codec.encode(p)) for p in parts])
     assert torch.equal(joined, alone)
+
+
+# ---- sizes the shapes set: no sizes exchanged --------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(available_codecs()),
+    st.lists(st.integers(0, 300), min_size=1, max_size=3),
+    st.sampled_from([1, 7, 64]),
+    st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    st.sampled_from([1.0, 1e30]),
+)
+def test_group_nbytes_is_none_or_the_payloads_length(
+    name: str, rows: list[int], dim: int, dtype: torch.dtype, scale: float
+) -> None:
+    """What a receiver predicts is what the sender makes (NaN, Inf and values past the
+    target's range included), in format 1 and in format 4 (the casts' device format, which
+    the CPU writes too); every codec that cannot say returns None."""
+    codec = get_codec(name)
+    cpu = torch.device("cpu")
+    predicted = codec.group_nbytes(sum(rows), dim, dtype, cpu)
+    if predicted is None:
+        assert codec.cast_width(dtype) is None
+        return
+    g = torch.Generator().manual_seed(sum(rows))
+    x = (torch.randn(sum(rows), dim, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -float("inf")])[: x.numel()]
+    eb = None if not codec.error_bounded else 0.1
+    payloads, used = codec.encode_segments([(x, rows)], eb)
+    assert payloads[0].numel() == int(used[0]) == predicted
+    width = codec.cast_width(dtype)
+    assert width is not None
+    (p4,), _ = castframe.encode(codec.codec_id, codec._encode_tensor, [(x, rows)])
+    assert p4.numel() == castframe.nbytes(codec.codec_id, dtype, sum(rows), dim, width)
+
+
+def test_a_codec_whose_sizes_break_their_rule_is_stopped_before_sending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer would wait for bytes that never come: the sender checks its own payloads."""
+    ex = one_rank("fp16", BoundPolicy())
+    real = type(ex.fwd.codec).group_nbytes
+
+    def off_by_four(self, *a):  # type: ignore[no-untyped-def]
+        n = real(self, *a)
+        return None if n is None else n + 4
+
+    monkeypatch.setattr(type(ex.fwd.codec), "group_nbytes", off_by_four)
+    pooled, ids = batch()
+    with pytest.raises(RuntimeError, match="fwd codec 'fp16' made payloads of"):
+        ex.start_forward(pooled, 0, ids)
+
+
+def _three_rank_exchange(rank: int, world: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    sizes_exchanged = 0
+    real = dist.all_to_all_single
+
+    def counting(output, inp, *a, **k):  # type: ignore[no-untyped-def]
+        nonlocal sizes_exchanged
+        sizes_exchanged += inp.dtype == torch.int64
+        return real(output, inp, *a, **k)
+
+    dist.all_to_all_single = counting  # type: ignore[assignment]
+    owners = [0, 1, 2, 0, 1, 1]  # rank 1 holds three tables, the others fewer
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (12, 6), generator=g)  # b = 4: uneven distinct counts
+    table = torch.randn(6, 5, 3, generator=g)
+    grad = torch.randn(12, 6, 3, generator=g)[rank * 4 : rank * 4 + 4]
+    mine = [t for t, r in enumerate(owners) if r == rank]
+    got = {}
+    for codec in ("none", "fp16", "zstd"):
+        ex = EmbeddingExchange(
+            ShardPlan(owners, world),
+            rank,
+            Direction("fwd", get_codec(codec), BoundPolicy()),
+            Direction("bwd", get_codec(codec), BoundPolicy()),
+            id_dedup=True,
+            coalesce=True,
+        )
+        before = sizes_exchanged
+        pooled = torch.stack([table[t, ids[:, t]] for t in mine], 1).requires_grad_()
+        emb = ex.start_forward(pooled, 0, ids).wait()
+        (emb * grad).sum().backward()
+        got[codec] = (emb.detach(), pooled.grad, sizes_exchanged - before)
+    torch.save(got, f"{out}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_casts_cross_three_ranks_without_exchanging_sizes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``none`` and ``fp16`` predict every payload's size from the distinct ids each rank
+    knows, so only their bytes move; they deliver what ``zstd`` (lossless, sizes
+    exchanged) does, and ``fp16`` its cast, both ways."""
+    import torch.multiprocessing as mp
+
+    world = 3
+    mp.spawn(_three_rank_exchange, args=(world, f"file://{tmp_path}/rdv", str(tmp_path)),
+             nprocs=world)  # fmt: skip
+    for rank in range(world):
+        got = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
+        emb, grad, n = got["zstd"]
+        assert n == 2  # the sizes of each direction
+        assert got["none"][2] == got["fp16"][2] == 0
+        assert torch.equal(got["none"][0], emb) and torch.equal(got["none"][1], grad)
+        assert torch.equal(got["fp16"][0], emb.half().float())
+        torch.testing.assert_close(got["fp16"][1], grad, rtol=2e-3, atol=1e-3)

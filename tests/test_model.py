@@ -124,7 +124,7 @@ def test_a_one_gpu_training_step_never_syncs_the_host() -> None:
     updates, and no host synchronization anywhere."""
     from recsz.codecs import get_codec
     from recsz.comm import EmbeddingExchange
-    from recsz.comm.embedding import Direction
+    from recsz.comm.direction import Direction
     from recsz.comm.stats import ShardPlan
     from recsz.model import DenseArch, RowOptimizer, SparseArch
     from recsz.policy.adaptive import DualBound

@@ -38,9 +38,10 @@ from tqdm import tqdm
 
 from recsz import checkpoint, report
 from recsz.codecs import get_codec
+from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
-from recsz.comm.embedding import Direction, EmbeddingExchange
+from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, DataSource, make_source, prefetch

@@ -41,6 +41,7 @@ from recsz.codecs.payload import (
     PayloadError,
     as_bytes,
     assemble,
+    assembled_nbytes,
     pack_outliers,
     parse_payload,
     split_sections,
@@ -274,6 +275,24 @@ class Codec(ABC):
         if payloads and self.segments_on(payloads[0].device):
             return self._decode_own_groups(payloads, sizes, dim, check)
         return framing.decode_groups(self, payloads, sizes, dim)
+
+    def group_nbytes(
+        self, rows: int, dim: int, dtype: torch.dtype, device: torch.device
+    ) -> int | None:
+        """The length of :meth:`encode_segments`' payload for a group of ``rows`` x ``dim``
+        values of ``dtype`` on ``device`` where the shape alone sets it (the casts: a
+        receiver then knows what arrives, and no sizes need exchanging); None where the
+        values do."""
+        width = self.cast_width(dtype)
+        if width is None or not (self.joinable and self.takes_nonfinite):
+            return None
+        if self.segments_on(device):
+            return castframe.nbytes(self.codec_id, dtype, rows, dim, width)
+
+        def fields(body_len: int) -> bytes:
+            return self._header_fields(torch.Size((rows, dim)), dtype, 0.0, body_len)
+
+        return assembled_nbytes(fields, [rows * dim * width, 0, 0])  # no outlier sections
 
     def _encode_own_groups(
         self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None, trim: bool

@@ -33,6 +33,8 @@ def _from_raw(
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor on its device (little endian, C order)."""
+    if not t.numel():  # an empty tensor may carry strides no byte view takes
+        return t.new_empty(0, dtype=torch.uint8)
     return t.contiguous().view(torch.uint8).reshape(-1)
 
 

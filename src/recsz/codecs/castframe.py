@@ -39,6 +39,13 @@ def _head(codec: str, dtype: torch.dtype, n: int, d: int) -> bytes:
     return MAGIC + bytes([FORMAT, 0, 0, 0, 0]) + pre + _FIELDS.pack(DTYPES[dtype], d, n)
 
 
+def nbytes(codec: str, dtype: torch.dtype, n: int, d: int, width: int) -> int:
+    """The length of a payload of ``n`` x ``d`` values of ``dtype``, ``width`` bytes each
+    in the body: the layout follows from the shapes."""
+    size = len(_head(codec, dtype, n, d)) + n * d * width
+    return size + (-size % 4)
+
+
 def _checksums(buf: torch.Tensor, starts: list[int], ends: list[int]) -> torch.Tensor:
     """Each payload's checksum (format 3's: words from its byte 8 to its end)."""
     first = [(s + 8) // 4 for s in starts]
@@ -116,11 +123,11 @@ def decode(
                 raise PayloadError(f"payload {i} was made by codec {cid!r}, not {codec!r}")
         else:
             (n, d), dtype = expect[i], torch.float32
-        h = _head(codec, dtype, n, d)
-        size = len(h) + n * d * itemsize(dtype)
-        if p.numel() != size + (-size % 4):
+        h, body = _head(codec, dtype, n, d), n * d * itemsize(dtype)
+        size = nbytes(codec, dtype, n, d, itemsize(dtype))
+        if p.numel() != size:
             raise PayloadError(f"payload {i}: {p.numel()} bytes, its shape needs {size}")
-        out.append(unbody(p[len(h) : size], (n, d), dtype, 0.0))
+        out.append(unbody(p[len(h) : len(h) + body], (n, d), dtype, 0.0))
         heads.append(np.frombuffer(h, np.uint8))
         starts.append(at)
         at += p.numel()

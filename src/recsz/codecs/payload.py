@@ -239,7 +239,7 @@ def assemble(
         np.frombuffer(p, np.uint8) if isinstance(p, bytes) else p.reshape(-1).view(np.uint8)
         for p in (s if isinstance(s, bytes) else np.ascontiguousarray(s) for s in sections)
     ]
-    table = bytes([len(views)]) + b"".join(uvarint(v.size) for v in views)
+    table = _section_table([v.size for v in views])
     fields = fields_for(len(table) + sum(v.size for v in views))
     crc = zlib.crc32(table, zlib.crc32(fields))
     for v in views:
@@ -254,9 +254,19 @@ def assemble(
     return torch.from_numpy(out)
 
 
+def assembled_nbytes(fields_for: Callable[[int], bytes], section_lens: list[int]) -> int:
+    """The length of what :func:`assemble` makes of sections of these lengths."""
+    body = len(_section_table(section_lens)) + sum(section_lens)
+    return PREFIX.size + len(fields_for(body)) + body
+
+
+def _section_table(lens: list[int]) -> bytes:
+    return bytes([len(lens)]) + b"".join(uvarint(n) for n in lens)
+
+
 def join_sections(parts: list[bytes]) -> bytes:
     """Length-prefixed concatenation: u8 count, varint lengths, then the bytes."""
-    return bytes([len(parts)]) + b"".join(uvarint(len(p)) for p in parts) + b"".join(parts)
+    return _section_table([len(p) for p in parts]) + b"".join(parts)
 
 
 def split_sections(buf: np.ndarray, n: int) -> list[np.ndarray]:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.profiler import record_function
 
-from recsz.codecs import Codec
+from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
@@ -50,34 +50,6 @@ class Block(NamedTuple):
     tables: list[int]
     rows: torch.Tensor  # (sum(sizes), D)
     sizes: list[int]
-
-
-@dataclass(frozen=True)
-class Direction:
-    """One direction of the exchange: "fwd" or "bwd", its codec and its bound policy."""
-
-    name: str
-    codec: Codec
-    policy: BoundPolicy
-
-    def bounds(
-        self, step: int, tables: list[int], values: torch.Tensor, observe: bool
-    ) -> torch.Tensor | None:
-        """The tables' bounds for ``step``, one tensor, from their values (``values[j]``:
-        all of table ``tables[j]`` that is sent), computed where the values are (on a GPU:
-        no host sync); None for a codec that takes none. ``observe``: a training step, which
-        adaptive policies probe first (in their windows only)."""
-        if not self.codec.error_bounded:
-            return None
-        if observe:
-            self.policy.observe(tables, step, values)
-        ebs = self.policy.bounds(tables, step, values)
-        if ebs is None:
-            raise ValueError(
-                f"{self.name} codec {self.codec.codec_id!r} needs an error bound policy "
-                "(--eb-policy)"
-            )
-        return ebs
 
 
 class EmbeddingExchange:
@@ -136,6 +108,7 @@ class EmbeddingExchange:
         blocks: list[Block],
         bound_src: tuple[list[int], torch.Tensor],
         raw_bytes: int,
+        expect: list[int],
     ) -> Sent:
         """Encode one block per destination and start the byte all-to-all.
 
@@ -145,7 +118,7 @@ class EmbeddingExchange:
         one table's rows stood for before any id-aware reduction (the full (b, D) fp32
         slice), so ratios count those savings too. The codec turns each block into one payload
         (:meth:`Codec.encode_segments`), the sizes are read once where bytes leave the
-        rank, and stay on the device otherwise.
+        rank, and stay on the device otherwise. ``expect``: the rows each source sends here.
         """
         t0 = time.perf_counter()
         tables, values = bound_src
@@ -171,7 +144,16 @@ class EmbeddingExchange:
             tabs = [(blk.tables, blk.sizes) for blk in blocks]
             self.stats.count_groups(GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote))
         self._time_codec(t0)
-        return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world), own)
+        skip = self.rank if own is not None else -1  # an empty payload: 0 bytes, known
+
+        def rows(n: int, peer: int) -> int | None:
+            return None if peer == skip else n
+
+        out = [rows(len(blk.rows), blk.peer) for blk in blocks]
+        recv = d.known_sizes(
+            blocks[0].rows, payloads, out, list(map(rows, expect, range(self.world)))
+        )
+        return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv), own)
 
     def _index_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
         """``order`` as an index tensor on ``device`` (made once)."""
@@ -286,10 +268,10 @@ class EmbeddingExchange:
                 rows = data[dest * b : (dest + 1) * b].transpose(0, 1).reshape(n_mine * b, dim)
             sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
+        expect = [sum(self._sizes(self.id_dedup, ids, self.rank, s)) for s in range(self.world)]
         with record_function("recsz.a2a_fwd.encode"):
-            sent = self._send(
-                self.fwd, step, blocks, (self.mine, data.transpose(0, 1)), b * dim * 4
-            )
+            bound_src = (self.mine, data.transpose(0, 1))
+            sent = self._send(self.fwd, step, blocks, bound_src, b * dim * 4, expect)
         return Pending(self, pooled, sent, step, ids)
 
     def finish_forward(self, sent: Sent, ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -324,6 +306,10 @@ class EmbeddingExchange:
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
         torch.div(grad.transpose(0, 1), self.world, out=by_table)
+
+        def sizes_from(src: int) -> list[int]:
+            return self._sizes(self.coalesce, ids, src, self.rank)
+
         blocks = []
         for dest in range(self.world):
             tables = self.plan.tables_of(dest)
@@ -340,10 +326,8 @@ class EmbeddingExchange:
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
             per_sample = (list(range(n_tables)), by_table)  # table-major (T, b, D)
-            sent = self._send(self.bwd, step, blocks, per_sample, b * dim * 4)
-
-        def sizes_from(src: int) -> list[int]:
-            return self._sizes(self.coalesce, ids, src, self.rank)
+            expect = [sum(sizes_from(s)) for s in range(self.world)]
+            sent = self._send(self.bwd, step, blocks, per_sample, b * dim * 4, expect)
 
         received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim)
         n_mine, bsz = len(self.mine), b * self.world

@@ -2,8 +2,9 @@
 
 This layer knows nothing of codecs: it takes one uint8 tensor per destination rank and
 returns one per source rank. Payload sizes depend on the data (entropy coding), so the
-receiver cannot predict them: a small int64 all-to-all of the sizes goes first, then
-``all_to_all_single`` with split sizes moves the bytes (uint8; gloo rejects int16).
+receiver cannot predict them: a small int64 all-to-all of the sizes goes first (unless the
+caller knows them: the casts' sizes follow from the shapes), then ``all_to_all_single``
+with split sizes moves the bytes (uint8; gloo rejects int16).
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ class PendingBytes:
 
 
 def start_all_to_all_bytes(
-    send: list[list[torch.Tensor]], world: int, group: dist.ProcessGroup | None = None
+    send: list[list[torch.Tensor]],
+    world: int,
+    group: dist.ProcessGroup | None = None,
+    recv_sizes: list[int] | None = None,
 ) -> PendingBytes:
     """Exchange sizes (blocking), then start the byte all-to-all (async) over ``group``
     (default: the world). ``send[r]`` holds the pieces for rank r, joined into one buffer.
+    ``recv_sizes``: what each rank sends here, where the caller knows it (every rank must
+    then know it): no sizes are exchanged.
 
     With ``world == 1`` and no process group, the only destination is this rank, and
     the bytes are handed back as they are: the same code path runs in one process.
@@ -53,12 +59,14 @@ def start_all_to_all_bytes(
         return PendingBytes(None, sizes_l, pieces=[p.view(-1) for p in send[0]])
     flat = [p.view(-1) for pieces in send for p in pieces]
     inp = torch.cat(flat) if len(flat) != 1 else flat[0]
-    sizes = torch.tensor(sizes_l, dtype=torch.int64)
-    recv = torch.empty(world, dtype=torch.int64)
-    t = time.perf_counter()
-    dist.all_to_all_single(recv, sizes, group=group)
-    size_s = time.perf_counter() - t
-    recv_sizes = recv.tolist()
+    size_s = 0.0
+    if recv_sizes is None:
+        sizes = torch.tensor(sizes_l, dtype=torch.int64)
+        recv = torch.empty(world, dtype=torch.int64)
+        t = time.perf_counter()
+        dist.all_to_all_single(recv, sizes, group=group)
+        size_s = time.perf_counter() - t
+        recv_sizes = recv.tolist()
     out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=inp.device)
     work = dist.all_to_all_single(out, inp, recv_sizes, sizes_l, group=group, async_op=True)
     return PendingBytes(out, recv_sizes, work, waited_s=size_s)

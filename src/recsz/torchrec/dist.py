@@ -34,7 +34,7 @@ from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsz.codecs.framing import frame, unframe
-from recsz.comm.embedding import Direction
+from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.config import TrainConfig
 from recsz.policy.factory import make_policy

@@ -1,0 +1,68 @@
+"""One direction of an exchange: its codec and bound policy, and what the two say of a
+step's payloads before any byte moves (the tables' bounds; the sizes, where the shapes
+alone set them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from recsz.codecs import Codec
+from recsz.policy import BoundPolicy
+
+
+@dataclass(frozen=True)
+class Direction:
+    """One direction of the exchange: "fwd" or "bwd", its codec and its bound policy."""
+
+    name: str
+    codec: Codec
+    policy: BoundPolicy
+
+    def bounds(
+        self, step: int, tables: list[int], values: torch.Tensor, observe: bool
+    ) -> torch.Tensor | None:
+        """The tables' bounds for ``step``, one tensor, from their values (``values[j]``:
+        all of table ``tables[j]`` that is sent), computed where the values are (on a GPU:
+        no host sync); None for a codec that takes none. ``observe``: a training step, which
+        adaptive policies probe first (in their windows only)."""
+        if not self.codec.error_bounded:
+            return None
+        if observe:
+            self.policy.observe(tables, step, values)
+        ebs = self.policy.bounds(tables, step, values)
+        if ebs is None:
+            raise ValueError(
+                f"{self.name} codec {self.codec.codec_id!r} needs an error bound policy "
+                "(--eb-policy)"
+            )
+        return ebs
+
+    def known_sizes(
+        self,
+        like: torch.Tensor,
+        sent: list[torch.Tensor],
+        rows_out: list[int | None],
+        rows_in: list[int | None],
+    ) -> list[int] | None:
+        """The sizes of the payloads coming in, where the codec's follow from the shapes
+        (the casts: :meth:`Codec.group_nbytes`), so that no sizes need exchanging; None
+        where the values set them. ``rows_in[s]``: the rows source s sends (rows of
+        ``like``'s width, dtype and device; None: it sends an empty payload). ``sent``, the
+        payloads going out (``rows_out`` rows each), are checked against the same rule
+        first: a codec that broke it would leave a peer waiting for bytes that never come."""
+        dim, dtype, dev = like.shape[1], like.dtype, like.device
+
+        def size(rows: int | None) -> int | None:
+            return 0 if rows is None else self.codec.group_nbytes(rows, dim, dtype, dev)
+
+        if size(0) is None:
+            return None
+        got = [int(p.numel()) for p in sent]
+        if got != [size(n) for n in rows_out]:
+            raise RuntimeError(
+                f"{self.name} codec {self.codec.codec_id!r} made payloads of {got} bytes, "
+                f"not the {[size(n) for n in rows_out]} their shapes set (group_nbytes)"
+            )
+        return [int(size(n) or 0) for n in rows_in]
