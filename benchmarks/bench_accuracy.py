@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -198,6 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="--hooks: each hook at several settings")
     ap.add_argument("--a2a", action="store_true", help="only the all-to-all bounds study (2 ranks)")
     ap.add_argument("--seeds", type=int, default=None, help="--hooks/--a2a: seeds (3 / 5)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list: keep these settings (the direction column, e.g. dp-eb@0.03) and "
+        "each seed's uncompressed run",
+    )
+    ap.add_argument(
+        "--versus",
+        default="",
+        help="comma list of A:B settings: their paired AUC difference A - B over the seeds",
+    )
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
@@ -207,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan_hooks(a.synthetic, a.sweep, a.seeds or 3)
     else:
         runs = plan(a.quick, {})
+    if a.only:
+        keep = set(a.only.split(","))
+        runs = [r for r in runs if r.policy == "none" or r.direction in keep]
     for run in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -235,11 +250,39 @@ def main(argv: list[str] | None = None) -> int:
             f"bwd {_fmt(r.bwd_ratio)}  {r.seconds:.0f}s",
             flush=True,
         )
+    print_paired(results, [tuple(v.split(":")) for v in a.versus.split(",") if v])
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(r) for r in results], indent=2))
     print(f"wrote {out}")
     return 0
+
+
+def print_paired(results: list[Result], versus: list[tuple[str, ...]]) -> None:
+    """Per setting, the AUC difference against the uncompressed run of the same seed
+    (mean, sd, standard error); per ``versus`` pair of settings (A, B), the same of A - B."""
+    auc: dict[tuple[str, str], dict[int, float]] = {}  # (data, setting) -> seed -> AUC
+    for r in results:
+        setting = "none" if r.policy == "none" else f"{r.policy} {r.direction}"
+        auc.setdefault((r.data, setting), {})[r.seed] = r.auc
+
+    def named(data: str, direction: str) -> str:
+        return next((k for d, k in auc if d == data and k.endswith(f" {direction}")), "")
+
+    pairs = [(data, k, "none") for data, k in auc if k != "none"]
+    datasets = sorted({d for d, _ in auc})
+    pairs += [(d, named(d, x), named(d, y)) for x, y in versus for d in datasets]
+    print("| setting | data | seeds | paired ΔAUC mean | sd | standard error |")
+    print("|---|---|---|---|---|---|")
+    for data, x, y in pairs:
+        a, b = auc.get((data, x), {}), auc.get((data, y), {})
+        diff = [a[seed] - b[seed] for seed in sorted(a) if seed in b]
+        if len(diff) < 2:
+            continue
+        sd = statistics.stdev(diff)
+        name = x if y == "none" else f"{x} - {y}"
+        print(f"| {name} | {data} | {len(diff)} | {statistics.fmean(diff):+.4f} | {sd:.4f} | "
+              f"{sd / len(diff) ** 0.5:.4f} |")  # fmt: skip
 
 
 def _num(x: float) -> float | None:

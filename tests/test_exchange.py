@@ -208,6 +208,13 @@ def test_flags_round_trip_through_the_config(
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_failure_to_inject_is_read_before_any_rank_starts() -> None:
+    assert parse_train_args(["--inject-failure", "1:3"]).failure_at() == (1, 3)
+    assert parse_train_args([]).failure_at() is None
+    with pytest.raises(ValueError, match="--inject-failure wants RANK:STEP, got '1-3'"):
+        parse_train_args(["--inject-failure", "1-3"])
+
+
 def test_every_limit_is_enforced_at_its_edge() -> None:
     """Each field's limits: the edge value passes where inclusive, a step beyond fails
     with a message naming the flag."""

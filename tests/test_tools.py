@@ -242,3 +242,23 @@ def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
             assert cfg.bwd_class_eb == default.bwd_class_eb
         if r.policy == "dual-fwd":
             assert cfg.fwd_codec == "hybrid" and cfg.bwd_codec == "none"
+
+
+def test_bench_accuracy_pairs_runs_by_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary's differences are per seed (paired), against the uncompressed run of the
+    same seed and, for --versus, between two settings; seeds one side lacks are left out."""
+    bench = _bench("bench_accuracy")
+
+    def res(direction: str, policy: str, seed: int, auc: float):  # type: ignore[no-untyped-def]
+        return bench.Result("syn", policy, direction, seed, auc, 0.0, 0.0, None, None, 0.0)
+
+    results = [
+        *(res("-", "none", s, a) for s, a in [(0, 0.80), (1, 0.70), (2, 0.60)]),
+        *(res("dp-eb@0.03", "dual", s, a) for s, a in [(0, 0.81), (1, 0.72), (2, 0.63)]),
+        *(res("dp-powersgd@1", "dual", s, a) for s, a in [(0, 0.80), (1, 0.70)]),
+    ]
+    bench.print_paired(results, [("dp-eb@0.03", "dp-powersgd@1")])
+    out = capsys.readouterr().out
+    assert "| dual dp-eb@0.03 | syn | 3 | +0.0200 | 0.0100 | 0.0058 |" in out
+    assert "| dual dp-powersgd@1 | syn | 2 | +0.0000 | 0.0000 | 0.0000 |" in out
+    assert "| dual dp-eb@0.03 - dual dp-powersgd@1 | syn | 2 | +0.0150 | 0.0071 | 0.0050 |" in out

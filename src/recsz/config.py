@@ -170,6 +170,18 @@ class TrainConfig:
         f = (self.fiited_budget, self.fiited_chunk, self.fiited_interval, self.fiited_decay)
         return FiitedSpec(*f, self.fiited_rule)
 
+    def failure_at(self) -> tuple[int, int] | None:
+        """``--inject-failure`` as (rank, step), or None."""
+        if not self.inject_failure:
+            return None
+        try:
+            r, s = self.inject_failure.split(":")
+            return int(r), int(s)
+        except ValueError:
+            raise ValueError(
+                f"--inject-failure wants RANK:STEP, got {self.inject_failure!r}"
+            ) from None
+
     def codec(self, direction: str) -> Codec:
         """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
@@ -184,6 +196,7 @@ class TrainConfig:
                 raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
         model = get_preset(self.preset).model
         n_tables = model.n_tables
+        self.failure_at()
         spec = self.fiited_spec()
         if spec is not None:
             spec.chunks_of(model.emb_dim)  # before any rank starts

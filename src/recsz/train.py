@@ -5,7 +5,7 @@ Reads top to bottom: set up ranks -> data -> model parts -> exchange -> loop -> 
 
     every rank reads the global batch (B samples) and keeps its slice of b = B / W
     table owner:  pooled = lookup(own tables, all B ids)           # (B, |T_r|, D)
-                  start forward all-to-all (encoded per table and destination)
+                  start forward all-to-all (one payload per destination)
     sample owner: x = bottom MLP(own dense)                        # overlaps the a2a
                   emb = wait()                                     # (b, T, D)
                   loss = BCE(top MLP(interact(x, emb)), labels)
@@ -289,7 +289,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             losses.clear()
             return ranks.gather(report.rank_record(parts, ranks.rank, loss, train_s, data_s))
 
-        fail_at = _parse_failure(cfg.inject_failure)
+        fail_at = cfg.failure_at()
         fiited = cfg.fiited_spec()
         if fiited is not None and cfg.fiited_mask_backward:
             share_chunk_counts(parts, ranks, fiited.chunk)
@@ -362,16 +362,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 #: Fields that may differ between ranks of one job.
 _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
-
-
-def _parse_failure(spec: str | None) -> tuple[int, int] | None:
-    if not spec:
-        return None
-    try:
-        r, s = spec.split(":")
-        return int(r), int(s)
-    except ValueError:
-        raise ValueError(f"--inject-failure wants RANK:STEP, got {spec!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
