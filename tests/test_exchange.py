@@ -406,3 +406,34 @@ def test_casts_cross_three_ranks_without_exchanging_sizes(tmp_path) -> None:  # 
         assert torch.equal(got["none"][0], emb) and torch.equal(got["none"][1], grad)
         assert torch.equal(got["fp16"][0], emb.half().float())
         torch.testing.assert_close(got["fp16"][1], grad, rtol=2e-3, atol=1e-3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]),
+    st.sampled_from(["none", "zstd", "fp16"]),
+)
+def test_sparse_coalesced_gradient_updates_the_tables_as_the_dense_one(
+    seed: int, kind: str, codec: str
+) -> None:
+    """``sparse_grad``: the owner gets each id's summed gradient as a sparse gradient of
+    pooled, which the fused update reads directly; three steps of it leave the tables and
+    their optimizer state where the dense (B, |T_r|, D) gradient leaves them."""
+    from recsz.model import ModelConfig, RowOptimizer, SparseArch
+
+    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+    archs = []
+    for sparse in (False, True):
+        arch = SparseArch(cfg, [0, 1, 2], 0, RowOptimizer(kind, 0.1))
+        assert arch.takes_sparse_grad
+        ex = one_rank(codec, BoundPolicy(), id_dedup=True, coalesce=True, sparse_grad=sparse)
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(3):
+            ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
+            emb = ex.start_forward(arch(ids), step, ids).wait()
+            (emb * torch.randn(emb.shape, generator=gen)).sum().backward()
+        archs.append(arch)
+    dense, sparse_ = archs
+    torch.testing.assert_close(sparse_.weight, dense.weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sparse_.optimizer_state, dense.optimizer_state, rtol=0, atol=1e-6)

@@ -143,6 +143,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         check_bounds=cfg.check_bounds,
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
+        sparse_grad=sparse.takes_sparse_grad,
     )
     return Parts(sparse, dense, dense_opt, exchange, dp), owners
 

@@ -61,6 +61,10 @@ class EmbeddingExchange:
         fwd, bwd: codec and bound policy of each direction.
         check_bounds: decode every payload on the sender and assert its bound.
         id_dedup, coalesce: id-aware traffic (module docstring).
+        sparse_grad: with ``coalesce``, backward hands the sums back as a sparse COO
+            gradient of pooled (one row per distinct id, on its first sample), for a
+            table module that takes one (:attr:`SparseArch.takes_sparse_grad`): no dense
+            zeros of (B, |T_r|, D), no second sum of the same ids.
     """
 
     def __init__(
@@ -72,6 +76,7 @@ class EmbeddingExchange:
         check_bounds: bool = False,
         id_dedup: bool = False,
         coalesce: bool = False,
+        sparse_grad: bool = False,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, plan.world
         self.fwd, self.bwd = fwd, bwd
@@ -81,6 +86,7 @@ class EmbeddingExchange:
         self.stats = CommStats()
         self.check_bounds = check_bounds
         self.id_dedup, self.coalesce = id_dedup, coalesce
+        self.sparse_grad = sparse_grad and coalesce
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
         self.mask_backward = bwd.codec.forward_mask
@@ -331,6 +337,15 @@ class EmbeddingExchange:
 
         received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim)
         n_mine, bsz = len(self.mine), b * self.world
+        if self.sparse_grad:  # each sum at (its id's first sample, table)
+            where, sums = [], []
+            for blk in received:
+                first = self._distinct(ids, blk.peer, self.rank).first
+                where.append(torch.stack([blk.peer * b + first % b, first // b]))
+                sums.append(blk.rows.to(grad.dtype))
+            return torch.sparse_coo_tensor(
+                torch.cat(where, 1), torch.cat(sums), (bsz, n_mine, dim), check_invariants=False
+            )
         out = grad.new_zeros(n_mine, bsz, dim)  # table-major; the caller gets (B, |T_r|, D)
         for blk in received:
             s = blk.peer

@@ -143,8 +143,7 @@ class SparseArch(nn.Module):
             if not checked:
                 self._check_range(mine, torch.arange(n, device=ids.device))
             rows = (mine + self.offsets).view(-1)
-            out = self._pool(rows, None, None)
-        return out.view(ids.shape[0], n, self.dim)
+            return self._pool(rows, None, None, (ids.shape[0], n, self.dim))
 
     def bags(
         self,
@@ -170,8 +169,9 @@ class SparseArch(nn.Module):
         self._check_range(ids, table_of)
         starts = torch.zeros(b * n_t, dtype=torch.int64, device=ids.device)
         starts[1:] = lengths.view(-1)[:-1].cumsum(0)
-        out = self._pool(ids + self.offsets[table_of], starts, per_sample_weights)
-        return out.view(b, n_t, self.dim)
+        return self._pool(
+            ids + self.offsets[table_of], starts, per_sample_weights, (b, n_t, self.dim)
+        )
 
     def _check_range(self, ids: torch.Tensor, table_of: torch.Tensor) -> None:
         """Each id against the size of its dense table (``table_of``, broadcast against
@@ -185,19 +185,31 @@ class SparseArch(nn.Module):
                 f"table {self.dense_tables[j]}: id {int(ids[i])} outside [0, {self.sizes[j]})"
             )
 
+    @property
+    def takes_sparse_grad(self) -> bool:
+        """The pooled output of :meth:`forward` takes a sparse COO gradient (rows for some
+        (sample, table) pairs only; the fused update reads just those): all tables dense
+        rows, no FIITED store."""
+        return not self.tt.tables and self.store is None and self.optimizer is not None
+
     def _pool(
-        self, rows: torch.Tensor, starts: torch.Tensor | None, psw: torch.Tensor | None
+        self,
+        rows: torch.Tensor,
+        starts: torch.Tensor | None,
+        psw: torch.Tensor | None,
+        shape: tuple[int, ...],
     ) -> torch.Tensor:
         if self.store is not None:  # the rows, then bags over them
             train = self.optimizer is not None and torch.is_grad_enabled()
             vecs = FiitedLookup.apply(self.store.pool, rows, self.store) if train else None
             vecs = self.store.lookup(rows) if vecs is None else vecs
             if starts is None and psw is None:
-                return vecs
-            return _bag(vecs, torch.arange(rows.numel(), device=rows.device), starts, psw)
+                return vecs.view(shape)
+            at = torch.arange(rows.numel(), device=rows.device)
+            return _bag(vecs, at, starts, psw).view(shape)
         if self.optimizer is None or not torch.is_grad_enabled():
-            return _bag(self.weight.detach(), rows, starts, psw)
-        return _FusedLookup.apply(self.weight, rows, starts, psw, self)
+            return _bag(self.weight.detach(), rows, starts, psw).view(shape)
+        return _FusedLookup.apply(self.weight, rows, starts, psw, self, shape)
 
 
 def _bag(
@@ -220,19 +232,26 @@ class _FusedLookup(torch.autograd.Function):
         starts: torch.Tensor | None,
         psw: torch.Tensor | None,
         arch: SparseArch,
+        shape: tuple[int, ...],
     ) -> torch.Tensor:
         ctx.rows, ctx.starts, ctx.psw, ctx.arch = rows, starts, psw, arch
-        return _bag(weight.detach(), rows, starts, psw)
+        return _bag(weight.detach(), rows, starts, psw).view(shape)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        g = grad
+        rows = ctx.rows
+        if grad.is_sparse and ctx.starts is None:  # gradients of some (sample, table) only
+            at = grad._indices()
+            rows = rows.index_select(0, at[0] * grad.shape[1] + at[1])
+            g = grad._values()
+        else:
+            g = (grad.to_dense() if grad.is_sparse else grad).reshape(-1, grad.shape[-1])
         if ctx.starts is not None:  # each id gets its bag's gradient
             ends = torch.cat([ctx.starts[1:], ctx.starts.new_tensor([ctx.rows.numel()])])
-            g = grad.repeat_interleave(ends - ctx.starts, dim=0)
+            g = g.repeat_interleave(ends - ctx.starts, dim=0)
         if ctx.psw is not None:
             g = g * ctx.psw.unsqueeze(1)
         arch = ctx.arch
         with record_function("recsz.table_update"):
-            arch.optimizer.step(arch.weight.data, arch.optimizer_state, ctx.rows, g)
-        return None, None, None, None, None
+            arch.optimizer.step(arch.weight.data, arch.optimizer_state, rows, g)
+        return None, None, None, None, None, None
