@@ -129,6 +129,14 @@ def test_one_gpu_training_matches_cpu(tmp_path: Path) -> None:
     assert s["fwd_ratio"] > 5 and abs(s["auc"] - runs["cuda"]["auc"]) < 0.02
 
 
+def test_a_diverging_run_stops_at_its_first_row(tmp_path: Path) -> None:
+    """A NaN or infinite loss is not trained on silently: the first metrics row that sees it
+    stops the run, naming the ranks and the step."""
+    flags = ["--steps", "20", "--lr", "1e30", "--log-every", "5", "--no-progress"]
+    with pytest.raises(FloatingPointError, match=r"not finite on rank\(s\) \[0\] by step 5"):
+        main([*flags, "--out", str(tmp_path)])
+
+
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs an error bound"):
         main(["--steps", "1", "--fwd-codec", "hybrid", "--eb-policy", "none", "--no-progress"])

@@ -6,11 +6,18 @@ them (:func:`summarize`), so no report needs a collective of its own.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from recsz.train import Parts
+
+
+def diverged(recs: list[dict]) -> list[int]:
+    """The ranks whose mean loss over the steps of a row is NaN or infinite (a row's loss is
+    NaN by design only where it covers no step)."""
+    return [r["rank"] for r in recs if not math.isfinite(r["loss"])]
 
 
 def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: float) -> dict:

@@ -321,7 +321,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 warm = (train_s, done)
             row: dict[str, Any] = {}
             if logged:
-                row = {"step": done, **report.summarize(gathered(), done, bsz)}
+                recs = gathered()
+                if bad := report.diverged(recs):  # every rank sees the same: all stop here
+                    msg = f"the loss is not finite on rank(s) {bad} by step {done}"
+                    raise FloatingPointError(f"{msg}: diverged (lower --lr, --emb-lr or bounds)")
+                row = {"step": done, **report.summarize(recs, done, bsz)}
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
                 row = {"step": done, **row, **{f"eval_{k}": v for k, v in ev.items()}}
