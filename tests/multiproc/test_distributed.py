@@ -245,14 +245,13 @@ def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
 
 def test_diverging_ranks_all_stop_at_the_same_row(tmp_path: Path) -> None:
     """Every rank reads every rank's loss in the row's one gather, so all stop together
-    (no rank left waiting in a collective), naming both ranks."""
+    (no rank left waiting in a collective: a hang would run into the timeout), naming both
+    ranks."""
     cmd = [sys.executable, "-m", "recsz.cli", "train", *BASE, "--nproc", "2", "--lr", "1e30",
            "--dist-timeout", "30", "--out", str(tmp_path)]  # fmt: skip
-    t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "the loss is not finite on rank(s) [0, 1] by step 2" in p.stdout + p.stderr
-    assert time.perf_counter() - t < 60
 
 
 def test_resume_equals_straight_run(tmp_path: Path) -> None:
