@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.only:
         keep = set(a.only.split(","))
         runs = [r for r in runs if r.policy == "none" or r.direction in keep]
+    versus = [tuple(v.split(":")) for v in a.versus.split(",") if v]
+    planned = {r.direction for r in runs}
+    if bad := [v for v in versus if len(v) != 2 or not set(v) <= planned]:
+        ap.error(f"--versus {bad}: want A:B pairs of planned settings ({sorted(planned)})")
     for run in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
@@ -250,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             f"bwd {_fmt(r.bwd_ratio)}  {r.seconds:.0f}s",
             flush=True,
         )
-    print_paired(results, [tuple(v.split(":")) for v in a.versus.split(",") if v])
+    print_paired(results, versus)
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps([asdict(r) for r in results], indent=2))

@@ -262,3 +262,13 @@ def test_bench_accuracy_pairs_runs_by_seed(capsys: pytest.CaptureFixture[str]) -
     assert "| dual dp-eb@0.03 | syn | 3 | +0.0200 | 0.0100 | 0.0058 |" in out
     assert "| dual dp-powersgd@1 | syn | 2 | +0.0000 | 0.0000 | 0.0000 |" in out
     assert "| dual dp-eb@0.03 - dual dp-powersgd@1 | syn | 2 | +0.0150 | 0.0071 | 0.0050 |" in out
+
+
+def test_bench_accuracy_refuses_a_pair_it_will_not_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """--versus names settings --only left out: refused before any run, not an empty table
+    hours later."""
+    bench = _bench("bench_accuracy")
+    argv = ["--hooks", "--synthetic", "--sweep", "--only", "dp-eb@0.03"]
+    with pytest.raises(SystemExit):
+        bench.main([*argv, "--versus", "dp-eb@0.03:dp-powersgd@1"])
+    assert "want A:B pairs of planned settings" in capsys.readouterr().err

@@ -42,7 +42,11 @@ def _head(codec: str, dtype: torch.dtype, n: int, d: int) -> bytes:
 def nbytes(codec: str, dtype: torch.dtype, n: int, d: int, width: int) -> int:
     """The length of a payload of ``n`` x ``d`` values of ``dtype``, ``width`` bytes each
     in the body: the layout follows from the shapes."""
-    size = len(_head(codec, dtype, n, d)) + n * d * width
+    return _padded(len(_head(codec, dtype, n, d)) + n * d * width)
+
+
+def _padded(size: int) -> int:
+    """A payload's length: its bytes, then zeros to a multiple of 4."""
     return size + (-size % 4)
 
 
@@ -124,7 +128,7 @@ def decode(
         else:
             (n, d), dtype = expect[i], torch.float32
         h, body = _head(codec, dtype, n, d), n * d * itemsize(dtype)
-        size = nbytes(codec, dtype, n, d, itemsize(dtype))
+        size = _padded(len(h) + body)
         if p.numel() != size:
             raise PayloadError(f"payload {i}: {p.numel()} bytes, its shape needs {size}")
         out.append(unbody(p[len(h) : len(h) + body], (n, d), dtype, 0.0))
