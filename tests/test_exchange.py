@@ -437,3 +437,52 @@ def test_sparse_coalesced_gradient_updates_the_tables_as_the_dense_one(
     dense, sparse_ = archs
     torch.testing.assert_close(sparse_.weight, dense.weight, rtol=0, atol=1e-6)
     torch.testing.assert_close(sparse_.optimizer_state, dense.optimizer_state, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("ids_aware", [False, True])
+def test_gradients_fly_while_the_rest_of_backward_runs(
+    ids_aware: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward all-to-all starts when the embeddings' gradient is ready and is
+    received at the end of the backward pass: a layer that ran before the exchange was
+    waited on (the bottom MLP) gets its gradient while the bytes are sent and the tables
+    are not yet updated; afterwards the tables hold what one process's plain backward
+    leaves them (frozen tables send nothing)."""
+    from recsz.model import ModelConfig, RowOptimizer, SparseArch
+
+    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
+    dense, g = torch.randn(16, 5, generator=gen), torch.randn(16, 3, 4, generator=gen)
+    bottom = torch.nn.Linear(5, 4)
+    archs = [SparseArch(cfg, [0, 1, 2], 0, RowOptimizer("rowwise_adagrad", 0.1)) for _ in "ab"]
+    start = archs[0].weight.detach().clone()
+    ex = one_rank("zstd", BoundPolicy(), id_dedup=ids_aware, coalesce=ids_aware)
+    seen, decoded = [], []
+    decode = ex.bwd.codec.decode_segments
+    monkeypatch.setattr(
+        ex.bwd.codec, "decode_segments", lambda *a, **k: decoded.append(1) or decode(*a, **k)
+    )
+
+    def at_bottom(grad: torch.Tensor) -> None:
+        ex.stats.settle()
+        sent = ex.stats.raw["bwd"] > 0
+        seen.append((sent, len(decoded), torch.equal(archs[0].weight, start)))
+
+    bottom.weight.register_hook(at_bottom)
+    pending = ex.start_forward(archs[0](ids), 0, ids)
+    x = bottom(dense)  # runs while the embeddings fly
+    emb = pending.wait()
+    (emb * g * x.unsqueeze(1)).sum().backward()
+    assert seen == [(True, 0, True)]  # sent, not yet received, tables untouched
+    assert len(decoded) == 1
+    (archs[1](ids) * g * x.detach().unsqueeze(1)).sum().backward()  # one process, plain
+    torch.testing.assert_close(archs[0].weight, archs[1].weight, rtol=0, atol=1e-6)
+    assert not torch.equal(archs[0].weight, start)
+
+    frozen = SparseArch(cfg, [0, 1, 2], 0, None)
+    sent = ex.stats.raw["bwd"]
+    emb = ex.start_forward(frozen(ids), 1, ids).wait()
+    assert not emb.requires_grad
+    ex.stats.settle()
+    assert ex.stats.raw["bwd"] == sent

@@ -6,6 +6,8 @@ back to the tables' owners. Both go through one path (``_send`` / ``_receive``):
 :class:`Block` per peer (its tables' rows, table after table, each table under its own bound
 for the step), one payload per block (:meth:`~recsz.codecs.Codec.encode_segments`);
 a direction only chooses its rows and places what it receives (docs/ARCHITECTURE.md).
+Each direction starts (codes and sends) and finishes (waits, decodes, places) apart, so
+its bytes fly while the model computes (:mod:`recsz.comm.overlap`).
 
 Id-aware traffic (every rank reads the global batch, so both ends know the ids): forward,
 ``id_dedup`` sends one row per distinct id of a destination's slice, which the receiver
@@ -22,8 +24,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -31,6 +32,7 @@ from torch.profiler import record_function
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
+from recsz.comm.overlap import Pending
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.policy import BoundPolicy
 
@@ -303,8 +305,9 @@ class EmbeddingExchange:
         return rows.index_select(0, index.t().reshape(-1)).view(b, n_tables, dim).float()
 
     # ---- backward -----------------------------------------------------------------
-    def backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> torch.Tensor:
-        """grad (b, T, D) on a sample owner -> grad of pooled (B, |T_r|, D) on table owners."""
+    def start_backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> Sent:
+        """grad (b, T, D) on a sample owner: code it and start sending it to the tables'
+        owners (:meth:`finish_backward` receives)."""
         b, n_tables, dim = grad.shape
         if self.grad_filter is not None:
             grad = self.grad_filter(grad, ids[self.rank * b : (self.rank + 1) * b])
@@ -312,9 +315,6 @@ class EmbeddingExchange:
         # contiguous, which index_add_ and the codec read ~4x faster than a strided one.
         by_table = torch.empty(n_tables, b, dim, dtype=grad.dtype, device=grad.device)
         torch.div(grad.transpose(0, 1), self.world, out=by_table)
-
-        def sizes_from(src: int) -> list[int]:
-            return self._sizes(self.coalesce, ids, src, self.rank)
 
         blocks = []
         for dest in range(self.world):
@@ -332,8 +332,16 @@ class EmbeddingExchange:
             # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
             # steps of the link benchmark.)
             per_sample = (list(range(n_tables)), by_table)  # table-major (T, b, D)
-            expect = [sum(sizes_from(s)) for s in range(self.world)]
-            sent = self._send(self.bwd, step, blocks, per_sample, b * dim * 4, expect)
+            expect = [sum(self._sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)]
+            return self._send(self.bwd, step, blocks, per_sample, b * dim * 4, expect)
+
+    def finish_backward(self, sent: Sent, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The gradients :meth:`start_backward` sent, received on the tables' owner -> grad
+        of pooled (B, |T_r|, D), in ``like``'s dtype (the sample owners' gradient)."""
+        b, dim = ids.shape[0] // self.world, like.shape[-1]
+
+        def sizes_from(src: int) -> list[int]:  # src: a sample owner
+            return self._sizes(self.coalesce, ids, src, self.rank)
 
         received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim)
         n_mine, bsz = len(self.mine), b * self.world
@@ -342,11 +350,11 @@ class EmbeddingExchange:
             for blk in received:
                 first = self._distinct(ids, blk.peer, self.rank).first
                 where.append(torch.stack([blk.peer * b + first % b, first // b]))
-                sums.append(blk.rows.to(grad.dtype))
+                sums.append(blk.rows.to(like.dtype))
             return torch.sparse_coo_tensor(
                 torch.cat(where, 1), torch.cat(sums), (bsz, n_mine, dim), check_invariants=False
             )
-        out = grad.new_zeros(n_mine, bsz, dim)  # table-major; the caller gets (B, |T_r|, D)
+        out = like.new_zeros(n_mine, bsz, dim)  # table-major; the caller gets (B, |T_r|, D)
         for blk in received:
             s = blk.peer
             if self.coalesce:  # each sum on its id's first sample
@@ -356,43 +364,3 @@ class EmbeddingExchange:
             else:
                 out[:, s * b : (s + 1) * b] = blk.rows.view(n_mine, b, dim)
         return out.transpose(0, 1)
-
-
-@dataclass
-class Pending:
-    """Forward all-to-all in flight; ``wait()`` gives (b, T, D) tied into autograd."""
-
-    ex: EmbeddingExchange
-    pooled: torch.Tensor
-    sent: Sent
-    step: int
-    ids: torch.Tensor
-
-    def wait(self) -> torch.Tensor:
-        received = self.ex.finish_forward(self.sent, self.ids, self.pooled.shape[2])
-        return _ExchangeGrad.apply(self.pooled, received, self.ex, self.step, self.ids)
-
-
-class _ExchangeGrad(torch.autograd.Function):
-    """Identity on the received embeddings forward; sends their gradient back in backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        pooled: torch.Tensor,
-        received: torch.Tensor,
-        ex: EmbeddingExchange,
-        step: int,
-        ids: torch.Tensor,
-    ) -> torch.Tensor:
-        ctx.ex, ctx.step, ctx.ids = ex, step, ids
-        if ex.mask_backward:
-            ctx.save_for_backward(received != 0)
-        return received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if ctx.ex.mask_backward:
-            (kept,) = ctx.saved_tensors
-            grad = grad * kept
-        return ctx.ex.backward(grad, ctx.step, ctx.ids), None, None, None, None
