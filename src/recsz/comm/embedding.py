@@ -7,7 +7,8 @@ back to the tables' owners. Both go through one path (``_send`` / ``_receive``):
 for the step), one payload per block (:meth:`~recsz.codecs.Codec.encode_segments`);
 a direction only chooses its rows and places what it receives (docs/ARCHITECTURE.md).
 Each direction starts (codes and sends) and finishes (waits, decodes, places) apart, so
-its bytes fly while the model computes (:mod:`recsz.comm.overlap`).
+its bytes fly while the model computes: forward while the bottom MLP runs, backward while
+the rest of the backward pass does (:mod:`recsz.comm.overlap`).
 
 Id-aware traffic (every rank reads the global batch, so both ends know the ids): forward,
 ``id_dedup`` sends one row per distinct id of a destination's slice, which the receiver
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -32,7 +34,7 @@ from torch.profiler import record_function
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_pairs
-from recsz.comm.overlap import Pending
+from recsz.comm.overlap import tie_backward
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.policy import BoundPolicy
 
@@ -89,8 +91,7 @@ class EmbeddingExchange:
         self.check_bounds = check_bounds
         self.id_dedup, self.coalesce = id_dedup, coalesce
         self.sparse_grad = sparse_grad and coalesce
-        # DCT-MP: gradients only for the entries the forward pass delivered (the rest
-        # were dropped, so nothing upstream depends on them).
+        #: DCT-MP: the backward sends only the entries the forward delivered (:class:`Pending`).
         self.mask_backward = bwd.codec.forward_mask
         #: (grad (b, T, D), this rank's samples' ids (b, T)) -> the gradient to send
         #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
@@ -364,3 +365,27 @@ class EmbeddingExchange:
             else:
                 out[:, s * b : (s + 1) * b] = blk.rows.view(n_mine, b, dim)
         return out.transpose(0, 1)
+
+
+@dataclass
+class Pending:
+    """Forward all-to-all in flight; ``wait()`` gives (b, T, D), whose gradient is sent
+    back while the rest of the backward pass runs (:func:`tie_backward`)."""
+
+    ex: EmbeddingExchange
+    pooled: torch.Tensor
+    sent: Sent
+    step: int
+    ids: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        ex, pooled, step, ids = self.ex, self.pooled, self.step, self.ids
+        received = ex.finish_forward(self.sent, ids, pooled.shape[2])
+        # DCT-MP: gradients only for the entries the forward pass delivered (the rest
+        # were dropped, so nothing upstream depends on them).
+        kept = received != 0 if ex.mask_backward and pooled.requires_grad else None
+
+        def start(grad: torch.Tensor) -> Sent:
+            return ex.start_backward(grad if kept is None else grad * kept, step, ids)
+
+        return tie_backward(received, pooled, start, lambda s: ex.finish_backward(s, ids, pooled))

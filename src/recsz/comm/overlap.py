@@ -1,67 +1,60 @@
-"""How autograd drives the embedding exchange, overlapping its bytes with computation.
+"""A backward that sends now and receives later, so a gradient's bytes fly while the rest
+of the backward pass runs.
 
-Forward: :meth:`EmbeddingExchange.start_forward` returns a :class:`Pending` whose bytes
-fly while the bottom MLP runs; ``wait()`` receives them and ties them into autograd.
-Backward: the embeddings' gradient is coded and sent as soon as autograd reaches it, and
-received in a callback at the end of the backward pass, so the bytes fly while the bottom
-MLP's backward and DDP's all-reduce run; the callback then runs the tables' own backward
-(their fused update) with what arrived.
+An exchange hands autograd what it received (computed from its own source tensor,
+detached). :func:`tie_backward` ties the two: when the backward pass reaches the received
+tensor's gradient, ``start`` codes and sends it at once; at the end of the pass a callback
+(the autograd engine's ``queue_callback``, as DDP's reducer finishes its own all-reduce)
+calls ``finish`` to receive the source's gradient and runs the source's own backward with
+it (the tables' fused update). Between the two, autograd goes on with what needs no
+embedding gradient: in DLRM the bottom MLP's backward and DDP's all-reduce, which the
+received tensor was made after, so the engine reaches it first.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from recsz.comm.embedding import EmbeddingExchange, Sent
+T = TypeVar("T")
 
-
-@dataclass
-class Pending:
-    """Forward all-to-all in flight; ``wait()`` gives (b, T, D) tied into autograd."""
-
-    ex: EmbeddingExchange
-    pooled: torch.Tensor
-    sent: Sent
-    step: int
-    ids: torch.Tensor
-
-    def wait(self) -> torch.Tensor:
-        received = self.ex.finish_forward(self.sent, self.ids, self.pooled.shape[2])
-        if not self.pooled.requires_grad:  # frozen tables: no gradient to send back
-            return received
-        return _ExchangeGrad.apply(_ANCHOR.detach().requires_grad_(), received, self)
-
-
-#: What ties the received embeddings into autograd: not pooled itself, so that backward
-#: reaches the tables only through the gradients' exchange.
+#: What ties a received tensor into autograd: not its source, so that backward reaches
+#: the source only through the exchange's callback.
 _ANCHOR = torch.empty(0)
 
 
-class _ExchangeGrad(torch.autograd.Function):
-    """Identity on the received embeddings forward; backward sends their gradient and
-    queues its receipt (and the tables' backward) for the end of the backward pass."""
+def tie_backward(
+    received: torch.Tensor,
+    source: torch.Tensor,
+    start: Callable[[torch.Tensor], T],
+    finish: Callable[[T], torch.Tensor],
+) -> torch.Tensor:
+    """``received`` as a tensor of the autograd graph whose gradient ``g`` is sent by
+    ``start(g)`` (-> what is in flight) and arrives as ``finish(in_flight)``, the gradient of
+    ``source``, at the end of the backward pass. A source that needs no gradient (frozen
+    tables, evaluation) leaves ``received`` as it is."""
+    if not source.requires_grad:
+        return received
+    anchor = _ANCHOR.detach().requires_grad_()
+    out: torch.Tensor = _Deferred.apply(anchor, received, (source, start, finish))
+    return out
 
+
+class _Deferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, received: torch.Tensor, p: Pending) -> torch.Tensor:
-        ctx.p = p
-        if p.ex.mask_backward:
-            ctx.save_for_backward(received != 0)
+    def forward(ctx: Any, anchor: torch.Tensor, received: torch.Tensor, hooks: Any) -> torch.Tensor:
+        ctx.hooks = hooks
         return received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        p = ctx.p
-        if p.ex.mask_backward:  # DCT-MP: only the entries the forward delivered
-            (kept,) = ctx.saved_tensors
-            grad = grad * kept
-        sent = p.ex.start_backward(grad, p.step, p.ids)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        source, start, finish = ctx.hooks
+        in_flight = start(grad)
 
-        def finish() -> None:
-            torch.autograd.backward(p.pooled, p.ex.finish_backward(sent, p.ids, p.pooled))
+        def done() -> None:
+            torch.autograd.backward(source, finish(in_flight))
 
-        torch.autograd.Variable._execution_engine.queue_callback(finish)
+        torch.autograd.Variable._execution_engine.queue_callback(done)
         return None, None, None

@@ -36,6 +36,7 @@ from torchrec.distributed.types import Awaitable
 from recsz.codecs.framing import frame, unframe
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
+from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.policy.factory import make_policy
 
@@ -210,8 +211,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         got = self._receive(self.fwd, pending, [per_rank[self.rank]] * self.world, self.dims)
         return torch.cat(got, 1)
 
-    def backward(self, grad: torch.Tensor, step: int, per_rank: list[int]) -> torch.Tensor:
-        """(local batch, all dims) gradient -> (global batch, my dims) on the table owner."""
+    def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
+        """(local batch, all dims) gradient: coded and sent to the tables' owners."""
         grad = grad.contiguous()
         if get_gradient_division():
             grad = grad / self.world
@@ -221,14 +222,17 @@ class CompressedPooledEmbeddingDist(nn.Module):
         blocks = [
             (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
         ]
-        pending = self._send(self.bwd, step, blocks, (grad, every, keys), True)
-        return torch.cat(
-            self._receive(self.bwd, pending, per_rank, [self.dims[self.rank]] * self.world)
-        )
+        return self._send(self.bwd, step, blocks, (grad, every, keys), True)
+
+    def finish_backward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
+        """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
+        dims = [self.dims[self.rank]] * self.world
+        return torch.cat(self._receive(self.bwd, pending, per_rank, dims))
 
 
 class _Received(Awaitable[torch.Tensor]):
-    """The forward in flight; waiting decodes it into a tensor tied into autograd."""
+    """The forward in flight; waiting decodes it into a tensor whose gradient is sent back
+    while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`)."""
 
     def __init__(
         self,
@@ -242,24 +246,11 @@ class _Received(Awaitable[torch.Tensor]):
         self.args = (local_embs, owner, pending, step, per_rank)
 
     def _wait_impl(self) -> torch.Tensor:
-        return _Exchange.apply(*self.args)
-
-
-class _Exchange(torch.autograd.Function):
-    """Forward: the received embeddings; backward: their gradient sent back, compressed."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        local_embs: torch.Tensor,
-        owner: CompressedPooledEmbeddingDist,
-        pending: PendingBytes,
-        step: int,
-        per_rank: list[int],
-    ) -> torch.Tensor:
-        ctx.owner, ctx.step, ctx.per_rank = owner, step, per_rank
-        return owner.finish_forward(pending, per_rank).to(local_embs.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return ctx.owner.backward(grad, ctx.step, ctx.per_rank), None, None, None, None
+        local_embs, owner, pending, step, per_rank = self.args
+        received = owner.finish_forward(pending, per_rank).to(local_embs.dtype)
+        return tie_backward(
+            received,
+            local_embs,
+            lambda grad: owner.start_backward(grad, step),
+            lambda sent: owner.finish_backward(sent, per_rank).to(local_embs.dtype),
+        )
