@@ -486,3 +486,23 @@ def test_gradients_fly_while_the_rest_of_backward_runs(
     assert not emb.requires_grad
     ex.stats.settle()
     assert ex.stats.raw["bwd"] == sent
+
+
+def test_a_deferred_backwards_failure_stops_the_backward_pass() -> None:
+    """``tie_backward``: what ``finish`` raises (a damaged payload, a peer gone) comes out of
+    ``backward()`` itself, and the source gets no gradient."""
+    from recsz.comm.overlap import tie_backward
+
+    source = torch.randn(4, 3, requires_grad=True)
+    started = []
+
+    def finish(token: int) -> torch.Tensor:
+        raise ValueError(f"rank 1: bwd payloads from ranks [0]: damaged ({token})")
+
+    out = tie_backward(source.detach() * 2, source, lambda g: started.append(g) or 7, finish)
+    with pytest.raises(ValueError, match=r"rank 1: bwd payloads .* damaged \(7\)"):
+        out.sum().backward()
+    assert len(started) == 1 and source.grad is None
+    out = tie_backward(source.detach() * 2, source, lambda g: g * 2, lambda g: g)
+    out.sum().backward()  # the plain chain rule, where start and finish are the identity
+    assert torch.equal(source.grad, torch.full((4, 3), 2.0))
