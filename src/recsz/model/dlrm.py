@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from recsz.model.config import ModelConfig
@@ -71,10 +72,13 @@ def interact_features(x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _pairs(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat positions in an (n, n) matrix of the pairs i > j, row by row, and of their
-    mirror images (j, i)."""
+    """Flat positions in an (n, n) matrix of the pairs i > j, row by row; and for each
+    position of that matrix, its pair's index (for (i, j) and its mirror (j, i)), or the
+    number of pairs on the diagonal."""
     li, lj = torch.tril_indices(n, n, offset=-1, device=device)
-    return li * n + lj, lj * n + li
+    pairs, k = li * n + lj, torch.arange(li.numel(), device=device)
+    of = torch.full((n * n,), li.numel(), dtype=torch.int64, device=device)
+    return pairs, of.index_copy_(0, pairs, k).index_copy_(0, lj * n + li, k)
 
 
 class _PairDots(torch.autograd.Function):
@@ -99,9 +103,9 @@ class _PairDots(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
         (feats,) = ctx.saved_tensors
         b, n, _ = feats.shape
-        pairs, mirrored = _pairs(n, feats.device)
-        g = g.to(feats.dtype)
-        sym = g.new_zeros(b, n * n).index_copy_(1, pairs, g).index_copy_(1, mirrored, g)
+        of = _pairs(n, feats.device)[1]
+        # one gather (a zero column for the diagonal) rather than zeros and two scatters
+        sym = F.pad(g.to(feats.dtype), (0, 1)).index_select(1, of)
         with torch.autocast(feats.device.type, enabled=False):
             return torch.bmm(sym.view(b, n, n), feats)
 
