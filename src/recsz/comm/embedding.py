@@ -338,7 +338,7 @@ class EmbeddingExchange:
 
     def finish_backward(self, sent: Sent, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The gradients :meth:`start_backward` sent, received on the tables' owner -> grad
-        of pooled (B, |T_r|, D), in ``like``'s dtype (the sample owners' gradient)."""
+        of pooled (B, |T_r|, D), in ``like``'s dtype (pooled's)."""
         b, dim = ids.shape[0] // self.world, like.shape[-1]
 
         def sizes_from(src: int) -> list[int]:  # src: a sample owner

@@ -20,10 +20,6 @@ import torch
 
 T = TypeVar("T")
 
-#: What ties a received tensor into autograd: not its source, so that backward reaches
-#: the source only through the exchange's callback.
-_ANCHOR = torch.empty(0)
-
 
 def tie_backward(
     received: torch.Tensor,
@@ -37,7 +33,9 @@ def tie_backward(
     tables, evaluation) leaves ``received`` as it is."""
     if not source.requires_grad:
         return received
-    anchor = _ANCHOR.detach().requires_grad_()
+    # What ties ``received`` into autograd: not ``source``, so that backward reaches the
+    # source only through the callback.
+    anchor = received.new_empty(0).requires_grad_()
     out: torch.Tensor = _Deferred.apply(anchor, received, (source, start, finish))
     return out
 
