@@ -13,7 +13,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -235,12 +234,15 @@ def test_failing_rank_stops_the_job_fast(tmp_path: Path) -> None:
         "--out",
         str(tmp_path),
     ]
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    took = time.perf_counter() - t
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)  # a hang guard
+    out = p.stdout + p.stderr
     assert p.returncode != 0
-    assert "injected failure on rank 1 at step 3" in p.stdout + p.stderr
-    assert took < 60, f"job took {took:.0f}s to fail"
+    assert "injected failure on rank 1 at step 3" in out
+    # rank 0 was stopped (its peer gone, or torchrun's signal), not left to its
+    # collective's timeout
+    assert "timed out" not in out.lower() and "timeout" not in out.lower().replace(
+        "dist-timeout", ""
+    ), out[-3000:]
 
 
 def test_diverging_ranks_all_stop_at_the_same_row(tmp_path: Path) -> None:
