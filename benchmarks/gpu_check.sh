@@ -33,6 +33,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    DCT-DP hooks on CUDA gradients (lengths by gloo, payloads by NCCL, one rank).
 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
+    tests/test_exchange.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.

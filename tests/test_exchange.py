@@ -506,3 +506,30 @@ def test_a_deferred_backwards_failure_stops_the_backward_pass() -> None:
     out = tie_backward(source.detach() * 2, source, lambda g: g * 2, lambda g: g)
     out.sum().backward()  # the plain chain rule, where start and finish are the identity
     assert torch.equal(source.grad, torch.full((4, 3), 2.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["none", "fp16"])
+def test_cuda_sparse_deferred_gradients_train_the_tables_as_the_cpu(codec: str) -> None:
+    """On a GPU (format 4 for the casts, the sort-based row sums) the id-aware exchange, its
+    sparse coalesced gradient and the deferred backward leave the tables and the row-wise
+    Adagrad state where the CPU leaves them after three steps."""
+    from recsz.model import ModelConfig, RowOptimizer, SparseArch
+
+    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+    gen = torch.Generator().manual_seed(0)
+    steps = []
+    for _ in range(3):
+        ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
+        steps.append((ids, torch.randn(16, 3, 4, generator=gen)))
+    archs = []
+    for device in ("cpu", "cuda"):
+        arch = SparseArch(cfg, [0, 1, 2], 0, RowOptimizer("rowwise_adagrad", 0.1)).to(device)
+        ex = one_rank(codec, BoundPolicy(), id_dedup=True, coalesce=True, sparse_grad=True)
+        for k, (ids, g) in enumerate(steps):
+            ids, g = ids.to(device), g.to(device)
+            (ex.start_forward(arch(ids), k, ids).wait() * g).sum().backward()
+        archs.append(arch)
+    cpu, gpu = archs
+    torch.testing.assert_close(gpu.weight.cpu(), cpu.weight, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gpu.optimizer_state.cpu(), cpu.optimizer_state, rtol=0, atol=1e-5)
