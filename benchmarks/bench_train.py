@@ -94,6 +94,15 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "none+ids": ("--id-dedup", "--bwd-coalesce"),
     "none+ids+amp": ("--id-dedup", "--bwd-coalesce", "--dense-dtype", "bf16"),
     "hybrid-dual+ids+amp": (*_DUAL, "--bwd-codec", "hybrid", "--dense-dtype", "bf16"),
+    "hybrid-dual+ids+dp-eb+amp": (
+        *_DUAL,
+        "--bwd-codec",
+        "hybrid",
+        "--dp-comm",
+        "eb",
+        "--dense-dtype",
+        "bf16",
+    ),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
 }
