@@ -175,6 +175,8 @@ A2A = {
     "dual/3": (*_DUAL_BOTH, *_classes(1 / 3)),
     "dual/10": (*_DUAL_BOTH, *_classes(1 / 10)),
     "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual", *_classes(1)[:2]),
+    # the fastest configuration on slow links: the defaults with the MLPs in bfloat16
+    "dual/3+amp": (*_DUAL_BOTH, *_classes(1 / 3), "--dense-dtype", "bf16"),
 }
 
 
@@ -202,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only",
         default="",
-        help="comma list: keep these settings (the direction column, e.g. dp-eb@0.03) and "
-        "each seed's uncompressed run",
+        help="comma list: keep these settings (the direction column, e.g. dp-eb@0.03, or "
+        "with --a2a the policy column, e.g. dual/3) and each seed's uncompressed run",
     )
     ap.add_argument(
         "--versus",
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = plan(a.quick, {})
     if a.only:
         keep = set(a.only.split(","))
-        runs = [r for r in runs if r.policy == "none" or r.direction in keep]
+        runs = [r for r in runs if r.policy == "none" or keep & {r.direction, r.policy}]
     versus = [tuple(v.split(":")) for v in a.versus.split(",") if v]
     planned = {r.direction for r in runs}
     if bad := [v for v in versus if len(v) != 2 or not set(v) <= planned]:
