@@ -30,7 +30,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 # 1. The CUDA tests (they skip on CI): the format-3 kernels against the CPU reference,
 #    damaged payloads, no host sync in a one-GPU exchange step, format 4 of the casts,
 #    bounds by the range kernel, no host sync in a whole one-GPU training step, the eb and
-#    DCT-DP hooks on CUDA gradients (lengths by gloo, payloads by NCCL, one rank).
+#    DCT-DP hooks on CUDA gradients (lengths by gloo, payloads by NCCL, one rank), the
+#    id-aware exchange's sparse, deferred gradient on CUDA against the CPU.
 timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
     tests/test_exchange.py \
