@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--versus",
         default="",
-        help="comma list of A:B settings: their paired AUC difference A - B over the seeds",
+        help="comma list of A:B settings (as --only names them): their paired AUC difference "
+        "A - B over the seeds",
     )
     a = ap.parse_args(argv)
     results: list[Result] = []
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         keep = set(a.only.split(","))
         runs = [r for r in runs if r.policy == "none" or keep & {r.direction, r.policy}]
     versus = [tuple(v.split(":")) for v in a.versus.split(",") if v]
-    planned = {r.direction for r in runs}
+    planned = {x for r in runs if r.policy != "none" for x in (r.direction, r.policy)}
     if bad := [v for v in versus if len(v) != 2 or not set(v) <= planned]:
         ap.error(f"--versus {bad}: want A:B pairs of planned settings ({sorted(planned)})")
     for run in runs:
@@ -272,8 +273,11 @@ def print_paired(results: list[Result], versus: list[tuple[str, ...]]) -> None:
         setting = "none" if r.policy == "none" else f"{r.policy} {r.direction}"
         auc.setdefault((r.data, setting), {})[r.seed] = r.auc
 
-    def named(data: str, direction: str) -> str:
-        return next((k for d, k in auc if d == data and k.endswith(f" {direction}")), "")
+    def named(data: str, x: str) -> str:  # x: a direction (--hooks) or a policy (--a2a)
+        return next(
+            (k for d, k in auc if d == data and x in (k.split(" ", 1)[-1], k.split(" ", 1)[0])),
+            "",
+        )
 
     pairs = [(data, k, "none") for data, k in auc if k != "none"]
     datasets = sorted({d for d, _ in auc})

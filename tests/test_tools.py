@@ -262,6 +262,15 @@ def test_bench_accuracy_pairs_runs_by_seed(capsys: pytest.CaptureFixture[str]) -
     assert "| dual dp-eb@0.03 | syn | 3 | +0.0200 | 0.0100 | 0.0058 |" in out
     assert "| dual dp-powersgd@1 | syn | 2 | +0.0000 | 0.0000 | 0.0000 |" in out
     assert "| dual dp-eb@0.03 - dual dp-powersgd@1 | syn | 2 | +0.0150 | 0.0071 | 0.0050 |" in out
+    # --a2a settings differ in the policy column (the direction is dp-eb for all)
+    a2a = [
+        *(res("-", "none", s, a) for s, a in [(0, 0.80), (1, 0.70)]),
+        *(res("dp-eb", "dual/3", s, a) for s, a in [(0, 0.81), (1, 0.72)]),
+        *(res("dp-eb", "dual/3+amp", s, a) for s, a in [(0, 0.80), (1, 0.70)]),
+    ]
+    bench.print_paired(a2a, [("dual/3+amp", "dual/3")])
+    out = capsys.readouterr().out
+    assert "| dual/3+amp dp-eb - dual/3 dp-eb | syn | 2 | -0.0150 | 0.0071 | 0.0050 |" in out
 
 
 def test_bench_accuracy_refuses_a_pair_it_will_not_run(capsys: pytest.CaptureFixture[str]) -> None:
