@@ -18,6 +18,7 @@ from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.ids import distinct_pairs, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args
+from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.fiited import HeldMask
 from recsz.policy import BoundPolicy, FixedBound
 from recsz.report import per_table, summarize
@@ -408,6 +409,38 @@ def test_casts_cross_three_ranks_without_exchanging_sizes(tmp_path) -> None:  # 
         torch.testing.assert_close(got["fp16"][1], grad, rtol=2e-3, atol=1e-3)
 
 
+# ---- the exchange driving a rank's tables -----------------------------------------------
+TABLE_ROWS = (7, 3, 11)
+
+
+def small_tables(kind: str | None = "rowwise_adagrad") -> SparseArch:
+    """Three tiny tables of dim 4 in one SparseArch (``kind``: the row optimizer, None:
+    frozen)."""
+    cfg = ModelConfig(table_sizes=TABLE_ROWS, emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+    return SparseArch(cfg, [0, 1, 2], 0, RowOptimizer(kind, 0.1) if kind else None)
+
+
+def small_steps(gen: torch.Generator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` steps of (ids (16, 3), the embeddings' gradient (16, 3, 4))."""
+    out = []
+    for _ in range(n):
+        ids = torch.stack([torch.randint(0, r, (16,), generator=gen) for r in TABLE_ROWS], 1)
+        out.append((ids, torch.randn(16, 3, 4, generator=gen)))
+    return out
+
+
+def train_tables(
+    arch: SparseArch,
+    ex: EmbeddingExchange,
+    steps: list[tuple[torch.Tensor, torch.Tensor]],
+    device: str = "cpu",
+) -> None:
+    """One exchange step per (ids, gradient): forward, then backward of <emb, gradient>."""
+    for k, (ids, g) in enumerate(steps):
+        ids, g = ids.to(device), g.to(device)
+        (ex.start_forward(arch(ids), k, ids).wait() * g).sum().backward()
+
+
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(0, 10_000),
@@ -420,19 +453,13 @@ def test_sparse_coalesced_gradient_updates_the_tables_as_the_dense_one(
     """``sparse_grad``: the owner gets each id's summed gradient as a sparse gradient of
     pooled, which the fused update reads directly; three steps of it leave the tables and
     their optimizer state where the dense (B, |T_r|, D) gradient leaves them."""
-    from recsz.model import ModelConfig, RowOptimizer, SparseArch
-
-    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+    steps = small_steps(torch.Generator().manual_seed(seed), 3)
     archs = []
     for sparse in (False, True):
-        arch = SparseArch(cfg, [0, 1, 2], 0, RowOptimizer(kind, 0.1))
+        arch = small_tables(kind)
         assert arch.takes_sparse_grad
         ex = one_rank(codec, BoundPolicy(), id_dedup=True, coalesce=True, sparse_grad=sparse)
-        gen = torch.Generator().manual_seed(seed)
-        for step in range(3):
-            ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
-            emb = ex.start_forward(arch(ids), step, ids).wait()
-            (emb * torch.randn(emb.shape, generator=gen)).sum().backward()
+        train_tables(arch, ex, steps)
         archs.append(arch)
     dense, sparse_ = archs
     torch.testing.assert_close(sparse_.weight, dense.weight, rtol=0, atol=1e-6)
@@ -448,14 +475,11 @@ def test_gradients_fly_while_the_rest_of_backward_runs(
     waited on (the bottom MLP) gets its gradient while the bytes are sent and the tables
     are not yet updated; afterwards the tables hold what one process's plain backward
     leaves them (frozen tables send nothing)."""
-    from recsz.model import ModelConfig, RowOptimizer, SparseArch
-
-    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
     gen = torch.Generator().manual_seed(0)
-    ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
-    dense, g = torch.randn(16, 5, generator=gen), torch.randn(16, 3, 4, generator=gen)
+    ((ids, g),) = small_steps(gen, 1)
+    dense = torch.randn(16, 5, generator=gen)
     bottom = torch.nn.Linear(5, 4)
-    archs = [SparseArch(cfg, [0, 1, 2], 0, RowOptimizer("rowwise_adagrad", 0.1)) for _ in "ab"]
+    archs = [small_tables() for _ in "ab"]
     start = archs[0].weight.detach().clone()
     ex = one_rank("zstd", BoundPolicy(), id_dedup=ids_aware, coalesce=ids_aware)
     seen, decoded = [], []
@@ -480,7 +504,7 @@ def test_gradients_fly_while_the_rest_of_backward_runs(
     torch.testing.assert_close(archs[0].weight, archs[1].weight, rtol=0, atol=1e-6)
     assert not torch.equal(archs[0].weight, start)
 
-    frozen = SparseArch(cfg, [0, 1, 2], 0, None)
+    frozen = small_tables(None)
     sent = ex.stats.raw["bwd"]
     emb = ex.start_forward(frozen(ids), 1, ids).wait()
     assert not emb.requires_grad
@@ -514,21 +538,12 @@ def test_cuda_sparse_deferred_gradients_train_the_tables_as_the_cpu(codec: str) 
     """On a GPU (format 4 for the casts, the sort-based row sums) the id-aware exchange, its
     sparse coalesced gradient and the deferred backward leave the tables and the row-wise
     Adagrad state where the CPU leaves them after three steps."""
-    from recsz.model import ModelConfig, RowOptimizer, SparseArch
-
-    cfg = ModelConfig(table_sizes=(7, 3, 11), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
-    gen = torch.Generator().manual_seed(0)
-    steps = []
-    for _ in range(3):
-        ids = torch.stack([torch.randint(0, n, (16,), generator=gen) for n in (7, 3, 11)], 1)
-        steps.append((ids, torch.randn(16, 3, 4, generator=gen)))
+    steps = small_steps(torch.Generator().manual_seed(0), 3)
     archs = []
     for device in ("cpu", "cuda"):
-        arch = SparseArch(cfg, [0, 1, 2], 0, RowOptimizer("rowwise_adagrad", 0.1)).to(device)
+        arch = small_tables().to(device)
         ex = one_rank(codec, BoundPolicy(), id_dedup=True, coalesce=True, sparse_grad=True)
-        for k, (ids, g) in enumerate(steps):
-            ids, g = ids.to(device), g.to(device)
-            (ex.start_forward(arch(ids), k, ids).wait() * g).sum().backward()
+        train_tables(arch, ex, steps, device)
         archs.append(arch)
     cpu, gpu = archs
     torch.testing.assert_close(gpu.weight.cpu(), cpu.weight, rtol=0, atol=1e-5)
