@@ -274,10 +274,7 @@ def print_paired(results: list[Result], versus: list[tuple[str, ...]]) -> None:
         auc.setdefault((r.data, setting), {})[r.seed] = r.auc
 
     def named(data: str, x: str) -> str:  # x: a direction (--hooks) or a policy (--a2a)
-        return next(
-            (k for d, k in auc if d == data and x in (k.split(" ", 1)[-1], k.split(" ", 1)[0])),
-            "",
-        )
+        return next((k for d, k in auc if d == data and x in k.split(" ", 1)), "")
 
     pairs = [(data, k, "none") for data, k in auc if k != "none"]
     datasets = sorted({d for d, _ in auc})
