@@ -40,11 +40,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsz import stepgraph
 from recsz.codecs import blockformat as bf
 from recsz.codecs import get_codec
 from recsz.comm import EmbeddingExchange
 from recsz.comm.direction import Direction
 from recsz.comm.stats import ShardPlan
+from recsz.data.source import Batch
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.policy import BoundPolicy
@@ -280,10 +282,14 @@ def sweep_rows(step_cpu: torch.Tensor, data: str, repeats: int) -> list[dict]:
 #: Training-step configurations: the codec both ways, "+ids" with id-aware traffic (sizes
 #: change every step, so the coder runs eagerly, as in the trainer by default).
 TRAIN_CONFIGS = ["direct", "none", "fp16", "hybrid", "quant", "hybrid+ids"]
-#: At the largest batch only: "+compile" puts the MLPs and the interaction under
-#: torch.compile (each compiles the dense part); "+bf16" runs them under bfloat16 autocast
-#: (``--dense-dtype bf16``).
+#: At the largest batch only: "+graph" replays the whole step as one CUDA graph
+#: (``--cuda-graph``, :mod:`recsz.stepgraph`); "+compile" puts the MLPs and the interaction
+#: under torch.compile (each compiles the dense part); "+bf16" runs them under bfloat16
+#: autocast (``--dense-dtype bf16``).
 LARGEST_BATCH_CONFIGS = [
+    "direct+graph",
+    "none+graph",
+    "hybrid+graph",
     "direct+compile",
     "none+compile",
     "hybrid+compile",
@@ -339,23 +345,29 @@ def train_rows(batch: int, steps: int, probes: list, largest: bool = False) -> l
         )
         at = [0]
 
-        def step(
+        def body(
+            b: Batch,
+            k: int,
             sparse: Any = sparse,
             dense: Any = dense,
             opt: Any = opt,
             ex: Any = ex,
             name: str = name,
-            at: list[int] = at,
-        ) -> None:
-            k = at[0]
-            at[0] += 1
-            d, ids, y = data[k % len(data)]
-            pooled = sparse(ids, checked=True)  # as the trainer: ids made for these tables
-            emb = pooled if name.startswith("direct") else ex.start_forward(pooled, k, ids)
-            loss = nn.functional.binary_cross_entropy_with_logits(dense(d, emb), y)
+        ) -> torch.Tensor:
+            pooled = sparse(b.ids, checked=True)  # as the trainer: ids made for these tables
+            emb = pooled if name.startswith("direct") else ex.start_forward(pooled, k, b.ids)
+            loss = nn.functional.binary_cross_entropy_with_logits(dense(b.dense, emb), b.labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            return loss.detach()
+
+        run = stepgraph.graphed(body, ex, 1) if name.endswith("+graph") else body
+
+        def step(run: Any = run, at: list[int] = at) -> None:
+            k = at[0]
+            at[0] += 1
+            run(Batch(*data[k % len(data)]), k)
 
         try:
             for _ in range(6):  # past the probe window, kernels compiled, graphs captured
@@ -382,7 +394,7 @@ def train_rows(batch: int, steps: int, probes: list, largest: bool = False) -> l
             )
     ms = {r["config"]: r["step_ms"] for r in rows}
     for r in rows:  # the ratio: over the same step with codec none both ways
-        plain = next((x for x in ("+compile", "+bf16") if r["config"].endswith(x)), "")
+        plain = next((x for x in ("+graph", "+compile", "+bf16") if r["config"].endswith(x)), "")
         r["step_ratio"] = r["step_ms"] / ms["none" + plain]
         r["ratio_vs_direct"] = r["step_ms"] / ms["direct" + plain]
     return rows

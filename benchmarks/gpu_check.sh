@@ -31,10 +31,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    damaged payloads, no host sync in a one-GPU exchange step, format 4 of the casts,
 #    bounds by the range kernel, no host sync in a whole one-GPU training step, the eb and
 #    DCT-DP hooks on CUDA gradients (lengths by gloo, payloads by NCCL, one rank), the
-#    id-aware exchange's sparse, deferred gradient on CUDA against the CPU.
-timeout 110 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
+#    id-aware exchange's sparse, deferred gradient on CUDA against the CPU, the whole step
+#    replayed as CUDA graphs (--cuda-graph) against eager steps.
+timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
-    tests/test_exchange.py \
+    tests/test_exchange.py tests/test_stepgraph.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
@@ -47,13 +48,19 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    steps, so that samples_per_s_steady (after the first 3) is past compiles and captures
 #    and mostly past the policy's 10-step probe window. Only the summaries come back.
 #    The trainer's default traffic is id-aware (sizes change every step: eager coder, a few
-#    syncs); "--no-id-dedup --no-bwd-coalesce" runs the fixed-size, sync-free step; then the
-#    MLPs under torch.compile (--compile), then in bfloat16 (--dense-dtype bf16).
-for run in none hybrid "hybrid --no-id-dedup --no-bwd-coalesce" "hybrid --compile" \
-    "none --dense-dtype bf16" "hybrid --dense-dtype bf16"; do
+#    syncs); then the MLPs under torch.compile (--compile), then in bfloat16 (--dense-dtype
+#    bf16). The fixed-size, sync-free step ("--no-id-dedup --no-bwd-coalesce") runs 100
+#    steps, eagerly and replayed as CUDA graphs (--cuda-graph: the policy's 10-step probe
+#    window and its classification run eagerly).
+fixed="--no-id-dedup --no-bwd-coalesce"
+for run in none hybrid "hybrid $fixed" "hybrid --compile" "none --dense-dtype bf16" \
+    "hybrid --dense-dtype bf16" "none $fixed" "none $fixed --cuda-graph" \
+    "hybrid $fixed --cuda-graph"; do
     c=${run%% *}
+    steps=40
+    case "$run" in *"$fixed"*) steps=100 ;; esac
     name=train_$(echo "$run" | sed 's/ --/_/g; s/[- ]/_/g')_8192
-    timeout 90 python3 -m recsz.train --device cuda --preset bench --steps 40 \
+    timeout 90 python3 -m recsz.train --device cuda --preset bench --steps $steps \
         --batch-size 8192 --fwd-codec "$c" --bwd-codec "$c" --eb-policy dual \
         --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \
         2>&1 | tail -12

@@ -19,9 +19,9 @@ from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 from recsz.model.fiited import RULES
 
-CONFIG_VERSION = 6  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 7  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
-# the linear/log decays removed, --dense-dtype
+# the linear/log decays removed, --dense-dtype; 7: --cuda-graph
 
 
 def opt(
@@ -100,6 +100,11 @@ class TrainConfig:
     )
     compile: bool = opt(
         False, "the MLPs and interaction under torch.compile (fewer launches on a GPU)"
+    )
+    cuda_graph: bool = opt(
+        False,
+        "one GPU: replay the whole step as a CUDA graph (fixed-size traffic: with "
+        "--no-id-dedup --no-bwd-coalesce)",
     )
     # ---- the embedding all-to-all
     fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
@@ -215,6 +220,11 @@ class TrainConfig:
                 f"--bwd-codec {self.bwd_codec} sends the forward's kept entries; it needs a "
                 "thresholding forward codec (--fwd-codec dct)"
             )
+        if self.cuda_graph and (clash := self._graph_clashes(fwd, bwd)):
+            raise ValueError(
+                "--cuda-graph replays one fixed-size step on one GPU; it cannot run with "
+                + ", ".join(clash)
+            )
         if self.device == "cuda":
             import torch
 
@@ -224,6 +234,29 @@ class TrainConfig:
                 raise ValueError("--dense-dtype bf16, but this GPU has no bfloat16 arithmetic")
         if self.log_every == 0:
             self.log_every = 1
+
+    def _graph_clashes(self, fwd: Codec, bwd: Codec) -> list[str]:
+        """What ``--cuda-graph`` cannot replay: more than one process, traffic whose sizes
+        change every step, host work inside the step (host-coded codecs, DCT thresholds,
+        bound checks, FIITED's pruning, TT-Rec's caches and replicated cores)."""
+        import torch
+
+        gpu = torch.device("cuda")
+        host = [
+            f"--{d}-codec {c.codec_id} (coded on the host)"
+            for d, c in (("fwd", fwd), ("bwd", bwd))
+            if not (c.identity or c.segments_on(gpu)) or c.threshold or c.forward_mask
+        ]
+        flags = [
+            ("--device cpu", self.device != "cuda"),
+            (f"--nproc {self.nproc}", self.nproc > 1),
+            ("--id-dedup", self.id_dedup),
+            ("--bwd-coalesce", self.bwd_coalesce),
+            ("--check-bounds", self.check_bounds),
+            ("--fiited-budget", self.fiited_budget is not None),
+            ("--tt-tables", self.tt_tables > 0),
+        ]
+        return [f for f, on in flags if on] + host
 
     def resolved(self, name: str) -> Any:
         """A field that defaults to the preset's (``batch_size``, ``lr``, ``emb_lr``,

@@ -51,6 +51,7 @@ from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks, launch, watch_parent
+from recsz.stepgraph import graphed
 
 # DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
 # `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
@@ -294,6 +295,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         fiited = cfg.fiited_spec()
         if fiited is not None and cfg.fiited_mask_backward:
             share_chunk_counts(parts, ranks, fiited.chunk)
+
+        def one_step(batch: Batch, k: int) -> torch.Tensor:
+            return train_step(parts, batch, k, ranks)
+
+        run_step = graphed(one_step, parts.exchange, ranks.world) if cfg.cuda_graph else one_step
         batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
@@ -303,7 +309,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             batch = next(batches)
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            losses.append(train_step(parts, batch, step, ranks))
+            losses.append(run_step(batch, step))
             done = step + 1
             if fiited is not None and done % fiited.interval == 0:
                 parts.sparse.prune()
@@ -345,6 +351,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "steps": steps,
             "world_size": ranks.world,
             "skipped_lines": source.skipped_lines,
+            "graph_replays": getattr(run_step, "replays", 0),  # --cuda-graph's steps
             **totals,
             "per_table": totals.pop("tables"),
             # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).

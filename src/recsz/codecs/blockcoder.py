@@ -70,9 +70,12 @@ REPLAY_FROM = 3
 
 
 def _graphed(p: bp.Plan, static: bool) -> bool:
-    """Whether this call of ``p`` runs through its CUDA graph (counts the call)."""
+    """Whether this call of ``p`` runs through its CUDA graph (counts the call); never
+    while a graph of the caller's is being captured (the whole step's, ``--cuda-graph``)."""
     p.calls += 1
-    return static and p.dev.type == "cuda" and p.calls >= REPLAY_FROM
+    if not (static and p.dev.type == "cuda" and p.calls >= REPLAY_FROM):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
 
 
 def _replay(p: bp.Plan, run: Any) -> Any:

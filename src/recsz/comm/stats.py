@@ -50,6 +50,17 @@ class CommStats:
         else:
             self._later.append(sent)
 
+    def deferred(self) -> int:
+        """How many counts wait on the device (a mark for :meth:`take_since`)."""
+        return len(self._later)
+
+    def take_since(self, mark: int) -> list[GroupsSent]:
+        """The device counts kept since ``mark``, taken out (a captured CUDA graph's step:
+        its replays count them again, :mod:`recsz.stepgraph`)."""
+        taken = self._later[mark:]
+        del self._later[mark:]
+        return taken
+
     def settle(self) -> None:
         """Fold the counts kept on the device into the counters."""
         for sent in self._later:

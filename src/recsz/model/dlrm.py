@@ -170,7 +170,10 @@ class DenseArch(nn.Module):
 
     def _autocast(self, like: torch.Tensor) -> torch.autocast:
         dtype = self.compute or torch.float32
-        return torch.autocast(like.device.type, dtype, enabled=self.compute is not None)
+        # No cache of cast weights: each is cast once a step anyway, and a cache would
+        # outlive a CUDA graph's capture (PyTorch's notes on graphs and autocast).
+        on = self.compute is not None
+        return torch.autocast(like.device.type, dtype, enabled=on, cache_enabled=False)
 
 
 class DLRM(nn.Module):

@@ -34,13 +34,14 @@ session: no benchmark row chose them.)
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from recsz.policy.base import BoundPolicy, absolute_bounds
+from recsz.policy.base import BoundPolicy, absolute_bounds, checks_abs_on_host
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -197,6 +198,12 @@ class DualBound(BoundPolicy):
         self._maybe_classify(step)
         m = self.multiplier(step)
         return absolute_bounds([self.class_eb[self.class_of(t)] * m for t in tables], self.mode, x)
+
+    def graph_key(self, step: int) -> Hashable | None:
+        # Probing, or classifying what was probed, reads counts on the host.
+        if self._in_window(step) or self._pending or self._win or checks_abs_on_host(self.mode):
+            return None
+        return tuple(sorted(self.classes.items())), self.multiplier(step)
 
     def describe(self) -> dict[int, dict[str, Any]]:
         return {

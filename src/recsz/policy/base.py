@@ -9,6 +9,7 @@ slice, as the paper does (eb_abs = eb_rel x (max - min)).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,11 @@ MIN_ABS_BOUND = 1e-30
 
 
 _abs_checks = {"left": 1000}  # slices checked against an absolute bound, then no more
+
+
+def checks_abs_on_host(mode: str) -> bool:
+    """Whether absolute bounds are still checked against the data on the host."""
+    return mode == "abs" and _abs_checks["left"] > 0
 
 
 def _warn_if_wider_than_data(eb: float, x: torch.Tensor) -> None:
@@ -97,6 +103,12 @@ class BoundPolicy:
         """Feed a training step's values of ``tables`` (``x[j]``: table j's); adaptive
         policies learn from them."""
 
+    def graph_key(self, step: int) -> Hashable | None:
+        """What the host decides of ``step``'s bounds (hashable: steps with equal keys
+        may replay one CUDA graph, :mod:`recsz.stepgraph`), or None where deciding needs
+        the data on the host (that step runs eagerly)."""
+        return ()
+
     def describe(self) -> dict[int, dict[str, Any]]:
         """Per-table state for the logs."""
         return {}
@@ -123,3 +135,6 @@ class FixedBound(BoundPolicy):
 
     def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
         return absolute_bounds([self.eb] * len(tables), self.mode, x)
+
+    def graph_key(self, step: int) -> Hashable | None:
+        return None if checks_abs_on_host(self.mode) else ()

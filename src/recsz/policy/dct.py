@@ -8,6 +8,7 @@ as-is in between, so the kept fraction drifts as values change.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ class DCTThreshold(BoundPolicy):
                 self.thresholds[t] = topk_threshold(x[j], self.keep)
                 self.refreshed_at[t] = step
         return upload([self.thresholds[t] for t in tables], torch.float64, x.device)
+
+    def graph_key(self, step: int) -> Hashable | None:
+        return None  # thresholds are refreshed from the data on the host
 
     def describe(self) -> dict[int, dict[str, Any]]:
         return {t: {"class": "dct", "threshold": v} for t, v in self.thresholds.items()}
