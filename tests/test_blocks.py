@@ -134,6 +134,28 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
     assert bool(ok.all()) and np.array_equal(rows.numpy(), y)
 
 
+def test_decoding_another_buffer_of_the_same_layouts_uploads_nothing(monkeypatch) -> None:
+    """Each payload buffer has its own decode plan (a graph reads one buffer), all sharing
+    one upload of the layouts' indices: a new buffer (a CUDA graph's, under --cuda-graph)
+    needs no host copy, which a capture could not hold."""
+    from recsz.codecs import blockcoder, payload
+    from recsz.codecs import blockplan as bp
+
+    blockcoder.clear_plans()
+    x = np.tile(np.linspace(-1, 1, 8, dtype=np.float32), (40, 1))
+    lay = bf.Layout("hybrid", 0, 8, (24, 16), True)
+    (got,) = kernels([lay], [x], np.array([1e-3, 1e-2]), "cpu")
+    builds = []
+    real = bp.build
+    monkeypatch.setattr(bp, "build", lambda *a: builds.append(a) or real(*a))
+    first = blockcoder.decode([got], [lay])[0][0].clone()
+    again = blockcoder.decode([got.clone()], [lay])[0][0]
+    assert len(builds) == 1 and torch.equal(first, again)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        payload.upload([1, 2], torch.int64, torch.device("cuda"))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("eb", [0.3828125, 0.011962890625])
 def test_exact_ties_where_a_multiply_rounds_otherwise(device: str, eb: float) -> None:

@@ -26,6 +26,7 @@ arguments (no recompilation), and a plan's indices are derived on the device.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from typing import Any
 
@@ -255,8 +256,12 @@ def decode(
     buf, base = common_buffer(payloads)
     ends = [b + q.numel() for b, q in zip(base, payloads, strict=True)]
     dev = buf.device
-    key = ("dec", tuple(lays), buf.data_ptr(), buf.numel(), tuple(base), tuple(ends), dev)
-    p = _plan(key, lambda: bp.build(lays, base, ends, dev))
+    # A plan per buffer (its graph reads that buffer), its indices shared by every buffer
+    # of the same layouts: uploaded once (not inside a caller's capture, --cuda-graph).
+    places = (tuple(lays), tuple(base), tuple(ends), dev)
+    key = ("dec", *places, buf.data_ptr(), buf.numel())
+    shared = functools.partial(_plan, ("idx", *places), lambda: bp.build(lays, base, ends, dev))
+    p = _plan(key, lambda: bp.Plan(lays, base, dev, t=dict(shared().t)))
     p.t["buf"] = buf
     y, ebs, ok = _replay(p, lambda: _decode(p)) if _graphed(p, static) else _decode(p)
     rows = [y[r0 : r0 + lay.rows] for r0, lay in zip(_row_starts(lays), lays, strict=True)]

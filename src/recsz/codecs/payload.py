@@ -62,9 +62,15 @@ class Header:
 
 
 def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host values on ``device`` without a host sync (pinned memory, asynchronous copy)."""
+    """Host values on ``device`` without a host sync (pinned memory, asynchronous copy).
+    Never inside a CUDA graph's capture: each replay would copy again from pinned memory
+    that is by then reused (a capture calling this fails here instead)."""
     t = torch.tensor(np.asarray(values), dtype=dtype)  # a copy: values may be read-only
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    if device.type != "cuda":
+        return t
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a host upload inside a CUDA graph capture (make it before)")
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def constant(values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
