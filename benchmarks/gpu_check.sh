@@ -47,15 +47,15 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    compressed (no wire with one rank: this measures what compression costs there); 40
 #    steps, so that samples_per_s_steady (after the first 3) is past compiles and captures
 #    and mostly past the policy's 10-step probe window. Only the summaries come back.
-#    The trainer's default traffic is id-aware (sizes change every step: eager coder, a few
-#    syncs); then the MLPs under torch.compile (--compile), then in bfloat16 (--dense-dtype
-#    bf16). The fixed-size, sync-free step ("--no-id-dedup --no-bwd-coalesce") runs 100
-#    steps, eagerly and replayed as CUDA graphs (--cuda-graph: the policy's 10-step probe
-#    window and its classification run eagerly).
+#    First the fixed-size, sync-free step ("--no-id-dedup --no-bwd-coalesce"), 100 steps,
+#    eagerly and replayed as CUDA graphs (--cuda-graph: the policy's 10-step probe window
+#    and its classification run eagerly); then the trainer's default, id-aware traffic
+#    (sizes change every step: eager coder, a few syncs), the MLPs under torch.compile
+#    (--compile), then in bfloat16 (--dense-dtype bf16).
 fixed="--no-id-dedup --no-bwd-coalesce"
-for run in none hybrid "hybrid $fixed" "hybrid --compile" "none --dense-dtype bf16" \
-    "hybrid --dense-dtype bf16" "none $fixed" "none $fixed --cuda-graph" \
-    "hybrid $fixed --cuda-graph"; do
+for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
+    "hybrid $fixed --cuda-graph" none hybrid "hybrid --compile" "none --dense-dtype bf16" \
+    "hybrid --dense-dtype bf16"; do
     c=${run%% *}
     steps=40
     case "$run" in *"$fixed"*) steps=100 ;; esac
