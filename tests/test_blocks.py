@@ -247,6 +247,29 @@ def test_untrimmed_payloads_decode_like_trimmed_ones(device: str) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_trimmed_payloads_outlive_the_next_call_of_their_shapes(device: str, monkeypatch) -> None:
+    """Shapes that repeat replay the coder's CUDA graph, whose buffers the next call
+    reuses: trimmed payloads (what leaves a rank) are copies, still the reference's bytes
+    after later calls (on the CPU: the same kernels, under the interpreter)."""
+    from recsz.codecs import blocks
+
+    monkeypatch.setattr(blocks, "_kernels", lambda dev: True)
+    g = torch.Generator().manual_seed(0)
+    ebs = torch.tensor([0.01, 0.1, 0.05], dtype=torch.float64)
+    lays = blocks.layouts("hybrid", 8, [[4, 6], [3]], True)
+    sent = []
+    for _ in range(5):
+        xs = [torch.randn(10, 8, generator=g), torch.randn(3, 8, generator=g)]
+        xs[0][6:] = xs[0][2]  # repeated rows: references
+        groups = [(xs[0].to(device), [4, 6]), (xs[1].to(device), [3])]
+        sent.append((xs, encode_segments("hybrid", True, groups, ebs.to(device))[0]))
+    for xs, payloads in sent:
+        refs = [bf.encode_group(lays[0], xs[0].numpy(), ebs[:2].numpy()),
+                bf.encode_group(lays[1], xs[1].numpy(), ebs[2:].numpy())]  # fmt: skip
+        assert [p.cpu().numpy().tobytes() for p in payloads] == refs
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_codecs_on_format_3_keep_every_bound(seed: int) -> None:

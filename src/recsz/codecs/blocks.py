@@ -72,11 +72,15 @@ def encode_segments(
         return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
     from recsz.codecs import blockcoder
 
-    # Untrimmed payloads never leave this process: they may live in the buffers of a
-    # CUDA graph that the next call of the same shapes reuses (blockcoder, static).
-    buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev), static=not trim)
-    ends = used.tolist() if trim else [lay.capacity for lay in lays]
-    return [buf[b : b + int(n)] for b, n in zip(base, ends, strict=True)], used.clone()
+    # Shapes that repeat replay a CUDA graph, whose buffers the next call of the same
+    # shapes reuses (blockcoder, static): untrimmed payloads never leave this process and
+    # stay there; trimmed ones (read once for their sizes) are copied out, a few bytes.
+    buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev), static=True)
+    if not trim:
+        return [buf[b : b + lay.capacity] for b, lay in zip(base, lays, strict=True)], used.clone()
+    ends = used.tolist()
+    kept = torch.cat([buf[b : b + n] for b, n in zip(base, ends, strict=True)])
+    return list(kept.split(ends)), used.clone()
 
 
 def decode_segments(
