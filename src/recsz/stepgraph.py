@@ -15,10 +15,11 @@ after ``warm`` eager steps with it (caches filled, kernels compiled). Shapes mus
 change between steps: the trainer allows ``--cuda-graph`` only with fixed-size traffic
 (:class:`recsz.config.TrainConfig`).
 
-What the host counts in a step is counted once at capture: the exchange's byte counts
-(:class:`CommStats`) stay on the device and are counted again after every replay (their
-tensors copied out of the graph's memory); its seconds (codec, waits) are not measured
-under a graph (a replay has no host-side stages to time).
+What the host counts in a step happens once, at capture: the exchange's byte counts
+(:class:`CommStats`, held while capturing, whether on the device or set by the shapes on the
+host) are counted again after every replay (device tensors copied out of the graph's
+memory); its seconds (codec, waits) are not measured under a graph (a replay has no
+host-side stages to time).
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ class StepGraphs:
             self.graphs.popitem(last=False)
         static = Batch(*(t.clone() for t in _fields(batch)))
         graph = torch.cuda.CUDAGraph()
-        mark = self.stats.deferred()
-
+        mark, self.stats.hold = self.stats.deferred(), True  # host-side counts too
         try:
             loss = self._on_side_stream(
                 lambda: record(graph, lambda: self.step(static, step), self.stream)
@@ -118,6 +118,8 @@ class StepGraphs:
                 f"--cuda-graph: capturing step {step} failed ({type(e).__name__}: {e}); "
                 "train without --cuda-graph"
             ) from e
+        finally:
+            self.stats.hold = False
         g = _Captured(graph, static, loss, self.stats.take_since(mark))
         self.graphs[k] = g
         return g

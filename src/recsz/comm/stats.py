@@ -39,13 +39,17 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: Keep every count as it is until :meth:`settle` (while a CUDA graph is captured:
+    #: :mod:`recsz.stepgraph` takes them and counts them again after each replay).
+    hold: bool = False
     _later: list[GroupsSent] = field(default_factory=list)
 
     def count_groups(self, sent: GroupsSent) -> None:
         """Group payloads sent; kept as they are when their lengths or bounds are on a
-        device, and read when the counters next are (:meth:`settle`): no sync in the
-        step."""
-        if sent.used.device.type == "cpu" and (sent.ebs is None or sent.ebs.device.type == "cpu"):
+        device (or while ``hold``), and read when the counters next are (:meth:`settle`):
+        no sync in the step."""
+        on_host = sent.used.device.type == "cpu" and (sent.ebs is None or sent.ebs.is_cpu)
+        if on_host and not self.hold:
             self._fold(sent)
         else:
             self._later.append(sent)
