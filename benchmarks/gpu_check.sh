@@ -32,10 +32,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    bounds by the range kernel, no host sync in a whole one-GPU training step, the eb and
 #    DCT-DP hooks on CUDA gradients (lengths by gloo, payloads by NCCL, one rank), the
 #    id-aware exchange's sparse, deferred gradient on CUDA against the CPU, the whole step
-#    replayed as CUDA graphs (--cuda-graph) against eager steps.
+#    replayed as CUDA graphs (--cuda-graph) against eager steps, prefetched batches intact
+#    while the GPU lags the host.
 timeout 130 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
-    tests/test_exchange.py tests/test_stepgraph.py \
+    tests/test_exchange.py tests/test_stepgraph.py tests/test_synthetic.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.

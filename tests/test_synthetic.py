@@ -90,6 +90,21 @@ def test_prefetch_gives_the_batches_train_batch_gives() -> None:
         assert torch.equal(b.labels, want.labels)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_prefetched_batches_stay_intact_while_the_gpu_lags() -> None:
+    """The host runs steps ahead of the GPU (no sync in a step): a batch the loop has let
+    go of may still be read by queued kernels, so the thread's next copies must not reuse
+    its memory (each kernel here waits ~20 ms before reading its batch)."""
+    src = make_source("synthetic", SIZES, seed=3)
+    sums = []
+    for b in prefetch(src, range(12), 4096, torch.device("cuda"), depth=2):
+        torch.cuda._sleep(40_000_000)
+        sums.append(b.ids.sum())
+        del b
+    want = [int(src.train_batch(k, 4096).ids.sum()) for k in range(12)]
+    assert torch.stack(sums).tolist() == want
+
+
 class Failing(SyntheticSource):
     def train_batch(self, step: int, batch_size: int) -> Batch:
         if step == 2:

@@ -197,8 +197,10 @@ def prefetch(
     """The training batches of ``steps``, made ``depth`` ahead by a background thread, so
     that reading and parsing overlap training. For a CUDA device each batch is pinned and
     copied on a side stream, and handed over after that copy is ordered before the
-    consumer's work. An error in the thread is raised to the consumer; leaving the loop
-    early stops the thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
+    consumer's work (and its memory marked as used by the consumer's stream: the host may
+    run steps ahead of the GPU, and the thread's next copies must not land in it early).
+    An error in the thread is raised to the consumer; leaving the loop early stops the
+    thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
     if depth == 0:
         for step in steps:
             yield source.train_batch(step, batch_size).to(device)
@@ -238,6 +240,9 @@ def prefetch(
             if err is not None:
                 raise err
             assert batch is not None
+            if cuda:  # its memory came from the side stream's pool: not to be reused there
+                for t in (batch.dense, batch.ids, batch.labels):  # before this stream is done
+                    t.record_stream(torch.cuda.current_stream(device))
             yield batch.to(device)
     finally:
         stop.set()
