@@ -134,7 +134,7 @@ def test_graphs_replay_the_steps_they_may_and_count_each_replay(monkeypatch) -> 
     # Eager: 0, 1 (a's warm-up), 5, 6 (b's); a captured at 2 and replayed at 2, 3, 4, 7;
     # b captured at 8 (a dropped: keep=1) and replayed at 8, 9. Replays rerun the
     # captured step (2 or 8) on the inputs copied in.
-    assert graphs.replays == 6 and list(graphs.graphs) == ["b"]
+    assert graphs.replays == 6 and list(graphs.graphs) == [("b", 2)]  # (key, batch size)
     assert ran == [0, 1, 2, 2, 2, 2, 5, 6, 2, 8, 8, 8]
     stats.settle()
     assert stats.sent["fwd"] == sum(2 * (k + 1) for k in range(10))  # every step counted once

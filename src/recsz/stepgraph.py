@@ -70,9 +70,10 @@ class StepGraphs:
         self.stream: torch.cuda.Stream | None = None  # warm-ups and captures run on it
 
     def __call__(self, batch: Batch, step: int) -> torch.Tensor:
-        k = self.key(step)
-        if k is None:
+        decided = self.key(step)
+        if decided is None:
             return self.step(batch, step)
+        k = (decided, len(batch))  # a batch of another size (an epoch's last) needs its own
         g = self.graphs.get(k)
         if g is None:
             self.seen[k] = self.seen.get(k, 0) + 1
