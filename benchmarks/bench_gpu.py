@@ -395,8 +395,9 @@ def train_rows(batch: int, steps: int, probes: list, largest: bool = False) -> l
     ms = {r["config"]: r["step_ms"] for r in rows}
     for r in rows:  # the ratio: over the same step with codec none both ways
         plain = next((x for x in ("+graph", "+compile", "+bf16") if r["config"].endswith(x)), "")
-        r["step_ratio"] = r["step_ms"] / ms["none" + plain]
-        r["ratio_vs_direct"] = r["step_ms"] / ms["direct" + plain]
+        nan = float("nan")  # where the base configuration failed
+        r["step_ratio"] = r["step_ms"] / ms.get("none" + plain, nan)
+        r["ratio_vs_direct"] = r["step_ms"] / ms.get("direct" + plain, nan)
     return rows
 
 
