@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from recsz import checkpoint
+from recsz.codecs import blocks
 from recsz.model import get_preset
 from recsz.train import main
 
@@ -158,6 +159,25 @@ def test_format_3_payloads_cross_ranks_within_their_bounds(tmp_path: Path) -> No
     assert s["fwd_ratio"] > 2 and s["bwd_ratio"] > 2
     assert 0.0 < s["max_err_over_eb"]["fwd"] <= 1.0 and 0.0 < s["max_err_over_eb"]["bwd"] <= 1.0
     assert 0.4 < s["auc"] < 1.0
+
+
+def test_the_gpu_coder_between_ranks_trains_as_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The format-3 path GPUs run between ranks (the device coder's trimmed payloads, the
+    received buffers' plans and checks), here its Triton kernels on the CPU under the
+    interpreter (RECSZ_KERNELS_ON_CPU): 2 ranks train exactly as with the numpy reference
+    coder, id-aware traffic changing the groups' shapes every step."""
+    flags = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--coder", "blocks",
+             "--steps", "4", "--eb-policy", "dual")  # fmt: skip
+    ref = run(tmp_path / "ref", *flags, nproc=2)
+    monkeypatch.setenv(blocks.KERNELS_ON_CPU, "1")  # the ranks inherit it
+    dev = run(tmp_path / "dev", *flags, nproc=2)
+    assert losses(tmp_path / "dev") == losses(tmp_path / "ref")
+    assert (dev["auc"], dev["bytes_sent"]) == (ref["auc"], ref["bytes_sent"])
+    assert tables(tmp_path / "dev", 4).keys() == tables(tmp_path / "ref", 4).keys()
+    for t, w in tables(tmp_path / "dev", 4).items():
+        assert torch.equal(w, tables(tmp_path / "ref", 4)[t])
 
 
 def tt_state(out: Path, step: int = 20) -> dict[str, object]:

@@ -11,6 +11,8 @@ rank, the payload sizes (``trim``).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from recsz.codecs import blockformat as bf
@@ -25,8 +27,13 @@ def layouts(codec: str, dim: int, sizes: list[list[int]], dedup: bool) -> list[b
     return [bf.Layout(codec, DTYPES[torch.float32], dim, tuple(s), dedup) for s in sizes]
 
 
+#: The device coder on the CPU too (Triton's interpreter on: TRITON_INTERPRET=1): the GPU's
+#: path between ranks, run without a GPU by tests (it writes the reference's bytes).
+KERNELS_ON_CPU = "RECSZ_KERNELS_ON_CPU"
+
+
 def _kernels(device: torch.device) -> bool:
-    return device.type == "cuda"
+    return device.type == "cuda" or os.environ.get(KERNELS_ON_CPU) == "1"
 
 
 def encode_segments(
