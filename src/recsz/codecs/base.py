@@ -42,6 +42,7 @@ from recsz.codecs.payload import (
     as_bytes,
     assemble,
     assembled_nbytes,
+    device_path,
     pack_outliers,
     parse_payload,
     split_sections,
@@ -241,7 +242,7 @@ class Codec(ABC):
     def segments_on(self, device: torch.device) -> bool:
         """True when this codec codes a group of tables in a format of its own on
         ``device``, sync-free (format 3 or 4); otherwise a group is framed chunks."""
-        return device.type == "cuda" and self.cast_width(torch.float32) is not None
+        return device_path(device) and self.cast_width(torch.float32) is not None
 
     def _own_format(self, x: torch.Tensor) -> bool:
         """True when :meth:`encode` codes the chunk ``x`` in this codec's own group format

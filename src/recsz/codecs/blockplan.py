@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from recsz.codecs import blockformat as bf
-from recsz.codecs.payload import MAGIC, upload
+from recsz.codecs.payload import MAGIC, device_path, upload
 
 _pad1 = torch.nn.functional.pad
 #: Per group: payload start and end, header places, rows, blocks, segments, the fixed
@@ -167,7 +167,7 @@ def span_sums(
 ) -> torch.Tensor:
     """Per span g, the sum of words[first[g] + i] x (2i + 1) for i < lens[g], modulo 2^32
     (int64): one Triton launch on a GPU (no index tensors), :func:`word_sums` elsewhere."""
-    if not words.is_cuda:
+    if not device_path(words.device):
         idx, _, local, bounds = word_spans(first, lens, int(lens.sum()))
         return word_sums(words, idx, local, bounds)
     import triton

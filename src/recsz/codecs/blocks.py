@@ -11,12 +11,10 @@ rank, the payload sizes (``trim``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from recsz.codecs import blockformat as bf
-from recsz.codecs.payload import DTYPES, PayloadError
+from recsz.codecs.payload import DTYPES, PayloadError, device_path
 
 #: dtypes the block coder takes: float32, and fp16/bf16 (exact in float32; decoded as
 #: float32, within the bound of the values sent).
@@ -27,13 +25,8 @@ def layouts(codec: str, dim: int, sizes: list[list[int]], dedup: bool) -> list[b
     return [bf.Layout(codec, DTYPES[torch.float32], dim, tuple(s), dedup) for s in sizes]
 
 
-#: The device coder on the CPU too (Triton's interpreter on: TRITON_INTERPRET=1): the GPU's
-#: path between ranks, run without a GPU by tests (it writes the reference's bytes).
-KERNELS_ON_CPU = "RECSZ_KERNELS_ON_CPU"
-
-
 def _kernels(device: torch.device) -> bool:
-    return device.type == "cuda" or os.environ.get(KERNELS_ON_CPU) == "1"
+    return device_path(device)
 
 
 def encode_segments(

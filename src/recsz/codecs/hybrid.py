@@ -28,7 +28,7 @@ import torch
 
 from recsz.codecs import blocks, kernels
 from recsz.codecs.base import Codec
-from recsz.codecs.payload import Header, PayloadError
+from recsz.codecs.payload import Header, PayloadError, device_path
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import magicless_zstd, pack_planes, unpack_planes
 
@@ -76,7 +76,7 @@ class QuantPipeline(Codec):
         return x.dtype == torch.float32 and self.segments_on(x.device)
 
     def segments_on(self, device: torch.device) -> bool:
-        return self.coder == "blocks" or (self.coder == "auto" and device.type == "cuda")
+        return self.coder == "blocks" or (self.coder == "auto" and device_path(device))
 
     def _encode_own_groups(
         self, groups: list[tuple[torch.Tensor, list[int]]], ebs: torch.Tensor | None, trim: bool
