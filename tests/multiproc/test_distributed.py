@@ -161,17 +161,21 @@ def test_format_3_payloads_cross_ranks_within_their_bounds(tmp_path: Path) -> No
     assert 0.4 < s["auc"] < 1.0
 
 
-@pytest.mark.parametrize("codec", ["hybrid", "fp16"])
+@pytest.mark.parametrize(
+    ("codec", "traffic"), [("hybrid", "--id-dedup"), ("hybrid", "--no-id-dedup"), ("fp16", "")]
+)
 def test_the_gpu_path_between_ranks_trains_as_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str, traffic: str
 ) -> None:
     """What GPUs send between ranks, here on the CPU (RECSZ_DEVICE_PATH_ON_CPU): format 3 by
     the device coder's Triton kernels under the interpreter (trimmed payloads, the received
-    buffers' plans and checks; id-aware traffic changes the groups' shapes every step), and
-    the casts' format 4 with no sizes exchanged. 2 ranks train exactly as with the host
-    path (format 3's numpy reference; format 1's framed casts)."""
-    flags = ("--fwd-codec", codec, "--bwd-codec", codec, "--coder", "blocks",
-             "--steps", "4", "--eb-policy", "dual" if codec == "hybrid" else "none")  # fmt: skip
+    buffers' plans and checks; id-aware traffic changes the groups' shapes every step,
+    fixed-size traffic reuses its plans), and the casts' format 4 with no sizes
+    exchanged. 2 ranks train exactly as with the host path (format 3's numpy reference;
+    format 1's framed casts)."""
+    both = [traffic, traffic.replace("id-dedup", "bwd-coalesce")] if traffic else []
+    flags = ("--fwd-codec", codec, "--bwd-codec", codec, "--coder", "blocks", "--steps", "4",
+             "--eb-policy", "dual" if codec == "hybrid" else "none", *both)  # fmt: skip
     ref = run(tmp_path / "ref", *flags, nproc=2)
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")  # the ranks inherit it
     dev = run(tmp_path / "dev", *flags, nproc=2)
