@@ -161,31 +161,41 @@ def test_format_3_payloads_cross_ranks_within_their_bounds(tmp_path: Path) -> No
     assert 0.4 < s["auc"] < 1.0
 
 
+HYBRID = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--coder", "blocks",
+          "--eb-policy", "dual")  # fmt: skip
+FIXED = ("--no-id-dedup", "--no-bwd-coalesce")
+
+
 @pytest.mark.parametrize(
-    ("codec", "traffic"), [("hybrid", "--id-dedup"), ("hybrid", "--no-id-dedup"), ("fp16", "")]
+    "flags",
+    [HYBRID, HYBRID + FIXED, ("--fwd-codec", "fp16", "--bwd-codec", "fp16"), ("--dp-comm", "eb")],
+    ids=["hybrid", "hybrid-fixed", "fp16", "dp-eb"],
 )
 def test_the_gpu_path_between_ranks_trains_as_the_reference(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str, traffic: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: tuple[str, ...]
 ) -> None:
     """What GPUs send between ranks, here on the CPU (RECSZ_DEVICE_PATH_ON_CPU): format 3 by
     the device coder's Triton kernels under the interpreter (trimmed payloads, the received
     buffers' plans and checks; id-aware traffic changes the groups' shapes every step,
-    fixed-size traffic reuses its plans), and the casts' format 4 with no sizes
-    exchanged. 2 ranks train exactly as with the host path (format 3's numpy reference;
-    format 1's framed casts)."""
-    both = [traffic, traffic.replace("id-dedup", "bwd-coalesce")] if traffic else []
-    flags = ("--fwd-codec", codec, "--bwd-codec", codec, "--coder", "blocks", "--steps", "4",
-             "--eb-policy", "dual" if codec == "hybrid" else "none", *both)  # fmt: skip
-    ref = run(tmp_path / "ref", *flags, nproc=2)
+    fixed-size traffic reuses its plans; the eb hook's gradient buckets), and the casts'
+    format 4 with no sizes exchanged. 2 ranks train exactly as with the host path (format
+    3's numpy reference; format 1), but for the eb hook, whose host path is format 1:
+    decoded, its values and format 3's differ in the last bits (measured: the tables by
+    at most 2e-10 after 4 steps)."""
+    ref = run(tmp_path / "ref", *flags, "--steps", "4", nproc=2)
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")  # the ranks inherit it
-    dev = run(tmp_path / "dev", *flags, nproc=2)
-    assert losses(tmp_path / "dev") == losses(tmp_path / "ref")
-    assert dev["auc"] == ref["auc"]
-    if codec == "hybrid":  # the same bytes
+    dev = run(tmp_path / "dev", *flags, "--steps", "4", nproc=2)
+    want, got = tables(tmp_path / "ref", 4), tables(tmp_path / "dev", 4)
+    assert got.keys() == want.keys()
+    if "eb" in flags:  # format 1's values and format 3's, within one bound
+        assert losses(tmp_path / "dev") == pytest.approx(losses(tmp_path / "ref"), rel=1e-6)
+        for t in want:
+            torch.testing.assert_close(got[t], want[t], rtol=1e-6, atol=1e-9)
+        return
+    assert losses(tmp_path / "dev") == losses(tmp_path / "ref") and dev["auc"] == ref["auc"]
+    assert all(torch.equal(got[t], want[t]) for t in want)
+    if flags[: len(HYBRID)] == HYBRID:  # format 3 both ways: the same bytes
         assert dev["bytes_sent"] == ref["bytes_sent"]
-    want = tables(tmp_path / "ref", 4)
-    got = tables(tmp_path / "dev", 4)
-    assert got.keys() == want.keys() and all(torch.equal(got[t], want[t]) for t in want)
 
 
 def tt_state(out: Path, step: int = 20) -> dict[str, object]:
