@@ -12,11 +12,14 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+from recsz.codecs.payload import DEVICE_PATH_ON_CPU
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -197,8 +200,17 @@ class _Batch(torchrec.streamable.Pipelineable):
         pass
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict]:
+@pytest.fixture(scope="module", params=["host", "device"])
+def ranks(request: pytest.FixtureRequest) -> Iterator[list[dict]]:
+    """The workers' results; "device": the codecs' device path (what GPUs send: formats 3
+    and 4, format 3 by its Triton kernels under the interpreter), here on the CPU."""
+    with pytest.MonkeyPatch.context() as mp_env:
+        if request.param == "device":
+            mp_env.setenv(DEVICE_PATH_ON_CPU, "1")  # the spawned workers inherit it
+        yield _spawned()
+
+
+def _spawned() -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         mp.start_processes(
