@@ -63,8 +63,8 @@ class Header:
 
 
 #: The device path on the CPU too: formats 3 and 4 as a GPU makes them, format 3 by its Triton
-#: kernels (Triton's interpreter on: TRITON_INTERPRET=1), so that tests run the GPU's path
-#: between ranks without a GPU (the bytes are the reference's either way).
+#: kernels, the bounds by the range kernel (Triton's interpreter on: TRITON_INTERPRET=1), so
+#: that tests run the GPU's path between ranks without a GPU (the same bytes either way).
 DEVICE_PATH_ON_CPU = "RECSZ_DEVICE_PATH_ON_CPU"
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from recsz.codecs.base import EB_MAX
-from recsz.codecs.payload import constant
+from recsz.codecs.payload import constant, device_path
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
@@ -56,7 +56,7 @@ def absolute_bounds(factors: list[float], mode: str, x: torch.Tensor) -> torch.T
         for eb, xj in zip(factors, x if _abs_checks["left"] > 0 else [], strict=False):
             _warn_if_wider_than_data(eb, xj)  # the first slices only (a host read each)
         return f.clamp(max=EB_MAX)
-    if x.is_cuda:
+    if device_path(x.device):
         from recsz.policy import rangekernel
 
         if rangekernel.applies(x):

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from recsz.codecs.payload import constant
+from recsz.codecs.payload import constant, device_path
 
 ROWS = 64  # rows of one table per program
 
@@ -59,8 +59,9 @@ def bound_kernel(lo_ptr, hi_ptr, f_ptr, clamp_ptr, out_ptr, n_chunks, CH: tl.con
 
 
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel takes x: (tables, rows, dim), dim contiguous, on a GPU."""
-    return x.is_cuda and x.dim() == 3 and x.stride(2) == 1 and x.numel() > 0
+    """Whether the kernel takes x: (tables, rows, dim), dim contiguous, on a GPU (or on the
+    CPU with the device path, RECSZ_DEVICE_PATH_ON_CPU)."""
+    return device_path(x.device) and x.dim() == 3 and x.stride(2) == 1 and x.numel() > 0
 
 
 def bounds(f: torch.Tensor, x: torch.Tensor, lo_clamp: float, hi_clamp: float) -> torch.Tensor:
