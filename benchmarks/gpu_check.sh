@@ -67,4 +67,13 @@ for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
         2>&1 | tail -12
     cp "/tmp/recsz_gpu/$name/summary.json" "$out/$name.json" 2>/dev/null
 done
+# 4. The trainer runs side by side (steady samples/s after the first 3 steps).
+python3 - "$out" <<'PY' | tee "$out/train.txt"
+import json, pathlib, sys
+
+for f in sorted(pathlib.Path(sys.argv[1]).glob("train_*.json")):
+    s = json.loads(f.read_text())
+    print(f"{f.stem:52s} {s.get('samples_per_s_steady', float('nan')):>10.0f} samples/s "
+          f"replays {s.get('graph_replays', 0):>3} AUC {s.get('auc', float('nan')):.4f}")
+PY
 echo "gpu_check: ${SECONDS} s"
