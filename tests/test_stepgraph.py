@@ -201,7 +201,10 @@ def assert_same_training(eager: Any, parts: Any, **tol: float) -> None:
         torch.testing.assert_close(a, b, **tol)
     pols = zip(eager.exchange.policies.values(), parts.exchange.policies.values(), strict=True)
     for a, b in pols:
-        assert a.state_dict() == b.state_dict()
+        if tol:  # within a tolerance the probes' counts may differ, not the classes they give
+            assert getattr(a, "classes", None) == getattr(b, "classes", None)
+        else:
+            assert a.state_dict() == b.state_dict()
 
 
 @pytest.mark.parametrize("codec", ["hybrid", "fp16", "none"])
@@ -231,7 +234,7 @@ def test_replaying_the_captured_step_trains_as_eager_steps(codec: str, monkeypat
 def test_cuda_graphed_steps_train_as_the_eager_ones(codec: str) -> None:
     """Real CUDA graphs: 30 steps (probe windows, classifications and decays eagerly, the
     rest replayed) against the same 30 eagerly: the same losses, tables, MLPs, policy
-    states and bytes (within float atomics' orders: the GPU's gradient sums are not
+    classes and bytes (within float atomics' orders: the GPU's gradient sums are not
     bitwise repeatable, eager or not); replays without a host sync."""
     eager, eager_losses, parts, losses, graphs = steps_eager_and_graphed(codec, "cuda", 30)
     assert graphs.replays >= 6
