@@ -76,10 +76,8 @@ class StandInGraph:
     inside = False
 
     def replay(self) -> None:
-        mark, self.stats.hold = self.stats.deferred(), True
-        self._run()
-        self.stats.hold = False
-        self.stats.take_since(mark)
+        with self.stats.held():  # dropped
+            self._run()
 
     def _run(self) -> None:
         StandInGraph.inside = True

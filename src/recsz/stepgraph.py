@@ -109,19 +109,17 @@ class StepGraphs:
             self.graphs.popitem(last=False)
         static = Batch(*(t.clone() for t in _fields(batch)))
         graph = torch.cuda.CUDAGraph()
-        mark, self.stats.hold = self.stats.deferred(), True  # host-side counts too
-        try:
-            loss = self._on_side_stream(
-                lambda: record(graph, lambda: self.step(static, step), self.stream)
-            )
-        except Exception as e:
-            raise RuntimeError(
-                f"--cuda-graph: capturing step {step} failed ({type(e).__name__}: {e}); "
-                "train without --cuda-graph"
-            ) from e
-        finally:
-            self.stats.hold = False
-        g = _Captured(graph, static, loss, self.stats.take_since(mark))
+        with self.stats.held() as counted:  # host-side counts too
+            try:
+                loss = self._on_side_stream(
+                    lambda: record(graph, lambda: self.step(static, step), self.stream)
+                )
+            except Exception as e:
+                raise RuntimeError(
+                    f"--cuda-graph: capturing step {step} failed ({type(e).__name__}: {e}); "
+                    "train without --cuda-graph"
+                ) from e
+        g = _Captured(graph, static, loss, counted)
         self.graphs[k] = g
         return g
 

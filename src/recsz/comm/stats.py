@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -39,31 +41,32 @@ class CommStats:
     a2a_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     codec_s: float = 0.0
     max_err: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    #: Keep every count as it is until :meth:`settle` (while a CUDA graph is captured:
-    #: :mod:`recsz.stepgraph` takes them and counts them again after each replay).
-    hold: bool = False
+    _hold: bool = False  # inside :meth:`held`
     _later: list[GroupsSent] = field(default_factory=list)
 
     def count_groups(self, sent: GroupsSent) -> None:
         """Group payloads sent; kept as they are when their lengths or bounds are on a
-        device (or while ``hold``), and read when the counters next are (:meth:`settle`):
-        no sync in the step."""
-        on_host = sent.used.device.type == "cpu" and (sent.ebs is None or sent.ebs.is_cpu)
-        if on_host and not self.hold:
+        device, and read when the counters next are (:meth:`settle`): no sync in the step.
+        Inside :meth:`held`, every count is kept apart."""
+        on_host = sent.used.is_cpu and (sent.ebs is None or sent.ebs.is_cpu)
+        if on_host and not self._hold:
             self._fold(sent)
         else:
             self._later.append(sent)
 
-    def deferred(self) -> int:
-        """How many counts wait on the device (a mark for :meth:`take_since`)."""
-        return len(self._later)
-
-    def take_since(self, mark: int) -> list[GroupsSent]:
-        """The device counts kept since ``mark``, taken out (a captured CUDA graph's step:
-        its replays count them again, :mod:`recsz.stepgraph`)."""
-        taken = self._later[mark:]
-        del self._later[mark:]
-        return taken
+    @contextlib.contextmanager
+    def held(self) -> Iterator[list[GroupsSent]]:
+        """Every count made inside, on the device or on the host, kept out of the counters
+        and handed over in the list yielded when the block ends (a captured CUDA graph's
+        step: its replays count them again, :mod:`recsz.stepgraph`)."""
+        mark, before, self._hold = len(self._later), self._hold, True
+        taken: list[GroupsSent] = []
+        try:
+            yield taken
+        finally:
+            self._hold = before
+            taken += self._later[mark:]
+            del self._later[mark:]
 
     def settle(self) -> None:
         """Fold the counts kept on the device into the counters."""
