@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,3 +149,21 @@ def run_without_host_sync(step: Callable[[int], None], warm: int = 4) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def trainer_parts(codec: str, device: str, ids: bool = False) -> tuple[Any, Any]:
+    """The trainer's parts (tiny preset, dual bounds probed over 2 steps every 10, decaying
+    every 8 steps; fixed-size traffic, or with ``ids`` id-aware) and its ranks, one
+    process."""
+    from recsz import train
+    from recsz.config import parse_train_args
+    from recsz.ranks import Ranks
+
+    traffic = [] if ids else ["--no-id-dedup", "--no-bwd-coalesce"]
+    argv = ["--preset", "tiny", "--device", device, *traffic,
+            "--fwd-codec", codec, "--bwd-codec", codec, "--eb-policy", "dual",
+            "--hindex-probe-steps", "2", "--hindex-every", "10", "--decay-t", "80",
+            "--emb-optimizer", "rowwise_adagrad"]  # fmt: skip
+    cfg = parse_train_args(argv)
+    ranks = Ranks.from_env(60.0, device)
+    return train.build_parts(cfg, ranks)[0], ranks

@@ -20,6 +20,7 @@ from recsz.policy import base
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import BoundPolicy, FixedBound
 from recsz.policy.dct import DCTThreshold
+from tests.common import trainer_parts
 
 CLASSES = {"tight": 0.01, "base": 0.03, "loose": 0.05}
 
@@ -137,21 +138,6 @@ def test_graphs_replay_the_steps_they_may_and_count_each_replay(monkeypatch) -> 
     assert ran == [0, 1, 2, 2, 2, 2, 5, 6, 2, 8, 8, 8]
     stats.settle()
     assert stats.sent["fwd"] == sum(2 * (k + 1) for k in range(10))  # every step counted once
-
-
-def trainer_parts(codec: str, device: str) -> tuple[Any, Any]:
-    """The trainer's parts (tiny preset, fixed-size traffic, dual bounds probed over 2
-    steps every 10, decaying every 8 steps) and its ranks, one process."""
-    from recsz import train
-    from recsz.ranks import Ranks
-
-    argv = ["--preset", "tiny", "--device", device, "--no-id-dedup", "--no-bwd-coalesce",
-            "--fwd-codec", codec, "--bwd-codec", codec, "--eb-policy", "dual",
-            "--hindex-probe-steps", "2", "--hindex-every", "10", "--decay-t", "80",
-            "--emb-optimizer", "rowwise_adagrad"]  # fmt: skip
-    cfg = parse_train_args(argv)
-    ranks = Ranks.from_env(60.0, device)
-    return train.build_parts(cfg, ranks)[0], ranks
 
 
 def steps_eager_and_graphed(

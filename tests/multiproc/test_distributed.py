@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from recsz import checkpoint
-from recsz.codecs.payload import DEVICE_PATH_ON_CPU
+from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import get_preset
 from recsz.train import main
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from recsz.codecs.payload import DEVICE_PATH_ON_CPU
+from recsz.devicepath import DEVICE_PATH_ON_CPU
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")

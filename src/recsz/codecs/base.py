@@ -42,7 +42,6 @@ from recsz.codecs.payload import (
     as_bytes,
     assemble,
     assembled_nbytes,
-    device_path,
     pack_outliers,
     parse_payload,
     split_sections,
@@ -50,6 +49,7 @@ from recsz.codecs.payload import (
     uvarint,
     version_of,
 )
+from recsz.devicepath import device_path
 
 Body = bytes | np.ndarray | tuple[bytes | np.ndarray, torch.Tensor]
 

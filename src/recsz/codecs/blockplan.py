@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from recsz.codecs import blockformat as bf
-from recsz.codecs.payload import MAGIC, device_path, upload
+from recsz.codecs.payload import MAGIC, upload
+from recsz.devicepath import device_path
 
 _pad1 = torch.nn.functional.pad
 #: Per group: payload start and end, header places, rows, blocks, segments, the fixed

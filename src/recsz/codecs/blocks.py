@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from recsz.codecs import blockformat as bf
-from recsz.codecs.payload import DTYPES, PayloadError, device_path
+from recsz.codecs.payload import DTYPES, PayloadError
+from recsz.devicepath import device_path
 
 #: dtypes the block coder takes: float32, and fp16/bf16 (exact in float32; decoded as
 #: float32, within the bound of the values sent).

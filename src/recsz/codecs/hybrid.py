@@ -28,9 +28,10 @@ import torch
 
 from recsz.codecs import blocks, kernels
 from recsz.codecs.base import Codec
-from recsz.codecs.payload import Header, PayloadError, device_path
+from recsz.codecs.payload import Header, PayloadError
 from recsz.codecs.registry import register_codec
 from recsz.codecs.stages import magicless_zstd, pack_planes, unpack_planes
+from recsz.devicepath import device_path
 
 _KERNEL_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 CODERS = ("auto", "blocks")

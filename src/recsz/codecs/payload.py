@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import struct
 import zlib
 from collections.abc import Callable
@@ -60,17 +59,6 @@ class Header:
     shape: tuple[int, ...]
     eb: float
     body_len: int
-
-
-#: The device path on the CPU too: formats 3 and 4 as a GPU makes them, format 3 by its Triton
-#: kernels, the bounds by the range kernel (Triton's interpreter on: TRITON_INTERPRET=1), so
-#: that tests run the GPU's path between ranks without a GPU (the same bytes either way).
-DEVICE_PATH_ON_CPU = "RECSZ_DEVICE_PATH_ON_CPU"
-
-
-def device_path(device: torch.device) -> bool:
-    """Whether codecs take their device path (format 3 or 4, kernels) for ``device``."""
-    return device.type == "cuda" or os.environ.get(DEVICE_PATH_ON_CPU) == "1"
 
 
 def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -14,12 +14,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from recsz.devicepath import device_path
+
 
 def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For ids (n,): inverse into the sorted distinct ids, each one's first position, and
     the sorted distinct ids themselves."""
     n = col.numel()
-    if col.device.type == "cpu" and n:
+    if not device_path(col.device) and n:
         a = col.numpy()
         order = np.argsort(a, kind="stable")  # stable: a group's first entry is its first id
         s = a[order]

@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from recsz.devicepath import device_path
+
 
 class GroupsSent(NamedTuple):
     """One direction's payloads of a step: per group (destination) its tables and their
@@ -48,7 +50,7 @@ class CommStats:
         """Group payloads sent; kept as they are when their lengths or bounds are on a
         device, and read when the counters next are (:meth:`settle`): no sync in the step.
         Inside :meth:`held`, every count is kept apart."""
-        on_host = sent.used.is_cpu and (sent.ebs is None or sent.ebs.is_cpu)
+        on_host = not any(device_path(t.device) for t in (sent.used, sent.ebs) if t is not None)
         if on_host and not self._hold:
             self._fold(sent)
         else:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from recsz.devicepath import device_path
+
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
 #: Default eps of each: torch's Adagrad, fbgemm's row-wise Adagrad.
@@ -60,10 +62,10 @@ class RowOptimizer:
     ) -> None:
         """Update ``weight`` in place from ``grad`` (n, D), the gradient of rows ``rows`` (n,),
         which may repeat (``distinct``: the caller has summed them already). ``keep_size``
-        (:func:`sum_by_row`; by default on a GPU) avoids a host sync."""
+        (:func:`sum_by_row`; by default on a GPU's path) avoids a host sync."""
         if not rows.numel():
             return
-        keep = rows.is_cuda if keep_size is None else keep_size
+        keep = device_path(rows.device) if keep_size is None else keep_size
         uniq, g = (rows, grad) if distinct else sum_by_row(rows, grad, keep)
         # Gather the rows, update them, scatter them back: index_select / index_copy_ are
         # several times faster on the CPU than advanced indexing or index_add_ into a large
@@ -94,7 +96,7 @@ def sum_by_row(
     if not keep_size:
         uniq, inv = torch.unique(rows, return_inverse=True)
         return uniq, grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
-    srt, perm = torch.sort(rows)
+    srt, perm = torch.sort(rows, stable=True)  # each row summed in the order of positions
     new = torch.ones_like(srt, dtype=torch.bool)
     new[1:] = srt[1:] != srt[:-1]
     run = torch.cumsum(new, 0) - 1

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from recsz.devicepath import device_path
 from recsz.policy.base import BoundPolicy, absolute_bounds, checks_abs_on_host
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def homogenization_counts(x: torch.Tensor, probe_eb: torch.Tensor) -> torch.Tens
     where x lives (no host sync on a GPU). Rows holding a NaN or an infinity are left out."""
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()  # exact for fp16 / bf16 (numpy has no bf16)
-    if x.device.type == "cpu":
+    if not device_path(x.device):
         # Table by table in numpy: it sorts contiguous columns ~10x faster than torch sorts
         # across rows here, and skipping the non-finite rows beats masking them. One sort:
         # the codes of sorted values are sorted (dividing and rounding are monotonic).

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from recsz.codecs.base import EB_MAX
-from recsz.codecs.payload import constant, device_path
+from recsz.codecs.payload import constant
+from recsz.devicepath import device_path
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
 MIN_ABS_BOUND = 1e-30
@@ -72,7 +73,7 @@ def finite_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per table j, the smallest and largest finite value of x[j] (float64; +inf / -inf
     where it holds none), by torch reductions (a GPU uses :mod:`recsz.policy.rangekernel`)."""
     dims = tuple(range(1, x.dim()))
-    if not x.is_cuda and x.numel():  # all finite, the usual case: two passes, no copy
+    if not device_path(x.device) and x.numel():  # all finite, the usual case: two passes, no copy
         lo, hi = x.amin(dims).double(), x.amax(dims).double()
         if bool(torch.isfinite(lo).all() & torch.isfinite(hi).all()):
             return lo, hi

@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from recsz.codecs.payload import constant, device_path
+from recsz.codecs.payload import constant
+from recsz.devicepath import device_path
 
 ROWS = 64  # rows of one table per program
 

@@ -1,0 +1,82 @@
+"""The GPU's path on the CPU (RECSZ_DEVICE_PATH_ON_CPU), step by step: what would make a
+GPU wait for its host (a value read back, an output sized by values) and what a CUDA graph
+could not replay (an upload), counted by :mod:`tests.hostreads` without a GPU. The GPU tests
+check the same with torch's sync debug mode where a GPU is lent (gpu_check.sh)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recsz import train
+from recsz.data.source import make_source
+from recsz.devicepath import DEVICE_PATH_ON_CPU
+from recsz.model import get_preset
+from recsz.model.rowopt import sum_by_row
+from tests.common import trainer_parts
+from tests.hostreads import counting
+
+
+def test_the_count_sees_each_kind_of_host_read() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, host = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    with counting([x]) as c:
+        float(host.sum()), host.tolist(), host[host > 0], torch.unique(host)  # host: free
+        assert c.total() == 0
+        y = x * 2  # made from the device's: the device's
+        float(y.sum())  # item
+        y.tolist()
+        y[y > 0]  # sized by a mask
+        torch.unique(y)
+        buf = torch.zeros(8, 4)
+        buf.copy_(x)  # written with the device's
+        buf.numpy()
+        sum_by_row(torch.tensor([3, 1, 3]), y[:3], keep_size=False)  # the host's rows: free
+        sum_by_row(y[:3, 0].long(), y[:3], keep_size=False)  # torch.unique
+    kinds = {"_local_scalar_dense", "_unique2", "index", "numpy", "tolist"}
+    assert {w for w, _ in c.reads} == kinds
+    assert c.total() == 6
+    assert "rowopt.py" in c.report()  # where, in recsz
+
+
+def steps_counted(codec: str, ids: bool, steps: int) -> list[tuple[bool, int, int, str]]:
+    """Per step of the trainer's parts on the GPU's path: (whether --cuda-graph would
+    capture or replay it: its key seen in as many steps before as it warms up with, host
+    reads, uploads, what was read where)."""
+    from recsz import stepgraph
+
+    parts, ranks = trainer_parts(codec, "cpu", ids=ids)
+    graphs = stepgraph.graphed(lambda b, k: torch.zeros(()), parts.exchange, 1)
+    src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
+    state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
+    state += [*parts.sparse.parameters(), *parts.dense.parameters()]
+    seen: dict[object, int] = {}
+    out = []
+    for k in range(steps):
+        b = src.train_batch(k, 64)
+        key = graphs.key(k)
+        graphed = key is not None and seen.get(key, 0) >= graphs.warm
+        if key is not None:
+            seen[key] = seen.get(key, 0) + 1
+        with counting([*state, b.dense, b.ids, b.labels]) as c:
+            train.train_step(parts, b, k, ranks)
+        out.append((graphed, c.total(), c.uploads, c.report()))
+    return out
+
+
+@pytest.mark.parametrize("codec", ["hybrid", "fp16", "none"])
+def test_a_fixed_size_step_on_the_gpu_path_never_waits_for_the_host(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fixed-size traffic on the GPU's path: once kernels are built and constants uploaded
+    (3 steps), no step reads the device back, the probe windows' included; the steps a CUDA
+    graph would capture or replay (--cuda-graph) upload nothing either (a new decay
+    multiplier's bounds upload theirs in its warm-up steps). Only the step that turns a
+    window's counts into classes reads them (its graph key is None: it runs eagerly)."""
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    counted = steps_counted(codec, ids=False, steps=14)[3:]
+    for k, (graphed, reads, uploads, where) in enumerate(counted, start=3):
+        classifies = codec == "hybrid" and k in (2, 12)  # after the windows 0-1 and 10-11
+        assert reads == 0 or classifies, f"step {k}: {where}"
+        assert uploads == 0 or not graphed, f"step {k}: {uploads} uploads"
+    assert sum(g for g, *_ in counted) >= 3  # steps 5-7 at least
