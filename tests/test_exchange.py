@@ -15,9 +15,10 @@ from recsz.codecs import available_codecs, castframe, get_codec
 from recsz.codecs.framing import frame, unframe
 from recsz.comm.direction import Direction
 from recsz.comm.embedding import EmbeddingExchange
-from recsz.comm.ids import distinct_pairs, unique_first
+from recsz.comm.ids import distinct_pairs, distinct_slices, unique_first
 from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, build_parser, parse_train_args
+from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.fiited import HeldMask
 from recsz.policy import BoundPolicy, FixedBound
@@ -288,6 +289,40 @@ def test_distinct_pairs_equal_unique_first_per_table(cols: list[list[int]]) -> N
         assert u.counts[t] == first.numel()
     assert u.first.tolist() == (torch.cat(firsts).tolist() if firsts else [])
     assert u.inverse.tolist() == (torch.cat(invs).tolist() if invs else [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    b=st.integers(0, 6),
+    widths=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    data=st.data(),
+)
+def test_a_steps_slices_at_once_equal_each_slice_alone(
+    b: int, widths: list[int], data: st.DataObject
+) -> None:
+    """distinct_slices on the GPU's path (one sort for all slices, one host read) gives
+    each slice's distinct_pairs (empty slices, repeats across and within tables)."""
+    cols = [
+        torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=b * w, max_size=b * w)),
+                     dtype=torch.int64).view(b, w)
+        for w in widths
+    ]  # fmt: skip
+    want = [distinct_pairs(c) for c in cols]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(DEVICE_PATH_ON_CPU, "1")
+        got = distinct_slices(cols)
+    for g, w in zip(got, want, strict=True):
+        assert g.counts == w.counts
+        assert torch.equal(g.first, w.first) and torch.equal(g.inverse, w.inverse)
+
+
+def test_ids_too_large_for_the_exchange_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    big = torch.tensor([[1, 2], [3, 1 << 41]])
+    with pytest.raises(ValueError, match=f"an id of {1 << 41} is too large"):
+        distinct_pairs(big)
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    with pytest.raises(ValueError, match=f"an id of {1 << 41} is too large"):
+        distinct_slices([big[:1], big])
 
 
 @pytest.mark.parametrize("name", [n for n in available_codecs() if get_codec(n).joinable])

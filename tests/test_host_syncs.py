@@ -80,3 +80,11 @@ def test_a_fixed_size_step_on_the_gpu_path_never_waits_for_the_host(
         assert reads == 0 or classifies, f"step {k}: {where}"
         assert uploads == 0 or not graphed, f"step {k}: {uploads} uploads"
     assert sum(g for g, *_ in counted) >= 3  # steps 5-7 at least
+
+
+def test_id_aware_traffic_reads_the_host_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Id-aware traffic sends one row per distinct id: the sizes of what it sends are read
+    back once a step, for every slice of the batch at once."""
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    for k, (_, reads, _, where) in enumerate(steps_counted("hybrid", ids=True, steps=6)[3:]):
+        assert reads == 1, f"step {k + 3}: {where}"

@@ -33,7 +33,7 @@ from torch.profiler import record_function
 
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
-from recsz.comm.ids import Distinct, distinct_pairs
+from recsz.comm.ids import Distinct, distinct_slices
 from recsz.comm.overlap import tie_backward
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.policy import BoundPolicy
@@ -244,16 +244,17 @@ class EmbeddingExchange:
 
     def _distinct(self, ids: torch.Tensor, samples: int, owner: int) -> Distinct:
         """The distinct ids of sample owner ``samples``'s slice of table owner ``owner``'s
-        tables, computed once per batch: the forward and the backward of a step need the
-        same slices."""
+        tables. A batch's are computed at once, the first time one is asked for: every
+        slice this rank sends or receives (the forward and the backward of a step need the
+        same ones; on a GPU, one host read for all)."""
         if self._batch is None or self._batch[0] is not ids or self._batch[1] != ids._version:
-            self._batch, self._distinct_of = (ids, ids._version), {}
-        key = (samples, owner)
-        if key not in self._distinct_of:
-            b = ids.shape[0] // self.world
-            cols = ids[samples * b : (samples + 1) * b][:, self.plan.tables_of(owner)]
-            self._distinct_of[key] = distinct_pairs(cols)
-        return self._distinct_of[key]
+            w, r = self.world, self.rank
+            keys = sorted({(d, r) for d in range(w)} | {(r, s) for s in range(w)})
+            b = ids.shape[0] // w
+            cols = [ids[s * b : (s + 1) * b][:, self.plan.tables_of(o)] for s, o in keys]
+            self._batch = (ids, ids._version)
+            self._distinct_of = dict(zip(keys, distinct_slices(cols), strict=True))
+        return self._distinct_of[(samples, owner)]
 
     def _sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
         if dedup:
