@@ -281,3 +281,16 @@ def test_bench_accuracy_refuses_a_pair_it_will_not_run(capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         bench.main([*argv, "--versus", "dp-eb@0.03:dp-powersgd@1"])
     assert "want A:B pairs of planned settings" in capsys.readouterr().err
+
+
+def test_bench_syncs_counts_a_step_in_this_process(tmp_path: Path) -> None:
+    """World size 1 (no process group): fixed-size traffic reads nothing back, id-aware
+    traffic once a step (the counts tests/test_host_syncs.py asserts, as the table)."""
+    bench = _bench("bench_syncs")
+    out = tmp_path / "syncs.json"
+    cases = "none, fixed-size;none, id-aware"
+    assert bench.main(["--worlds", "1", "--cases", cases, "--json-out", str(out)]) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    assert rows["none, fixed-size"]["reads_per_step"] == 0
+    assert rows["none, id-aware"]["reads_per_step"] == 1
+    assert "| none, id-aware | 1 |" in out.with_suffix(".md").read_text()

@@ -1,0 +1,143 @@
+"""Host reads a training step makes on a GPU, counted on the CPU: how often a GPU rank
+waits for its host (each read drains the GPU's queue; a step without any can run ahead
+and be replayed as a CUDA graph).
+
+    python benchmarks/bench_syncs.py [--json-out PATH] [--worlds 1,2,4]
+
+The GPU's code path runs on the CPU (``RECSZ_DEVICE_PATH_ON_CPU=1``, Triton's interpreter)
+with :mod:`tests.hostreads` counting, per rank and step, the value reads and value-sized
+outputs of tensors that would live on the GPU (gloo ranks on this machine; ``tiny``
+preset, global batch 64, dual bounds both ways outside their probe window). Rows: the
+trainer's default id-aware traffic and fixed-size traffic (``--no-id-dedup
+--no-bwd-coalesce``), each with the hybrid codec and with ``none``; and id-aware traffic
+with its distinct ids found slice by slice (how the exchange did it before one pass did
+every slice). Counts are exact and machine-independent; no time is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import socket
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from results_io import write_results  # noqa: E402
+
+WARM, STEPS = 3, 3  # steps before counting (kernels built, constants uploaded), counted
+
+CASES = {  # name -> (argv, distinct ids slice by slice)
+    "hybrid, id-aware": (["--fwd-codec", "hybrid", "--bwd-codec", "hybrid"], False),
+    "hybrid, id-aware, slice by slice": (["--fwd-codec", "hybrid", "--bwd-codec", "hybrid"], True),
+    "none, id-aware": ([], False),
+    "hybrid, fixed-size": (
+        ["--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--no-id-dedup", "--no-bwd-coalesce"],
+        False,
+    ),
+    "none, fixed-size": (["--no-id-dedup", "--no-bwd-coalesce"], False),
+}
+
+
+def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
+    """One rank's counts, put on ``out``: (rank, reads a step, uploads a step, where)."""
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from recsz.comm import embedding, ids
+
+    at_once = embedding.distinct_slices
+    if CASES[case][1]:  # slice by slice
+        embedding.distinct_slices = lambda cols: [ids.distinct_pairs(c) for c in cols]
+    try:
+        out.put((rank, *_counted(CASES[case][0])))
+    finally:
+        embedding.distinct_slices = at_once
+
+
+def _counted(argv: list[str]) -> tuple[float, float, str]:
+    from recsz import train
+    from recsz.config import parse_train_args
+    from recsz.data.source import make_source
+    from recsz.model import get_preset
+    from recsz.ranks import Ranks
+    from tests.hostreads import counting
+
+    cfg = parse_train_args(["--preset", "tiny", "--eb-policy", "dual", *argv])
+    ranks = Ranks.from_env(120.0)
+    parts = train.build_parts(cfg, ranks)[0]
+    src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
+    state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
+    state += [*parts.sparse.parameters(), *parts.dense.parameters()]
+    reads, uploads, where = [], [], ""
+    first = cfg.hindex_probe_steps + 1  # after the probe window and its classification
+    for k in range(first + WARM + STEPS):
+        b = src.train_batch(k, 64)
+        if k < first + WARM:
+            train.train_step(parts, b, k, ranks)
+            continue
+        with counting([*state, b.dense, b.ids, b.labels]) as c:
+            train.train_step(parts, b, k, ranks)
+        reads.append(c.total())
+        uploads.append(c.uploads)
+        where = c.report()
+    ranks.close(True)
+    return statistics.mean(reads), statistics.mean(uploads), where
+
+
+def count(world: int, case: str) -> dict:
+    """The most reads and uploads a step of any rank (world 1: in this process)."""
+    if world == 1:
+        q: Any = queue.SimpleQueue()
+        rank_main(0, 1, 0, case, q)
+        per_rank = [q.get()]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        q = mp.get_context("spawn").Queue()
+        mp.start_processes(rank_main, (world, port, case, q), nprocs=world, start_method="spawn")
+        per_rank = sorted(q.get() for _ in range(world))
+    return {
+        "case": case,
+        "world": world,
+        "reads_per_step": max(r for _, r, _, _ in per_rank),
+        "uploads_per_step": max(u for _, _, u, _ in per_rank),
+        "where_rank0": per_rank[0][3],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/syncs.json"))
+    ap.add_argument("--worlds", default="1,2,4")
+    ap.add_argument("--cases", default=";".join(CASES), help=f"';'-separated, of {list(CASES)}")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
+        raise SystemExit("bench_syncs: set TRITON_INTERPRET=1 before Triton is imported")
+    os.environ.update(RECSZ_DEVICE_PATH_ON_CPU="1", TRITON_INTERPRET="1")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    cases = [c.strip() for c in args.cases.split(";")]
+    if unknown := [c for c in cases if c not in CASES]:
+        raise SystemExit(f"bench_syncs: unknown cases {unknown}; known: {list(CASES)}")
+    rows = [count(w, case) for case in cases for w in worlds]
+    head = "| traffic | " + " | ".join(f"world {w}" for w in worlds) + " |"
+    lines = [head, "|---" * (len(worlds) + 1) + "|"]
+    for case in cases:
+        got = {r["world"]: r for r in rows if r["case"] == case}
+        cells = [f"{got[w]['reads_per_step']:g}" for w in worlds]
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    table = "Host reads per step and rank (the most of any rank), GPU path on the CPU\n\n"
+    write_results(rows, args.json_out, table + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
