@@ -68,7 +68,7 @@ def _counted(argv: list[str]) -> tuple[float, float, str]:
     from recsz.data.source import make_source
     from recsz.model import get_preset
     from recsz.ranks import Ranks
-    from tests.hostreads import counting
+    from tests.hostreads import counting, mark
 
     cfg = parse_train_args(["--preset", "tiny", "--eb-policy", "dual", *argv])
     ranks = Ranks.from_env(120.0)
@@ -78,16 +78,16 @@ def _counted(argv: list[str]) -> tuple[float, float, str]:
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
     reads, uploads, where = [], [], ""
     first = cfg.hindex_probe_steps + 1  # after the probe window and its classification
-    for k in range(first + WARM + STEPS):
-        b = src.train_batch(k, 64)
-        if k < first + WARM:
+    with counting(state) as c:
+        for k in range(first + WARM + STEPS):
+            b = src.train_batch(k, 64)
+            mark([b.dense, b.ids, b.labels])
             train.train_step(parts, b, k, ranks)
-            continue
-        with counting([*state, b.dense, b.ids, b.labels]) as c:
-            train.train_step(parts, b, k, ranks)
-        reads.append(c.total())
-        uploads.append(c.uploads)
-        where = c.report()
+            n, up, at = c.take()
+            if k >= first + WARM:
+                reads.append(n)
+                uploads.append(up)
+                where = at
     ranks.close(True)
     return statistics.mean(reads), statistics.mean(uploads), where
 

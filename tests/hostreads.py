@@ -35,6 +35,10 @@ _SIZED_BY_VALUES = {
 }  # fmt: skip
 
 
+#: Factories whose tensors are the device's when given a ``device=``.
+_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange")
+
+
 def on_device(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and getattr(t, _MARK, False)
 
@@ -84,13 +88,23 @@ class HostReads(TorchDispatchMode):
     def total(self) -> int:
         return sum(self.reads.values())
 
+    def take(self) -> tuple[int, int, str]:
+        """(reads, uploads, where) since the last take; counting starts again."""
+        got = (self.total(), self.uploads, self.report())
+        self.reads.clear()
+        self.uploads = 0
+        return got
+
     def report(self) -> str:
         return "\n".join(f"{n} x {what} at {where}" for (what, where), n in self.reads.items())
 
 
 def _sized_by_mask(name: str, args: Any, kwargs: Any) -> bool:
+    """Boolean indexing, host indices of device values, repeat_interleave without a size."""
     if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
-        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+        idx = [i for i in args[1] or () if isinstance(i, torch.Tensor)]
+        host = on_device(args[0]) and any(i.dim() and not on_device(i) for i in idx)
+        return host or any(i.dtype == torch.bool for i in idx)
     if name == "repeat_interleave":
         return kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None)
     return False
@@ -98,8 +112,11 @@ def _sized_by_mask(name: str, args: Any, kwargs: Any) -> bool:
 
 @contextmanager
 def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
-    """Count the host reads and uploads of what runs inside; ``device_state``: the tensors
-    that start on the device (model, optimizer states, batch)."""
+    """Count the host reads and uploads of what runs inside (:meth:`HostReads.take` step
+    by step); ``device_state``: the tensors that start on the device (model, optimizer
+    states; mark each batch's with :func:`mark`). Enter it before the first step: tensors
+    that steps make once and keep (index tensors, constants) are then known as the
+    device's."""
     import triton.runtime.interpreter as interp
 
     from recsz.codecs import payload
@@ -131,6 +148,16 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
 
         return f
 
+    def placed(make: Any) -> Any:
+        def f(*args: Any, **kwargs: Any) -> Any:
+            t = make(*args, **kwargs)
+            if kwargs.get("device") is not None:
+                mark([t])
+            return t
+
+        return f
+
+    factories = {n: getattr(torch, n) for n in _FACTORIES}
     holders = [m for n, m in list(sys.modules.items()) if n.startswith("recsz")]
     holders = [m for m in holders if getattr(m, "upload", None) is upload]
     interp.GridExecutor.__call__ = kernel
@@ -138,6 +165,8 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
         m.upload = uploaded
     for n in value_reads:
         setattr(torch.Tensor, n, read(n))
+    for n, make in factories.items():
+        setattr(torch, n, placed(make))
     try:
         with mode:
             yield mode
@@ -147,3 +176,5 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
             m.upload = upload
         for n, f in value_reads.items():
             setattr(torch.Tensor, n, f)
+        for n, make in factories.items():
+            setattr(torch, n, make)

@@ -14,7 +14,7 @@ from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import get_preset
 from recsz.model.rowopt import sum_by_row
 from tests.common import trainer_parts
-from tests.hostreads import counting
+from tests.hostreads import counting, mark
 
 
 def test_the_count_sees_each_kind_of_host_read() -> None:
@@ -27,6 +27,8 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
         float(y.sum())  # item
         y.tolist()
         y[y > 0]  # sized by a mask
+        y[:, [0, 2]]  # a host index, copied to the device
+        y[:, torch.tensor([0, 2], device=y.device)]  # an index on the device: free
         torch.unique(y)
         buf = torch.zeros(8, 4)
         buf.copy_(x)  # written with the device's
@@ -35,7 +37,7 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
         sum_by_row(y[:3, 0].long(), y[:3], keep_size=False)  # torch.unique
     kinds = {"_local_scalar_dense", "_unique2", "index", "numpy", "tolist"}
     assert {w for w, _ in c.reads} == kinds
-    assert c.total() == 6
+    assert c.total() == 7
     assert "rowopt.py" in c.report()  # where, in recsz
 
 
@@ -52,20 +54,21 @@ def steps_counted(codec: str, ids: bool, steps: int) -> list[tuple[bool, int, in
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
     seen: dict[object, int] = {}
     out = []
-    for k in range(steps):
-        b = src.train_batch(k, 64)
-        key = graphs.key(k)
-        graphed = key is not None and seen.get(key, 0) >= graphs.warm
-        if key is not None:
-            seen[key] = seen.get(key, 0) + 1
-        with counting([*state, b.dense, b.ids, b.labels]) as c:
+    with counting(state) as c:
+        for k in range(steps):
+            b = src.train_batch(k, 64)
+            key = graphs.key(k)
+            graphed = key is not None and seen.get(key, 0) >= graphs.warm
+            if key is not None:
+                seen[key] = seen.get(key, 0) + 1
+            mark([b.dense, b.ids, b.labels])
             train.train_step(parts, b, k, ranks)
-        out.append((graphed, c.total(), c.uploads, c.report()))
+            out.append((graphed, *c.take()))
     return out
 
 
 @pytest.mark.parametrize("codec", ["hybrid", "fp16", "none"])
-def test_a_fixed_size_step_on_the_gpu_path_never_waits_for_the_host(
+def test_a_fixed_size_step_on_the_device_path_never_waits_for_the_host(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Fixed-size traffic on the GPU's path: once kernels are built and constants uploaded
@@ -88,3 +91,30 @@ def test_id_aware_traffic_reads_the_host_once_a_step(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     for k, (_, reads, _, where) in enumerate(steps_counted("hybrid", ids=True, steps=6)[3:]):
         assert reads == 1, f"step {k + 3}: {where}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
+def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(ids: bool, expected: int) -> None:
+    """What the CPU's count says, torch's sync debug mode confirms on a GPU (it also sees
+    what the CPU cannot: pageable copies to the device)."""
+    import warnings
+
+    parts, ranks = trainer_parts("hybrid", "cuda", ids=ids)
+    src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
+    syncs = []
+    for k in range(7):
+        b = src.train_batch(k, 256).to(torch.device("cuda"))
+        if k < 3:
+            train.train_step(parts, b, k, ranks)
+            continue
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                train.train_step(parts, b, k, ranks)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert syncs == [expected] * 4, syncs

@@ -251,7 +251,12 @@ class EmbeddingExchange:
             w, r = self.world, self.rank
             keys = sorted({(d, r) for d in range(w)} | {(r, s) for s in range(w)})
             b = ids.shape[0] // w
-            cols = [ids[s * b : (s + 1) * b][:, self.plan.tables_of(o)] for s, o in keys]
+            cols = [
+                ids[s * b : (s + 1) * b].index_select(
+                    1, self._index_of(self.plan.tables_of(o), ids.device)
+                )
+                for s, o in keys
+            ]  # an index made once: a list would be copied to a GPU from pageable memory
             self._batch = (ids, ids._version)
             self._distinct_of = dict(zip(keys, distinct_slices(cols), strict=True))
         return self._distinct_of[(samples, owner)]
