@@ -116,11 +116,14 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
     by step); ``device_state``: the tensors that start on the device (model, optimizer
     states; mark each batch's with :func:`mark`). Enter it before the first step: tensors
     that steps make once and keep (index tensors, constants) are then known as the
-    device's."""
+    device's (the codecs' plans and constants are forgotten here, to be made inside)."""
     import triton.runtime.interpreter as interp
 
-    from recsz.codecs import payload
+    from recsz.codecs import blockcoder, payload
 
+    # What the codecs keep on the device between calls is made again, inside.
+    blockcoder.clear_plans()
+    payload.forget_constants()
     mark(device_state)
     mode = HostReads()
     launch, upload = interp.GridExecutor.__call__, payload.upload
@@ -148,10 +151,13 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
 
         return f
 
-    def placed(make: Any) -> Any:
+    def placed(name: str, make: Any) -> Any:
         def f(*args: Any, **kwargs: Any) -> Any:
             t = make(*args, **kwargs)
             if kwargs.get("device") is not None:
+                copied = name in ("tensor", "as_tensor") and not (args and on_device(args[0]))
+                if copied and not mode.paused:  # host values copied from pageable memory
+                    mode.reads[(f"{name}(host values, device=)", _site())] += 1
                 mark([t])
             return t
 
@@ -166,7 +172,7 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
     for n in value_reads:
         setattr(torch.Tensor, n, read(n))
     for n, make in factories.items():
-        setattr(torch, n, placed(make))
+        setattr(torch, n, placed(n, make))
     try:
         with mode:
             yield mode

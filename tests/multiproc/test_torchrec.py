@@ -155,9 +155,35 @@ def _worker(rank: int, store: str, out: str) -> None:
     except ValueError as e:
         res["rw_error"] = str(e)
     res["pipeline"] = _pipeline(rank, plan_of)
+    if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
+        res["reads"] = _our_host_reads(rank, plan_of)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
+    """Steps 2-3 of our sharder on the GPU's path: the host reads recsz makes (what a GPU
+    would wait for; TorchRec's own input dist is not counted), and where."""
+    import recsz.torchrec as rt
+    from recsz.policy import base
+    from tests.hostreads import counting, mark
+
+    base._abs_checks["left"] = 0  # the first slices' bound checks (tested elsewhere)
+    sharder = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
+                                      fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
+    got = []
+    with counting([]) as c:
+        model = _dmp(sharder, plan_of)
+        for step in range(4):
+            kjt, w = _batch(step, rank)
+            mark([kjt.values(), kjt.lengths(), w])
+            y = model(kjt).wait().values()
+            (y * w).sum().backward()
+            ours = {k: n for k, n in c.reads.items() if k[1]}  # made in recsz
+            got.append((sum(ours.values()), c.report()))
+            c.take()
+    return got[2:]
 
 
 def _variable_batch(dist: torch.nn.Module) -> tuple[list[object], int]:
@@ -254,6 +280,20 @@ def test_train_pipeline_sparse_dist_runs(ranks: list[dict]) -> None:
     for res in ranks:
         assert len(res["pipeline"]) == STEPS
         assert all(torch.isfinite(torch.tensor(res["pipeline"])))
+
+
+def test_on_the_gpu_path_each_dist_reads_the_host_three_times_a_direction(
+    ranks: list[dict],
+) -> None:
+    """What a GPU would wait for in our dists (counted on the CPU, tests/hostreads.py):
+    per dist and direction, the payloads' lengths (one read for every width), the received
+    buffers' tables of lengths (one for every source) and the checks' verdicts (one for
+    every width). Indices are made once: no host values copied to the device a step."""
+    if "reads" not in ranks[0]:
+        pytest.skip("the host path: host reads cost nothing there")
+    for r in ranks:
+        for reads, where in r["reads"]:
+            assert reads == 6 * r["dists"], where
 
 
 def test_the_readme_example_runs_as_written() -> None:

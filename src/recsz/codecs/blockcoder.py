@@ -38,7 +38,7 @@ from recsz.codecs import blockformat as bf
 from recsz.codecs import blockkernels as k
 from recsz.codecs import blockplan as bp
 from recsz.codecs import blockunpack as u
-from recsz.codecs.payload import PayloadError
+from recsz.codecs.payload import PayloadError, verdict
 
 ELEMS = 2048  # elements per quantize program
 BLOCKS = 128  # blocks per pack / unpack program (the H100 sweep's best of 16-256)
@@ -332,8 +332,6 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def check(ok: torch.Tensor, what: str = "payload") -> None:
-    """Raise PayloadError naming the first payload whose checks failed (one host read)."""
-    flags = ok.cpu().tolist()
-    if not all(flags):
-        i = flags.index(False)
-        raise PayloadError(f"{what} {i}: corrupted or truncated (format-{bf.FORMAT} checks failed)")
+    """Raise PayloadError naming the first payload whose checks failed (one host read, or
+    held by :func:`recsz.codecs.payload.checks_read_once`)."""
+    verdict(ok, lambda i: f"{what} {i}: corrupted or truncated (format-{bf.FORMAT} checks failed)")

@@ -13,6 +13,7 @@ import itertools
 import struct
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from recsz.codecs.payload import PayloadError, upload
@@ -35,13 +36,34 @@ def frame(parts: list[torch.Tensor]) -> torch.Tensor:
 def unframe(buf: torch.Tensor, expected: int | None, source: str) -> list[torch.Tensor]:
     """Split a framed buffer (``expected`` parts, or as many as it says); ``source``
     names the sender in any error."""
-    raw = buf[: _COUNT.size + 8 * (expected or 0)].cpu().numpy()
+    if expected is not None:
+        return unframe_all([buf], [expected], [source])[0]
+    raw = buf[: _COUNT.size].cpu().numpy()
+    n = _COUNT.unpack_from(raw.data, 0)[0] if raw.size >= _COUNT.size else 0
+    return _split(buf, buf[: _COUNT.size + 8 * n].cpu().numpy(), n, source)
+
+
+def unframe_all(
+    bufs: list[torch.Tensor], expected: list[int], sources: list[str]
+) -> list[list[torch.Tensor]]:
+    """:func:`unframe` of each buffer (``expected[i]`` parts, from ``sources[i]``), their
+    tables of lengths read to the host at once (on a GPU: one wait, not one a buffer)."""
+    spans = [min(b.numel(), _COUNT.size + 8 * n) for b, n in zip(bufs, expected, strict=True)]
+    heads = [b[:s] for b, s in zip(bufs, spans, strict=True)]
+    raw = torch.cat(heads).cpu().numpy() if heads else np.empty(0, np.uint8)
+    out, at = [], 0
+    for b, s, n, src in zip(bufs, spans, expected, sources, strict=True):
+        out.append(_split(b, raw[at : at + s], n, src))
+        at += s
+    return out
+
+
+def _split(buf: torch.Tensor, raw: np.ndarray, expected: int, source: str) -> list[torch.Tensor]:
+    """``buf``'s parts by its table of lengths, ``raw`` (read on the host)."""
     if raw.size < _COUNT.size:
         raise PayloadError(f"{source}: framed buffer of {raw.size} bytes is truncated")
     (n,) = _COUNT.unpack_from(raw.data, 0)
-    if expected is None:
-        raw = buf[: _COUNT.size + 8 * n].cpu().numpy()
-    elif n != expected:
+    if n != expected:
         raise PayloadError(f"{source}: sent {n} chunks, expected {expected} (plans disagree?)")
     if raw.size < _COUNT.size + 8 * n:
         raise PayloadError(f"{source}: framed buffer of {buf.numel()} bytes is truncated")

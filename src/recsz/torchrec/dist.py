@@ -33,7 +33,8 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
-from recsz.codecs.framing import frame, unframe
+from recsz.codecs.framing import frame, unframe_all
+from recsz.codecs.payload import checks_read_once
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.overlap import tie_backward
@@ -92,6 +93,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.raw = {"fwd": 0, "bwd": 0}
         self.wire = {"fwd": 0, "bwd": 0}
         self._warned = False
+        self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
@@ -138,7 +140,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         feature sent. ``train``: feed the policy and the byte counters."""
         ebs = self._bounds(d, step, *bound_src, train)
         device = bound_src[0].device
-        parts: list[list[torch.Tensor]] = [[] for _ in blocks]
+        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
         for width in sorted({w for _, dims, _ in blocks for w in dims}):
             groups, keys, dest = [], [], []
             for r, (x, dims, ks) in enumerate(blocks):
@@ -148,13 +150,19 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 groups.append((_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs)))
                 keys += [ks[i] for i in fs]
                 dest.append(r)
-            eb = None if ebs is None else ebs[torch.tensor(keys, device=ebs.device)]
-            payloads, _ = d.codec.encode_segments(groups, eb)
-            for r, p, (rows, _) in zip(dest, payloads, groups, strict=True):
-                parts[r].append(p)
+            eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
+            # Untrimmed: every width's payload lengths are read to the host at once below.
+            payloads, used = d.codec.encode_segments(groups, eb, trim=False)
+            for r, p, n, (rows, _) in zip(dest, payloads, used, groups, strict=True):
+                parts[r].append((p, n))
                 if train and r != self.rank:
                     self.raw[d.name] += rows.numel() * 4
-        send = [[frame(p).to(device)] for p in parts]
+        flat = [(p, n) for ps in parts for p, n in ps]
+        if d.codec.group_nbytes(1, 1, torch.float32, device) is not None:  # sized by shape
+            lengths = iter([p.numel() for p, _ in flat])
+        else:
+            lengths = iter(torch.stack([n for _, n in flat]).tolist() if flat else [])  # one read
+        send = [[frame([p[: next(lengths)] for p, _ in ps]).to(device)] for ps in parts]
         if train:
             self.wire[d.name] += sum(s[0].numel() for r, s in enumerate(send) if r != self.rank)
         return start_all_to_all_bytes(send, self.world, self.pg)
@@ -176,8 +184,16 @@ class CompressedPooledEmbeddingDist(nn.Module):
             got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
             if got is None:
                 return None
-            ebs[torch.tensor(at, device=x.device)] = got.to(x.device)
+            ebs[self._index(at, x.device)] = got.to(x.device)
         return ebs
+
+    def _index(self, keys: list[int], device: torch.device) -> torch.Tensor:
+        """``keys`` as an index tensor on ``device``, made once (a list would be copied to a
+        GPU from pageable memory, a host sync, every step)."""
+        k = (tuple(keys), device)
+        if k not in self._indices:
+            self._indices[k] = torch.tensor(keys, dtype=torch.int64, device=device)
+        return self._indices[k]
 
     def _receive(
         self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[tuple[int, ...]]
@@ -185,26 +201,26 @@ class CompressedPooledEmbeddingDist(nn.Module):
         """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide."""
         bufs = pending.wait()
         widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
-        parts = [
-            unframe(b, len(w), f"rank {s} ({d.name})")
-            for s, (b, w) in enumerate(zip(bufs, widths, strict=True))
-        ]
+        parts = unframe_all(
+            bufs, [len(w) for w in widths], [f"rank {s} ({d.name})" for s in range(self.world)]
+        )  # every source's table of lengths in one host read
         out = [
             torch.empty(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)
         ]
-        for width in sorted({w for ws in widths for w in ws}):
-            srcs = [s for s in range(self.world) if width in widths[s]]
-            sizes = [[rows[s]] * len(_by_width(dims[s])[width][0]) for s in srcs]
-            payloads = [parts[s][widths[s].index(width)] for s in srcs]
-            try:
-                decoded = d.codec.decode_segments(payloads, sizes, width)
-            except ValueError as e:
-                raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
-            for s, y in zip(srcs, decoded, strict=True):
-                cols = _by_width(dims[s])[width][1]
-                slabs = y.view(len(cols), rows[s], width)
-                for j, c in enumerate(cols):
-                    out[s][:, c : c + width] = slabs[j]
+        try:
+            with checks_read_once():  # every width's verdicts in one host read
+                for width in sorted({w for ws in widths for w in ws}):
+                    srcs = [s for s in range(self.world) if width in widths[s]]
+                    sizes = [[rows[s]] * len(_by_width(dims[s])[width][0]) for s in srcs]
+                    payloads = [parts[s][widths[s].index(width)] for s in srcs]
+                    decoded = d.codec.decode_segments(payloads, sizes, width)
+                    for s, y in zip(srcs, decoded, strict=True):
+                        cols = _by_width(dims[s])[width][1]
+                        slabs = y.view(len(cols), rows[s], width)
+                        for j, c in enumerate(cols):
+                            out[s][:, c : c + width] = slabs[j]
+        except ValueError as e:
+            raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
         return out
 
     def finish_forward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
