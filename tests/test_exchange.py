@@ -316,13 +316,17 @@ def test_a_steps_slices_at_once_equal_each_slice_alone(
         assert torch.equal(g.first, w.first) and torch.equal(g.inverse, w.inverse)
 
 
-def test_ids_too_large_for_the_exchange_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ids_outside_the_exchanges_range_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     big = torch.tensor([[1, 2], [3, 1 << 41]])
     with pytest.raises(ValueError, match=f"an id of {1 << 41} is too large"):
         distinct_pairs(big)
+    with pytest.raises(ValueError, match="an id of -5 is negative"):
+        distinct_pairs(-big[:, :1] - 2)
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     with pytest.raises(ValueError, match=f"an id of {1 << 41} is too large"):
         distinct_slices([big[:1], big])
+    with pytest.raises(ValueError, match="an id of -5 is negative"):
+        distinct_slices([big[:1], -big[:, :1] - 2])
 
 
 @pytest.mark.parametrize("name", [n for n in available_codecs() if get_codec(n).joinable])

@@ -53,12 +53,20 @@ class Distinct(NamedTuple):
     counts: list[int]  # (T,): distinct ids per table
 
 
+def _check_range(smallest: int, largest: int) -> None:
+    """Ids must fit under the table index of the keys (:data:`_TABLE_SHIFT` bits)."""
+    if smallest < 0:
+        raise ValueError(f"an id of {smallest} is negative: the exchange takes ids >= 0")
+    if largest >> _TABLE_SHIFT:
+        raise ValueError(f"an id of {largest} is too large for the exchange")
+
+
 def distinct_pairs(ids: torch.Tensor) -> Distinct:
     """For ids (b, T) (one column per table), the distinct ids of every column in one pass:
     sorted by table, then by id, so each table's rows are contiguous."""
     n_t = ids.shape[1]
-    if ids.numel() and int(ids.max()) >> _TABLE_SHIFT:
-        raise ValueError(f"an id of {int(ids.max())} is too large for the exchange")
+    if ids.numel():
+        _check_range(int(ids.min()), int(ids.max()))
     shift = torch.arange(n_t, dtype=torch.int64, device=ids.device) << _TABLE_SHIFT
     keys = (ids.t() + shift.unsqueeze(1)).reshape(-1)
     inv, first, uniq = unique_first(keys)
@@ -68,7 +76,8 @@ def distinct_pairs(ids: torch.Tensor) -> Distinct:
 
 def distinct_slices(cols: list[torch.Tensor]) -> list[Distinct]:
     """:func:`distinct_pairs` of each of ``cols`` ((b_i, T_i) ids each); on the GPU's path
-    all at once, reading the host one list (every table's count and the largest id)."""
+    all at once, reading the host one list (every table's count, the smallest and the
+    largest id)."""
     if not cols or not device_path(cols[0].device):
         return [distinct_pairs(c) for c in cols]
     dev, widths = cols[0].device, [c.shape[1] for c in cols]
@@ -93,10 +102,9 @@ def distinct_slices(cols: list[torch.Tensor]) -> list[Distinct]:
     firsts.scatter_(0, torch.where(new, pair, n), order)
     counts = torch.zeros(n_groups, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, (srt >> _TABLE_SHIFT).clamp_(0, n_groups - 1), new.long())
-    largest = torch.stack([c.max() for c in cols if c.numel()]).max().view(1)
-    read = torch.cat([counts, largest]).tolist()  # the one host read
-    if read[-1] >> _TABLE_SHIFT:
-        raise ValueError(f"an id of {read[-1]} is too large for the exchange")
+    ends = torch.stack([torch.stack([c.min(), c.max()]) for c in cols if c.numel()])
+    read = torch.cat([counts, ends[:, 0].min().view(1), ends[:, 1].max().view(1)]).tolist()
+    _check_range(read[-2], read[-1])  # read with the counts: the one host read
     out, at, start, off = [], 0, 0, 0
     for w, size in zip(widths, sizes, strict=True):
         mine = read[at : at + w]
