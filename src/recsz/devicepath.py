@@ -11,6 +11,7 @@ with the host reads a GPU would wait for counted (``tests/hostreads.py``).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -20,3 +21,18 @@ DEVICE_PATH_ON_CPU = "RECSZ_DEVICE_PATH_ON_CPU"
 def device_path(device: torch.device) -> bool:
     """Whether code on ``device`` takes the GPU's path."""
     return device.type == "cuda" or os.environ.get(DEVICE_PATH_ON_CPU) == "1"
+
+
+class Indices:
+    """Index tensors on a device, each made once: ``indices(order, device)``. A Python list
+    used as an index, or ``torch.tensor(list, device=)`` in every step, copies host values
+    to a GPU from pageable memory: the host waits for the GPU's queue each time."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+    def __call__(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
+        key = (tuple(order), device)
+        if key not in self._made:
+            self._made[key] = torch.tensor(order, dtype=torch.int64, device=device)
+        return self._made[key]

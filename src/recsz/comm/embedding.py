@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +36,7 @@ from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_slices
 from recsz.comm.overlap import tie_backward
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
+from recsz.devicepath import Indices
 from recsz.policy import BoundPolicy
 
 
@@ -100,7 +101,7 @@ class EmbeddingExchange:
         self.training = True
         self._batch: tuple[torch.Tensor, int] | None = None
         self._distinct_of: dict[tuple[int, int], Distinct] = {}
-        self._index: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._index_of = Indices()
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
@@ -163,13 +164,6 @@ class EmbeddingExchange:
             blocks[0].rows, payloads, out, list(map(rows, expect, range(self.world)))
         )
         return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv), own)
-
-    def _index_of(self, order: Sequence[int], device: torch.device) -> torch.Tensor:
-        """``order`` as an index tensor on ``device`` (made once)."""
-        key = (tuple(order), device)
-        if key not in self._index:
-            self._index[key] = torch.tensor(order, dtype=torch.int64, device=device)
-        return self._index[key]
 
     def _check_groups(
         self, d: Direction, blocks: list[Block], payloads: list[torch.Tensor], ebs: torch.Tensor

@@ -39,6 +39,7 @@ from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
+from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
 
 
@@ -93,7 +94,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.raw = {"fwd": 0, "bwd": 0}
         self.wire = {"fwd": 0, "bwd": 0}
         self._warned = False
-        self._indices: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        self._index = Indices()  # the policies' keys, made once on the device
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
@@ -186,14 +187,6 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 return None
             ebs[self._index(at, x.device)] = got.to(x.device)
         return ebs
-
-    def _index(self, keys: list[int], device: torch.device) -> torch.Tensor:
-        """``keys`` as an index tensor on ``device``, made once (a list would be copied to a
-        GPU from pageable memory, a host sync, every step)."""
-        k = (tuple(keys), device)
-        if k not in self._indices:
-            self._indices[k] = torch.tensor(keys, dtype=torch.int64, device=device)
-        return self._indices[k]
 
     def _receive(
         self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[tuple[int, ...]]
