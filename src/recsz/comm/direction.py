@@ -39,6 +39,11 @@ class Direction:
             )
         return ebs
 
+    def sized_by_shapes(self, like: torch.Tensor) -> bool:
+        """Whether the codec's payloads for rows like ``like``'s (width, dtype, device) have
+        sizes their shapes set (the casts: :meth:`Codec.group_nbytes`), not their values."""
+        return self.codec.group_nbytes(0, like.shape[-1], like.dtype, like.device) is not None
+
     def known_sizes(
         self,
         like: torch.Tensor,
@@ -57,7 +62,7 @@ class Direction:
         def size(rows: int | None) -> int | None:
             return 0 if rows is None else self.codec.group_nbytes(rows, dim, dtype, dev)
 
-        if size(0) is None:
+        if not self.sized_by_shapes(like):
             return None
         got = [int(p.numel()) for p in sent]
         if got != [size(n) for n in rows_out]:

@@ -6,8 +6,8 @@ sample owner and the table owner each derive the same order from the ids they bo
 on the CPU :func:`unique_first` is a numpy stable argsort and one scan (~10x faster than
 ``torch.unique(return_inverse=True)`` on 1k ids). :func:`distinct_slices` does all the
 slices of a step: on a GPU in one pass with one host read (their counts), where slice by
-slice each would read its ids' range, unique count and table counts back (4 host syncs a
-slice, 2 world - 1 slices a rank).
+slice each would read its smallest and largest id, unique count and table counts back (5
+host syncs a slice, 2 world - 1 slices a rank).
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 if train and r != self.rank:
                     self.raw[d.name] += rows.numel() * 4
         flat = [(p, n) for ps in parts for p, n in ps]
-        if d.codec.group_nbytes(1, 1, torch.float32, device) is not None:  # sized by shape
+        if d.sized_by_shapes(bound_src[0]):  # the casts: lengths known on the host
             lengths = iter([p.numel() for p, _ in flat])
         else:
             lengths = iter(torch.stack([n for _, n in flat]).tolist() if flat else [])  # one read
