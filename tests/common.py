@@ -15,8 +15,12 @@ import numpy as np
 import torch
 
 from recsz.codecs import Codec, PayloadError, decode_payload, get_codec
+from recsz.codecs.payload import BLOCK_FORMAT, version_of
 
 FIXTURES = Path(__file__).parent / "fixtures"
+#: A format-1 header's bytes at most, for the shapes tests use (prefix, codec id, config,
+#: shape, bound, section table).
+STORED_HEADER_BYTES = 64
 
 
 def check_roundtrip(codec: Codec, x: torch.Tensor, eb: float) -> torch.Tensor:
@@ -39,7 +43,22 @@ def check_roundtrip(codec: Codec, x: torch.Tensor, eb: float) -> torch.Tensor:
         err = (y[fin].double() - x[fin].double()).abs()
         if err.numel():
             assert float(err.max()) <= eb, f"{codec.codec_id}: error {float(err.max())} > {eb}"
+        oversized = oversized_payload(codec, x, p)
+        assert oversized is None, oversized
     return p
+
+
+def oversized_payload(codec: Codec, x: torch.Tensor, p: torch.Tensor) -> str | None:
+    """However tight the bound, a bounded codec's payload holds at most the values stored
+    and a header (format 3: and a width nibble a block of 32 values, its raw blocks
+    holding the values); not promised by a threshold, DCT's: what it drops stays dropped,
+    whatever the size. None when the payload keeps that."""
+    stored = x.numel() * x.element_size() + STORED_HEADER_BYTES
+    if version_of(p) == BLOCK_FORMAT:
+        stored += 192 + (x.numel() + x.shape[0]) // 32
+    if codec.error_bounded and not codec.threshold and p.numel() > stored:
+        return f"{p.numel()} payload bytes, more than the {stored} of the values stored"
+    return None
 
 
 def check_config_roundtrip(codec: Codec) -> None:
@@ -112,10 +131,11 @@ def extreme_case(rng: np.random.Generator) -> tuple[torch.Tensor, float]:
 
 def bound_violation(codec: Codec, x: torch.Tensor, eb: float) -> str | None:
     """None when ``codec`` keeps its promise on (x, eb) (or refuses the bound stating the
-    range it accepts); otherwise what went wrong. Unbounded codecs must keep finite values
-    finite."""
+    range it accepts; a bounded codec also its size, :func:`oversized_payload`); otherwise
+    what went wrong. Unbounded codecs must keep finite values finite."""
     try:
-        y = codec.decode(codec.encode(x, eb))
+        p = codec.encode(x, eb)
+        y = codec.decode(p)
     except ValueError as e:
         if codec.error_bounded and "accept" in str(e):
             return None
@@ -128,6 +148,7 @@ def bound_violation(codec: Codec, x: torch.Tensor, eb: float) -> str | None:
         err = (y[fin].double() - x[fin].double()).abs()
         if err.numel() and not float(err.max()) <= eb:
             return f"error {float(err.max())} > bound {eb}"
+        return oversized_payload(codec, x, p)
     elif not bool(torch.isfinite(y[fin]).all()):
         return "finite values decoded as Inf or NaN"
     return None

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from recsz.codecs import PayloadError, available_codecs, decode_payload, get_codec
+from recsz.codecs.payload import assemble
 from tests.common import (
     FIXTURES,
+    STORED_HEADER_BYTES,
     bound_violation,
     check_config_roundtrip,
     check_corruption,
@@ -131,7 +133,8 @@ special32 = st.one_of(
 )
 shapes = st.tuples(st.integers(0, 40), st.integers(1, 40))
 bounds = st.one_of(
-    st.sampled_from([1e-7, 1e-4, 1e-3, 0.0125, 0.5, 3.0]), st.floats(1e-9, 10.0, allow_nan=False)
+    st.sampled_from([1.2e-38, 1e-30, 1e-7, 1e-4, 1e-3, 0.0125, 0.5, 3.0]),
+    st.floats(1e-9, 10.0, allow_nan=False),
 )
 
 
@@ -167,6 +170,36 @@ def test_hybrid_exploits_repeated_rows() -> None:
     assert p_h.numel() <= p_q.numel()
     assert x.numel() * 4 / p_h.numel() > 50  # 16 distinct rows of 2048
     assert math.isfinite(float((c.decode(p_h) - x).abs().max()))
+
+
+@pytest.mark.parametrize("name", [c for c in BOUNDED if not get_codec(c).threshold])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_a_bound_too_tight_for_the_codes_sends_the_values_stored(
+    name: str, dtype: torch.dtype
+) -> None:
+    """Codes beyond the quantizer's range would all be outliers (12 bytes each, 3x the
+    values before the fallback): the payload holds the values themselves, exactly."""
+    x = (torch.randn(300, 16, generator=torch.Generator().manual_seed(3)) * 1e3).to(dtype)
+    x[7, 3] = float("nan")
+    codec = get_codec(name)
+    p = check_roundtrip(codec, x, 1e-30)
+    assert p.numel() <= x.numel() * x.element_size() + STORED_HEADER_BYTES
+    torch.testing.assert_close(codec.decode(p), x, rtol=0, atol=0, equal_nan=True)
+    check_corruption(codec, x, 1e-30)
+
+
+def test_stored_values_that_do_not_fit_the_shape_are_rejected() -> None:
+    """A well-formed, checksummed payload whose stored section is one value short."""
+    codec = get_codec("hybrid")
+    x = torch.randn(4, 8)
+    raw = x.view(-1).view(torch.uint8).numpy()
+
+    def fields(body_len: int) -> bytes:
+        return codec._header_fields(x.shape, x.dtype, 1e-30, body_len)
+
+    assert torch.equal(codec.decode(assemble(fields, [raw])), x)
+    with pytest.raises(PayloadError, match=r"124 bytes do not hold 32 x torch.float32"):
+        codec.decode(assemble(fields, [raw[:-4]]))
 
 
 def test_casting_codecs_are_not_called_bounded() -> None:

@@ -16,7 +16,8 @@ the codec's own bytes, then the positions and exact values of "outliers". Non-fi
 are taken out by this base class before a codec sees the tensor; a codec may name elements
 it cannot represent within the bound; an external compressor whose bound is not exact by
 construction (ZFP) is decoded and checked here. All of them travel exactly, so every codec
-treats them the same way.
+treats them the same way. A bounded codec's payload never holds more than the values stored
+(one section, exact) and its header, however tight the bound.
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from recsz.codecs.payload import (
     as_bytes,
     assemble,
     assembled_nbytes,
+    cheaper_sections,
     pack_outliers,
     parse_payload,
     split_sections,
+    stored_values,
     unpack_outliers,
     uvarint,
     version_of,
@@ -223,7 +226,13 @@ class Codec(ABC):
         def fields(body_len: int) -> bytes:
             return self._header_fields(x.shape, x.dtype, eb_f, body_len)
 
-        return assemble(fields, [core, *outliers]).to(device)
+        sections = [core, *outliers]
+        if self.error_bounded and not self.threshold and orig.numel():
+            # A bound too tight for the codes (every element an outlier) must not send
+            # more than the values themselves. (A threshold's dropped entries stay
+            # dropped: the backward masks by them.)
+            sections = cheaper_sections(fields, sections, orig)
+        return assemble(fields, sections).to(device)
 
     def decode(self, payload: torch.Tensor) -> torch.Tensor:
         """Rebuild the tensor; raises PayloadError if the bytes are not a valid payload."""
@@ -340,6 +349,9 @@ class Codec(ABC):
 
     def _decode_body(self, hdr: Header, body: np.ndarray, device: torch.device) -> torch.Tensor:
         shape, dtype = hdr.shape, hdr.dtype
+        stored = stored_values(body, shape, dtype)
+        if stored is not None:
+            return stored.to(device)
         core, oidx, oval = split_sections(body, 3)
         n = math.prod(shape) if shape else 0
         if n == 0:

@@ -13,7 +13,9 @@ format 4 (the casts, :mod:`recsz.codecs.castframe`), checksummed by a weighted w
 parallel reduction). Format 2 (the torch-op device framing) is retired.
 
 Body = sections (u8 count, varint lengths): the codec's own bytes, then the positions and
-exact values of "outliers" (:mod:`recsz.codecs.base` says which elements those are).
+exact values of "outliers" (:mod:`recsz.codecs.base` says which elements those are); or,
+where those would cost more than the values themselves (a bounded codec under a bound too
+tight for its codes), one section: the values, stored exactly in the header's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import struct
 import threading
 import zlib
@@ -310,6 +313,32 @@ def assembled_nbytes(fields_for: Callable[[int], bytes], section_lens: list[int]
     """The length of what :func:`assemble` makes of sections of these lengths."""
     body = len(_section_table(section_lens)) + sum(section_lens)
     return PREFIX.size + len(fields_for(body)) + body
+
+
+def cheaper_sections(
+    fields_for: Callable[[int], bytes],
+    coded: list[bytes | np.ndarray],
+    values: torch.Tensor,
+) -> list[bytes | np.ndarray]:
+    """``coded`` (a codec's body sections), or the ``values`` (a contiguous host tensor)
+    stored as one section where :func:`assemble` would make that payload smaller."""
+    stored = values.reshape(-1).view(torch.uint8).numpy()
+    lens = [s.nbytes if isinstance(s, np.ndarray) else len(s) for s in coded]
+    if assembled_nbytes(fields_for, lens) > assembled_nbytes(fields_for, [stored.size]):
+        return [stored]
+    return coded
+
+
+def stored_values(
+    body: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The tensor a body of stored values holds (:func:`cheaper_sections`), None for a
+    coded body; PayloadError where the values do not fill the shape."""
+    if not body.size or int(body[0]) != 1:
+        return None
+    (raw,) = split_sections(body, 1)
+    count = math.prod(shape) if shape else 0
+    return tensor_from_bytes(raw, dtype, count).view(shape)
 
 
 def _section_table(lens: list[int]) -> bytes:
