@@ -133,3 +133,28 @@ def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:
     straight = train(tmp_path / "straight", "--steps", "6")
     for k in ("bytes_raw", "bytes_payload", "fwd_ratio", "bwd_ratio", "auc"):
         assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+
+
+def test_resume_from_a_named_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    """--resume RUN/checkpoints/step-N continues from that one (not the newest), writing
+    into RUN; a damaged one named so is an error even with --resume-fallback."""
+    import shutil
+
+    dst = tmp_path / "named"
+    shutil.copytree(run_dir, dst)
+    older = checkpoint.complete(dst)[0]
+    assert older.name == "step-000000002"
+    assert main([*BASE, "--steps", "6", "--resume", str(older)]) == 0
+    resumed = json.loads((dst / "summary.json").read_text())
+    straight = train(tmp_path / "straight", "--steps", "6")
+
+    def steps(run: Path) -> list[int]:
+        return [json.loads(r)["step"] for r in (run / "metrics.jsonl").read_text().splitlines()]
+
+    assert steps(dst) == steps(tmp_path / "straight")  # rows after step 2 written again
+    for k in ("bytes_payload", "fwd_ratio", "auc"):
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+    f = older / "rank-0.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"step-000000002/rank-0\.pt: checksum mismatch"):
+        main([*BASE, "--steps", "6", "--resume", str(older), "--resume-fallback"])

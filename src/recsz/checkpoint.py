@@ -136,6 +136,12 @@ def complete(run_dir: Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if (p / "meta.json").exists())
 
 
+def run_dir_of(resume: Path) -> Path:
+    """The run directory ``--resume`` names: itself, or the run of the one checkpoint
+    directory it names (``RUN/checkpoints/step-N``)."""
+    return resume.parent.parent if (resume / "meta.json").exists() else resume
+
+
 def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
     """Read and verify checkpoint ``d`` for this rank: (step, state); CheckpointError
     names the file otherwise."""
@@ -172,10 +178,11 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]
 
 
 def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
-    """Restore this rank's state from the newest complete checkpoint every rank verifies;
-    return its step and the run counters saved with it. A damaged newest checkpoint is an
-    error, unless ``cfg.resume_fallback``: then the newest intact one is used."""
-    done = complete(run_dir)
+    """Restore this rank's state from the newest complete checkpoint every rank verifies
+    (or from the one checkpoint directory ``run_dir`` names); return its step and the run
+    counters saved with it. A damaged newest checkpoint is an error, unless
+    ``cfg.resume_fallback``: then the newest intact one is used."""
+    done = [run_dir] if run_dir_of(run_dir) != run_dir else complete(run_dir)
     if not done:
         raise FileNotFoundError(
             f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"

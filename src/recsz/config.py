@@ -148,7 +148,11 @@ class TrainConfig:
     device: str = opt("cpu", "cuda: one GPU a rank (LOCAL_RANK), NCCL payloads", ("cpu", "cuda"))
     dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job", gt=0)
     checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)", ge=0)
-    resume: str | None = opt(None, "run dir to continue from its last complete checkpoint")
+    resume: str | None = opt(
+        None,
+        "run dir to continue from its last complete checkpoint, or one checkpoint "
+        "(RUN/checkpoints/step-N)",
+    )
     resume_fallback: bool = opt(
         False, "resume from the newest intact checkpoint if the last is damaged"
     )

@@ -250,7 +250,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         start, counters = 0, {"train_s": 0.0, "data_s": 0.0}
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
-            out = out or Path(cfg.resume)
+            out = out or checkpoint.run_dir_of(Path(cfg.resume))
             if steps < start:
                 raise ValueError(
                     f"--steps {steps} is below the step of the checkpoint resumed ({start})"
