@@ -190,6 +190,11 @@ def test_every_field_has_a_flag_with_its_default() -> None:
         if f.metadata["cli"]:
             assert flags[f.name].default == f.default, f.name
             assert flags[f.name].help.startswith(f.metadata["help"]), f.name
+            # A default is said once: by the help, or as the field's value.
+            said = flags[f.name].help.count("(default:")
+            assert said == (f.default is not None or "(default:" in f.metadata["help"]), f.name
+            if f.default is not None and said and "(default:" not in f.metadata["help"]:
+                assert flags[f.name].help.endswith(f"(default: {f.default})"), f.name
     assert parse_train_args([]) == TrainConfig()
 
 

@@ -292,7 +292,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="recsz train",
         description="Train DLRM with a compressed embedding all-to-all.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     hints = get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
@@ -306,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
             help_text += f" ({', '.join(f.metadata['choices'])})"
         if f.metadata["limits"]:
             help_text += f" ({_limits_text(f.metadata['limits'])})"
+        if f.default is not None and "(default:" not in help_text:  # else the help says it
+            help_text += f" (default: {f.default})"
         kw: dict[str, Any] = {"default": f.default, "help": help_text}
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
