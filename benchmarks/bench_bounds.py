@@ -7,9 +7,9 @@ to 3.4e38, through every codec.
 A bounded codec must keep |x - x'| <= eb for every finite element, or refuse the bound with
 a ValueError stating the accepted range, and send no more than the values stored and a
 header (``oversized_payload`` in ``tests/common.py``; DCT's threshold excepted); every
-codec must bring NaN/Inf back exactly and keep finite values finite. Counts violations (0 is the only passing count) and refusals,
-per codec. The cases come from ``tests/common.py`` (``extreme_case``), which the unit tests
-run on a smaller sample.
+codec must bring NaN/Inf back exactly and keep finite values finite. Counts violations
+(0 is the only passing count) and refusals, per codec. The cases come from
+``tests/common.py`` (``extreme_case``), which the unit tests run on a smaller sample.
 """
 
 from __future__ import annotations
