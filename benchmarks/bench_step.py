@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from recsz import train
 from recsz.config import parse_train_args
 from recsz.data.source import make_source
 from recsz.model import get_preset
 from recsz.ranks import Ranks
+from recsz.step import build_parts, train_step
+from recsz.train import main as train_main
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 REAL = SHARED / "criteo_kaggle_head10k.tsv"
@@ -57,7 +58,7 @@ def one_process(seeds: list[int]) -> list[dict]:
                 "--seed", str(seed), "--no-progress", "--out", out,
             ]  # fmt: skip
             t = time.perf_counter()
-            train.main(argv)
+            train_main(argv)
             wall = time.perf_counter() - t
             s = json.loads((Path(out) / "summary.json").read_text())
         rows.append(
@@ -77,7 +78,7 @@ def stages(steps: int, dense_dtype: str = "fp32") -> dict[str, float]:
     """Milliseconds per step of each stage, one process, bench preset."""
     cfg = parse_train_args(["--preset", "bench", "--prefetch", "0", "--dense-dtype", dense_dtype])
     ranks = Ranks.from_env(60.0, "cpu")
-    parts, _ = train.build_parts(cfg, ranks)
+    parts, _ = build_parts(cfg, ranks)
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
     bsz = cfg.resolved("batch_size")
     batches = [src.train_batch(s, bsz) for s in range(steps + 3)]
@@ -89,11 +90,11 @@ def stages(steps: int, dense_dtype: str = "fp32") -> dict[str, float]:
 
     parts.dense_opt.step = timed_step  # type: ignore[method-assign]
     for s in range(3):
-        train.train_step(parts, batches[s], s, ranks)
+        train_step(parts, batches[s], s, ranks)
     t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(3, steps + 3):
-            train.train_step(parts, batches[s], s, ranks)
+            train_step(parts, batches[s], s, ranks)
     step_ms = (time.perf_counter() - t) / steps * 1e3
     totals = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages()}
     out = {k: sum(totals.get(n, 0.0) for n in names) for k, names in STAGES.items()}

@@ -63,16 +63,16 @@ def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
 
 
 def _counted(argv: list[str]) -> tuple[float, float, str]:
-    from recsz import train
     from recsz.config import parse_train_args
     from recsz.data.source import make_source
     from recsz.model import get_preset
     from recsz.ranks import Ranks
+    from recsz.step import build_parts, train_step
     from tests.hostreads import counting, mark
 
     cfg = parse_train_args(["--preset", "tiny", "--eb-policy", "dual", *argv])
     ranks = Ranks.from_env(120.0)
-    parts = train.build_parts(cfg, ranks)[0]
+    parts = build_parts(cfg, ranks)[0]
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
@@ -82,7 +82,7 @@ def _counted(argv: list[str]) -> tuple[float, float, str]:
         for k in range(first + WARM + STEPS):
             b = src.train_batch(k, 64)
             mark([b.dense, b.ids, b.labels])
-            train.train_step(parts, b, k, ranks)
+            train_step(parts, b, k, ranks)
             n, up, at = c.take()
             if k >= first + WARM:
                 reads.append(n)

@@ -176,9 +176,9 @@ def trainer_parts(codec: str, device: str, ids: bool = False) -> tuple[Any, Any]
     """The trainer's parts (tiny preset, dual bounds probed over 2 steps every 10, decaying
     every 8 steps; fixed-size traffic, or with ``ids`` id-aware) and its ranks, one
     process."""
-    from recsz import train
     from recsz.config import parse_train_args
     from recsz.ranks import Ranks
+    from recsz.step import build_parts
 
     traffic = [] if ids else ["--no-id-dedup", "--no-bwd-coalesce"]
     argv = ["--preset", "tiny", "--device", device, *traffic,
@@ -187,4 +187,4 @@ def trainer_parts(codec: str, device: str, ids: bool = False) -> tuple[Any, Any]
             "--emb-optimizer", "rowwise_adagrad"]  # fmt: skip
     cfg = parse_train_args(argv)
     ranks = Ranks.from_env(60.0, device)
-    return train.build_parts(cfg, ranks)[0], ranks
+    return build_parts(cfg, ranks)[0], ranks

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recsz import train
 from recsz.data.source import make_source
 from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import get_preset
 from recsz.model.rowopt import sum_by_row
+from recsz.step import train_step
 from tests.common import trainer_parts
 from tests.hostreads import counting, mark
 
@@ -64,7 +64,7 @@ def steps_counted(codec: str, ids: bool, steps: int) -> list[tuple[bool, int, in
             if key is not None:
                 seen[key] = seen.get(key, 0) + 1
             mark([b.dense, b.ids, b.labels])
-            train.train_step(parts, b, k, ranks)
+            train_step(parts, b, k, ranks)
             out.append((graphed, *c.take()))
     return out
 
@@ -108,14 +108,14 @@ def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(ids: bool, expecte
     for k in range(7):
         b = src.train_batch(k, 256).to(torch.device("cuda"))
         if k < 3:
-            train.train_step(parts, b, k, ranks)
+            train_step(parts, b, k, ranks)
             continue
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                train.train_step(parts, b, k, ranks)
+                train_step(parts, b, k, ranks)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))

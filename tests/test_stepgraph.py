@@ -145,21 +145,19 @@ def steps_eager_and_graphed(
 ) -> tuple[Any, ...]:
     """The same model trained ``steps`` steps eagerly and through graphs (``stand_in``:
     stand-in ones): (eager parts, its losses, graphed parts, their losses, the StepGraphs)."""
-    from recsz import train
     from recsz.data.source import make_source
     from recsz.model import get_preset
+    from recsz.step import train_step
 
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     batches = [src.train_batch(k, 256).to(torch.device(device)) for k in range(steps)]
     (eager, ranks), (parts, _) = trainer_parts(codec, device), trainer_parts(codec, device)
-    eager_losses = torch.stack(
-        [train.train_step(eager, b, k, ranks) for k, b in enumerate(batches)]
-    )
+    eager_losses = torch.stack([train_step(eager, b, k, ranks) for k, b in enumerate(batches)])
     if stand_in is not None:
         state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
         tensors = [t for t in state if isinstance(t, torch.Tensor)]
         stand_in_graphs(stand_in, parts.exchange.stats, tensors)
-    graphs = stepgraph.graphed(lambda b, k: train.train_step(parts, b, k, ranks), parts.exchange, 1)
+    graphs = stepgraph.graphed(lambda b, k: train_step(parts, b, k, ranks), parts.exchange, 1)
     losses, sync_free = [], 0
     for k, b in enumerate(batches):
         check = device == "cuda" and (graphs.key(k), len(b)) in graphs.graphs  # a replay

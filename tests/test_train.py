@@ -173,7 +173,7 @@ def test_ddp_without_buffer_sync_warns_nothing(tmp_path: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from recsz.train import DDP_NO_BUFFER_SYNC
+    from recsz.step import DDP_NO_BUFFER_SYNC
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rdv", rank=0, world_size=1)
     try:

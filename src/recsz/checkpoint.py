@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
     from recsz.ranks import Ranks
-    from recsz.train import Parts
+    from recsz.step import Parts
 
 # Fields that may differ between the run that saved and the run that resumes ("device": a
 # run may move between CPU and GPU, the state is mapped on load).

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from recsz.train import Parts
+    from recsz.step import Parts
 
 
 def diverged(recs: list[dict]) -> list[int]:

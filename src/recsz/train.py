@@ -1,232 +1,33 @@
 """Train DLRM, one process or many, with a compressed embedding all-to-all.
 
-Reads top to bottom: set up ranks -> data -> model parts -> exchange -> loop -> evaluate
--> write the run directory. One step (docs/ARCHITECTURE.md follows it through the modules):
-
-    every rank reads the global batch (B samples) and keeps its slice of b = B / W
-    table owner:  pooled = lookup(own tables, all B ids)           # (B, |T_r|, D)
-                  start forward all-to-all (one payload per destination)
-    sample owner: x = bottom MLP(own dense)                        # overlaps the a2a
-                  emb = wait()                                     # (b, T, D)
-                  loss = BCE(top MLP(interact(x, emb)), labels)
-                  backward: DDP all-reduce of MLP grads; the exchange sends d emb back
-    table owner:  sparse update of its tables
-
-World size 1 runs the same code with the all-to-all looping back to itself, so a
-single-process run measures exactly the codec the distributed one uses.
+Reads top to bottom: set up ranks -> data -> model parts (:mod:`recsz.step`) -> loop ->
+evaluate -> write the run directory: config.json, metrics.jsonl, summary.json and
+checkpoints.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
-from sklearn.metrics import log_loss, roc_auc_score
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from recsz import checkpoint, report
-from recsz.codecs import get_codec
-from recsz.comm.direction import Direction
-from recsz.comm.dp_hooks import DPComm
-from recsz.comm.dp_hooks import register as register_dp_hook
-from recsz.comm.embedding import EmbeddingExchange
-from recsz.comm.stats import ShardPlan
 from recsz.config import TrainConfig, parse_train_args
-from recsz.data.source import Batch, DataSource, make_source, prefetch
-from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
-from recsz.model.fiited import HeldMask
-from recsz.model.sharding import plan_tables
-from recsz.model.ttrec import TTTables
-from recsz.policy.factory import make_policy
+from recsz.data.source import Batch, make_source, prefetch
+from recsz.model import get_preset
 from recsz.ranks import Ranks, launch, watch_parent
+from recsz.step import build_parts, evaluate, share_chunk_counts, train_step
 from recsz.stepgraph import graphed
-
-# DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
-# `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
-# the lent GPU machines).
-DDP_NO_BUFFER_SYNC: dict[str, Any] = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
 WARM_STEPS = 3
-
-
-# ---- model parts and optimizers -------------------------------------------------------
-@dataclass
-class Parts:
-    sparse: SparseArch
-    dense: nn.Module  # DenseArch, or DDP around it
-    dense_opt: torch.optim.Optimizer  # the tables' optimizer runs inside their backward
-    exchange: EmbeddingExchange
-    dp: DPComm  # the MLP gradients' exchange (DDP hook), its state and counters
-
-    @property
-    def dense_module(self) -> DenseArch:
-        m = self.dense.module if isinstance(self.dense, DDP) else self.dense
-        assert isinstance(m, DenseArch)
-        return m
-
-
-def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
-    preset = get_preset(cfg.preset)
-    mcfg = preset.model
-    tt = cfg.tt_spec()
-    local = tt.replicated if tt is not None else frozenset()
-    # A TT table is charged what its cores hold, as rows of the table's width; replicated
-    # ones are on every rank, out of the plan (owner -1) and of the all-to-all.
-    charged = {
-        t: -(-tt_parameters(n, mcfg.emb_dim, tt.rank, tt.cores) // mcfg.emb_dim)
-        if tt is not None and t in tt.tables
-        else n
-        for t, n in enumerate(mcfg.table_sizes)
-        if t not in local
-    }
-    owners = [-1] * mcfg.n_tables
-    planned = plan_tables(list(charged.values()), mcfg.emb_dim, ranks.world)
-    for t, r in zip(charged, planned, strict=True):
-        owners[t] = r
-    plan = ShardPlan(owners, ranks.world)
-    emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
-    fiited = cfg.fiited_spec()
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited)
-    sparse = sparse.to(ranks.device)
-    replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
-    compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
-    dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute).to(ranks.device)
-    if cfg.compile:
-        dense_arch.compile()  # in place: DDP and the checkpoints see the same module
-    dp = DPComm(cfg.dp_comm, ranks.world)
-    dense: nn.Module = dense_arch
-    if ranks.world > 1:
-        group = dist.new_group()  # the MLP gradients' own (DPComm.group)
-        dense = DDP(
-            dense_arch,
-            device_ids=[ranks.device] if ranks.device.type == "cuda" else None,
-            process_group=group,
-            gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
-            **DDP_NO_BUFFER_SYNC,  # its one buffer is a constant: no collective a step
-        )
-        dp = register_dp_hook(
-            dense,
-            cfg.dp_comm,
-            ranks.world,
-            group,
-            dct_keep=cfg.dct_keep,
-            dct_refresh=cfg.dct_refresh,
-            powersgd_rank=cfg.powersgd_rank,
-            powersgd_warmup=cfg.powersgd_warmup,
-            codec=get_codec(cfg.dp_codec),
-            eb=cfg.dp_eb,
-            collective=cfg.dp_eb_collective,
-        )
-    dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
-    exchange = EmbeddingExchange(
-        plan,
-        ranks.rank,
-        Direction("fwd", cfg.codec("fwd"), make_policy(cfg, "fwd", mcfg.n_tables)),
-        Direction("bwd", cfg.codec("bwd"), make_policy(cfg, "bwd", mcfg.n_tables)),
-        check_bounds=cfg.check_bounds,
-        id_dedup=cfg.id_dedup,
-        coalesce=cfg.bwd_coalesce,
-        sparse_grad=sparse.takes_sparse_grad,
-    )
-    return Parts(sparse, dense, dense_opt, exchange, dp), owners
-
-
-def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
-    """FIITED: every rank's held chunks per row, to every rank's exchange (one gather)."""
-    gathered = ranks.gather(parts.sparse.chunk_counts())
-    counts = {t: c.to(ranks.device) for mine in gathered for t, c in mine.items()}
-    parts.exchange.grad_filter = HeldMask(counts, chunk) if counts else None
-
-
-# ---- one step and evaluation ------------------------------------------------------------
-def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
-    """Logits of this rank's b samples; ids are the global batch's (B, T)."""
-    # checked: the sources are made for the model's table sizes (no host sync on a GPU).
-    pooled = parts.sparse(ids, checked=True)  # (B, |T_r|, D)
-    pending = parts.exchange.start_forward(pooled, step, ids)
-    b = len(batch_dense)
-    mine = ids[parts.exchange.rank * b : (parts.exchange.rank + 1) * b]
-    return parts.dense(batch_dense, pending, mine)  # bottom MLP runs while the bytes fly
-
-
-def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Tensor:
-    """One optimizer step on the global ``batch`` (each rank trains on its slice); the
-    loss stays where it was computed (read when logged: no host sync in the step)."""
-    b = len(batch) // ranks.world
-    mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
-    logits = forward(parts, mine.dense, batch.ids, step)
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, mine.labels)
-    parts.dense_opt.zero_grad(set_to_none=True)
-    loss.backward()  # also updates the tables (their optimizer is fused into it)
-    parts.dense_opt.step()
-    if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
-        parts.dense_module.local.step()
-    return loss.detach()
-
-
-@torch.no_grad()
-def evaluate(
-    parts: Parts, source: DataSource, cfg: TrainConfig, step: int, ranks: Ranks
-) -> dict[str, float]:
-    """AUC, logloss and accuracy on the held-out set (every rank returns the same). The
-    exchange codes evaluation batches as training ones but feeds no policy or counter."""
-    parts.exchange.train(False)
-    try:
-        return _evaluate(parts, source, cfg, step, ranks)
-    finally:
-        parts.exchange.train(True)
-
-
-def _evaluate(
-    parts: Parts, source: DataSource, cfg: TrainConfig, step: int, ranks: Ranks
-) -> dict[str, float]:
-    w = ranks.world
-    eb = math.ceil(cfg.eval_batch_size / w) * w
-    preds, labels = [], []
-    for batch in source.eval_batches(eb):
-        n = len(batch)
-        pad = (-n) % w
-        if pad:  # repeat the last row so every rank gets the same number of samples
-            idx = torch.cat([torch.arange(n), torch.full((pad,), n - 1)])
-            batch = type(batch)(batch.dense[idx], batch.ids[idx], batch.labels[idx])
-        batch = batch.to(ranks.device)
-        b = len(batch) // w
-        mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
-        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step))
-        if w > 1:
-            gathered = [torch.empty_like(p) for _ in range(w)]
-            dist.all_gather(gathered, p)
-            p = torch.cat(gathered)
-        preds.append(p[:n].double().cpu().numpy())
-        labels.append(batch.labels[:n].double().cpu().numpy())
-    y, p_all = np.concatenate(labels), np.concatenate(preds)
-    # AUC is undefined with one class: say so (NaN) rather than invent a number.
-    auc = float(roc_auc_score(y, p_all)) if len(np.unique(y)) == 2 else float("nan")
-    p_clip = np.clip(p_all, 1e-7, 1 - 1e-7)
-    return {
-        "auc": auc,
-        "logloss": float(log_loss(y, p_clip, labels=[0.0, 1.0])),
-        "accuracy": float(((p_all > 0.5) == (y > 0.5)).mean()),
-        "eval_samples": int(y.size),
-    }
 
 
 # ---- the run ---------------------------------------------------------------------------------
