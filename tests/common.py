@@ -172,10 +172,12 @@ def run_without_host_sync(step: Callable[[int], None], warm: int = 4) -> None:
     torch.cuda.synchronize()
 
 
-def trainer_parts(codec: str, device: str, ids: bool = False) -> tuple[Any, Any]:
+def trainer_parts(
+    codec: str, device: str, ids: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[Any, Any]:
     """The trainer's parts (tiny preset, dual bounds probed over 2 steps every 10, decaying
-    every 8 steps; fixed-size traffic, or with ``ids`` id-aware) and its ranks, one
-    process."""
+    every 8 steps; fixed-size traffic, or with ``ids`` id-aware; ``extra`` flags) and its
+    ranks, one process."""
     from recsz.config import parse_train_args
     from recsz.ranks import Ranks
     from recsz.step import build_parts
@@ -184,7 +186,7 @@ def trainer_parts(codec: str, device: str, ids: bool = False) -> tuple[Any, Any]
     argv = ["--preset", "tiny", "--device", device, *traffic,
             "--fwd-codec", codec, "--bwd-codec", codec, "--eb-policy", "dual",
             "--hindex-probe-steps", "2", "--hindex-every", "10", "--decay-t", "80",
-            "--emb-optimizer", "rowwise_adagrad"]  # fmt: skip
+            "--emb-optimizer", "rowwise_adagrad", *extra]  # fmt: skip
     cfg = parse_train_args(argv)
     ranks = Ranks.from_env(60.0, device)
     return build_parts(cfg, ranks)[0], ranks

@@ -43,13 +43,15 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
     assert "rowopt.py" in c.report()  # where, in recsz
 
 
-def steps_counted(codec: str, ids: bool, steps: int) -> list[tuple[bool, int, int, str]]:
+def steps_counted(
+    codec: str, ids: bool, steps: int, extra: tuple[str, ...] = ()
+) -> list[tuple[bool, int, int, str]]:
     """Per step of the trainer's parts on the GPU's path: (whether --cuda-graph would
     capture or replay it: its key seen in as many steps before as it warms up with, host
     reads, uploads, what was read where)."""
     from recsz import stepgraph
 
-    parts, ranks = trainer_parts(codec, "cpu", ids=ids)
+    parts, ranks = trainer_parts(codec, "cpu", ids=ids, extra=extra)
     graphs = stepgraph.graphed(lambda b, k: torch.zeros(()), parts.exchange, 1)
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
@@ -93,6 +95,18 @@ def test_id_aware_traffic_reads_the_host_once_a_step(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     for k, (_, reads, _, where) in enumerate(steps_counted("hybrid", ids=True, steps=6)[3:]):
         assert reads == 1, f"step {k + 3}: {where}"
+
+
+@pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
+def test_multi_hot_bags_add_no_host_read(
+    ids: bool, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLPerf's bags, made and pooled on the device, and their ids' updates: no read more
+    than the one-hot step's."""
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    counted = steps_counted("none", ids=ids, steps=5, extra=("--multi-hot", "mlperf"))
+    for k, (_, reads, _, where) in enumerate(counted[3:], start=3):
+        assert reads == expected, f"step {k}: {where}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

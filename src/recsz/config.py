@@ -18,6 +18,7 @@ from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
 from recsz.model.fiited import RULES
+from recsz.model.multihot import parse_hotness
 
 CONFIG_VERSION = 7  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
@@ -83,6 +84,11 @@ class TrainConfig:
         "TT-Rec: sharded (each TT table on one rank, in the all-to-all) or replicated (on "
         "every rank, cores averaged with the MLP gradients, out of the all-to-all)",
         ("sharded", "replicated"),
+    )
+    multi_hot: str = opt(
+        "",
+        "ids per bag of each feature, made from its one-hot id as MLPerf's DLRM-DCNv2 makes "
+        "multi-hot Criteo: '' (one), mlperf (its 26 sizes, 214 ids a sample), K or h1,...,hT",
     )
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
@@ -172,6 +178,10 @@ class TrainConfig:
         cache = (self.tt_cache_rows, self.tt_cache_interval)
         return TTSpec(frozenset(largest), *shape, *cache, self.tt_placement)
 
+    def hotness(self) -> tuple[int, ...] | None:
+        """Ids per bag of every table (None: one id, no bags)."""
+        return parse_hotness(self.multi_hot, get_preset(self.preset).model.n_tables)
+
     def fiited_spec(self) -> FiitedSpec | None:
         """FIITED's pruning of the dense tables (None: not asked for)."""
         if self.fiited_budget is None:
@@ -213,6 +223,8 @@ class TrainConfig:
             raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {self.nproc}")
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
+        if self.hotness() is not None and self.tt_tables:
+            raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
         if self.tt_placement == "replicated" and self.tt_cache_rows:
             raise ValueError(
                 "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "

@@ -91,7 +91,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     fiited = cfg.fiited_spec()
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited)
+    hot = cfg.hotness()
+    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited, hot)
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None

@@ -525,3 +525,20 @@ def test_fiited_backward_mask_sends_fewer_bytes_and_changes_no_update(tmp_path: 
     for t in range(26):
         torch.testing.assert_close(ta[t], tb[t], rtol=0, atol=1e-6, msg=f"table {t}")
     assert masked["bwd_ratio"] > 1.5 * plain["bwd_ratio"]
+
+
+def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
+    """MLPerf's bags (214 ids a sample): 2 ranks with a lossless codec train as one
+    process; id-aware traffic (one vector a distinct one-hot id, so one a distinct bag)
+    changes bytes, not the model."""
+    one, two = one_and_two_ranks(tmp_path, "--multi-hot", "mlperf")
+    plain = tmp_path / "plain"
+    lossless = ("--fwd-codec", "zstd", "--bwd-codec", "zstd")
+    p = run(plain, "--multi-hot", "mlperf", *lossless, "--no-id-dedup", "--no-bwd-coalesce",
+            nproc=2)  # fmt: skip
+    assert_same_model(tmp_path / "one", tmp_path / "two", 1e-5)
+    assert_same_model(plain, tmp_path / "two", 1e-5)
+    assert two["bytes_sent"] < p["bytes_sent"]  # id-aware: fewer vectors
+    single = tmp_path / "onehot"
+    run(single)
+    assert tables(single)[20].ne(tables(tmp_path / "one")[20]).any()  # the bags do train

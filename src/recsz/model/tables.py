@@ -19,6 +19,7 @@ from torch.profiler import record_function
 
 from recsz.model.config import ModelConfig
 from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
+from recsz.model.multihot import Bags
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
@@ -45,6 +46,8 @@ class SparseArch(nn.Module):
         optimizer: the fused row optimizer; None freezes the tables (no gradient flows).
         tt: which tables are tensor trains (TT-Rec).
         fiited: the dense tables as a FIITED chunk store that prunes dimensions.
+        hotness: ids per bag of every table of the model (None: one), the bags made from
+            each one-hot id as MLPerf's multi-hot Criteo (:mod:`recsz.model.multihot`).
     """
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
@@ -62,10 +65,13 @@ class SparseArch(nn.Module):
         optimizer: RowOptimizer | None = None,
         tt: TTSpec | None = None,
         fiited: FiitedSpec | None = None,
+        hotness: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self.tables = list(tables)
         tt_set = tt.tables if tt is not None else frozenset()
+        if hotness is not None and any(hotness[t] > 1 for t in tt_set):
+            raise ValueError("multi-hot bags in TT tables are not supported yet")
         self.dense_tables = [t for t in self.tables if t not in tt_set]
         self.sizes = [cfg.table_sizes[t] for t in self.dense_tables]
         self.dim = cfg.emb_dim
@@ -94,6 +100,9 @@ class SparseArch(nn.Module):
         # it: the backward updates it in place and leaves .grad empty.
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
         self.register_buffer("offsets", start[:-1].clone(), persistent=False)
+        self.multi_hot: Bags | None = None
+        if hotness is not None and any(hotness[t] > 1 for t in self.dense_tables):
+            self.multi_hot = Bags(self.dense_tables, hotness, self.sizes, start[:-1].tolist())
         self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
         state = optimizer.new_state(weight) if optimizer else torch.zeros(0)  # none with a store
         self.register_buffer("optimizer_state", state)
@@ -142,6 +151,9 @@ class SparseArch(nn.Module):
             mine = ids.index_select(1, self.dense_cols)  # (B, T_dense); a list: a host copy
             if not checked:
                 self._check_range(mine, torch.arange(n, device=ids.device))
+            if self.multi_hot is not None:  # each id's bag
+                rows, starts = self.multi_hot.rows(mine)
+                return self._pool(rows, starts, None, (ids.shape[0], n, self.dim))
             rows = (mine + self.offsets).view(-1)
             return self._pool(rows, None, None, (ids.shape[0], n, self.dim))
 
@@ -189,8 +201,9 @@ class SparseArch(nn.Module):
     def takes_sparse_grad(self) -> bool:
         """The pooled output of :meth:`forward` takes a sparse COO gradient (rows for some
         (sample, table) pairs only; the fused update reads just those): all tables dense
-        rows, no FIITED store."""
-        return not self.tt.tables and self.store is None and self.optimizer is not None
+        rows, one id a bag, no FIITED store."""
+        plain = not self.tt.tables and self.store is None and self.multi_hot is None
+        return plain and self.optimizer is not None
 
     def _pool(
         self,
@@ -247,8 +260,8 @@ class _FusedLookup(torch.autograd.Function):
         else:
             g = (grad.to_dense() if grad.is_sparse else grad).reshape(-1, grad.shape[-1])
         if ctx.starts is not None:  # each id gets its bag's gradient
-            ends = torch.cat([ctx.starts[1:], ctx.starts.new_tensor([ctx.rows.numel()])])
-            g = g.repeat_interleave(ends - ctx.starts, dim=0)
+            ends = torch.cat([ctx.starts[1:], ctx.starts.new_full((1,), rows.numel())])
+            g = g.repeat_interleave(ends - ctx.starts, dim=0, output_size=rows.numel())
         if ctx.psw is not None:
             g = g * ctx.psw.unsqueeze(1)
         arch = ctx.arch

@@ -1,0 +1,120 @@
+"""Multi-hot features as MLPerf's DLRM-DCNv2 makes them from one-hot Criteo.
+
+Criteo gives one id per sample and feature. MLPerf's DLRM-DCNv2 benchmark (and
+facebookresearch/dlrm's ``torchrec_dlrm``, its reference) trains on bags instead: table t's
+bag of an id holds ``hotness[t]`` ids, the id itself first, the others drawn uniformly
+from the table, once, for every id. A bag is then a function of the one-hot id, so the
+batch keeps its one-hot ids (B, T) and the bags are made where they are looked up
+(:class:`recsz.model.tables.SparseArch`), with fixed-size tensor operations and no table of
+bags in memory: the other ids come from a hash of (table, slot, id), the same on every
+rank and device. Id-aware traffic stays exact: one vector per distinct one-hot id is one
+vector per distinct bag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+#: Ids per bag of the 26 Criteo features in MLPerf's DLRM-DCNv2 (``--multi_hot_sizes``).
+MLPERF_HOTNESS = (
+    3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
+)  # fmt: skip
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
+
+
+def parse_hotness(spec: str, n_tables: int) -> tuple[int, ...] | None:
+    """``--multi-hot``: '' (one id, None), 'mlperf', K (every table) or h1,...,hT."""
+    spec = spec.strip()
+    if not spec:
+        return None
+    if spec == "mlperf":
+        if n_tables != len(MLPERF_HOTNESS):
+            raise ValueError(
+                f"--multi-hot mlperf gives {len(MLPERF_HOTNESS)} tables' bags, the preset "
+                f"has {n_tables} tables"
+            )
+        return MLPERF_HOTNESS
+    try:
+        sizes = tuple(int(s) for s in spec.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--multi-hot {spec!r}: expected mlperf, an integer or {n_tables} integers"
+        ) from None
+    if len(sizes) == 1:
+        sizes *= n_tables
+    if len(sizes) != n_tables or min(sizes) < 1:
+        raise ValueError(
+            f"--multi-hot {spec!r}: needs {n_tables} ids per bag (one per table), each >= 1"
+        )
+    return None if max(sizes) == 1 else sizes
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32), elementwise."""
+    x = ((x ^ (x >> 16)) * _MUL) & _M32
+    x = ((x ^ (x >> 16)) * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def _salt(table: int, slot: int) -> int:
+    return int(_mix(torch.tensor((table * 1_000_003 + slot * 7919) & _M32)))
+
+
+class Bags(nn.Module):
+    """The bags of some tables (global ``tables``, in order), in a weight buffer where
+    table j's rows start at ``offsets[j]``: for their one-hot ids (B, len(tables)), the
+    rows of every bag and where each bag starts.
+
+    Args:
+        tables: the tables, as global indices (they choose the hash's salts).
+        hotness: ids per bag of every table of the model (global).
+        sizes: rows of each of ``tables``.
+        offsets: first row of each of ``tables`` in the weight buffer.
+    """
+
+    col: torch.Tensor  # (H,) each id's one-hot column
+    salt: torch.Tensor  # (H,) the hash's salt of each (table, slot)
+    size: torch.Tensor  # (H,) rows of each id's table
+    base: torch.Tensor  # (H,) first row of each id's table in the weight buffer
+    first: torch.Tensor  # (H,) the bag's first id: the one-hot id itself
+    bag_start: torch.Tensor  # (tables,) where each table's bag starts in a sample's H ids
+
+    def __init__(
+        self,
+        tables: Sequence[int],
+        hotness: Sequence[int],
+        sizes: Sequence[int],
+        offsets: Sequence[int],
+    ) -> None:
+        super().__init__()
+        per_id: list[tuple[int, int, int, int, bool]] = []
+        starts = []
+        for j, t in enumerate(tables):
+            starts.append(len(per_id))
+            per_id += [(j, _salt(t, k), sizes[j], offsets[j], k == 0) for k in range(hotness[t])]
+        self.width = len(per_id)  # H: ids per sample, every table's bag side by side
+        for name, values in zip(("col", "salt", "size", "base", "first"), zip(*per_id)):
+            dtype = torch.bool if name == "first" else torch.int64
+            self.register_buffer(name, torch.tensor(values, dtype=dtype), persistent=False)
+        self.register_buffer("bag_start", torch.tensor(starts), persistent=False)
+
+    def ids(self, one_hot: torch.Tensor) -> torch.Tensor:
+        """(B, H): each sample's bags, table after table; a bag's first id is the
+        one-hot id, the others are drawn from its table by the hash."""
+        ids = one_hot.index_select(1, self.col)
+        lo = (ids ^ (ids >> 32)) & _M32
+        drawn = torch.remainder(_mix(_mix(lo) ^ self.salt), self.size)
+        return torch.where(self.first, ids, drawn)
+
+    def rows(self, one_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bags' rows in the weight buffer, flat (B x H,), and where each (sample,
+        table) bag starts in them (B x tables,)."""
+        batch = one_hot.shape[0]
+        at = torch.arange(batch, device=one_hot.device, dtype=torch.int64) * self.width
+        starts = (at[:, None] + self.bag_start).view(-1)
+        return (self.ids(one_hot) + self.base).view(-1), starts

@@ -1,0 +1,104 @@
+"""Multi-hot bags made from one-hot ids (MLPerf's DLRM-DCNv2 data): the bags themselves,
+the batched lookup over them against explicit bags, and the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsz.config import TrainConfig
+from recsz.model import ModelConfig, RowOptimizer, SparseArch
+from recsz.model.multihot import MLPERF_HOTNESS, Bags, parse_hotness
+
+CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
+HOT = (3, 1, 5, 2)
+
+
+def one_hot(b: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randint(0, n, (b,), generator=g) for n in CFG.table_sizes], 1)
+
+
+def test_hotness_flag() -> None:
+    assert parse_hotness("", 26) is None
+    assert parse_hotness("1", 26) is None  # one id a bag: no bags
+    assert parse_hotness("mlperf", 26) == MLPERF_HOTNESS and sum(MLPERF_HOTNESS) == 214
+    assert parse_hotness("3", 4) == (3, 3, 3, 3)
+    assert parse_hotness("3,1,5,2", 4) == HOT
+    with pytest.raises(ValueError, match="mlperf gives 26 tables' bags, the preset has 4"):
+        parse_hotness("mlperf", 4)
+    for bad in ("3,1", "0", "2,x", "1,1,1,-1"):
+        with pytest.raises(ValueError, match=f"--multi-hot '{bad}'"):
+            parse_hotness(bad, 4)
+    with pytest.raises(ValueError, match="--multi-hot with --tt-tables"):
+        TrainConfig(multi_hot="mlperf", tt_tables=2)
+    assert TrainConfig(multi_hot="mlperf").hotness() == MLPERF_HOTNESS
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), big=st.booleans())
+def test_a_bag_starts_with_its_id_and_draws_the_rest_from_its_table(seed: int, big: bool):
+    sizes = [7, 2**40 + 3] if big else [7, 3]  # ids past 2^32 too
+    bags = Bags([0, 1], (4, 3), sizes, (0, 0))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randint(0, n, (50,), generator=g) for n in sizes], 1)
+    got = bags.ids(ids)
+    assert got.shape == (50, 7)
+    assert torch.equal(got[:, 0], ids[:, 0]) and torch.equal(got[:, 4], ids[:, 1])
+    assert bool((got[:, :4] >= 0).all() and (got[:, :4] < 7).all())
+    assert bool((got[:, 4:] >= 0).all() and (got[:, 4:] < sizes[1]).all())
+    assert torch.equal(bags.ids(ids[:7]), got[:7])  # a function of the id alone
+
+
+def test_drawn_ids_are_uniform_and_differ_by_table_and_slot() -> None:
+    n = 1_000_003
+    bags = Bags([0, 1], (9, 9), (n, n), (0, 0))
+    got = bags.ids(torch.arange(200_000).view(-1, 1).repeat(1, 2))  # 200k ids, both tables
+    drawn = got[:, 1:9]  # table 0's 8 drawn ids of each
+    buckets = torch.bincount((drawn.reshape(-1) * 16) // n, minlength=16).double()
+    assert float(buckets.min()) > 0.98 * float(buckets.mean())  # uniform within 2%
+    assert float((got[:, 1:9] == got[:, 10:18]).double().mean()) < 1e-4  # tables differ
+    assert float((got[:, 1] == got[:, 2]).double().mean()) < 1e-4  # so do slots
+
+
+def test_a_table_has_the_same_bags_on_every_shard() -> None:
+    ids = one_hot(32, 3)
+    whole = SparseArch(CFG, [0, 1, 2, 3], seed=0, hotness=HOT)
+    for tables in ([2], [3, 0], [1, 2]):
+        part = SparseArch(CFG, tables, seed=0, hotness=HOT)
+        torch.testing.assert_close(part(ids), whole(ids)[:, tables], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad"])
+def test_multi_hot_lookup_and_updates_equal_explicit_bags(kind: str) -> None:
+    """Forward and several fused updates (repeated ids in and across bags) as the explicit
+    bag lookup of the same ids, table after table within each sample."""
+    tables = [0, 2, 3]
+    arch = SparseArch(CFG, tables, seed=0, optimizer=RowOptimizer(kind, 0.3), hotness=HOT)
+    ref = SparseArch(CFG, tables, seed=0, optimizer=RowOptimizer(kind, 0.3))
+    expand = Bags(tables, HOT, [CFG.table_sizes[t] for t in tables], [0] * len(tables))
+    hot = torch.tensor([HOT[t] for t in tables])
+    for step in range(4):
+        ids = one_hot(16, step)
+        flat = expand.ids(ids.index_select(1, torch.tensor(tables))).reshape(-1)
+        out = arch(ids)
+        want = ref.bags(flat, hot.repeat(16, 1))
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        up = torch.randn(out.shape, generator=torch.Generator().manual_seed(step))
+        (out * up).sum().backward()
+        (want * up).sum().backward()
+        torch.testing.assert_close(arch.weight, ref.weight, rtol=0, atol=0)
+    assert not arch.takes_sparse_grad  # a bag's gradient reaches all its ids
+
+
+def test_one_id_a_bag_is_the_one_hot_lookup() -> None:
+    arch = SparseArch(CFG, [0, 1], seed=0, hotness=(1, 1, 1, 1))
+    assert arch.multi_hot is None
+    hot = SparseArch(CFG, [1], seed=0, hotness=HOT)  # table 1 has one id a bag
+    assert hot.multi_hot is None
+    with pytest.raises(ValueError, match="multi-hot bags in TT tables"):
+        from recsz.model import TTSpec
+
+        SparseArch(CFG, [0, 2], seed=0, tt=TTSpec(frozenset({2}), 2, 2), hotness=HOT)
