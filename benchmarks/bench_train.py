@@ -133,6 +133,7 @@ DMP_OPTS = (
     "--seed",
     "--synthetic-eval",
     "--eval-batch-size",
+    "--multi-hot",
 )
 
 
@@ -231,7 +232,7 @@ def run_one(
             "--precision",
             flags[1],
             *flags[2:],
-            *(f for k in DMP_OPTS for f in (k, opts[k])),
+            *(f for k in DMP_OPTS if k in opts for f in (k, opts[k])),
         ]
     else:
         program = ["-m", "recsz.cli", "train", "--nproc", str(world), *common, *flags]
@@ -339,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
+    ap.add_argument(
+        "--multi-hot", default="", help="recsz train's --multi-hot, for every run (DMP's too)"
+    )
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -382,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         # whose cores the ranks fill, a prefetch thread would take its time from training.
         "--prefetch",
         "0",
+        *(("--multi-hot", a.multi_hot) if a.multi_hot else ()),
     ]
     print(
         f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "

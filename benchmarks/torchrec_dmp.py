@@ -31,6 +31,7 @@ from sklearn.metrics import roc_auc_score
 
 from recsz.data.source import make_source
 from recsz.model.config import get_preset
+from recsz.model.multihot import Bags, parse_hotness
 
 # Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
 # 8-bit exponent per 32 elements).
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synthetic-eval", type=int, default=8192)
     ap.add_argument("--eval-batch-size", type=int, default=4096)
+    ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -119,13 +121,17 @@ def main() -> None:
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]
     b = a.batch_size // world
     keys = [f"f{i}" for i in range(len(names))]
+    hotness = parse_hotness(a.multi_hot, len(names)) or (1,) * len(names)
+    bags = Bags(range(len(names)), hotness, mcfg.table_sizes, [0] * len(names))  # ours
 
     def local(batch_ids: torch.Tensor) -> KeyedJaggedTensor:
+        """The samples' bags, feature by feature (TorchRec's KJT layout)."""
         n = batch_ids.shape[0]
+        ids = bags.ids(batch_ids.long()).split(list(hotness), dim=1)
         return KeyedJaggedTensor.from_lengths_sync(
             keys=keys,
-            values=batch_ids.t().reshape(-1).long(),
-            lengths=torch.ones(n * len(keys), dtype=torch.int32),
+            values=torch.cat([i.reshape(-1) for i in ids]),
+            lengths=torch.tensor(hotness, dtype=torch.int32).repeat_interleave(n),
         )
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
@@ -168,6 +174,7 @@ def main() -> None:
         wire, ratios = wire_f + wire_b, (raw_f / wire_f, raw_b / wire_b)
     else:  # fixed-size codecs: computed
         raw = a.steps * a.batch_size * len(names) * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+        # (pooled: one vector a bag, whatever its ids)
         wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
         ratios = (4 / _WIRE_BYTES[a.precision],) * 2
     if rank == 0:

@@ -531,7 +531,7 @@ def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     """MLPerf's bags (214 ids a sample): 2 ranks with a lossless codec train as one
     process; id-aware traffic (one vector a distinct one-hot id, so one a distinct bag)
     changes bytes, not the model."""
-    one, two = one_and_two_ranks(tmp_path, "--multi-hot", "mlperf")
+    _, two = one_and_two_ranks(tmp_path, "--multi-hot", "mlperf")
     plain = tmp_path / "plain"
     lossless = ("--fwd-codec", "zstd", "--bwd-codec", "zstd")
     p = run(plain, "--multi-hot", "mlperf", *lossless, "--no-id-dedup", "--no-bwd-coalesce",

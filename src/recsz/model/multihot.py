@@ -98,10 +98,11 @@ class Bags(nn.Module):
             starts.append(len(per_id))
             per_id += [(j, _salt(t, k), sizes[j], offsets[j], k == 0) for k in range(hotness[t])]
         self.width = len(per_id)  # H: ids per sample, every table's bag side by side
-        for name, values in zip(("col", "salt", "size", "base", "first"), zip(*per_id)):
+        columns = zip(*per_id, strict=True)
+        for name, values in zip(("col", "salt", "size", "base", "first"), columns, strict=True):
             dtype = torch.bool if name == "first" else torch.int64
             self.register_buffer(name, torch.tensor(values, dtype=dtype), persistent=False)
-        self.register_buffer("bag_start", torch.tensor(starts), persistent=False)
+        self.register_buffer("bag_start", torch.tensor(starts, dtype=torch.int64), persistent=False)
 
     def ids(self, one_hot: torch.Tensor) -> torch.Tensor:
         """(B, H): each sample's bags, table after table; a bag's first id is the
