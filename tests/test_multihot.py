@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from recsz.config import TrainConfig
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, parse_hotness
+from recsz.model.rowopt import sum_by_row, sum_by_row_of
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
 HOT = (3, 1, 5, 2)
@@ -102,3 +103,25 @@ def test_one_id_a_bag_is_the_one_hot_lookup() -> None:
         from recsz.model import TTSpec
 
         SparseArch(CFG, [0, 2], seed=0, tt=TTSpec(frozenset({2}), 2, 2), hotness=HOT)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    bags=st.integers(1, 40),
+    rows=st.integers(1, 50),
+    seed=st.integers(0, 10**6),
+)
+def test_summing_bag_gradients_by_row_equals_summing_each_ids(
+    n: int, bags: int, rows: int, seed: int
+) -> None:
+    """The update's sums taken from one gradient a bag (one embedding_bag) are the sums of
+    every id's copy, bit for bit (the same order: positions, stably by row)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows, (n,), generator=g)
+    source = torch.randint(0, bags, (n,), generator=g)
+    grad = torch.randn(bags, 8, generator=g)
+    uniq, sums = sum_by_row_of(ids, grad, source)
+    want_rows, want = sum_by_row(ids, grad[source])
+    assert torch.equal(uniq, want_rows)
+    assert torch.equal(sums, want)

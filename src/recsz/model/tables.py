@@ -259,12 +259,17 @@ class _FusedLookup(torch.autograd.Function):
             g = grad._values()
         else:
             g = (grad.to_dense() if grad.is_sparse else grad).reshape(-1, grad.shape[-1])
+        source = None
         if ctx.starts is not None:  # each id gets its bag's gradient
             ends = torch.cat([ctx.starts[1:], ctx.starts.new_full((1,), rows.numel())])
-            g = g.repeat_interleave(ends - ctx.starts, dim=0, output_size=rows.numel())
-        if ctx.psw is not None:
-            g = g * ctx.psw.unsqueeze(1)
+            n = rows.numel()
+            source = torch.arange(g.shape[0], device=g.device).repeat_interleave(
+                ends - ctx.starts, output_size=n
+            )
+        if ctx.psw is not None:  # weighted: each id's own gradient
+            g = (g if source is None else g.index_select(0, source)) * ctx.psw.unsqueeze(1)
+            source = None
         arch = ctx.arch
         with record_function("recsz.table_update"):
-            arch.optimizer.step(arch.weight.data, arch.optimizer_state, rows, g)
+            arch.optimizer.step(arch.weight.data, arch.optimizer_state, rows, g, source=source)
         return None, None, None, None, None, None
