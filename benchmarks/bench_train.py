@@ -134,6 +134,7 @@ DMP_OPTS = (
     "--synthetic-eval",
     "--eval-batch-size",
     "--multi-hot",
+    "--emb-lr",
 )
 
 
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--multi-hot", default="", help="recsz train's --multi-hot, for every run (DMP's too)"
     )
+    ap.add_argument("--emb-lr", help="the tables' learning rate, every run (default: preset's)")
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -387,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prefetch",
         "0",
         *(("--multi-hot", a.multi_hot) if a.multi_hot else ()),
+        *(("--emb-lr", a.emb_lr) if a.emb_lr else ()),
     ]
     print(
         f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "

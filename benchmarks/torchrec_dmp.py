@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--synthetic-eval", type=int, default=8192)
     ap.add_argument("--eval-batch-size", type=int, default=4096)
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
+    ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: preset's)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -93,7 +94,10 @@ def main() -> None:
         dense_arch_layer_sizes=list(mcfg.bottom_mlp),
         over_arch_layer_sizes=list(mcfg.top_mlp),
     )
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": preset.emb_lr}
+    fused = {
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "learning_rate": a.emb_lr or preset.emb_lr,
+    }
     if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
         import recsz.torchrec
 
