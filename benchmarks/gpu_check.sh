@@ -53,11 +53,12 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    eagerly and replayed as CUDA graphs (--cuda-graph: the policy's 10-step probe window
 #    and its classification run eagerly); then the trainer's default, id-aware traffic
 #    (sizes change every step: eager coder, a few syncs), the MLPs under torch.compile
-#    (--compile), then in bfloat16 (--dense-dtype bf16).
+#    (--compile), then in bfloat16 (--dense-dtype bf16), then on MLPerf's multi-hot bags.
 fixed="--no-id-dedup --no-bwd-coalesce"
+mh="--multi-hot mlperf --emb-lr 0.01"  # MLPerf's bags, 214 ids a sample
 for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
     "hybrid $fixed --cuda-graph" none hybrid "hybrid --compile" "none --dense-dtype bf16" \
-    "hybrid --dense-dtype bf16"; do
+    "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh"; do
     c=${run%% *}
     steps=40
     case "$run" in *"$fixed"*) steps=100 ;; esac

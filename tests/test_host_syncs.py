@@ -110,13 +110,18 @@ def test_multi_hot_bags_add_no_host_read(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
-def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(ids: bool, expected: int) -> None:
+@pytest.mark.parametrize(
+    ("ids", "expected", "extra"),
+    [(False, 0, ()), (True, 1, ()), (False, 0, ("--multi-hot", "mlperf"))],
+)
+def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(
+    ids: bool, expected: int, extra: tuple[str, ...]
+) -> None:
     """What the CPU's count says, torch's sync debug mode confirms on a GPU (it also sees
     what the CPU cannot: pageable copies to the device)."""
     import warnings
 
-    parts, ranks = trainer_parts("hybrid", "cuda", ids=ids)
+    parts, ranks = trainer_parts("hybrid", "cuda", ids=ids, extra=extra)
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     syncs = []
     for k in range(7):

@@ -20,9 +20,9 @@ from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, g
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
 
-CONFIG_VERSION = 7  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 8  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
-# the linear/log decays removed, --dense-dtype; 7: --cuda-graph
+# the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot
 
 
 def opt(
