@@ -210,3 +210,26 @@ def test_bf16_dense_arch_follows_fp32_and_keeps_fp32_state() -> None:
     assert not torch.equal(y32, y16)  # it did compute in bfloat16
     torch.testing.assert_close(y16, y32, rtol=0.03, atol=0.03)
     assert float((g16 - g32).norm() / g32.norm()) < 0.03
+
+
+def test_mlp_inits_draw_from_their_distributions_the_same_on_every_rank() -> None:
+    """dlrm: N(0, sqrt(2/(fan_in+fan_out))) weights; torch: nn.Linear's uniform in
+    +-sqrt(1/fan_in), weights and biases. A seed gives every rank the same start."""
+    from recsz.model import DenseArch
+
+    cfg = get_preset("bench").model
+    a, b = DenseArch(cfg, 3, init="torch"), DenseArch(cfg, 3, init="torch")
+    ref = DenseArch(cfg, 3)
+    pairs = zip(a.named_parameters(), b.parameters(), ref.parameters(), strict=True)
+    for (name, p), q, r in (((n, p.detach()), q.detach(), r.detach()) for (n, p), q, r in pairs):
+        assert torch.equal(p, q), name
+        fan_in = p.shape[-1] if p.dim() == 2 else None
+        if fan_in is None:  # a bias: its layer's fan_in
+            continue
+        bound = fan_in**-0.5
+        assert float(p.abs().max()) <= bound
+        assert abs(float(p.std()) - bound / 3**0.5) < 0.05 * bound, name  # uniform's std
+        want = (2.0 / (fan_in + p.shape[0])) ** 0.5
+        assert abs(float(r.std()) - want) < 0.05 * want, name
+    with pytest.raises(ValueError, match="MLP init 'xavier' is not one of"):
+        DenseArch(cfg, 0, init="xavier")

@@ -16,13 +16,21 @@ from typing import Any, get_type_hints
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
-from recsz.model import PRESETS, ROW_OPTIMIZERS, TT_INITS, FiitedSpec, TTSpec, get_preset
+from recsz.model import (
+    MLP_INITS,
+    PRESETS,
+    ROW_OPTIMIZERS,
+    TT_INITS,
+    FiitedSpec,
+    TTSpec,
+    get_preset,
+)
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
 
 CONFIG_VERSION = 8  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
-# the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot
+# the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init
 
 
 def opt(
@@ -57,6 +65,12 @@ class TrainConfig:
     lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)", gt=0)
     emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)", gt=0)
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
+    mlp_init: str = opt(
+        "dlrm",
+        "MLP weights' start: facebookresearch/dlrm's normal (learns more on one-hot data) or "
+        "PyTorch's uniform, TorchRec's (more on multi-hot bags)",
+        MLP_INITS,
+    )
     tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)", ge=0)
     tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables", ge=1)
     tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table", ge=2, le=4)

@@ -33,21 +33,38 @@ class Awaitable(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+#: How the MLPs start: ``dlrm`` as facebookresearch/dlrm, ``torch`` as ``nn.Linear``.
+MLP_INITS = ("dlrm", "torch")
+
+
 def create_mlp(
-    n_in: int, widths: Sequence[int], last_activation: bool, g: torch.Generator
+    n_in: int,
+    widths: Sequence[int],
+    last_activation: bool,
+    g: torch.Generator,
+    init: str = "dlrm",
 ) -> nn.Sequential:
     """Linear+ReLU layers; the last layer's ReLU is optional (none before a logit).
 
-    Initialized as facebookresearch/dlrm does: weights from N(0, sqrt(2 / (fan_in +
-    fan_out))), biases from N(0, sqrt(1 / fan_out)). (PyTorch's default, uniform in
-    +-sqrt(1/fan_in), learned measurably less on the real sample in plain SGD.)
+    ``dlrm``: initialized as facebookresearch/dlrm does, weights from N(0, sqrt(2 / (fan_in
+    + fan_out))), biases from N(0, sqrt(1 / fan_out)) (PyTorch's default learned measurably
+    less on the real sample in plain SGD). ``torch``: PyTorch's default, as TorchRec's DLRM
+    (weights and biases uniform in +-sqrt(1/fan_in)), which learned more on multi-hot bags
+    (benchmarks/README.md). Both drawn from ``g``: every rank starts the same.
     """
+    if init not in MLP_INITS:
+        raise ValueError(f"MLP init {init!r} is not one of {MLP_INITS}")
     layers: list[nn.Module] = []
     for i, w in enumerate(widths):
         lin = nn.Linear(n_in, w)
         with torch.no_grad():
-            lin.weight.normal_(0.0, (2.0 / (n_in + w)) ** 0.5, generator=g)
-            lin.bias.normal_(0.0, (1.0 / w) ** 0.5, generator=g)
+            if init == "torch":
+                bound = (1.0 / n_in) ** 0.5
+                lin.weight.uniform_(-bound, bound, generator=g)
+                lin.bias.uniform_(-bound, bound, generator=g)
+            else:
+                lin.weight.normal_(0.0, (2.0 / (n_in + w)) ** 0.5, generator=g)
+                lin.bias.normal_(0.0, (1.0 / w) ** 0.5, generator=g)
         layers.append(lin)
         if i < len(widths) - 1 or last_activation:
             layers.append(nn.ReLU())
@@ -123,7 +140,8 @@ class DenseArch(nn.Module):
     looked up for this rank's samples; their columns of ``emb`` are replaced).
 
     ``compute``: the MLPs and the interaction run under ``torch.autocast`` in this dtype
-    (bfloat16: float32 weights, gradients and logits; None: float32 throughout)."""
+    (bfloat16: float32 weights, gradients and logits; None: float32 throughout).
+    ``init``: how the MLPs start (:data:`MLP_INITS`, :func:`create_mlp`)."""
 
     local_pos: torch.Tensor  # the local tables' columns
 
@@ -133,14 +151,15 @@ class DenseArch(nn.Module):
         seed: int,
         local: TTTables | None = None,
         compute: torch.dtype | None = None,
+        init: str = "dlrm",
     ) -> None:
         super().__init__()
         self.compute = compute
         g = torch.Generator().manual_seed(seed)
-        self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, last_activation=True, g=g)
+        self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, True, g, init)
         n_feat = cfg.n_tables + 1
         n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
-        self.top = create_mlp(n_int, cfg.top_mlp, last_activation=False, g=g)
+        self.top = create_mlp(n_int, cfg.top_mlp, False, g, init)
         self.local = local if local is not None and local.tables else None
         at = torch.tensor(self.local.tables if self.local else [], dtype=torch.int64)
         self.register_buffer("local_pos", at, persistent=False)
