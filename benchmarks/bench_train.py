@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         "--multi-hot", default="", help="recsz train's --multi-hot, for every run (DMP's too)"
     )
     ap.add_argument("--emb-lr", help="the tables' learning rate, every run (default: preset's)")
+    ap.add_argument("--train-flags", default="", help="more recsz train flags, our runs only")
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -402,9 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 base: dict | None = None
                 for cfg in configs:
+                    flags = CONFIGS[cfg]
+                    if flags[0] != "--dmp":
+                        flags = (*flags, *shlex.split(a.train_flags))
                     runs = [
-                        run_one(prefix, world, CONFIGS[cfg], common, timeout=900)
-                        for _ in range(a.repeats)
+                        run_one(prefix, world, flags, common, timeout=900) for _ in range(a.repeats)
                     ]
                     # The median run by samples/s (the machine is shared and noisy).
                     s, wall = sorted(runs, key=lambda r: r[0]["samples_per_s"])[len(runs) // 2]
