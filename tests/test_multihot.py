@@ -35,6 +35,8 @@ def test_hotness_flag() -> None:
             parse_hotness(bad, 4)
     with pytest.raises(ValueError, match="--multi-hot with --tt-tables"):
         TrainConfig(multi_hot="mlperf", tt_tables=2)
+    with pytest.raises(ValueError, match="--multi-hot with --fiited-mask-backward"):
+        TrainConfig(multi_hot="2", fiited_budget=0.5, fiited_mask_backward=True)
     assert TrainConfig(multi_hot="mlperf").hotness() == MLPERF_HOTNESS
 
 
@@ -125,3 +127,21 @@ def test_summing_bag_gradients_by_row_equals_summing_each_ids(
     want_rows, want = sum_by_row(ids, grad[source])
     assert torch.equal(uniq, want_rows)
     assert torch.equal(sums, want)
+
+
+def test_bags_over_a_fiited_store_train_as_over_dense_tables() -> None:
+    """FIITED's chunk store, nothing pruned, looks the bags up and updates their rows as
+    the dense tables do (SGD, several steps)."""
+    from recsz.model import FiitedSpec
+
+    opt = RowOptimizer("sgd", 0.3)
+    store = SparseArch(CFG, [0, 2], 0, opt, fiited=FiitedSpec(1.0, 2), hotness=HOT)
+    dense = SparseArch(CFG, [0, 2], 0, opt, hotness=HOT)
+    assert store.store is not None
+    for step in range(3):
+        ids = one_hot(16, step)
+        a, b = store(ids), dense(ids)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        up = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
+        (a * up).sum().backward()
+        (b * up).sum().backward()

@@ -239,6 +239,11 @@ class TrainConfig:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
         if self.hotness() is not None and self.tt_tables:
             raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
+        if self.hotness() is not None and self.fiited_mask_backward:
+            raise ValueError(
+                "--multi-hot with --fiited-mask-backward: a bag's rows hold other chunks than "
+                "its id's row, whose count the mask reads"
+            )
         if self.tt_placement == "replicated" and self.tt_cache_rows:
             raise ValueError(
                 "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
