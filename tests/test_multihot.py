@@ -145,3 +145,42 @@ def test_bags_over_a_fiited_store_train_as_over_dense_tables() -> None:
         up = torch.randn(a.shape, generator=torch.Generator().manual_seed(step))
         (a * up).sum().backward()
         (b * up).sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_bags_and_row_optimizers_equal_fbgemms_tbe(kind: str) -> None:
+    """The same bags through fbgemm's table-batched embedding (the kernel TorchRec's DMP
+    runs on CPU, with its exact fused optimizers): the same pooled vectors and weights,
+    step after step, within float rounding."""
+    tbe_ops = pytest.importorskip("fbgemm_gpu.split_table_batched_embeddings_ops_training")
+    configs = pytest.importorskip("fbgemm_gpu.split_embedding_configs")
+    sizes, hot = (50, 30), (3, 5)
+    cfg = ModelConfig(table_sizes=sizes, emb_dim=8, bottom_mlp=(8,), top_mlp=(1,))
+    opt = RowOptimizer(kind, 0.1)
+    ours = SparseArch(cfg, [0, 1], seed=0, optimizer=opt, hotness=hot)
+    kinds = {"rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adagrad": "EXACT_ADAGRAD",
+             "sgd": "EXACT_SGD"}  # fmt: skip
+    loc, dev = tbe_ops.EmbeddingLocation.HOST, tbe_ops.ComputeDevice.CPU
+    tbe = tbe_ops.SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(n, 8, loc, dev) for n in sizes],
+        optimizer=getattr(configs.EmbOptimType, kinds[kind]),
+        learning_rate=0.1,
+        eps={"rowwise_adagrad": 1e-8, "adagrad": 1e-10, "sgd": 0.0}[kind],
+    )
+    with torch.no_grad():
+        for w, mine in zip(tbe.split_embedding_weights(), ours.weight.split(sizes), strict=True):
+            w.copy_(mine)
+    expand = Bags([0, 1], hot, sizes, [0, 0])
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor(hot).repeat_interleave(16)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    for _ in range(5):
+        ids = torch.stack([torch.randint(0, n, (16,), generator=g) for n in sizes], 1)
+        values = torch.cat([p.reshape(-1) for p in expand.ids(ids).split(hot, dim=1)])
+        theirs, mine = tbe(values, offsets).view(16, 2, 8), ours(ids)
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-6)
+        up = torch.randn(16, 2, 8, generator=g)
+        (theirs * up).sum().backward()
+        (mine * up).sum().backward()
+        updated = torch.cat(tbe.split_embedding_weights())
+        torch.testing.assert_close(ours.weight.detach(), updated, rtol=0, atol=1e-6)
