@@ -237,9 +237,10 @@ class TrainConfig:
             raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {self.nproc}")
         if self.tt_tables > n_tables:
             raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
-        if self.hotness() is not None and self.tt_tables:
+        bags = self.hotness() is not None  # and --multi-hot parses, before any rank starts
+        if bags and self.tt_tables:
             raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
-        if self.hotness() is not None and self.fiited_mask_backward:
+        if bags and self.fiited_mask_backward:
             raise ValueError(
                 "--multi-hot with --fiited-mask-backward: a bag's rows hold other chunks than "
                 "its id's row, whose count the mask reads"
