@@ -261,8 +261,8 @@ class _FusedLookup(torch.autograd.Function):
             g = (grad.to_dense() if grad.is_sparse else grad).reshape(-1, grad.shape[-1])
         source = None
         if ctx.starts is not None:  # each id gets its bag's gradient
-            ends = torch.cat([ctx.starts[1:], ctx.starts.new_full((1,), rows.numel())])
             n = rows.numel()
+            ends = torch.cat([ctx.starts[1:], ctx.starts.new_full((1,), n)])
             source = torch.arange(g.shape[0], device=g.device).repeat_interleave(
                 ends - ctx.starts, output_size=n
             )
