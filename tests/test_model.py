@@ -233,3 +233,62 @@ def test_mlp_inits_draw_from_their_distributions_the_same_on_every_rank() -> Non
         assert abs(float(r.std()) - want) < 0.05 * want, name
     with pytest.raises(ValueError, match="MLP init 'xavier' is not one of"):
         DenseArch(cfg, 0, init="xavier")
+
+
+@pytest.mark.parametrize("hotness", [None, (3, 1, 4)])
+def test_our_dlrm_given_torchrecs_weights_trains_as_torchrecs(hotness: tuple[int, ...] | None):
+    """TorchRec's DLRM (the model its DMP trains) and ours are the same model: from the same
+    weights (the interaction's pairs in TorchRec's order, its upper triangle), the same
+    logits, and the same losses, weights and logits after steps of SGD on both parts,
+    one-hot and multi-hot (the same bags as KJTs)."""
+    pytest.importorskip("fbgemm_gpu")
+    torchrec = pytest.importorskip("torchrec")
+    from torchrec.models.dlrm import DLRM as TorchRecDLRM
+
+    from recsz.model import DenseArch, SparseArch
+    from recsz.model.multihot import Bags
+    from recsz.model.rowopt import RowOptimizer
+
+    sizes, dim, lr, batch = (40, 25, 60), 4, 0.5, 16
+    cfg = ModelConfig(table_sizes=sizes, emb_dim=dim, bottom_mlp=(8, dim), top_mlp=(6, 1))
+    hot = hotness or (1,) * len(sizes)
+    torch.manual_seed(1)
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"]
+        )
+        for i, n in enumerate(sizes)
+    ]
+    ebc = torchrec.EmbeddingBagCollection(tables=configs)
+    theirs = TorchRecDLRM(ebc, 13, list(cfg.bottom_mlp), list(cfg.top_mlp))
+    sparse = SparseArch(cfg, range(3), 0, RowOptimizer("sgd", lr), hotness=hotness)
+    dense = DenseArch(cfg, 0, init="torch")
+    with torch.no_grad():
+        sparse.weight.copy_(torch.cat([ebc.embedding_bags[c.name].weight for c in configs]))
+    mlps = [p for name, p in theirs.named_parameters() if "embedding" not in name]
+    with pytest.raises(ValueError, match="other shapes"):
+        dense.load_torchrec_mlps(mlps[:-1])
+    dense.load_torchrec_mlps(mlps)
+    start = sparse.weight.detach().clone()
+    bags = Bags(range(3), hot, sizes, [0, 0, 0])
+    ours_opt = torch.optim.SGD(dense.mlp_parameters(), lr=lr)
+    their_opt = torch.optim.SGD(theirs.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(0)
+    loss = torch.nn.BCEWithLogitsLoss()
+    for _ in range(4):
+        ids = torch.stack([torch.randint(0, s, (batch,), generator=g) for s in sizes], 1)
+        x, y = torch.randn(batch, 13, generator=g), torch.randint(0, 2, (batch,), generator=g)
+        kjt = torchrec.KeyedJaggedTensor.from_lengths_sync(
+            keys=[c.feature_names[0] for c in configs],
+            values=torch.cat([b.reshape(-1) for b in bags.ids(ids).split(hot, 1)]),
+            lengths=torch.tensor(hot).repeat_interleave(batch),
+        )
+        mine, their = dense(x, sparse(ids)), theirs(x, kjt).view(-1)
+        torch.testing.assert_close(mine, their, rtol=1e-5, atol=1e-5)
+        for opt, logits in ((ours_opt, mine), (their_opt, their)):
+            opt.zero_grad()
+            loss(logits, y.float()).backward()
+            opt.step()
+    updated = torch.cat([ebc.embedding_bags[c.name].weight for c in configs])
+    torch.testing.assert_close(sparse.weight.detach(), updated.detach(), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(updated, start)  # the tables did train

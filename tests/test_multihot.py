@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.config import TrainConfig
+from recsz.config import TrainConfig, build_parser, parse_train_args
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, parse_hotness
 from recsz.model.rowopt import sum_by_row, sum_by_row_of
@@ -38,6 +38,20 @@ def test_hotness_flag() -> None:
     with pytest.raises(ValueError, match="--multi-hot with --fiited-mask-backward"):
         TrainConfig(multi_hot="2", fiited_budget=0.5, fiited_mask_backward=True)
     assert TrainConfig(multi_hot="mlperf").hotness() == MLPERF_HOTNESS
+
+
+def test_the_mlps_start_as_learned_more_on_the_data() -> None:
+    """--mlp-init's default: facebookresearch/dlrm's on one-hot data, PyTorch's (TorchRec's)
+    on bags (benchmarks/bench_draws.py); a given one is kept, also from a config file."""
+    assert TrainConfig().resolved("mlp_init") == "dlrm"
+    assert TrainConfig(multi_hot="1").resolved("mlp_init") == "dlrm"
+    assert TrainConfig(multi_hot="mlperf").resolved("mlp_init") == "torch"
+    assert TrainConfig(multi_hot="mlperf", mlp_init="dlrm").resolved("mlp_init") == "dlrm"
+    old = TrainConfig(multi_hot="2", mlp_init="dlrm").to_dict()
+    assert TrainConfig.from_dict(old).resolved("mlp_init") == "dlrm"
+    assert parse_train_args(["--multi-hot", "2"]).resolved("mlp_init") == "torch"
+    assert parse_train_args(["--mlp-init", "torch"]).resolved("mlp_init") == "torch"
+    assert build_parser().format_help().count("default: dlrm") == 1
 
 
 @settings(max_examples=30, deadline=None)

@@ -294,3 +294,24 @@ def test_bench_syncs_counts_a_step_in_this_process(tmp_path: Path) -> None:
     assert rows["none, fixed-size"]["reads_per_step"] == 0
     assert rows["none, id-aware"]["reads_per_step"] == 1
     assert "| none, id-aware | 1 |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # TorchRec's planner on its own defaults
+@pytest.mark.filterwarnings("ignore::UserWarning")  # and on a topology built directly
+def test_bench_draws_trains_ours_as_torchrecs_from_its_weights(tmp_path: Path) -> None:
+    """bench_draws.py in miniature: from TorchRec's draw, our model ends where TorchRec's
+    DLRM does (fbgemm's fused row-wise Adagrad beside ours); every run is in the table."""
+    bench_draws = _bench("bench_draws")
+    pytest.importorskip("torchrec")
+    out = tmp_path / "draws.json"
+    argv = ["--preset", "tiny", "--multi-hot", "2", "--draws", "1", "--steps", "3"]
+    argv += ["--batch-size", "256", "--eval-samples", "2048", "--json-out", str(out)]
+    assert bench_draws.main(argv) == 0
+    rows = {r["run"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"torchrec", "ours, torchrec's weights", "ours, torch init",
+                         "ours, dlrm init"}  # fmt: skip
+    same, theirs = rows["ours, torchrec's weights"], rows["torchrec"]
+    assert abs(same["loss"] - theirs["loss"]) < 1e-4
+    assert abs(same["auc"] - theirs["auc"]) < 1e-3
+    assert rows["ours, dlrm init"]["loss"] != theirs["loss"]
+    assert "| ours, torch init |" in out.with_suffix(".md").read_text()

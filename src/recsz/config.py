@@ -28,9 +28,10 @@ from recsz.model import (
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
 
-CONFIG_VERSION = 8  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 9  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
-# the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init
+# the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
+# 9: --mlp-init defaults to the data's (None)
 
 
 def opt(
@@ -65,10 +66,11 @@ class TrainConfig:
     lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)", gt=0)
     emb_lr: float | None = opt(None, "embedding learning rate (default: preset's)", gt=0)
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
-    mlp_init: str = opt(
-        "dlrm",
-        "MLP weights' start: facebookresearch/dlrm's normal (learns more on one-hot data) or "
-        "PyTorch's uniform, TorchRec's (more on multi-hot bags)",
+    mlp_init: str | None = opt(
+        None,
+        "MLP weights' start: dlrm (facebookresearch/dlrm's normal) or torch (PyTorch's "
+        "uniform, as TorchRec's DLRM) (default: dlrm, torch with --multi-hot bags: what "
+        "learned more on each)",
         MLP_INITS,
     )
     tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)", ge=0)
@@ -295,10 +297,14 @@ class TrainConfig:
         return [f for f, on in flags if on] + host
 
     def resolved(self, name: str) -> Any:
-        """A field that defaults to the preset's (``batch_size``, ``lr``, ``emb_lr``,
-        ``emb_optimizer``): its value, or the preset's where it is None."""
+        """A field whose None means a default of its own (``batch_size``, ``lr``, ``emb_lr``,
+        ``emb_optimizer``: the preset's; ``mlp_init``: the data's): its value or that."""
         v = getattr(self, name)
-        return getattr(get_preset(self.preset), name) if v is None else v
+        if v is not None:
+            return v
+        if name == "mlp_init":  # measured: benchmarks/README.md, "Multi-hot bags"
+            return "dlrm" if self.hotness() is None else "torch"
+        return getattr(get_preset(self.preset), name)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -96,7 +96,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
-    dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute, cfg.mlp_init).to(ranks.device)
+    init = cfg.resolved("mlp_init")
+    dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute, init).to(ranks.device)
     if cfg.compile:
         dense_arch.compile()  # in place: DDP and the checkpoints see the same module
     dp = DPComm(cfg.dp_comm, ranks.world)

@@ -157,7 +157,7 @@ class DenseArch(nn.Module):
         self.compute = compute
         g = torch.Generator().manual_seed(seed)
         self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, True, g, init)
-        n_feat = cfg.n_tables + 1
+        n_feat = self.n_features = cfg.n_tables + 1
         n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
         self.top = create_mlp(n_int, cfg.top_mlp, False, g, init)
         self.local = local if local is not None and local.tables else None
@@ -167,6 +167,26 @@ class DenseArch(nn.Module):
     def mlp_parameters(self) -> list[nn.Parameter]:
         """The MLPs' parameters (the local tables have optimizers of their own)."""
         return [*self.bottom.parameters(), *self.top.parameters()]
+
+    @torch.no_grad()
+    def load_torchrec_mlps(self, params: Sequence[torch.Tensor]) -> None:
+        """Start from the MLPs of TorchRec's ``torchrec.models.dlrm.DLRM`` (its dense arch's
+        and over arch's parameters, in their order): the same model as this one, but its
+        interaction lists the pairs i < j row by row (the upper triangle), so the top
+        MLP's first weights are reordered to ours."""
+        mine = self.mlp_parameters()
+        if [p.shape for p in params] != [m.shape for m in mine]:
+            raise ValueError("TorchRec's MLPs have other shapes than this model's")
+        first_top = len(list(self.bottom.parameters()))
+        n = self.n_features
+        d = mine[first_top].shape[1] - n * (n - 1) // 2  # the bottom MLP's output
+        li, lj = torch.tril_indices(n, n, offset=-1)
+        upper = torch.zeros(n, n, dtype=torch.int64)
+        iu, ju = torch.triu_indices(n, n, offset=1)
+        upper[iu, ju] = torch.arange(iu.numel())
+        order = torch.cat([torch.arange(d), d + upper[lj, li]])  # our column -> theirs
+        for i, (m, p) in enumerate(zip(mine, params, strict=True)):
+            m.copy_(p.index_select(1, order) if i == first_top else p)
 
     def forward(
         self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None
