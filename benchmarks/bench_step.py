@@ -10,7 +10,9 @@ speed and accuracy against the reference DLRM's published settings.
 (b) ``bench`` preset (Terabyte dims), one process, batch 2048: the torch profiler's CPU time
     per stage (lookup, exchange encode / decode, table update, the rest of forward and
     backward, the dense optimizer), averaged over the profiled steps; with the MLPs in
-    float32 and in bfloat16 (``--dense-dtype bf16``), side by side.
+    float32 and in bfloat16 (``--dense-dtype bf16``), and on MLPerf's multi-hot bags
+    (``--multi-hot mlperf --emb-lr 0.01``), side by side; host memory kept as the trainer
+    keeps it (``--host-memory return``: glibc's defaults).
 Prints both tables and writes JSON.
 """
 
@@ -30,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from recsz.config import parse_train_args
 from recsz.data.source import make_source
 from recsz.model import get_preset
-from recsz.ranks import Ranks
+from recsz.ranks import Ranks, keep_freed_memory
 from recsz.step import build_parts, train_step
 from recsz.train import main as train_main
 
@@ -74,9 +76,10 @@ def one_process(seeds: list[int]) -> list[dict]:
     return rows
 
 
-def stages(steps: int, dense_dtype: str = "fp32") -> dict[str, float]:
+def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -> dict[str, float]:
     """Milliseconds per step of each stage, one process, bench preset."""
-    cfg = parse_train_args(["--preset", "bench", "--prefetch", "0", "--dense-dtype", dense_dtype])
+    argv = ["--preset", "bench", "--prefetch", "0", "--dense-dtype", dense_dtype, *flags]
+    cfg = parse_train_args(argv)
     ranks = Ranks.from_env(60.0, "cpu")
     parts, _ = build_parts(cfg, ranks)
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
@@ -108,8 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default="bench_out/step.json")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps of (b)")
+    ap.add_argument("--host-memory", default="keep", choices=("keep", "return"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # as each rank of a torchrun job here
+    if a.host_memory == "keep":  # as the trainer does
+        keep_freed_memory()
     result: dict = {"threads": 1}
     if REAL.exists():
         rows = one_process([0, 1, 2])
@@ -126,16 +132,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"[skip] (a): {REAL} not found", file=sys.stderr)
     st, bf = stages(a.steps), stages(a.steps, "bf16")
+    mh = stages(a.steps, "fp32", ("--multi-hot", "mlperf", "--emb-lr", "0.01"))
+    result["host_memory"] = a.host_memory
     result["stages_ms_bench_1proc"] = st
     result["stages_ms_bench_1proc_bf16"] = bf
-    print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step, MLPs in fp32 / bf16")
-    print("| stage | fp32 ms | share | bf16 ms | share |\n|---|---|---|---|---|")
-    for k, v in st.items():
-        w = bf[k]
-        print(
-            f"| {k} | {v:.1f} | {v / st['step (profiled)']:.0%} | "
-            f"{w:.1f} | {w / bf['step (profiled)']:.0%} |"
-        )
+    result["stages_ms_bench_1proc_multihot"] = mh
+    print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step, MLPs in fp32 / bf16; "
+          f"fp32 on MLPerf's multi-hot bags (--host-memory {a.host_memory})")  # fmt: skip
+    print("| stage | fp32 ms | share | bf16 ms | share | bags ms | share |")
+    print("|---|---|---|---|---|---|---|")
+    for k in st:
+        cells = [f"{d[k]:.1f} | {d[k] / d['step (profiled)']:.0%}" for d in (st, bf, mh)]
+        print(f"| {k} | {' | '.join(cells)} |")
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

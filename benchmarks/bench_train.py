@@ -106,6 +106,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     ),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
+    # glibc's malloc as it comes (--host-memory return): what keeping freed memory wins.
+    "none+return-memory": (*_PLAIN, "--host-memory", "return"),
+    "none+ids+return-memory": ("--id-dedup", "--bwd-coalesce", "--host-memory", "return"),
 }
 
 

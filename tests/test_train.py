@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,47 @@ def test_ddp_without_buffer_sync_warns_nothing(tmp_path: Path) -> None:
         assert torch.equal(ddp.module.c, torch.arange(3.0))
     finally:
         dist.destroy_process_group()
+
+
+_MALLINFO = """
+import ctypes, sys, torch
+from recsz.ranks import keep_freed_memory
+names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Info
+took = keep_freed_memory() if sys.argv[1] == "keep" else None
+blocks = [torch.ones(30 << 18) for _ in range(3)]  # 3 x 30 MiB
+alive = libc.mallinfo2()
+del blocks
+print(took, alive.hblkhd >> 20, libc.mallinfo2().fordblks >> 20)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_freed_host_memory_stays_for_the_next_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--host-memory keep (the default): glibc's malloc serves a step's large tensors from
+    its heap and keeps them when freed (by default it maps each afresh and gives it back,
+    so the next step faults its pages in again); --host-memory return leaves glibc as is."""
+
+    def run(mode: str) -> list[str]:
+        cmd = [sys.executable, "-c", _MALLINFO, mode]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+
+    took, mapped, kept = run("keep")
+    if took != "True":
+        pytest.skip("not glibc")
+    assert int(mapped) < 30 and int(kept) >= 90  # from the heap, and kept there
+    _, mapped, _ = run("default")
+    assert int(mapped) >= 90  # glibc's own: each block mapped afresh
+
+    calls: list[int] = []
+    monkeypatch.setattr("recsz.train.keep_freed_memory", lambda: calls.append(1))
+    for mode in ("return", "keep"):
+        flags = ["--steps", "2", "--batch-size", "64", "--no-progress", "--host-memory", mode]
+        assert main([*flags, "--out", str(tmp_path / mode)]) == 0
+    assert calls == [1]
+    assert TrainConfig().host_memory == "keep"

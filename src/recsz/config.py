@@ -31,7 +31,7 @@ from recsz.model.multihot import parse_hotness
 CONFIG_VERSION = 9  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
-# 9: --mlp-init defaults to the data's (None)
+# 9: --mlp-init defaults to the data's (None), --host-memory
 
 
 def opt(
@@ -169,6 +169,12 @@ class TrainConfig:
     # ---- the job
     device: str = opt("cpu", "cuda: one GPU a rank (LOCAL_RANK), NCCL payloads", ("cpu", "cuda"))
     dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job", gt=0)
+    host_memory: str = opt(
+        "keep",
+        "host memory a step frees: keep it for the next step (glibc's malloc: no page "
+        "faults on large tensors every step) or return it to the system (glibc's default)",
+        ("keep", "return"),
+    )
     checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)", ge=0)
     resume: str | None = opt(
         None,

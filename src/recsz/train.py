@@ -21,7 +21,7 @@ from recsz import checkpoint, report
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.source import Batch, make_source, prefetch
 from recsz.model import get_preset
-from recsz.ranks import Ranks, launch, watch_parent
+from recsz.ranks import Ranks, keep_freed_memory, launch, watch_parent
 from recsz.step import build_parts, evaluate, share_chunk_counts, train_step
 from recsz.stepgraph import graphed
 
@@ -33,6 +33,8 @@ WARM_STEPS = 3
 # ---- the run ---------------------------------------------------------------------------------
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train on this process's rank; returns the summary (same on every rank)."""
+    if cfg.host_memory == "keep":
+        keep_freed_memory()
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     try:
