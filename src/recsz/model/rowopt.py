@@ -87,7 +87,7 @@ class RowOptimizer:
             if self.kind == "adagrad":
                 s.addcmul_(g, g)
                 w.add_(g / s.sqrt().add_(eps), alpha=-self.lr)
-            else:  # without (rows, D) temporaries: 2x faster on 115k rows (multi-hot)
+            else:  # no (rows, D) temporaries: bags' update 39-44 -> 27-29 ms (bench_step)
                 s.add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]))
                 w.addcmul_(g, (self.lr / s.sqrt().add_(eps)).unsqueeze(1), value=-1)
             state.index_copy_(0, uniq, s)
