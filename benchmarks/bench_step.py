@@ -11,8 +11,8 @@ speed and accuracy against the reference DLRM's published settings.
     per stage (lookup, exchange encode / decode, table update, the rest of forward and
     backward, the dense optimizer), averaged over the profiled steps; with the MLPs in
     float32 and in bfloat16 (``--dense-dtype bf16``), and on MLPerf's multi-hot bags
-    (``--multi-hot mlperf --emb-lr 0.01``), side by side; host memory kept as the trainer
-    keeps it (``--host-memory return``: glibc's defaults).
+    (``--multi-hot mlperf --emb-lr 0.01``), side by side; freed host memory kept as the
+    trainer keeps it; the steps timed once more without the profiler.
 Prints both tables and writes JSON.
 """
 
@@ -84,7 +84,7 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     parts, _ = build_parts(cfg, ranks)
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
     bsz = cfg.resolved("batch_size")
-    batches = [src.train_batch(s, bsz) for s in range(steps + 3)]
+    batches = [src.train_batch(s, bsz) for s in range(steps + 3)]  # the same steps twice
     opt_step = parts.dense_opt.step
 
     def timed_step() -> None:
@@ -95,6 +95,10 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     for s in range(3):
         train_step(parts, batches[s], s, ranks)
     t = time.perf_counter()
+    for s in range(3, steps + 3):  # the wall clock, without the profiler's own work
+        train_step(parts, batches[s], s, ranks)
+    bare_ms = (time.perf_counter() - t) / steps * 1e3
+    t = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(3, steps + 3):
             train_step(parts, batches[s], s, ranks)
@@ -103,6 +107,7 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     out = {k: sum(totals.get(n, 0.0) for n in names) for k, names in STAGES.items()}
     out["rest of forward and backward (MLPs, interaction, loss)"] = step_ms - sum(out.values())
     out["step (profiled)"] = step_ms
+    out["step without the profiler"] = bare_ms
     ranks.close(True)
     return out
 
@@ -111,11 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default="bench_out/step.json")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps of (b)")
-    ap.add_argument("--host-memory", default="keep", choices=("keep", "return"))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # as each rank of a torchrun job here
-    if a.host_memory == "keep":  # as the trainer does
-        keep_freed_memory()
+    keep_freed_memory()  # as the trainer does (--host-memory keep)
     result: dict = {"threads": 1}
     if REAL.exists():
         rows = one_process([0, 1, 2])
@@ -133,12 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[skip] (a): {REAL} not found", file=sys.stderr)
     st, bf = stages(a.steps), stages(a.steps, "bf16")
     mh = stages(a.steps, "fp32", ("--multi-hot", "mlperf", "--emb-lr", "0.01"))
-    result["host_memory"] = a.host_memory
     result["stages_ms_bench_1proc"] = st
     result["stages_ms_bench_1proc_bf16"] = bf
     result["stages_ms_bench_1proc_multihot"] = mh
     print("\n(b) bench preset, 1 process, batch 2048: CPU ms per step, MLPs in fp32 / bf16; "
-          f"fp32 on MLPerf's multi-hot bags (--host-memory {a.host_memory})")  # fmt: skip
+          "fp32 on MLPerf's multi-hot bags")  # fmt: skip
     print("| stage | fp32 ms | share | bf16 ms | share | bags ms | share |")
     print("|---|---|---|---|---|---|---|")
     for k in st:

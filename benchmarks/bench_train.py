@@ -106,10 +106,16 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     ),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
-    # glibc's malloc as it comes (--host-memory return): what keeping freed memory wins.
-    "none+return-memory": (*_PLAIN, "--host-memory", "return"),
-    "none+ids+return-memory": ("--id-dedup", "--bwd-coalesce", "--host-memory", "return"),
 }
+#: Any config of ours with this suffix runs with glibc's malloc as it comes (``--host-memory
+#: return``): what keeping freed host memory wins.
+RETURN_MEMORY = "+return-memory"
+
+
+def flags_of(config: str) -> tuple[str, ...]:
+    if config.endswith(RETURN_MEMORY):
+        return (*CONFIGS[config.removesuffix(RETURN_MEMORY)], "--host-memory", "return")
+    return CONFIGS[config]
 
 
 #: --quick runs these (one of each kind) so that it stays under 10 minutes here.
@@ -341,7 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--repeats", type=int, default=1, help="runs per configuration; the median is kept"
     )
-    ap.add_argument("--configs", help="comma list of " + ", ".join(CONFIGS))
+    ap.add_argument(
+        "--configs",
+        help=f"comma list of {', '.join(CONFIGS)}; ours also with {RETURN_MEMORY}",
+    )
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="model init and data order")
@@ -407,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             for world in worlds:
                 base: dict | None = None
                 for cfg in configs:
-                    flags = CONFIGS[cfg]
+                    flags = flags_of(cfg)
                     if flags[0] != "--dmp":
                         flags = (*flags, *shlex.split(a.train_flags))
                     runs = [

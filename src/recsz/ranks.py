@@ -123,7 +123,7 @@ def keep_freed_memory(mmap_from: int = 32 << 20, trim_from: int = 1 << 30) -> bo
     """Let glibc's malloc keep for the next step what a step frees. By default it maps
     every block from 128 KiB afresh (the bound grows only as such blocks are freed) and
     gives the heap's free top back above twice that, so a step that frees several large
-    tensors faults their pages in again in the next (2 ranks: 1-7% samples/s,
+    tensors faults their pages in again in the next (2 ranks: 1-23% samples/s,
     benchmarks/README.md). Here blocks under ``mmap_from`` (32 MiB, glibc's largest)
     come from the heap, which is trimmed only when ``trim_from`` lies free on top. True
     where both settings took (glibc); elsewhere nothing changes."""
