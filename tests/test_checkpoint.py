@@ -133,6 +133,13 @@ def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:
     straight = train(tmp_path / "straight", "--steps", "6")
     for k in ("bytes_raw", "bytes_payload", "fwd_ratio", "bwd_ratio", "auc"):
         assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+    # What does not change the run from a checkpoint on may differ; what does may not.
+    shutil.copytree(run_dir, tmp_path / "other")
+    more = ("--steps", "6", "--resume", str(tmp_path / "other"))
+    again = train(tmp_path / "other", *more, "--mlp-init", "torch", "--host-memory", "return")
+    assert again["auc"] == pytest.approx(straight["auc"], rel=1e-6)
+    with pytest.raises(ValueError, match=r"another configuration \(emb_lr: None -> 0.2\)"):
+        main([*BASE, *more, "--emb-lr", "0.2"])
 
 
 def test_resume_from_a_named_checkpoint(run_dir: Path, tmp_path: Path) -> None:

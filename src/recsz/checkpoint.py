@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 _MAY_CHANGE = {
     "steps", "resume", "resume_fallback", "out", "progress", "eval_every", "log_every",
     "nproc", "checkpoint_every", "keep_checkpoints", "check_bounds", "dist_timeout",
-    "prefetch", "compile", "cuda_graph", "device", "dense_dtype",
+    "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
+    "mlp_init",  # the checkpoint's weights replace the start
 }  # fmt: skip
 
 
