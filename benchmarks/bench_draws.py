@@ -31,6 +31,7 @@ import torch.distributed as dist
 from results_io import write_results
 from sklearn.metrics import roc_auc_score
 
+from recsz.config import TrainConfig
 from recsz.data.source import make_source
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.model.multihot import Bags, parse_hotness
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
-    ap.add_argument("--emb-lr", type=float, help="the tables' rate (default: the preset's)")
+    ap.add_argument("--emb-lr", type=float, help="the tables' rate (default: recsz train's)")
     ap.add_argument("--emb-optimizer", default="rowwise_adagrad", choices=sorted(_FBGEMM_KIND))
     ap.add_argument("--eval-samples", type=int, default=8192)
     ap.add_argument("--json-out", default="bench_out/draws.json")
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_all(a: argparse.Namespace) -> list[dict]:
     runs = Runs(a)
-    a.emb_lr = a.emb_lr or runs.preset.emb_lr
+    a.emb_lr = a.emb_lr or TrainConfig(preset=a.preset, multi_hot=a.multi_hot).resolved("emb_lr")
     plan = [("ours, torchrec's weights", 1, lambda k: runs.run_ours(k, "torch", True))]
     for k in range(1, a.draws + 1):
         plan += [

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from sklearn.metrics import roc_auc_score
 
+from recsz.config import TrainConfig
 from recsz.data.source import make_source
 from recsz.model.config import get_preset
 from recsz.model.multihot import Bags, parse_hotness
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--synthetic-eval", type=int, default=8192)
     ap.add_argument("--eval-batch-size", type=int, default=4096)
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
-    ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: preset's)")
+    ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: ours)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -96,7 +97,9 @@ def main() -> None:
     )
     fused = {
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        "learning_rate": a.emb_lr or preset.emb_lr,
+        # our default where none is given (the preset's; less with bags)
+        "learning_rate": a.emb_lr
+        or TrainConfig(preset=a.preset, multi_hot=a.multi_hot).resolved("emb_lr"),
     }
     if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
         import recsz.torchrec

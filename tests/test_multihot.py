@@ -54,6 +54,17 @@ def test_the_mlps_start_as_learned_more_on_the_data() -> None:
     assert build_parser().format_help().count("default: dlrm") == 1
 
 
+def test_bags_train_the_tables_at_a_lower_default_rate() -> None:
+    """With bags the tables' default rate is BAG_EMB_LR of the preset's (a bag's sum moves
+    with all its rows); one-hot data and a given --emb-lr keep theirs."""
+    from recsz.config import BAG_EMB_LR
+
+    assert TrainConfig(preset="bench").resolved("emb_lr") == 0.05
+    assert TrainConfig(preset="bench", multi_hot="mlperf").resolved("emb_lr") == 0.05 * BAG_EMB_LR
+    assert TrainConfig(preset="bench", multi_hot="1").resolved("emb_lr") == 0.05
+    assert TrainConfig(multi_hot="3", emb_lr=0.3).resolved("emb_lr") == 0.3
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), big=st.booleans())
 def test_a_bag_starts_with_its_id_and_draws_the_rest_from_its_table(seed: int, big: bool):
