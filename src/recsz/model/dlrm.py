@@ -180,13 +180,12 @@ class DenseArch(nn.Module):
         first_top = len(list(self.bottom.parameters()))
         n = self.n_features
         d = mine[first_top].shape[1] - n * (n - 1) // 2  # the bottom MLP's output
-        li, lj = torch.tril_indices(n, n, offset=-1)
-        upper = torch.zeros(n, n, dtype=torch.int64)
         iu, ju = torch.triu_indices(n, n, offset=1)
-        upper[iu, ju] = torch.arange(iu.numel())
-        order = torch.cat([torch.arange(d), d + upper[lj, li]])  # our column -> theirs
+        ours = _pairs(n, torch.device("cpu"))[1][iu * n + ju]  # our pair of each of theirs
         for i, (m, p) in enumerate(zip(mine, params, strict=True)):
-            m.copy_(p.index_select(1, order) if i == first_top else p)
+            m.copy_(p)
+            if i == first_top:
+                m[:, d:].index_copy_(1, ours.to(m.device), p[:, d:])
 
     def forward(
         self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None
