@@ -30,14 +30,12 @@ import torch
 import torch.distributed as dist
 from results_io import write_results
 from sklearn.metrics import roc_auc_score
+from torchrec_dmp import bag_kjt, torchrec_dlrm
 
 from recsz.config import TrainConfig
 from recsz.data.source import make_source
-from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
+from recsz.model import ROW_OPTIMIZERS, DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.model.multihot import Bags, parse_hotness
-
-_FBGEMM_KIND = {"rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adagrad": "EXACT_ADAGRAD",
-                "sgd": "EXACT_SGD"}  # fmt: skip
 
 
 class Runs:
@@ -56,39 +54,14 @@ class Runs:
     def torchrec(self, draw: int) -> tuple[torch.nn.Module, list[torch.Tensor]]:
         """TorchRec's DLRM under DMP (fused optimizer), and its tables as tensors."""
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
-        from torchrec import EmbeddingBagCollection
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-        from torchrec.distributed.planner.types import ParameterConstraints
-        from torchrec.distributed.types import ShardingType
-        from torchrec.models.dlrm import DLRM
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
         torch.manual_seed(draw)
-        tables = [
-            EmbeddingBagConfig(
-                name=f"t{i}", embedding_dim=self.cfg.emb_dim, num_embeddings=rows,
-                feature_names=[f"f{i}"],
-            )
-            for i, rows in enumerate(self.cfg.table_sizes)
-        ]  # fmt: skip
-        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        model = DLRM(ebc, 13, list(self.cfg.bottom_mlp), list(self.cfg.top_mlp))
-        kind = getattr(EmbOptimType, _FBGEMM_KIND[self.a.emb_optimizer])
+        kind = getattr(EmbOptimType, "EXACT_" + self.a.emb_optimizer.upper())
         sharder = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": kind, "learning_rate": self.a.emb_lr}
         )
-        planner = EmbeddingShardingPlanner(  # fused, as on many ranks: table-wise
-            topology=Topology(world_size=1, compute_device="cpu"),
-            constraints={
-                t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
-                for t in tables
-            },
-        )
-        plan = planner.plan(model, [sharder])
-        cpu = torch.device("cpu")
-        dmp = DistributedModelParallel(model, device=cpu, plan=plan, sharders=[sharder])
+        dmp = torchrec_dlrm(self.cfg, sharder)
         state = dmp.state_dict()
         weights = [
             state[f"sparse_arch.embedding_bag_collection.embedding_bags.t{i}.weight"]
@@ -97,14 +70,7 @@ class Runs:
         return dmp, [w.local_shards()[0].tensor for w in weights]
 
     def kjt(self, ids: torch.Tensor) -> object:
-        from torchrec import KeyedJaggedTensor
-
-        parts = self.bags.ids(ids.long()).split(list(self.hot), dim=1)
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=[f"f{i}" for i in range(self.n)],
-            values=torch.cat([p.reshape(-1) for p in parts]),
-            lengths=torch.tensor(self.hot, dtype=torch.int32).repeat_interleave(ids.shape[0]),
-        )
+        return bag_kjt(self.bags, self.hot, ids)
 
     def train(self, forward, dense_params) -> tuple[float, float]:  # type: ignore[no-untyped-def]
         """The schedule, then (AUC on the held-out samples, the last step's loss)."""
@@ -150,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--emb-lr", type=float, help="the tables' rate (default: recsz train's)")
-    ap.add_argument("--emb-optimizer", default="rowwise_adagrad", choices=sorted(_FBGEMM_KIND))
+    ap.add_argument("--emb-optimizer", default="rowwise_adagrad", choices=ROW_OPTIMIZERS)
     ap.add_argument("--eval-samples", type=int, default=8192)
     ap.add_argument("--json-out", default="bench_out/draws.json")
     a = ap.parse_args(argv)

@@ -22,7 +22,9 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,12 +33,67 @@ from sklearn.metrics import roc_auc_score
 
 from recsz.config import TrainConfig
 from recsz.data.source import make_source
-from recsz.model.config import get_preset
+from recsz.model.config import ModelConfig, get_preset
 from recsz.model.multihot import Bags, parse_hotness
 
 # Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
 # 8-bit exponent per 32 elements).
 _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "mx4": 0.5 + 1 / 32}
+
+
+def torchrec_dlrm(mcfg: ModelConfig, sharder: Any) -> Any:
+    """TorchRec's DLRM of ``mcfg``'s shape (its dot interaction; tables ``t{i}`` of features
+    ``f{i}``, sum-pooled), drawn from torch's generator, under DMP on the process group with
+    every table table-wise under ``sharder`` (as on many ranks: fused optimizer)."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=mcfg.emb_dim,
+            num_embeddings=rows,
+            feature_names=[f"f{i}"],
+            pooling=PoolingType.SUM,
+        )
+        for i, rows in enumerate(mcfg.table_sizes)
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRM(
+        embedding_bag_collection=ebc,
+        dense_in_features=13,
+        dense_arch_layer_sizes=list(mcfg.bottom_mlp),
+        over_arch_layer_sizes=list(mcfg.top_mlp),
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
+        constraints={
+            t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
+            for t in tables
+        },
+    )
+    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    return DistributedModelParallel(
+        model, device=torch.device("cpu"), plan=plan, sharders=[sharder]
+    )
+
+
+def bag_kjt(bags: Bags, hotness: Sequence[int], one_hot: torch.Tensor) -> Any:
+    """The samples' bags (made from their one-hot ids (B, T) as ours are), feature by
+    feature: TorchRec's KeyedJaggedTensor of features ``f{i}``."""
+    from torchrec import KeyedJaggedTensor
+
+    ids = bags.ids(one_hot.long()).split(list(hotness), dim=1)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(len(hotness))],
+        values=torch.cat([i.reshape(-1) for i in ids]),
+        lengths=torch.tensor(hotness, dtype=torch.int32).repeat_interleave(one_hot.shape[0]),
+    )
 
 
 def main() -> None:
@@ -57,19 +114,12 @@ def main() -> None:
     a = ap.parse_args()
 
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, KeyedJaggedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fbgemm_qcomm_codec import (
         CommType,
         QCommsConfig,
         get_qcomm_codecs_registry,
     )
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ShardingType
-    from torchrec.models.dlrm import DLRM
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     dist.init_process_group("gloo")
@@ -77,24 +127,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     preset = get_preset(a.preset)
     mcfg = preset.model
-    names = [f"t{i}" for i in range(len(mcfg.table_sizes))]
-    tables = [
-        EmbeddingBagConfig(
-            name=n,
-            embedding_dim=mcfg.emb_dim,
-            num_embeddings=rows,
-            feature_names=[f"f{i}"],
-            pooling=PoolingType.SUM,
-        )
-        for i, (n, rows) in enumerate(zip(names, mcfg.table_sizes, strict=True))
-    ]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    model = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=13,
-        dense_arch_layer_sizes=list(mcfg.bottom_mlp),
-        over_arch_layer_sizes=list(mcfg.top_mlp),
-    )
+    n_tables = len(mcfg.table_sizes)
     fused = {
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
         # our default where none is given (the preset's; less with bags)
@@ -113,33 +146,15 @@ def main() -> None:
                 QCommsConfig(forward_precision=precision, backward_precision=precision)
             ),
         )
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world, compute_device="cpu"),
-        constraints={
-            n: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for n in names
-        },
-    )
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
-    dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    dmp = torchrec_dlrm(mcfg, sharder)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = torch.optim.SGD(dense_params.values(), lr=preset.lr)
 
     src = make_source("synthetic", mcfg.table_sizes, a.seed)
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]
     b = a.batch_size // world
-    keys = [f"f{i}" for i in range(len(names))]
-    hotness = parse_hotness(a.multi_hot, len(names)) or (1,) * len(names)
-    bags = Bags(range(len(names)), hotness, mcfg.table_sizes, [0] * len(names))  # ours
-
-    def local(batch_ids: torch.Tensor) -> KeyedJaggedTensor:
-        """The samples' bags, feature by feature (TorchRec's KJT layout)."""
-        n = batch_ids.shape[0]
-        ids = bags.ids(batch_ids.long()).split(list(hotness), dim=1)
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=keys,
-            values=torch.cat([i.reshape(-1) for i in ids]),
-            lengths=torch.tensor(hotness, dtype=torch.int32).repeat_interleave(n),
-        )
+    hotness = parse_hotness(a.multi_hot, n_tables) or (1,) * n_tables
+    bags = Bags(range(n_tables), hotness, mcfg.table_sizes, [0] * n_tables)  # ours
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
     train_s = 0.0
@@ -148,7 +163,7 @@ def main() -> None:
         mine = batch.slice(rank * b, (rank + 1) * b)
         t0 = time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
-            logits = dmp(mine.dense, local(mine.ids)).view(-1)
+            logits = dmp(mine.dense, bag_kjt(bags, hotness, mine.ids)).view(-1)
         loss = loss_fn(logits.float(), mine.labels)
         opt.zero_grad()
         loss.backward()
@@ -165,7 +180,8 @@ def main() -> None:
             k = n // world
             mine = batch.slice(rank * k, (rank + 1) * k)
             with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
-                p = torch.sigmoid(dmp(mine.dense, local(mine.ids)).view(-1).float())
+                logits = dmp(mine.dense, bag_kjt(bags, hotness, mine.ids)).view(-1)
+                p = torch.sigmoid(logits.float())
             gathered = [torch.empty_like(p) for _ in range(world)]
             dist.all_gather(gathered, p)
             preds.append(torch.cat(gathered).double().numpy())
@@ -180,7 +196,7 @@ def main() -> None:
         raw_f, raw_b, wire_f, wire_b = counts.tolist()
         wire, ratios = wire_f + wire_b, (raw_f / wire_f, raw_b / wire_b)
     else:  # fixed-size codecs: computed
-        raw = a.steps * a.batch_size * len(names) * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+        raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
         # (pooled: one vector a bag, whatever its ids)
         wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
         ratios = (4 / _WIRE_BYTES[a.precision],) * 2

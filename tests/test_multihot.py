@@ -183,12 +183,10 @@ def test_bags_and_row_optimizers_equal_fbgemms_tbe(kind: str) -> None:
     cfg = ModelConfig(table_sizes=sizes, emb_dim=8, bottom_mlp=(8,), top_mlp=(1,))
     opt = RowOptimizer(kind, 0.1)
     ours = SparseArch(cfg, [0, 1], seed=0, optimizer=opt, hotness=hot)
-    kinds = {"rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adagrad": "EXACT_ADAGRAD",
-             "sgd": "EXACT_SGD"}  # fmt: skip
     loc, dev = tbe_ops.EmbeddingLocation.HOST, tbe_ops.ComputeDevice.CPU
     tbe = tbe_ops.SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=[(n, 8, loc, dev) for n in sizes],
-        optimizer=getattr(configs.EmbOptimType, kinds[kind]),
+        optimizer=getattr(configs.EmbOptimType, "EXACT_" + kind.upper()),
         learning_rate=0.1,
         eps={"rowwise_adagrad": 1e-8, "adagrad": 1e-10, "sgd": 0.0}[kind],
     )
