@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from recsz.codecs import available_codecs, castframe, get_codec
 from recsz.codecs.framing import frame, unframe
+from recsz.codecs.payload import PayloadError
 from recsz.comm.direction import Direction
 from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.ids import distinct_pairs, distinct_slices, unique_first
@@ -451,6 +452,86 @@ def test_casts_cross_three_ranks_without_exchanging_sizes(tmp_path) -> None:  # 
         assert torch.equal(got["none"][0], emb) and torch.equal(got["none"][1], grad)
         assert torch.equal(got["fp16"][0], emb.half().float())
         torch.testing.assert_close(got["fp16"][1], grad, rtol=2e-3, atol=1e-3)
+
+
+def _damaged_exchange(rank: int, world: int, init: str, out: str, codec: str, damaged: str) -> None:
+    """2 ranks on the GPU's path (``codec`` both ways, fixed-size traffic): step 0 as sent,
+    then every received ``damaged`` ("fwd" or "bwd") buffer of step 1 gets a byte flipped."""
+    import torch.distributed as dist
+
+    from recsz.comm import exchange
+    from recsz.comm.exchange import PendingBytes
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    owners = [0, 1, 0]
+    arch = SparseArch(
+        ModelConfig(table_sizes=TABLE_ROWS, emb_dim=4, bottom_mlp=(4,), top_mlp=(1,)),
+        [t for t, r in enumerate(owners) if r == rank], rank,
+        RowOptimizer("rowwise_adagrad", 0.1),
+    )  # fmt: skip
+    policy = FixedBound(1e-3, "abs")
+    ex = EmbeddingExchange(
+        ShardPlan(owners, world), rank,
+        Direction("fwd", get_codec(codec), policy), Direction("bwd", get_codec(codec), policy),
+    )  # fmt: skip
+    waits = {"n": 0}
+    real_wait = PendingBytes.wait
+
+    def wait(self: PendingBytes) -> list[torch.Tensor]:
+        bufs = real_wait(self)
+        waits["n"] += 1  # 1, 2: step 0's forward, backward; 3, 4: step 1's
+        if waits["n"] == {"fwd": 3, "bwd": 4}[damaged]:
+            peer = bufs[1 - rank]
+            peer[len(peer) // 2] ^= 0x5A  # self.out's bytes: what decode reads
+        return bufs
+
+    exchange.PendingBytes.wait = wait  # type: ignore[method-assign]
+    steps = small_steps(torch.Generator().manual_seed(7), 3)
+
+    def snap() -> list[torch.Tensor]:  # the tables and their optimizer's state
+        return [v.clone() for v in arch.state_dict().values() if isinstance(v, torch.Tensor)]
+
+    got: dict[str, object] = {"before": snap()}
+    try:
+        for k, (ids, g) in enumerate(steps):
+            b = ids.shape[0] // world
+            emb = ex.start_forward(arch(ids), k, ids).wait()
+            (emb * g[rank * b : (rank + 1) * b]).sum().backward()
+            got[f"after {k}"] = snap()
+    except PayloadError as e:
+        got["error"], got["at"] = str(e), k
+    torch.save(got, f"{out}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("damaged", ["fwd", "bwd"])
+@pytest.mark.parametrize("codec", ["hybrid", "fp16"])
+def test_a_damaged_payload_between_ranks_is_named_and_updates_nothing(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, codec: str, damaged: str
+) -> None:  # type: ignore[no-untyped-def]
+    """On the GPU's path the checks' verdicts wait for a later host read (hybrid: the
+    next read of payload sizes, so one read a direction a step; fp16, whose sizes are
+    known: the forward's before the backward's bytes leave, the backward's with it a step
+    later). A damaged forward payload is named before the backward's bytes leave (no table
+    changes in that step); a damaged backward payload updates nothing (its rows are gated
+    by the verdicts on the device) and is named in the next step."""
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")  # the ranks inherit it
+    args = (2, f"file://{tmp_path}/rdv", str(tmp_path), codec, damaged)
+    mp.spawn(_damaged_exchange, args=args, nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
+        other = 1 - rank
+        assert got["at"] == (1 if damaged == "fwd" else 2), got
+        assert f"rank {rank}: {damaged} payloads from ranks [0, 1]" in got["error"]
+        assert "corrupted or truncated" in got["error"]
+        assert codec != "hybrid" or f"payload {other}: corrupted" in got["error"]
+        moved = [not torch.equal(a, b) for a, b in zip(got["before"], got["after 0"], strict=True)]
+        assert any(moved)  # step 0 trained
+        if damaged == "bwd":  # step 1 ran through, and left every table as it was
+            assert all(map(torch.equal, got["after 0"], got["after 1"]))
+        assert "after 1" in got or damaged == "fwd"
 
 
 # ---- the exchange driving a rank's tables -----------------------------------------------

@@ -8,13 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recsz.codecs import checks
+from recsz.codecs.payload import PayloadError
 from recsz.data.source import make_source
 from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import get_preset
 from recsz.model.rowopt import sum_by_row
 from recsz.step import train_step
 from tests.common import trainer_parts
-from tests.hostreads import counting, mark
+from tests.hostreads import counting, mark, on_device
 
 
 def test_the_count_sees_each_kind_of_host_read() -> None:
@@ -41,6 +43,35 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
     assert {w for w, _ in c.reads} == kinds
     assert c.total() == 8
     assert "rowopt.py" in c.report()  # where, in recsz
+
+
+def test_held_verdicts_ride_on_the_next_read_of_sizes() -> None:
+    """Verdicts held by HeldChecks cost no read until one is made anyway: the sizes read
+    inside ``riding`` reads them along (one read), and names a failure with its prefix;
+    ``all_ok`` says whether all passed where the flags are; outside ``holding`` a verdict
+    is read at once."""
+    good, bad = torch.ones(3, dtype=torch.bool), torch.tensor([True, False])
+    sizes = torch.tensor([7, 9])
+    fwd, bwd = checks.HeldChecks(), checks.HeldChecks()
+    with counting([good, bad, sizes]) as c:
+        with fwd.holding("rank 0: fwd"):
+            checks.verdict(good, lambda i: f"payload {i}")
+        with bwd.holding("rank 0: bwd"):
+            checks.verdict(bad, lambda i: f"payload {i}")
+        ok = bwd.all_ok()
+        assert c.total() == 0 and ok is not None and on_device(ok)
+        assert checks.read_sizes(sizes) == [7, 9]  # no rider: the sizes alone
+        with checks.riding(fwd, bwd), pytest.raises(PayloadError, match=r"rank 0: bwd: payload 1$"):
+            checks.read_sizes(sizes)
+        assert c.total() == 2 and not fwd and not bwd  # taken by the read that raised
+        with fwd.holding():
+            checks.verdict(good, str)
+        with checks.riding(fwd):
+            assert checks.read_sizes(sizes) == [7, 9]
+        assert c.total() == 3 and not fwd
+        with pytest.raises(PayloadError, match=r"^payload 1$"):
+            checks.verdict(bad, lambda i: f"payload {i}")  # not held: read now
+    assert not bool(ok)
 
 
 def steps_counted(

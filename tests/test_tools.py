@@ -283,9 +283,11 @@ def test_bench_accuracy_refuses_a_pair_it_will_not_run(capsys: pytest.CaptureFix
     assert "want A:B pairs of planned settings" in capsys.readouterr().err
 
 
-def test_bench_syncs_counts_a_step_in_this_process(tmp_path: Path) -> None:
+def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: Path) -> None:
     """World size 1 (no process group): fixed-size traffic reads nothing back, id-aware
-    traffic once a step (the counts tests/test_host_syncs.py asserts, as the table)."""
+    traffic once a step (the counts tests/test_host_syncs.py asserts, as the table). Two
+    ranks, hybrid both ways: the payloads' sizes once a direction, the checks' verdicts
+    riding on those reads."""
     bench = _bench("bench_syncs")
     out = tmp_path / "syncs.json"
     cases = "none, fixed-size;none, id-aware"
@@ -294,6 +296,11 @@ def test_bench_syncs_counts_a_step_in_this_process(tmp_path: Path) -> None:
     assert rows["none, fixed-size"]["reads_per_step"] == 0
     assert rows["none, id-aware"]["reads_per_step"] == 1
     assert "| none, id-aware | 1 |" in out.with_suffix(".md").read_text()
+    argv = ["--worlds", "2", "--cases", "hybrid, fixed-size", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["reads_per_step"] == 2, row["where_rank0"]
+    assert row["where_rank0"].count("read_sizes") == 1  # 2 x, at one site
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # TorchRec's planner on its own defaults

@@ -143,6 +143,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
             if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps):
                 run_totals = {"train_s": train_s, "data_s": data_s}
+                parts.exchange.settle()  # no step whose payloads failed their checks is saved
                 checkpoint.save(out, parts, cfg, ranks, done, run_totals)
         bar.close()
         ev = evaluate(parts, source, cfg, steps, ranks)

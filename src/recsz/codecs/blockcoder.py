@@ -38,7 +38,8 @@ from recsz.codecs import blockformat as bf
 from recsz.codecs import blockkernels as k
 from recsz.codecs import blockplan as bp
 from recsz.codecs import blockunpack as u
-from recsz.codecs.payload import PayloadError, verdict
+from recsz.codecs.checks import verdict
+from recsz.codecs.payload import PayloadError
 
 ELEMS = 2048  # elements per quantize program
 BLOCKS = 128  # blocks per pack / unpack program (the H100 sweep's best of 16-256)
@@ -333,5 +334,5 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def check(ok: torch.Tensor, what: str = "payload") -> None:
     """Raise PayloadError naming the first payload whose checks failed (one host read, or
-    held by :func:`recsz.codecs.payload.checks_read_once`)."""
+    held by :class:`recsz.codecs.checks.HeldChecks`)."""
     verdict(ok, lambda i: f"{what} {i}: corrupted or truncated (format-{bf.FORMAT} checks failed)")

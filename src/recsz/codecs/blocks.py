@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from recsz.codecs import blockformat as bf
+from recsz.codecs.checks import read_sizes
 from recsz.codecs.payload import DTYPES, PayloadError
 from recsz.devicepath import device_path
 
@@ -79,7 +80,7 @@ def encode_segments(
     buf, base, used = blockcoder.encode(lays, xs, ebs.detach().to(device=dev), static=True)
     if not trim:
         return [buf[b : b + lay.capacity] for b, lay in zip(base, lays, strict=True)], used.clone()
-    ends = used.tolist()
+    ends = read_sizes(used)  # held checks may ride along (HeldChecks.riding)
     kept = torch.cat([buf[b : b + n] for b, n in zip(base, ends, strict=True)])
     return list(kept.split(ends)), used.clone()
 

@@ -22,7 +22,8 @@ import torch
 
 from recsz.codecs import blockformat as bf
 from recsz.codecs import blockplan as bp
-from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, constant, verdict
+from recsz.codecs.checks import verdict
+from recsz.codecs.payload import DTYPE_BY_CODE, DTYPES, MAGIC, PayloadError, constant
 
 FORMAT = 4
 _FIELDS = struct.Struct("<3I")

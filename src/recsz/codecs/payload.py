@@ -20,14 +20,12 @@ tight for its codes), one section: the values, stored exactly in the header's dt
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import struct
-import threading
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,45 +62,6 @@ class Header:
     shape: tuple[int, ...]
     eb: float
     body_len: int
-
-
-_held = threading.local()  # the verdicts checks_read_once holds back
-
-
-@contextlib.contextmanager
-def checks_read_once() -> Iterator[None]:
-    """The checks' verdicts of every payload decoded inside (on a GPU: flags on the device)
-    read to the host at once when the block ends: a GPU waits once, not once a decode
-    call. A failing payload then raises PayloadError, naming it; what was decoded inside
-    must not be used before the block ends."""
-    outer = getattr(_held, "verdicts", None)
-    held: list[tuple[torch.Tensor, Callable[[int], str]]] = []
-    _held.verdicts = held
-    try:
-        yield
-    finally:
-        _held.verdicts = outer
-    if held:
-        _raise_first(torch.cat([ok.reshape(-1) for ok, _ in held]).tolist(), held)
-
-
-def verdict(ok: torch.Tensor, failed: Callable[[int], str]) -> None:
-    """Raise PayloadError(failed(i)) for the first payload i whose flag in ``ok`` (bool,
-    one a payload) is False: now (one host read), or when :func:`checks_read_once` ends."""
-    held = getattr(_held, "verdicts", None)
-    if held is not None:
-        held.append((ok.to(torch.bool), failed))
-    else:
-        _raise_first(ok.to(torch.bool).reshape(-1).tolist(), [(ok, failed)])
-
-
-def _raise_first(flags: list[bool], held: list[tuple[torch.Tensor, Callable[[int], str]]]) -> None:
-    at = 0
-    for ok, failed in held:
-        n = ok.numel()
-        if not all(flags[at : at + n]):
-            raise PayloadError(failed(flags[at : at + n].index(False)))
-        at += n
 
 
 def upload(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

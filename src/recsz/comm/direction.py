@@ -71,3 +71,26 @@ class Direction:
                 f"not the {[size(n) for n in rows_out]} their shapes set (group_nbytes)"
             )
         return [int(size(n) or 0) for n in rows_in]
+
+    def worst_error(
+        self,
+        sent: list[tuple[int, torch.Tensor, list[int]]],
+        payloads: list[torch.Tensor],
+        ebs: torch.Tensor,
+    ) -> float:
+        """Decode the payloads about to be sent (``--check-bounds``), made of ``sent``
+        (each one's destination, rows, and rows of each table, whose bounds ``ebs`` holds
+        in order) and assert every finite row within its bound; the largest error / bound."""
+        dim = sent[0][1].shape[1]
+        got = self.codec.decode_segments(payloads, [sizes for _, _, sizes in sent], dim)
+        k, worst = 0, 0.0
+        for (peer, rows, sizes), y in zip(sent, got, strict=True):
+            at = torch.tensor(sizes, device=ebs.device)
+            eb = torch.repeat_interleave(ebs[k : k + len(sizes)], at).to(y.device)
+            k += len(sizes)
+            fin = torch.isfinite(rows).all(1)
+            err, eb = (y.double() - rows.double()).abs().amax(1)[fin], eb[fin]
+            if bool((err > eb).any()):  # compared as they are: a quotient could round to 1
+                raise AssertionError(f"{self.name} to rank {peer}: an error exceeds its bound")
+            worst = max(worst, float((err / eb).max()) if err.numel() else 0.0)
+        return worst

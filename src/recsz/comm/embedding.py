@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch.profiler import record_function
 
+from recsz.codecs.checks import HeldChecks, read_all, riding
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_slices
@@ -106,13 +107,24 @@ class EmbeddingExchange:
         self._batch: tuple[torch.Tensor, int] | None = None
         self._distinct_of: dict[tuple[int, int], Distinct] = {}
         self._index_of = Indices()
+        #: The checks' verdicts of received payloads, held to ride on the next read of
+        #: sizes: the forward's until the backward's bytes are made (:meth:`_send`), the
+        #: backward's, which gate its rows, until any later one (:meth:`settle`).
+        self._fwd_checks, self._bwd_checks = HeldChecks(), HeldChecks()
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
         return {"fwd": self.fwd.policy, "bwd": self.bwd.policy}
 
     def train(self, mode: bool = True) -> None:
+        if not mode:
+            self.settle()
         self.training = mode
+
+    def settle(self) -> None:
+        """Read every held check now (PayloadError for a damaged payload): before
+        evaluating, saving a checkpoint, ending."""
+        read_all(self._fwd_checks, self._bwd_checks)
 
     # ---- the one exchange path ------------------------------------------------------
     def _send(
@@ -146,13 +158,17 @@ class EmbeddingExchange:
         # empty payload in their place, their bytes counted as sent).
         own = blocks[self.rank].rows if d.codec.identity else None
         groups = [(blk.rows, blk.sizes) for blk in blocks if own is None or blk.peer != self.rank]
-        payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
+        with riding(self._fwd_checks, self._bwd_checks):  # read with the sizes, if any
+            payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
+        if self._fwd_checks:  # what did not ride: bytes made from the forward leave next
+            read_all(self._fwd_checks, self._bwd_checks)
         if own is not None:
             payloads.insert(self.rank, own.new_empty(0, dtype=torch.uint8))
             nb = torch.full((1,), own.numel() * own.element_size(), device=used.device)
             used = torch.cat([used[: self.rank], nb, used[self.rank :]])
         if self.check_bounds and ebs is not None:
-            self._check_groups(d, blocks, payloads, ebs)
+            worst = d.worst_error([(b.peer, b.rows, b.sizes) for b in blocks], payloads, ebs)
+            self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
         if self.training:
             remote = [blk.peer != self.rank for blk in blocks]
             tabs = [(blk.tables, blk.sizes) for blk in blocks]
@@ -169,24 +185,6 @@ class EmbeddingExchange:
         )
         return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv), own)
 
-    def _check_groups(
-        self, d: Direction, blocks: list[Block], payloads: list[torch.Tensor], ebs: torch.Tensor
-    ) -> None:
-        """Decode what is about to be sent and assert every bound (``check_bounds``)."""
-        dim = blocks[0].rows.shape[1]
-        got = d.codec.decode_segments(payloads, [blk.sizes for blk in blocks], dim)
-        k = 0
-        for blk, y in zip(blocks, got, strict=True):
-            sizes = torch.tensor(blk.sizes, device=ebs.device)
-            eb = torch.repeat_interleave(ebs[k : k + len(blk.tables)], sizes).to(y.device)
-            k += len(blk.tables)
-            fin = torch.isfinite(blk.rows).all(1)
-            err, eb = (y.double() - blk.rows.double()).abs().amax(1)[fin], eb[fin]
-            if bool((err > eb).any()):  # compared as they are: a quotient could round to 1
-                raise AssertionError(f"{d.name} to rank {blk.peer}: an error exceeds its bound")
-            worst = float((err / eb).max()) if err.numel() else 0.0
-            self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
-
     def _receive(
         self,
         d: Direction,
@@ -194,10 +192,11 @@ class EmbeddingExchange:
         tables_from: Callable[[int], list[int]],
         sizes_from: Callable[[int], list[int]],
         dim: int,
+        hold: HeldChecks,
     ) -> list[Block]:
         """Wait for the bytes and decode them into one block per source, holding the
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
-        each."""
+        each. ``hold`` keeps the checks' verdicts for a later host read."""
         pending = sent.pending
         with record_function(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
@@ -208,7 +207,8 @@ class EmbeddingExchange:
         # Payloads this process made itself never left its memory: no checks to read.
         payloads = pending.pieces if pending.pieces is not None else bufs
         coded = [s for s in range(self.world) if sent.own is None or s != self.rank]
-        with record_function(f"recsz.a2a_{d.name}.decode"):
+        what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
+        with record_function(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
             try:
                 decoded = d.codec.decode_segments(
                     [payloads[s] for s in coded],
@@ -217,9 +217,7 @@ class EmbeddingExchange:
                     check=pending.pieces is None,
                 )
             except ValueError as e:
-                raise ValueError(
-                    f"rank {self.rank}: {d.name} payloads from ranks {coded}: {e}"
-                ) from e
+                raise ValueError(f"{what}: {e}") from e
         rows = dict(zip(coded, decoded, strict=True))
         if sent.own is not None:
             rows[self.rank] = sent.own
@@ -268,6 +266,7 @@ class EmbeddingExchange:
     def start_forward(self, pooled: torch.Tensor, step: int, ids: torch.Tensor) -> Pending:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
         bytes fly while you compute."""
+        self._fwd_checks.read()  # a forward's whose backward never ran
         data = pooled.detach().contiguous()
         bsz, n_mine, dim = data.shape
         b = bsz // self.world
@@ -287,10 +286,14 @@ class EmbeddingExchange:
             sent = self._send(self.fwd, step, blocks, bound_src, b * dim * 4, expect)
         return Pending(self, pooled, sent, step, ids)
 
-    def finish_forward(self, sent: Sent, ids: torch.Tensor, dim: int) -> torch.Tensor:
+    def finish_forward(self, sent: Sent, ids: torch.Tensor, dim: int, hold: bool) -> torch.Tensor:
+        """The forward's (b, T, D); ``hold``: a backward follows, which reads the checks'
+        verdicts before any byte made from these values leaves (:meth:`_send`)."""
         b = ids.shape[0] // self.world
         sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
-        received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim)
+        received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim, self._fwd_checks)
+        if not hold:
+            self._fwd_checks.read()
         # One gather of all blocks' rows into the (b, T, D) layout the model reads: each
         # (sample, table) names its row; tables no rank sends read a zero row at the end.
         n_tables, sent_by = len(self.plan.owners), [blk for blk in received if blk.tables]
@@ -316,11 +319,8 @@ class EmbeddingExchange:
         b, _, dim = grad.shape
         if self.grad_filter is not None:
             grad = self.grad_filter(grad, ids[self.rank * b : (self.rank + 1) * b])
-        # Laid out table-major in one gather, each destination's tables side by side: every
-        # table's (b, D) slice is then contiguous, which index_add_ and the codec read ~4x
-        # faster than a strided one, and a destination's rows are a view (the scaling into
-        # table order, then a gather per destination: 2.1 ms at batch 2048 on one thread,
-        # now 0.7).
+        # Table-major in one gather, each destination's tables side by side: contiguous
+        # (b, D) slices (read ~4x faster), each destination's rows a view (2.1 -> 0.7 ms).
         order = self._order
         by_table = grad.transpose(0, 1).index_select(0, self._index_of(order, grad.device))
         if self.world > 1:
@@ -337,11 +337,10 @@ class EmbeddingExchange:
             sizes = self._sizes(self.coalesce, ids, self.rank, dest)
             blocks.append(Block(dest, tables, rows, sizes))
         with record_function("recsz.a2a_bwd.encode"):
-            # Bounds come from the per-sample gradients, not the coalesced sums: each sum
-            # then carries one error of at most eb where, uncoalesced, its k addends would
-            # carry up to k eb. (A relative bound taken on the sums' range, which popular
-            # ids stretch, zeroed the small gradients of rare ids and cost 0.017 AUC in 30
-            # steps of the link benchmark.)
+            # Bounds from the per-sample gradients, not the coalesced sums: each sum carries
+            # one error of at most eb, as each addend would uncoalesced. (A relative bound on
+            # the sums' range, which popular ids stretch, zeroed rare ids' small gradients:
+            # -0.017 AUC in 30 steps of the link benchmark.)
             per_sample = (list(order), by_table)  # table-major (T, b, D)
             expect = [sum(self._sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)]
             return self._send(self.bwd, step, blocks, per_sample, b * dim * 4, expect)
@@ -354,7 +353,11 @@ class EmbeddingExchange:
         def sizes_from(src: int) -> list[int]:  # src: a sample owner
             return self._sizes(self.coalesce, ids, src, self.rank)
 
-        received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim)
+        checks = self._bwd_checks  # read later: until then a damaged payload updates nothing
+        received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim, checks)
+        ok = checks.all_ok()
+        if ok is not None:
+            received = [blk._replace(rows=torch.where(ok, blk.rows, 0)) for blk in received]
         n_mine, bsz = len(self.mine), b * self.world
         if self.sparse_grad:  # each sum at (its id's first sample, table)
             where, sums = [], []
@@ -390,7 +393,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         ex, pooled, step, ids = self.ex, self.pooled, self.step, self.ids
-        received = ex.finish_forward(self.sent, ids, pooled.shape[2])
+        received = ex.finish_forward(self.sent, ids, pooled.shape[2], hold=pooled.requires_grad)
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
         kept = received != 0 if ex.mask_backward and pooled.requires_grad else None

@@ -33,8 +33,8 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
+from recsz.codecs.checks import checks_read_once
 from recsz.codecs.framing import frame, unframe_all
-from recsz.codecs.payload import checks_read_once
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.overlap import tie_backward
