@@ -170,3 +170,38 @@ def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(
                 torch.cuda.set_sync_debug_mode("default")
         syncs.append(sum("synchroniz" in str(w.message) for w in caught))
     assert syncs == [expected] * 4, syncs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("codec", ["hybrid", "fp16"])
+def test_on_a_gpu_held_verdicts_wait_for_the_sizes_read(codec: str) -> None:
+    """Between GPUs (world > 1): a received payload's verdict, held, costs no sync; the
+    next trimmed encode's read of its sizes takes it along (hybrid: one sync in all; fp16,
+    whose sizes its shapes set, reads nothing until the held verdicts are read)."""
+    import warnings
+
+    from recsz.codecs import get_codec
+
+    c, dim, sizes = get_codec(codec), 16, [32, 64]
+    x = torch.randn(sum(sizes), dim, device="cuda")
+    ebs = torch.full((2,), 1e-2, dtype=torch.float64, device="cuda")
+    for _ in range(3):  # kernels built, plans made and captured
+        payloads, _ = c.encode_segments([(x, sizes)], ebs, trim=True)
+        c.decode_segments(payloads, [sizes], dim)
+    held = checks.HeldChecks()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with held.holding("rank 0: fwd"):
+                (got,) = c.decode_segments(payloads, [sizes], dim)
+            with checks.riding(held):
+                c.encode_segments([(x, sizes)], ebs, trim=True)
+            syncs_before_read = sum("synchroniz" in str(w.message) for w in caught)
+            checks.read_all(held)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    assert (syncs_before_read, syncs) == ((1, 1) if codec == "hybrid" else (0, 1))
+    assert float((got - x).abs().max()) <= (1e-2 if codec == "hybrid" else 1e-2 * x.abs().max())
