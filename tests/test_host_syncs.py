@@ -37,8 +37,8 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
         buf.copy_(x)  # written with the device's
         buf.numpy()
         sum_by_row(torch.tensor([3, 1, 3]), y[:3], keep_size=False)  # the host's rows: free
-        sum_by_row(y[:3, 0].long(), y[:3], keep_size=False)  # torch.unique
-    kinds = {"_local_scalar_dense", "_unique2", "index", "numpy", "tolist"}
+        sum_by_row(y[:3, 0].long(), y[:3], keep_size=False)  # unique_consecutive
+    kinds = {"_local_scalar_dense", "_unique2", "unique_consecutive", "index", "numpy", "tolist"}
     kinds.add("tensor(host values, device=)")
     assert {w for w, _ in c.reads} == kinds
     assert c.total() == 8

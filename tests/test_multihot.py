@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from recsz.config import TrainConfig, build_parser, parse_train_args
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, parse_hotness
-from recsz.model.rowopt import sum_by_row, sum_by_row_of
+from recsz.model.rowopt import sum_by_row
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
 HOT = (3, 1, 5, 2)
@@ -143,15 +143,22 @@ def test_summing_bag_gradients_by_row_equals_summing_each_ids(
     n: int, bags: int, rows: int, seed: int
 ) -> None:
     """The update's sums taken from one gradient a bag (one embedding_bag) are the sums of
-    every id's copy, bit for bit (the same order: positions, stably by row)."""
+    every id's copy added one position after another, bit for bit; so are the sums of the
+    copies made (no ``source``), and, position by position, the GPU's (``keep_size``)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, rows, (n,), generator=g)
     source = torch.randint(0, bags, (n,), generator=g)
     grad = torch.randn(bags, 8, generator=g)
-    uniq, sums = sum_by_row_of(ids, grad, source)
-    want_rows, want = sum_by_row(ids, grad[source])
-    assert torch.equal(uniq, want_rows)
-    assert torch.equal(sums, want)
+    acc: dict[int, torch.Tensor] = {}
+    for i, s in zip(ids.tolist(), source.tolist(), strict=True):
+        acc[i] = acc[i] + grad[s] if i in acc else grad[s].clone()
+    want_rows = torch.tensor(sorted(acc))
+    want = torch.stack([acc[i] for i in sorted(acc)])
+    for got_rows, got in (sum_by_row(ids, grad, source=source), sum_by_row(ids, grad[source])):
+        assert torch.equal(got_rows, want_rows) and torch.equal(got, want)
+    every, sums = sum_by_row(ids, grad, keep_size=True, source=source)
+    assert torch.equal(every, ids.sort().values)
+    assert torch.equal(sums, want[torch.searchsorted(want_rows, every)])
 
 
 def test_bags_over_a_fiited_store_train_as_over_dense_tables() -> None:

@@ -70,11 +70,10 @@ class RowOptimizer:
         if not rows.numel():
             return
         keep = device_path(rows.device) if keep_size is None else keep_size
-        if source is not None and not keep:
-            uniq, g = sum_by_row_of(rows, grad, source)
+        if distinct:
+            uniq, g = rows, (grad if source is None else grad.index_select(0, source))
         else:
-            grad = grad if source is None else grad.index_select(0, source)
-            uniq, g = (rows, grad) if distinct else sum_by_row(rows, grad, keep)
+            uniq, g = sum_by_row(rows, grad, keep, source)
         # Gather the rows, update them, scatter them back: index_select / index_copy_ are
         # several times faster on the CPU than advanced indexing or index_add_ into a large
         # table (measured: 26k rows of a 325k x 64 table, 2.2 ms against 5.3 ms).
@@ -95,29 +94,26 @@ class RowOptimizer:
 
 
 def sum_by_row(
-    rows: torch.Tensor, grad: torch.Tensor, keep_size: bool = False
+    rows: torch.Tensor,
+    grad: torch.Tensor,
+    keep_size: bool = False,
+    source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, their summed gradients): each distinct row once, or with ``keep_size`` (no
     host sync on a GPU: sizes known in advance) every position's row, sorted, with its
     row's whole sum. An update computed from those is the same for every copy of a row,
-    so writing all copies back in any order leaves one result."""
-    if not keep_size:
-        uniq, inv = torch.unique(rows, return_inverse=True)
-        return uniq, grad.new_zeros(uniq.numel(), grad.shape[1]).index_add_(0, inv, grad)
-    srt, perm = torch.sort(rows, stable=True)  # each row summed in the order of positions
-    new = torch.ones_like(srt, dtype=torch.bool)
-    new[1:] = srt[1:] != srt[:-1]
-    run = torch.cumsum(new, 0) - 1
-    return srt, grad.new_zeros(grad.shape).index_add_(0, run, grad[perm])[run]
-
-
-def sum_by_row_of(
-    rows: torch.Tensor, grad: torch.Tensor, source: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`sum_by_row` of ``grad[source]`` without making it: the positions sorted by
-    row (stably: each row summed in the order of positions), each distinct row's
-    sources pooled by one ``embedding_bag`` over ``grad``."""
+    so writing all copies back in any order leaves one result. With ``source``, the
+    gradients are ``grad[source]``, never made (the ids of bags: one gradient a bag).
+    Each row is summed in the order of its positions (a stable sort), each distinct row's
+    by one ``embedding_bag`` over ``grad`` (1.3-2.3x faster than ``torch.unique`` and
+    ``index_add_`` on one-hot rows, bit for bit the same sums)."""
     srt, perm = torch.sort(rows, stable=True)
+    at = perm if source is None else source.index_select(0, perm)
+    if keep_size:
+        new = torch.ones_like(srt, dtype=torch.bool)
+        new[1:] = srt[1:] != srt[:-1]
+        run = torch.cumsum(new, 0) - 1
+        sums = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, run, grad[at])
+        return srt, sums[run]
     uniq, counts = torch.unique_consecutive(srt, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    return uniq, F.embedding_bag(source.index_select(0, perm), grad, starts, mode="sum")
+    return uniq, F.embedding_bag(at, grad, torch.cumsum(counts, 0) - counts, mode="sum")
