@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from recsz.devicepath import device_path
 from recsz.model.config import ModelConfig
 from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
 from recsz.model.multihot import Bags
@@ -201,8 +202,10 @@ class SparseArch(nn.Module):
     def takes_sparse_grad(self) -> bool:
         """The pooled output of :meth:`forward` takes a sparse COO gradient (rows for some
         (sample, table) pairs only; the fused update reads just those): all tables dense
-        rows, one id a bag, no FIITED store."""
-        plain = not self.tt.tables and self.store is None and self.multi_hot is None
+        rows, no FIITED store; bags of several ids off a GPU's path only (their ids' count
+        is read on the host)."""
+        bags_ok = self.multi_hot is None or not device_path(self.weight.device)
+        plain = not self.tt.tables and self.store is None and bags_ok
         return plain and self.optimizer is not None
 
     def _pool(
@@ -252,24 +255,48 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        rows = ctx.rows
-        if grad.is_sparse and ctx.starts is None:  # gradients of some (sample, table) only
+        rows, psw, source = ctx.rows, ctx.psw, None  # source: each id's bag's gradient
+        if grad.is_sparse:  # gradients of some (sample, table) bags only: their ids only
             at = grad._indices()
-            rows = rows.index_select(0, at[0] * grad.shape[1] + at[1])
-            g = grad._values()
+            bags, g = at[0] * grad.shape[1] + at[1], grad._values()
+            if ctx.starts is None:
+                rows = rows.index_select(0, bags)
+            else:
+                pos, source = _bag_positions(ctx.starts, rows.numel(), bags)
+                rows = rows.index_select(0, pos)
+                psw = None if psw is None else psw.index_select(0, pos)
         else:
-            g = (grad.to_dense() if grad.is_sparse else grad).reshape(-1, grad.shape[-1])
-        source = None
-        if ctx.starts is not None:  # each id gets its bag's gradient
-            n = rows.numel()
-            ends = torch.cat([ctx.starts[1:], ctx.starts.new_full((1,), n)])
-            source = torch.arange(g.shape[0], device=g.device).repeat_interleave(
-                ends - ctx.starts, output_size=n
-            )
-        if ctx.psw is not None:  # weighted: each id's own gradient
-            g = (g if source is None else g.index_select(0, source)) * ctx.psw.unsqueeze(1)
+            g = grad.reshape(-1, grad.shape[-1])
+            if ctx.starts is not None:
+                n, lens = rows.numel(), _bag_sizes(ctx.starts, rows.numel())
+                source = torch.arange(g.shape[0], device=g.device)
+                source = source.repeat_interleave(lens, output_size=n)
+        if psw is not None:  # weighted: each id's own gradient
+            g = (g if source is None else g.index_select(0, source)) * psw.unsqueeze(1)
             source = None
         arch = ctx.arch
         with record_function("recsz.table_update"):
             arch.optimizer.step(arch.weight.data, arch.optimizer_state, rows, g, source=source)
         return None, None, None, None, None, None
+
+
+def _bag_sizes(starts: torch.Tensor, n: int) -> torch.Tensor:
+    """Ids in each bag, bag i's starting at ``starts[i]`` of ``n``."""
+    return torch.cat([starts[1:], starts.new_full((1,), n)]) - starts
+
+
+def _bag_positions(
+    starts: torch.Tensor, n: int, bags: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions among the ids (``n``, bag i's from ``starts[i]``) of the bags
+    ``bags[k]``, and for each the k of its bag: the bags in their order in the batch, so
+    that each row's gradients add up in the order the dense gradient's would (the same
+    sums). Their count is read on the host (:attr:`SparseArch.takes_sparse_grad`: not on
+    a GPU's path)."""
+    bags, order = torch.sort(bags)
+    lens = _bag_sizes(starts, n).index_select(0, bags)
+    at = torch.cumsum(lens, 0) - lens
+    total = int(lens.sum())
+    pos = torch.repeat_interleave(starts.index_select(0, bags) - at, lens, output_size=total)
+    pos += torch.arange(total, device=pos.device)
+    return pos, torch.repeat_interleave(order, lens, output_size=total)
