@@ -9,9 +9,10 @@ with :mod:`tests.hostreads` counting, per rank and step, the value reads and val
 outputs of tensors that would live on the GPU (gloo ranks on this machine; ``tiny``
 preset, global batch 64, dual bounds both ways outside their probe window). Rows: the
 trainer's default id-aware traffic and fixed-size traffic (``--no-id-dedup
---no-bwd-coalesce``), each with the hybrid codec and with ``none``; and id-aware traffic
+--no-bwd-coalesce``), each with the hybrid codec and with ``none``; id-aware traffic
 with its distinct ids found slice by slice (how the exchange did it before one pass did
-every slice). Counts are exact and machine-independent; no time is measured.
+every slice); and hybrid with the MLP gradients' eb hook (``--dp-comm eb``, world > 1).
+Counts are exact and machine-independent; no time is measured.
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ CASES = {  # name -> (argv, distinct ids slice by slice)
         False,
     ),
     "none, fixed-size": (["--no-id-dedup", "--no-bwd-coalesce"], False),
-}
+    "hybrid, fixed-size, eb hook": (  # the MLP gradients error-bounded too (--dp-comm eb)
+        ["--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--no-id-dedup", "--no-bwd-coalesce",
+         "--dp-comm", "eb"],
+        False,
+    ),
+}  # fmt: skip
 
 
 def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:

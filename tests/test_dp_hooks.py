@@ -72,6 +72,28 @@ def test_eb_hook_with_a_lossless_codec_is_exact() -> None:
     assert float(residual(dp).abs().max()) == 0.0
 
 
+def test_eb_hook_on_a_gpus_path_reads_the_host_twice_a_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the GPU's path (format 3 under Triton's interpreter here) the relative bound is
+    computed on the device and the payloads' layouts follow from the bucket's size: a
+    bucket reads the host for its payload's size and, once, for every payload's checks
+    (it read 8 times: the bound, the header, the layouts, the checks of each decode)."""
+    from recsz.devicepath import DEVICE_PATH_ON_CPU
+    from tests.hostreads import counting
+
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    dp = eb_state("hybrid", 0.05)
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    _eb_exchange(eb_state("hybrid", 0.05), Bucket(g.clone()))  # kernels built
+    with counting([g]) as c:
+        out = _eb_exchange(dp, Bucket(g.clone())).value()
+        reads, _, where = c.take()
+    assert reads == 2, where
+    assert "read_sizes" in where and "read_all" in where
+    assert float((out - g).abs().max()) <= 0.05 * float(g.max() - g.min())
+
+
 def test_checkpoint_state_round_trip() -> None:
     dp = eb_state("hybrid")
     _eb_exchange(dp, Bucket(torch.randn(300)))

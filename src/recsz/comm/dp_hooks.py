@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from recsz.codecs import Codec
+from recsz.codecs.checks import HeldChecks, riding
 from recsz.comm.dct_dp import (
     DCTState,
     add_residual,
@@ -48,7 +49,7 @@ from recsz.comm.dct_dp import (
     keep_residual,
 )
 from recsz.comm.exchange import start_all_to_all_bytes
-from recsz.policy import to_absolute
+from recsz.policy.base import absolute_bounds
 
 DP_MODES = ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb")
 EB_COLLECTIVES = ("allgather", "rsag")
@@ -204,20 +205,25 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     grad = bucket.buffer()
     keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
     acc = add_residual(grad, st.residual, keys, sizes)
-    if st.collective == "rsag" and dp.world > 1:
-        out = _reduce_scatter_gather(dp, acc, keys, sizes)
-    else:
-        payload, mine = _code(st, acc)
-        keep_residual(st.residual, keys, sizes, acc - mine)  # what the codec lost, sent later
-        if dp.world == 1:
-            out = mine.clone()
+    # Every payload's checks are read once, when the bucket is done (or with a sizes read
+    # that comes first): on a GPU two host reads a bucket, its payload's size and the checks.
+    checks = HeldChecks()
+    with checks.holding("eb hook"), riding(checks):
+        if st.collective == "rsag" and dp.world > 1:
+            out = _reduce_scatter_gather(dp, acc, keys, sizes)
         else:
-            out = torch.zeros_like(grad)
-            me = dist.get_rank(dp.group)
-            got, sent = all_gather_ragged([payload], dp.world, dp.group)
-            dp.bytes_sent += sent
-            for r, (p,) in enumerate(got):
-                out += mine if r == me else _decoded(st, p, grad)
+            payload, mine = _code(st, acc)
+            keep_residual(st.residual, keys, sizes, acc - mine)  # what was lost, sent later
+            if dp.world == 1:
+                out = mine.clone()
+            else:
+                out = torch.zeros_like(grad)
+                me = dist.get_rank(dp.group)
+                got, sent = all_gather_ragged([payload], dp.world, dp.group)
+                dp.bytes_sent += sent
+                for r, (p,) in enumerate(got):
+                    out += mine if r == me else _decoded(st, p, grad)
+    checks.read()
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out.div_(dp.world))
     return fut
@@ -230,17 +236,21 @@ EB_ROW = 64
 
 
 def _code(st: EBState, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (flat) coded under the relative bound, and what the payload decodes to."""
+    """``x`` (flat) coded under the relative bound (computed where x is), and what the
+    payload decodes to."""
     flat = x.detach().reshape(-1)
     rows = torch.cat([flat, flat[:1].expand(-flat.numel() % EB_ROW)]).view(-1, EB_ROW)
-    eb = to_absolute(st.eb, "rel", rows) if st.codec.error_bounded else None
-    payload = st.codec.encode(rows, eb)
+    ebs = absolute_bounds([st.eb], "rel", rows.unsqueeze(0)) if st.codec.error_bounded else None
+    (payload,), _ = st.codec.encode_segments([(rows, [len(rows)])], ebs)
     return payload, _decoded(st, payload, x)
 
 
 def _decoded(st: EBState, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A payload of :func:`_code` back as ``like``'s flat values (the padding dropped)."""
-    return st.codec.decode(payload).reshape(-1)[: like.numel()].to(like.device, like.dtype)
+    """A payload of :func:`_code` back as ``like``'s flat values (the padding dropped);
+    its layout follows from ``like``'s size, so nothing of it is read on the host first."""
+    rows = -(-like.numel() // EB_ROW)
+    (y,) = st.codec.decode_segments([payload], [[rows]], EB_ROW)
+    return y.reshape(-1)[: like.numel()].to(like.device, like.dtype)
 
 
 def _reduce_scatter_gather(
