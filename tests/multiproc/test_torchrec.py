@@ -157,6 +157,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["pipeline"] = _pipeline(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
         res["reads"] = _our_host_reads(rank, plan_of)
+    res["damaged"] = _damaged_forward(rank, plan_of)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -184,6 +185,39 @@ def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
             got.append((sum(ours.values()), c.report()))
             c.take()
     return got[2:]
+
+
+def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
+    """Step 1's forward payloads, every one received on both ranks, with a byte flipped:
+    (where the error came: "forward" or "backward", its message)."""
+    import recsz.torchrec as rt
+    from recsz.comm.exchange import PendingBytes
+
+    sharder = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
+                                      fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
+    model = _dmp(sharder, plan_of)
+    _train(model, rank, 1)
+    real = PendingBytes.wait
+
+    def flipped(self: PendingBytes) -> list[torch.Tensor]:
+        bufs = real(self)
+        peer = bufs[1 - rank]
+        peer[len(peer) // 2] ^= 0x5A
+        return bufs
+
+    kjt, w = _batch(1, rank)
+    PendingBytes.wait = flipped  # type: ignore[method-assign]
+    try:
+        y = model(kjt).wait().values()
+    except ValueError as e:
+        return "forward", str(e)
+    finally:
+        PendingBytes.wait = real  # type: ignore[method-assign]
+    try:
+        (y * w).sum().backward()
+    except ValueError as e:
+        return "backward", str(e)
+    return "nowhere", ""
 
 
 def _variable_batch(dist: torch.nn.Module) -> tuple[list[object], int]:
@@ -271,6 +305,18 @@ def test_variable_batch_per_feature_falls_back_with_one_warning(ranks: list[dict
         assert res["variable_batch"] == (["torchrec's", "torchrec's"], 1)
 
 
+def test_a_damaged_forward_payload_is_named_before_its_backward_leaves(
+    ranks: list[dict],
+) -> None:
+    """On the host path the decode names it at once; on the GPU's path its checks ride on
+    the backward's read of lengths, which raises before any byte made from it is sent."""
+    device = "reads" in ranks[0]
+    for rank, res in enumerate(ranks):
+        where, msg = res["damaged"]
+        assert where == ("backward" if device else "forward"), (where, msg)
+        assert f"rank {rank}: fwd payloads" in msg, msg
+
+
 def test_row_wise_is_refused_naming_the_table(ranks: list[dict]) -> None:
     for res in ranks:
         assert "tables t1 are sharded row_wise" in res["rw_error"]
@@ -282,18 +328,20 @@ def test_train_pipeline_sparse_dist_runs(ranks: list[dict]) -> None:
         assert all(torch.isfinite(torch.tensor(res["pipeline"])))
 
 
-def test_on_the_gpu_path_each_dist_reads_the_host_three_times_a_direction(
+def test_on_the_gpu_path_each_dist_reads_the_host_five_times_a_step(
     ranks: list[dict],
 ) -> None:
     """What a GPU would wait for in our dists (counted on the CPU, tests/hostreads.py):
-    per dist and direction, the payloads' lengths (one read for every width), the received
-    buffers' tables of lengths (one for every source) and the checks' verdicts (one for
-    every width). Indices are made once: no host values copied to the device a step."""
+    per dist and direction, the payloads' lengths (one read for every width) and the
+    received buffers' tables of lengths (one for every source); the checks' verdicts (one
+    for every width) of the backward, while the forward's ride on the backward's lengths.
+    Indices are made once: no host values copied to the device a step."""
     if "reads" not in ranks[0]:
         pytest.skip("the host path: host reads cost nothing there")
     for r in ranks:
         for reads, where in r["reads"]:
-            assert reads == 6 * r["dists"], where
+            assert reads == 5 * r["dists"], where
+            assert "read_sizes" in where  # the lengths' read, with the verdicts along
 
 
 def test_the_readme_example_runs_as_written() -> None:

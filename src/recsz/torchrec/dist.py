@@ -33,7 +33,7 @@ from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
-from recsz.codecs.checks import checks_read_once
+from recsz.codecs.checks import HeldChecks, read_sizes, riding
 from recsz.codecs.framing import frame, unframe_all
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
@@ -95,6 +95,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.wire = {"fwd": 0, "bwd": 0}
         self._warned = False
         self._index = Indices()  # the policies' keys, made once on the device
+        #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
+        self._fwd_checks = HeldChecks()
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
@@ -116,6 +118,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         # TorchRec keeps its dists outside the module tree (model.eval() does not reach
         # them): a forward counts as training when it can be differentiated.
         train = local_embs.requires_grad and torch.is_grad_enabled()
+        self._fwd_checks.read()  # a forward's whose backward never ran
         step = self.step
         self.step += int(train)
         data = local_embs.detach()
@@ -159,10 +162,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 if train and r != self.rank:
                     self.raw[d.name] += rows.numel() * 4
         flat = [(p, n) for ps in parts for p, n in ps]
-        if d.sized_by_shapes(bound_src[0]):  # the casts: lengths known on the host
+        if d.sized_by_shapes(bound_src[0]) or not flat:  # the casts: lengths known on the host
             lengths = iter([p.numel() for p, _ in flat])
-        else:
-            lengths = iter(torch.stack([n for _, n in flat]).tolist() if flat else [])  # one read
+        else:  # one read, the forward's verdicts along
+            with riding(self._fwd_checks):
+                lengths = iter(read_sizes(torch.stack([n for _, n in flat])))
+        self._fwd_checks.read()  # what did not ride: bytes made from the forward leave next
         send = [[frame([p[: next(lengths)] for p, _ in ps]).to(device)] for ps in parts]
         if train:
             self.wire[d.name] += sum(s[0].numel() for r, s in enumerate(send) if r != self.rank)
@@ -189,9 +194,16 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return ebs
 
     def _receive(
-        self, d: Direction, pending: PendingBytes, rows: list[int], dims: list[tuple[int, ...]]
+        self,
+        d: Direction,
+        pending: PendingBytes,
+        rows: list[int],
+        dims: list[tuple[int, ...]],
+        hold: bool = False,
     ) -> list[torch.Tensor]:
-        """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide."""
+        """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide. Every
+        width's checks are read at once; ``hold``: later (the forward's, whose backward
+        reads them with its lengths, before any byte made from them leaves)."""
         bufs = pending.wait()
         widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
         parts = unframe_all(
@@ -200,8 +212,9 @@ class CompressedPooledEmbeddingDist(nn.Module):
         out = [
             torch.empty(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)
         ]
+        checks = self._fwd_checks if hold else HeldChecks()
         try:
-            with checks_read_once():  # every width's verdicts in one host read
+            with checks.holding(f"rank {self.rank}: {d.name} payloads"):
                 for width in sorted({w for ws in widths for w in ws}):
                     srcs = [s for s in range(self.world) if width in widths[s]]
                     sizes = [[rows[s]] * len(_by_width(dims[s])[width][0]) for s in srcs]
@@ -214,11 +227,16 @@ class CompressedPooledEmbeddingDist(nn.Module):
                             out[s][:, c : c + width] = slabs[j]
         except ValueError as e:
             raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+        if not hold:
+            checks.read()
         return out
 
-    def finish_forward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
-        got = self._receive(self.fwd, pending, [per_rank[self.rank]] * self.world, self.dims)
-        return torch.cat(got, 1)
+    def finish_forward(
+        self, pending: PendingBytes, per_rank: list[int], hold: bool = False
+    ) -> torch.Tensor:
+        """(local batch, all dims); ``hold``: a backward follows (:meth:`_receive`)."""
+        rows = [per_rank[self.rank]] * self.world
+        return torch.cat(self._receive(self.fwd, pending, rows, self.dims, hold), 1)
 
     def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
         """(local batch, all dims) gradient: coded and sent to the tables' owners."""
@@ -256,7 +274,8 @@ class _Received(Awaitable[torch.Tensor]):
 
     def _wait_impl(self) -> torch.Tensor:
         local_embs, owner, pending, step, per_rank = self.args
-        received = owner.finish_forward(pending, per_rank).to(local_embs.dtype)
+        hold = local_embs.requires_grad and torch.is_grad_enabled()  # a backward follows
+        received = owner.finish_forward(pending, per_rank, hold).to(local_embs.dtype)
         return tie_backward(
             received,
             local_embs,
