@@ -87,16 +87,6 @@ def riding(*checks: HeldChecks) -> Iterator[None]:
         _held.riders = outer
 
 
-@contextlib.contextmanager
-def checks_read_once() -> Iterator[None]:
-    """Every payload decoded inside has its verdict read to the host at once when the block
-    ends (:class:`HeldChecks`); what was decoded inside must not be used before."""
-    checks = HeldChecks()
-    with checks.holding():
-        yield
-    checks.read()
-
-
 def verdict(ok: torch.Tensor, failed: Callable[[int], str]) -> None:
     """Raise PayloadError(failed(i)) for the first payload i whose flag in ``ok`` (bool,
     one a payload) is False: now (one host read), or later if held (:class:`HeldChecks`)."""
