@@ -26,7 +26,6 @@ import functools
 import inspect
 import json
 import math
-import struct
 from abc import ABC
 from typing import Any, ClassVar
 
@@ -44,12 +43,12 @@ from recsz.codecs.payload import (
     assemble,
     assembled_nbytes,
     cheaper_sections,
+    header_fields,
     pack_outliers,
     parse_payload,
     split_sections,
     stored_values,
     unpack_outliers,
-    uvarint,
     version_of,
 )
 from recsz.devicepath import device_path
@@ -377,21 +376,8 @@ class Codec(ABC):
         return y
 
     def _header_fields(self, shape: torch.Size, dtype: torch.dtype, eb: float, blen: int) -> bytes:
-        cid = self.codec_id.encode("ascii")
         cfg = self._config_bytes
-        return b"".join(
-            [
-                struct.pack("<B", len(cid)),
-                cid,
-                struct.pack("<B", self.version),
-                uvarint(len(cfg)),
-                cfg,
-                struct.pack("<BB", DTYPES[dtype], len(shape)),
-                *(uvarint(d) for d in shape),
-                struct.pack("<d", eb),
-                uvarint(blen),
-            ]
-        )
+        return header_fields(self.codec_id, self.version, cfg, shape, dtype, eb, blen)
 
 
 def without_nonfinite(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,7 +25,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,33 @@ def version_of(payload: torch.Tensor) -> int:
     if payload.device.type == "cpu":
         return int(payload.detach().numpy()[3])
     return int(payload[3])
+
+
+def header_fields(
+    codec: str,
+    version: int,
+    config: bytes,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    eb: float,
+    body_len: int,
+) -> bytes:
+    """A format-1 header (the module's layout; ``config``: its JSON bytes, empty for {}),
+    as :func:`parse_payload` reads it."""
+    cid = codec.encode("ascii")
+    return b"".join(
+        [
+            struct.pack("<B", len(cid)),
+            cid,
+            struct.pack("<B", version),
+            uvarint(len(config)),
+            config,
+            struct.pack("<BB", DTYPES[dtype], len(shape)),
+            *(uvarint(d) for d in shape),
+            struct.pack("<d", eb),
+            uvarint(body_len),
+        ]
+    )
 
 
 def parse_payload(
