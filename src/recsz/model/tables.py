@@ -268,9 +268,9 @@ class _FusedLookup(torch.autograd.Function):
         else:
             g = grad.reshape(-1, grad.shape[-1])
             if ctx.starts is not None:
-                n, lens = rows.numel(), _bag_sizes(ctx.starts, rows.numel())
+                n = rows.numel()
                 source = torch.arange(g.shape[0], device=g.device)
-                source = source.repeat_interleave(lens, output_size=n)
+                source = source.repeat_interleave(_bag_sizes(ctx.starts, n), output_size=n)
         if psw is not None:  # weighted: each id's own gradient
             g = (g if source is None else g.index_select(0, source)) * psw.unsqueeze(1)
             source = None
