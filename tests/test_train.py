@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recsz.config import TrainConfig
+from recsz.config import TrainConfig, parse_train_args
 from recsz.train import main
 
 REQUIRED = {
@@ -83,6 +83,38 @@ def test_bad_flags_fail_loudly() -> None:
         main(["--tt-tables", "2", "--tt-placement", "replicated", "--tt-cache-rows", "4"])
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fwd-eb", "inf"], "--fwd-eb must be a finite number, got inf"),
+        (["--dist-timeout", "nan"], "--dist-timeout must be a finite number"),
+        (
+            ["--eb-mode", "abs", "--bwd-eb", "1e300"],
+            "--bwd-eb 1e\\+300 \\(--eb-mode abs\\) is outside",
+        ),
+        (["--eb-mode", "abs", "--fwd-class-eb", "1e-40,0.01,0.02"], "--fwd-class-eb tight 1e-40"),
+        (["--fwd-class-eb", "0.1,0.2"], "--fwd-class-eb: expected three numbers"),
+        (["--bwd-class-eb", "a,b,c"], "--bwd-class-eb: expected three numbers"),
+        (["--fwd-class-eb", "0.01,-1,0.02"], "must be finite and > 0"),
+        (["--fwd-class-eb", "0.01,inf,0.02"], "must be finite and > 0"),
+        (["--fwd-class-eb", "0.05,0.01,0.02"], "tight <= base <= loose"),
+        (["--synthetic-eval", "0"], "--synthetic-eval must be >= 1, got 0"),
+        (["--hindex-probe-steps", "0"], "--hindex-probe-steps must be >= 1"),
+        (["--hindex-every", "-1"], "--hindex-every must be >= 0"),
+        (["--decay-c", "0.5"], "--decay-c must be >= 1"),
+        (["--decay-t", "0"], "--decay-t must be >= 1"),
+    ],
+)
+def test_values_that_mean_nothing_are_refused_before_any_rank_starts(
+    flags: list[str], message: str
+) -> None:
+    """Each names its flag at parse time: an infinite bound, a class bound list that is
+    not three ordered positive numbers (even where the policy would not read it), a
+    window of no steps, an evaluation set of no samples."""
+    with pytest.raises(ValueError, match=message):
+        parse_train_args(["--fwd-codec", "hybrid", "--eb-policy", "dual", *flags])
+
+
 def test_device_flag_is_checked() -> None:
     import torch
 
@@ -137,6 +169,17 @@ def test_a_diverging_run_stops_at_its_first_row(tmp_path: Path) -> None:
     flags = ["--steps", "20", "--lr", "1e30", "--log-every", "5", "--no-progress"]
     with pytest.raises(FloatingPointError, match=r"not finite on rank\(s\) \[0\] by step 5"):
         main([*flags, "--out", str(tmp_path)])
+
+
+def test_a_run_too_short_for_a_steady_pace_prints_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Three steps are all warm-up: the summary keeps NaN, the printout says nothing of it."""
+    main(["--steps", "3", "--no-progress", "--synthetic-eval", "64", "--out", str(tmp_path)])
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["samples_per_s_steady"] != s["samples_per_s_steady"]  # NaN
+    out = capsys.readouterr().out
+    assert "samples/s" in out and "nan" not in out and "after the first steps" not in out
 
 
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 import types
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, get_type_hints
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
+from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.model import (
     MLP_INITS,
@@ -27,6 +29,7 @@ from recsz.model import (
 )
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
+from recsz.policy.adaptive import parse_class_eb
 
 #: The tables' default learning rate with bags, as a share of the preset's: at the preset's
 #: the first steps' sums of up to 100 moved rows blew the logits up (bench: AUC 0.62 after 30
@@ -119,7 +122,7 @@ class TrainConfig:
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
-    synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set")
+    synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set", ge=1)
     log_every: int = opt(20, "steps between metrics.jsonl rows", ge=0)
     out: str | None = opt(None, "run directory: config.json, metrics.jsonl, summary.json")
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")
@@ -155,11 +158,13 @@ class TrainConfig:
     # (bench_accuracy --a2a, 5 seeds), these keep it within the seeds' noise.
     fwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose forward bounds")
     bwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose backward bounds")
-    hindex_probe_steps: int = opt(10, "iterations of traffic behind each homogenization index")
-    hindex_every: int = opt(1000, "iterations between re-classifications (0: classify once)")
+    hindex_probe_steps: int = opt(
+        10, "iterations of traffic behind each homogenization index", ge=1
+    )
+    hindex_every: int = opt(1000, "iterations between re-classifications (0: classify once)", ge=0)
     decay_schedule: str = opt("step", "dual: bound decay (10 equal steps)", ("step", "constant"))
-    decay_c: float = opt(2.0, "dual: bound multiplier at iteration 0")
-    decay_t: int = opt(65_536, "dual: iteration where the multiplier reaches 1")
+    decay_c: float = opt(2.0, "dual: bound multiplier at iteration 0", ge=1)
+    decay_t: int = opt(65_536, "dual: iteration where the multiplier reaches 1", ge=1)
     id_dedup: bool = opt(True, "forward: one vector per distinct id of a destination's slice")
     bwd_coalesce: bool = opt(True, "backward: sum the gradients of samples sharing an id first")
     # ---- the MLP all-reduce
@@ -243,8 +248,11 @@ class TrainConfig:
             v, m = getattr(self, f.name), f.metadata
             if v is not None and m["choices"] and v not in m["choices"]:
                 raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(m['choices'])}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{_flag(f.name)} must be a finite number, got {v}")
             if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
                 raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
+        self._check_bounds()
         model = get_preset(self.preset).model
         n_tables = model.n_tables
         self.failure_at()
@@ -288,6 +296,22 @@ class TrainConfig:
                 raise ValueError("--dense-dtype bf16, but this GPU has no bfloat16 arithmetic")
         if self.log_every == 0:
             self.log_every = 1
+
+    def _check_bounds(self) -> None:
+        """The class bounds parse; an absolute bound is one a codec accepts."""
+        for d in ("fwd", "bwd"):
+            classes = parse_class_eb(getattr(self, f"{d}_class_eb"), f"--{d}-class-eb")
+            if self.eb_mode != "abs":
+                continue
+            for flag, eb in (
+                (f"--{d}-eb", getattr(self, f"{d}_eb")),
+                *((f"--{d}-class-eb {c}", v) for c, v in classes.items()),
+            ):
+                if not EB_MIN <= eb <= EB_MAX:
+                    raise ValueError(
+                        f"{flag} {eb:g} (--eb-mode abs) is outside the codecs' bounds "
+                        f"[{EB_MIN:.7g}, {EB_MAX:g}]"
+                    )
 
     def _graph_clashes(self, fwd: Codec, bwd: Codec) -> list[str]:
         """What ``--cuda-graph`` cannot replay: more than one process, traffic whose sizes

@@ -160,6 +160,11 @@ def final_extras(recs: list[dict], check_bounds: bool) -> dict[str, Any]:
     return out
 
 
+def _steady(pace: float) -> str:
+    """The pace after the first steps, where the run had steps after them."""
+    return f" ({pace:.0f} after the first steps)" if math.isfinite(pace) else ""
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The readable end-of-run summary."""
     return "\n".join(
@@ -169,8 +174,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  logloss        {s['logloss']:.4f}",
             f"  accuracy       {s['accuracy']:.4f}",
             f"  steps          {s['steps']} on {s['world_size']} rank(s)",
-            f"  samples/s      {s['samples_per_s']:.0f} ({s['samples_per_s_steady']:.0f} after "
-            f"the first steps)",
+            f"  samples/s      {s['samples_per_s']:.0f}{_steady(s['samples_per_s_steady'])}",
             f"  fwd ratio      {s['fwd_ratio']:.2f}x   (embedding all-to-all)",
             f"  bwd ratio      {s['bwd_ratio']:.2f}x   (gradient all-to-all)",
             f"  bytes on wire  {s['bytes_sent'] / 1e6:.2f} MB of {s['bytes_raw'] / 1e6:.2f} MB raw",

@@ -227,13 +227,19 @@ class DualBound(BoundPolicy):
         self._win = {int(t): _Window(*v) for t, v in state["win"].items()}
 
 
-def _floats(spec: str, what: str) -> dict[str, float]:
+def parse_class_eb(spec: str, what: str) -> dict[str, float]:
+    """``tight,base,loose`` bounds (``what``: the flag, for the error): three finite
+    positive numbers, none below the one before it."""
     try:
         vals = [float(v) for v in spec.split(",")]
     except ValueError:
-        raise ValueError(f"{what}: expected three numbers tight,base,loose; got {spec!r}") from None
+        vals = []
     if len(vals) != 3:
         raise ValueError(f"{what}: expected three numbers tight,base,loose; got {spec!r}")
+    if not all(math.isfinite(v) and v > 0 for v in vals):
+        raise ValueError(f"{what}: bounds must be finite and > 0; got {spec!r}")
+    if not vals[0] <= vals[1] <= vals[2]:
+        raise ValueError(f"{what}: tight <= base <= loose, got {spec!r}")
     return dict(zip(CLASSES, vals, strict=True))
 
 
@@ -242,7 +248,7 @@ def make_adaptive(cfg: TrainConfig, direction: str, n_tables: int) -> DualBound:
     spec = cfg.fwd_class_eb if direction == "fwd" else cfg.bwd_class_eb
     return DualBound(
         n_tables=n_tables,
-        class_eb=_floats(spec, f"--{direction}-class-eb"),
+        class_eb=parse_class_eb(spec, f"--{direction}-class-eb"),
         mode=cfg.eb_mode,
         probe_steps=cfg.hindex_probe_steps,
         every=cfg.hindex_every,
