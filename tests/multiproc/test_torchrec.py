@@ -25,13 +25,16 @@ pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
 
 WORLD, B, STEPS, EB = 2, 64, 4, 1e-3
-# name: (rows, dim, plan); dims 8 and 16 on one rank: two widths in one payload.
+# name: (rows, dim, plan); dims 8 and 16 on one rank: two widths in one payload; two
+# row-wise tables of both widths (a reduce-scatter of partial sums).
 TABLES = {
     "t0": (50, 8, ("tw", 0)),
     "t1": (40, 8, ("tw", 1)),
     "t2": (30, 16, ("tw", 0)),
     "t3": (60, 16, ("cw", [0, 1])),
     "t4": (20, 16, ("twcw", [0, 1])),
+    "t5": (70, 8, ("rw", None)),
+    "t6": (45, 16, ("rw", None)),
 }
 
 
@@ -70,6 +73,7 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
         column_wise,
         construct_module_sharding_plan,
         row_wise,
+        table_row_wise,
         table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
@@ -83,7 +87,8 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
         )
 
     make = {"tw": lambda a: table_wise(rank=a), "cw": lambda a: column_wise(ranks=a),
-            "twcw": table_column_wise, "rw": lambda a: row_wise()}  # fmt: skip
+            "twcw": table_column_wise, "rw": lambda a: row_wise(),
+            "twrw": lambda a: table_row_wise(host_index=0)}  # fmt: skip
     ebc = _model(0)
     per_param = {n: make[k](a) for n, (k, a) in plan_of.items()}
     plan = construct_module_sharding_plan(
@@ -140,7 +145,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["stock"] = _train(_dmp(EmbeddingBagCollectionSharder(), plan_of), rank)
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
     res["lossless"] = _train(_dmp(lossless, plan_of), rank)
-    res["dists"] = len(lossless.dists)  # one per sharding type: TW, CW, TWCW
+    res["dists"] = len(lossless.dists)  # one per sharding type: TW, CW, TWCW, RW
     lossy = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
                                     fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
     model = _dmp(lossy, plan_of)
@@ -151,9 +156,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["eval_counted"] = rt.comm_bytes(model) != res["bytes"]
     res["variable_batch"] = _variable_batch(lossy.dists[0])
     try:
-        _dmp(lossless, {**plan_of, "t1": ("rw", None)})
+        _dmp(lossless, {**plan_of, "t1": ("twrw", None)})
     except ValueError as e:
-        res["rw_error"] = str(e)
+        res["twrw_error"] = str(e)
     res["pipeline"] = _pipeline(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
         res["reads"] = _our_host_reads(rank, plan_of)
@@ -280,10 +285,11 @@ def _spawned() -> list[dict]:
 
 
 def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
-    """TW tables of two widths, a CW and a TWCW table, several steps of fused SGD: every output
-    (and so every embedding gradient before it) equals stock DMP's exactly."""
+    """TW tables of two widths, a CW, a TWCW and two RW tables, several steps of fused SGD:
+    every output (and so every embedding gradient before it) equals stock DMP's exactly
+    (RW: the two ranks' partial sums added as gloo's reduce-scatter adds them)."""
     for res in ranks:
-        assert res["dists"] == 3
+        assert res["dists"] == 4
         for step, (ours, stock) in enumerate(zip(res["lossless"], res["stock"], strict=True)):
             assert torch.equal(ours, stock), f"step {step}"
 
@@ -317,9 +323,9 @@ def test_a_damaged_forward_payload_is_named_before_its_backward_leaves(
         assert f"rank {rank}: fwd payloads" in msg, msg
 
 
-def test_row_wise_is_refused_naming_the_table(ranks: list[dict]) -> None:
+def test_table_row_wise_is_refused_naming_the_table(ranks: list[dict]) -> None:
     for res in ranks:
-        assert "tables t1 are sharded row_wise" in res["rw_error"]
+        assert "tables t1 are sharded table_row_wise" in res["twrw_error"]
 
 
 def test_train_pipeline_sparse_dist_runs(ranks: list[dict]) -> None:

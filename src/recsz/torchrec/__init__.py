@@ -10,7 +10,13 @@ Only this subpackage imports TorchRec (``pip install 'recsz[torchrec]'``).
 
 from __future__ import annotations
 
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, CompressedReduceScatterDist
 from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
 
-__all__ = ["CompressedEBCSharder", "CompressedPooledEmbeddingDist", "comm_bytes", "sharders"]
+__all__ = [
+    "CompressedEBCSharder",
+    "CompressedPooledEmbeddingDist",
+    "CompressedReduceScatterDist",
+    "comm_bytes",
+    "sharders",
+]

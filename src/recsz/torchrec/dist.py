@@ -13,6 +13,11 @@ which the direction's policy sets from all the values of that feature this rank 
 (forward: the global batch; backward: this rank's gradient columns). Features of one
 width form one group; a destination's groups travel framed as one buffer.
 
+Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
+all-gather back) take the same path with every rank's block holding every feature:
+:class:`CompressedReduceScatterDist` adds the decoded partials up, and codes the
+backward's one block once for all ranks.
+
 Backward: when TorchRec's gradient division is on, the gradient is divided by the world
 size before it is encoded (TorchRec divides after the all-to-all), so the bound holds for
 the gradient the tables receive and a lossless codec gives TorchRec's values bit for bit.
@@ -79,14 +84,14 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.inner = inner
         # TorchRec's private layout fields, read in this one place (stable since 0.x).
         self.pg: dist.ProcessGroup = inner._pg
-        self.dims = [tuple(d) for d in inner._emb_dim_per_rank_per_feature]
-        self.callbacks = list(inner._callbacks or [])
+        self.callbacks = list(getattr(inner, "_callbacks", None) or [])
         self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
-        starts = _offsets([len(d) for d in self.dims])
-        #: the policies' table ids: every feature of the sharding, in rank order
-        self.keys = [list(range(starts[r], starts[r + 1])) for r in range(self.world)]
-        self.fwd = Direction("fwd", config.codec("fwd"), make_policy(config, "fwd", starts[-1]))
-        self.bwd = Direction("bwd", config.codec("bwd"), make_policy(config, "bwd", starts[-1]))
+        #: each rank's block of a sample: its features' dims, and their keys (the
+        #: policies' table ids: every feature of the sharding, in rank order)
+        self.dims, self.keys = self._layout(inner)
+        self.n_keys = len({k for ks in self.keys for k in ks})
+        self.fwd = Direction("fwd", config.codec("fwd"), make_policy(config, "fwd", self.n_keys))
+        self.bwd = Direction("bwd", config.codec("bwd"), make_policy(config, "bwd", self.n_keys))
         for d in (self.fwd, self.bwd):
             d.codec.warm_up()
         self.step = 0
@@ -97,6 +102,15 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self._index = Indices()  # the policies' keys, made once on the device
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
+
+    #: how many ranks' blocks the receiver adds up (row-wise: every rank's partial sums)
+    summed = False
+
+    def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+        """Table-wise: rank r sends its own features ``dims[r]``, keys counted on."""
+        dims = [tuple(d) for d in inner._emb_dim_per_rank_per_feature]
+        starts = _offsets([len(d) for d in dims])
+        return dims, [list(range(starts[r], starts[r + 1])) for r in range(self.world)]
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
@@ -125,7 +139,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         at = _offsets(per_rank)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
-        pending = self._send(self.fwd, step, blocks, (data, dims, mine), train)
+        share = self.world if self.summed else 1
+        pending = self._send(self.fwd, step, blocks, (data, dims, mine), train, share)
         awaitable = _Received(local_embs, self, pending, step, per_rank)
         awaitable.callbacks.extend(self.callbacks)
         return awaitable
@@ -138,11 +153,16 @@ class CompressedPooledEmbeddingDist(nn.Module):
         blocks: list[tuple[torch.Tensor, tuple[int, ...], list[int]]],
         bound_src: tuple[torch.Tensor, tuple[int, ...], list[int]],
         train: bool,
+        share: int = 1,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
         the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
-        feature sent. ``train``: feed the policy and the byte counters."""
+        feature sent, divided by ``share`` (the receiver sums that many). One block: coded
+        once, its payload sent to every rank. ``train``: feed the policy and the byte
+        counters."""
         ebs = self._bounds(d, step, *bound_src, train)
+        if ebs is not None and share > 1:
+            ebs = ebs / share
         device = bound_src[0].device
         parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
         for width in sorted({w for _, dims, _ in blocks for w in dims}):
@@ -157,10 +177,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
             eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
             # Untrimmed: every width's payload lengths are read to the host at once below.
             payloads, used = d.codec.encode_segments(groups, eb, trim=False)
-            for r, p, n, (rows, _) in zip(dest, payloads, used, groups, strict=True):
+            for r, p, n in zip(dest, payloads, used, strict=True):
                 parts[r].append((p, n))
-                if train and r != self.rank:
-                    self.raw[d.name] += rows.numel() * 4
         flat = [(p, n) for ps in parts for p, n in ps]
         if d.sized_by_shapes(bound_src[0]) or not flat:  # the casts: lengths known on the host
             lengths = iter([p.numel() for p, _ in flat])
@@ -169,8 +187,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 lengths = iter(read_sizes(torch.stack([n for _, n in flat])))
         self._fwd_checks.read()  # what did not ride: bytes made from the forward leave next
         send = [[frame([p[: next(lengths)] for p, _ in ps]).to(device)] for ps in parts]
+        if len(blocks) == 1:  # one block, the same bytes for every rank
+            send, blocks = send * self.world, blocks * self.world
         if train:
-            self.wire[d.name] += sum(s[0].numel() for r, s in enumerate(send) if r != self.rank)
+            others = [r for r in range(self.world) if r != self.rank]
+            self.raw[d.name] += sum(blocks[r][0].numel() * 4 for r in others)
+            self.wire[d.name] += sum(send[r][0].numel() for r in others)
         return start_all_to_all_bytes(send, self.world, self.pg)
 
     def _bounds(
@@ -184,7 +206,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
     ) -> torch.Tensor | None:
         """Each feature's bound from its columns of ``x``, as a tensor indexed by key
         (None for a codec that takes none)."""
-        ebs = torch.zeros(sum(len(k) for k in self.keys), dtype=torch.float64, device=x.device)
+        ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
         for width, (fs, cols) in _by_width(dims).items():
             at = [keys[i] for i in fs]
             got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
@@ -255,6 +277,40 @@ class CompressedPooledEmbeddingDist(nn.Module):
         """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
         dims = [self.dims[self.rank]] * self.world
         return torch.cat(self._receive(self.bwd, pending, per_rank, dims))
+
+
+class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
+    """Drop-in for TorchRec's ``RwPooledEmbeddingDist``: every rank holds a row shard of
+    every feature, so its forward is partial sums of the global batch, reduce-scattered to
+    the samples' ranks; the backward all-gathers their gradients.
+
+    Here the forward sends each rank its samples' partial sums (one payload, all
+    features), each feature under its bound / world, so that the sum of the decoded
+    partials is within the bound of the sum of the exact ones (the bound a rank's policy
+    sets from its own partial sums; a zero partial, a sample none of whose ids this rank
+    holds, decodes exactly); the receiver decodes and adds them. The backward codes a
+    rank's gradient once and sends the same bytes to every rank.
+    """
+
+    summed = True
+
+    def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+        dims = tuple(inner._embedding_dims)
+        return [dims] * self.world, [list(range(len(dims)))] * self.world
+
+    def finish_forward(
+        self, pending: PendingBytes, per_rank: list[int], hold: bool = False
+    ) -> torch.Tensor:
+        rows = [per_rank[self.rank]] * self.world
+        return torch.stack(self._receive(self.fwd, pending, rows, self.dims, hold)).sum(0)
+
+    def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
+        """(local batch, all dims) gradient: coded once, the same bytes to every rank."""
+        grad = grad.contiguous()
+        if get_gradient_division():
+            grad = grad / self.world
+        block = (grad, self.dims[self.rank], self.keys[self.rank])
+        return self._send(self.bwd, step, [block], block, True)
 
 
 class _Received(Awaitable[torch.Tensor]):

@@ -2,11 +2,14 @@
 
 ``CompressedEBCSharder`` is TorchRec's ``EmbeddingBagCollectionSharder`` with its
 sharded module's output dist replaced by :class:`CompressedPooledEmbeddingDist` for
-table-wise, column-wise and table-column-wise tables, through TorchRec's extension point
-for exactly this (``ShardedEmbeddingBagCollection.create_embedding_bag_sharding``, a
-classmethod so that a subclass can change the sharding it returns). Row-wise shardings
-reduce-scatter partial sums, which this dist does not carry: the sharder does not offer
-them to the planner, and a plan that asks for one is refused naming the tables.
+table-wise, column-wise and table-column-wise tables (an all-to-all of pooled
+embeddings) and by :class:`CompressedReduceScatterDist` for row-wise ones (a
+reduce-scatter of partial sums), through TorchRec's extension point for exactly this
+(``ShardedEmbeddingBagCollection.create_embedding_bag_sharding``, a classmethod so that
+a subclass can change the sharding it returns). Table-row-wise and grid shardings (a
+reduce-scatter within a host, then an all-to-all between hosts) are not carried: the
+sharder does not offer them to the planner, and a plan that asks for one is refused
+naming the tables.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
 from recsz.config import TrainConfig
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, CompressedReduceScatterDist
 
-#: Shardings whose output is an all-to-all of pooled embeddings (ours), and the one with
-#: no output communication at all.
+#: Our dist of each sharding whose output we carry, and the one with no output
+#: communication at all.
 COMPRESSED = {
-    ShardingType.TABLE_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
+    ShardingType.TABLE_WISE.value: CompressedPooledEmbeddingDist,
+    ShardingType.COLUMN_WISE.value: CompressedPooledEmbeddingDist,
+    ShardingType.TABLE_COLUMN_WISE.value: CompressedPooledEmbeddingDist,
+    ShardingType.ROW_WISE.value: CompressedReduceScatterDist,
 }
 UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
 _OURS = {f.name for f in fields(TrainConfig)}
@@ -54,14 +58,14 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         if kind not in COMPRESSED:
             names = sorted({i.embedding_config.name for i in sharding_infos})
             raise ValueError(
-                f"recsz: tables {', '.join(names)} are sharded {kind}, whose output is a "
-                f"reduce-scatter of partial sums; the compressed dist carries "
-                f"{', '.join(sorted(COMPRESSED))} (and {', '.join(UNTOUCHED)}) tables only"
+                f"recsz: tables {', '.join(names)} are sharded {kind}; the compressed dists "
+                f"carry {', '.join(sorted(COMPRESSED))} (and {', '.join(UNTOUCHED)}) tables only"
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
+        ours = COMPRESSED[kind]
 
         def create_output_dist(device: torch.device | None = None) -> Any:
-            made.append(CompressedPooledEmbeddingDist(build(device=device), config))
+            made.append(ours(build(device=device), config))
             return made[-1]
 
         sharding.create_output_dist = create_output_dist
@@ -104,7 +108,7 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
         offered = super().sharding_types(compute_device_type)
-        return [t for t in offered if t in COMPRESSED | UNTOUCHED]
+        return [t for t in offered if t in COMPRESSED.keys() | UNTOUCHED]
 
     def shard(
         self,
