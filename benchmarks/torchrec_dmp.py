@@ -6,7 +6,9 @@ Launched by ``bench_train.py`` (configs ``trdmp-*``) under torchrun, one process
 
 Same model shape as the ``bench`` preset (26 tables of dim 64 hashed to 50k rows, bottom
 13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction), same synthetic
-data, seed, global batch and steps as our runs; table-wise sharding (planner constrained),
+data, seed, global batch and steps as our runs; table-wise sharding (planner constrained;
+``--sharding rw``: row-wise, every table's rows split over the ranks, its output a
+reduce-scatter of partial sums and its backward an all-gather),
 TorchRec's quantized comms (fbgemm ``QuantizedCommCodec``) on the embedding all-to-alls in
 both directions (``--precision hybrid``: recsz's sharder instead, ``recsz.torchrec``: the
 hybrid codec under dual bounds both ways, bytes counted rather than computed), DDP on the
@@ -41,10 +43,11 @@ from recsz.model.multihot import Bags, parse_hotness
 _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "mx4": 0.5 + 1 / 32}
 
 
-def torchrec_dlrm(mcfg: ModelConfig, sharder: Any) -> Any:
+def torchrec_dlrm(mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise") -> Any:
     """TorchRec's DLRM of ``mcfg``'s shape (its dot interaction; tables ``t{i}`` of features
     ``f{i}``, sum-pooled), drawn from torch's generator, under DMP on the process group with
-    every table table-wise under ``sharder`` (as on many ranks: fused optimizer)."""
+    every table sharded ``sharding`` (TorchRec's name) under ``sharder`` (as on many ranks:
+    fused optimizer)."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -70,14 +73,26 @@ def torchrec_dlrm(mcfg: ModelConfig, sharder: Any) -> Any:
         dense_arch_layer_sizes=list(mcfg.bottom_mlp),
         over_arch_layer_sizes=list(mcfg.top_mlp),
     )
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="cpu"),
-        constraints={
-            t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value])
-            for t in tables
-        },
-    )
-    plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
+    world = dist.get_world_size()
+    if sharding == "row_wise":  # placed by hand: the planner offers RW on GPUs only
+        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+        from torchrec.distributed.types import ShardingPlan
+
+        path = "sparse_arch.embedding_bag_collection"
+        per_table = {t.name: row_wise() for t in tables}
+        ebc_plan = construct_module_sharding_plan(
+            ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+        )
+        plan = ShardingPlan({path: ebc_plan})
+    else:
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=world, compute_device="cpu"),
+            constraints={
+                t.name: ParameterConstraints(sharding_types=[ShardingType(sharding).value])
+                for t in tables
+            },
+        )
+        plan = planner.collective_plan(model, [sharder], dist.GroupMember.WORLD)
     return DistributedModelParallel(
         model, device=torch.device("cpu"), plan=plan, sharders=[sharder]
     )
@@ -102,6 +117,7 @@ def main() -> None:
     ap.add_argument(
         "--autocast", action="store_true", help="the dense part under bfloat16 torch.autocast"
     )
+    ap.add_argument("--sharding", default="tw", choices=["tw", "rw"], help="table- or row-wise")
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
@@ -146,7 +162,7 @@ def main() -> None:
                 QCommsConfig(forward_precision=precision, backward_precision=precision)
             ),
         )
-    dmp = torchrec_dlrm(mcfg, sharder)
+    dmp = torchrec_dlrm(mcfg, sharder, {"tw": "table_wise", "rw": "row_wise"}[a.sharding])
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = torch.optim.SGD(dense_params.values(), lr=preset.lr)
 
@@ -199,6 +215,8 @@ def main() -> None:
         raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
         # (pooled: one vector a bag, whatever its ids)
         wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
+        if a.sharding == "rw":  # every rank's partial sums of the global batch, and back
+            wire *= world
         ratios = (4 / _WIRE_BYTES[a.precision],) * 2
     if rank == 0:
         y, p_all = np.concatenate(labels), np.concatenate(preds)
