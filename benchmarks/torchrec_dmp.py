@@ -79,7 +79,10 @@ def torchrec_dlrm(mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise")
         from torchrec.distributed.types import ShardingPlan
 
         path = "sparse_arch.embedding_bag_collection"
-        per_table = {t.name: row_wise() for t in tables}
+        from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+        fused = EmbeddingComputeKernel.FUSED.value  # the fused optimizer, as the planner's TW
+        per_table = {t.name: row_wise(compute_kernel=fused) for t in tables}
         ebc_plan = construct_module_sharding_plan(
             ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
         )

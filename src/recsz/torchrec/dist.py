@@ -79,10 +79,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
         config: codecs and bound policies (the fields of :class:`recsz.config.TrainConfig`).
     """
 
+    #: whether the receiver adds its sources' blocks up (row-wise: partial sums)
+    summed = False
+
     def __init__(self, inner: TwPooledEmbeddingDist, config: TrainConfig) -> None:
         super().__init__()
         self.inner = inner
-        # TorchRec's private layout fields, read in this one place (stable since 0.x).
+        # TorchRec's private layout fields, read here and in _layout (stable since 0.x).
         self.pg: dist.ProcessGroup = inner._pg
         self.callbacks = list(getattr(inner, "_callbacks", None) or [])
         self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
@@ -102,9 +105,6 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self._index = Indices()  # the policies' keys, made once on the device
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
-
-    #: how many ranks' blocks the receiver adds up (row-wise: every rank's partial sums)
-    summed = False
 
     def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
         """Table-wise: rank r sends its own features ``dims[r]``, keys counted on."""
@@ -262,9 +262,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
 
     def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
         """(local batch, all dims) gradient: coded and sent to the tables' owners."""
-        grad = grad.contiguous()
-        if get_gradient_division():
-            grad = grad / self.world
+        grad = self._divided(grad)
         every = tuple(w for ds in self.dims for w in ds)
         keys = [k for ks in self.keys for k in ks]
         at = _offsets([sum(ds) for ds in self.dims])
@@ -272,6 +270,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
             (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
         ]
         return self._send(self.bwd, step, blocks, (grad, every, keys), True)
+
+    def _divided(self, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient as the tables will take it: divided by the world size where
+        TorchRec's gradient division is on (it divides after the collective)."""
+        grad = grad.contiguous()
+        return grad / self.world if get_gradient_division() else grad
 
     def finish_backward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
         """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
@@ -306,9 +310,7 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
 
     def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
         """(local batch, all dims) gradient: coded once, the same bytes to every rank."""
-        grad = grad.contiguous()
-        if get_gradient_division():
-            grad = grad / self.world
+        grad = self._divided(grad)
         block = (grad, self.dims[self.rank], self.keys[self.rank])
         return self._send(self.bwd, step, [block], block, True)
 
