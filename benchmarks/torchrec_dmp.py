@@ -217,10 +217,14 @@ def main() -> None:
     else:  # fixed-size codecs: computed
         raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
         # (pooled: one vector a bag, whatever its ids)
-        wire = raw / 4 * _WIRE_BYTES[a.precision] * (world - 1) / world
+        per_element = _WIRE_BYTES[a.precision]
+        if a.sharding == "rw":
+            # TorchRec's reduce-scatter takes no FP8 or MX4: it falls back to FP16 / BF16.
+            per_element = max(per_element, 2.0)
+        wire = raw / 4 * per_element * (world - 1) / world
         if a.sharding == "rw":  # every rank's partial sums of the global batch, and back
             wire *= world
-        ratios = (4 / _WIRE_BYTES[a.precision],) * 2
+        ratios = (4 / per_element,) * 2
     if rank == 0:
         y, p_all = np.concatenate(labels), np.concatenate(preds)
         nan = float("nan")
