@@ -7,7 +7,10 @@ and be replayed as a CUDA graph).
 The GPU's code path runs on the CPU (``RECSZ_DEVICE_PATH_ON_CPU=1``, Triton's interpreter)
 with :mod:`tests.hostreads` counting, per rank and step, the value reads and value-sized
 outputs of tensors that would live on the GPU (gloo ranks on this machine; ``tiny``
-preset, global batch 64, dual bounds both ways outside their probe window). Rows: the
+preset, global batch 64, dual bounds both ways outside their probe window), and the
+launches a step (torch operations that would launch GPU work, Triton kernels, uploads: each
+some microseconds of host time on a GPU, whose sum bounds how busy a host-bound GPU can
+be). Rows: the
 trainer's default id-aware traffic and fixed-size traffic (``--no-id-dedup
 --no-bwd-coalesce``), each with the hybrid codec and with ``none``; id-aware traffic
 with its distinct ids found slice by slice (how the exchange did it before one pass did
@@ -18,6 +21,7 @@ Counts are exact and machine-independent; no time is measured.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import queue
 import socket
@@ -68,7 +72,7 @@ def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
         embedding.distinct_slices = at_once
 
 
-def _counted(argv: list[str]) -> tuple[float, float, str]:
+def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float]]:
     from recsz.config import parse_train_args
     from recsz.data.source import make_source
     from recsz.model import get_preset
@@ -82,20 +86,25 @@ def _counted(argv: list[str]) -> tuple[float, float, str]:
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
-    reads, uploads, where = [], [], ""
+    reads, uploads, where, launches = [], [], "", []
+    kinds: collections.Counter[str] = collections.Counter()
     first = cfg.hindex_probe_steps + 1  # after the probe window and its classification
     with counting(state) as c:
         for k in range(first + WARM + STEPS):
             b = src.train_batch(k, 64)
             mark([b.dense, b.ids, b.labels])
             train_step(parts, b, k, ranks)
+            made = collections.Counter(c.launches)
             n, up, at = c.take()
             if k >= first + WARM:
                 reads.append(n)
                 uploads.append(up)
                 where = at
+                launches.append(sum(made.values()))
+                kinds.update(made)
     ranks.close(True)
-    return statistics.mean(reads), statistics.mean(uploads), where
+    top = {name: n / STEPS for name, n in kinds.most_common(12)}
+    return statistics.mean(reads), statistics.mean(uploads), where, statistics.mean(launches), top
 
 
 def count(world: int, case: str) -> dict:
@@ -114,9 +123,11 @@ def count(world: int, case: str) -> dict:
     return {
         "case": case,
         "world": world,
-        "reads_per_step": max(r for _, r, _, _ in per_rank),
-        "uploads_per_step": max(u for _, _, u, _ in per_rank),
+        "reads_per_step": max(p[1] for p in per_rank),
+        "uploads_per_step": max(p[2] for p in per_rank),
         "where_rank0": per_rank[0][3],
+        "launches_per_step": max(p[4] for p in per_rank),
+        "top_launches_rank0": per_rank[0][5],
     }
 
 
@@ -138,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     lines = [head, "|---" * (len(worlds) + 1) + "|"]
     for case in cases:
         got = {r["world"]: r for r in rows if r["case"] == case}
-        cells = [f"{got[w]['reads_per_step']:g}" for w in worlds]
+        cells = [f"{got[w]['reads_per_step']:g} / {got[w]['launches_per_step']:g}" for w in worlds]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
-    table = "Host reads per step and rank (the most of any rank), GPU path on the CPU\n\n"
+    table = (
+        "Host reads / launches (torch operations that launch GPU work, Triton kernels, "
+        "uploads) per step and rank (the most of any rank), GPU path on the CPU\n\n"
+    )
     write_results(rows, args.json_out, table + "\n".join(lines) + "\n")
     return 0
 

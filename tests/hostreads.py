@@ -10,7 +10,10 @@ tensor it counts what makes a host wait for a GPU (torch's sync debug mode would
 it): a value read (``.item()``, ``float()``, ``bool()``, ``.tolist()``, ``.numpy()``) and
 every operation whose output's size depends on the values (``nonzero``, ``unique``,
 ``masked_select``, ``bincount``, boolean indexing, ``repeat_interleave`` without its
-size). It also counts uploads, which a CUDA graph cannot replay.
+size). It also counts uploads, which a CUDA graph cannot replay, and launches: the
+operations on such tensors that would launch work on a GPU (not views, allocations or
+metadata) and the Triton kernels, each a few microseconds of host time on a GPU however
+small its work.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ _SIZED_BY_VALUES = {
 }  # fmt: skip
 
 
+#: Operations that launch nothing on a GPU besides views: allocations and metadata.
+_NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+              "_unsafe_view", "set_", "resize_", "lift_fresh"}  # fmt: skip
+
 #: Factories whose tensors are the device's when given a ``device=``.
 _FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange")
 
@@ -57,11 +64,13 @@ def _site() -> str:
 
 
 class HostReads(TorchDispatchMode):
-    """While active: ``reads`` (what, where) -> count, and ``uploads``."""
+    """While active: ``reads`` (what, where) -> count, ``uploads``, and ``launches`` (operation
+    or kernel name -> count)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.reads: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.launches: collections.Counter[str] = collections.Counter()
         self.uploads = 0
         self.paused = False
 
@@ -74,6 +83,8 @@ class HostReads(TorchDispatchMode):
         if not any(on_device(t) for t in ins):
             return out
         name = func._schema.name.split("::")[-1]
+        if not func.is_view and name not in _NO_LAUNCH:
+            self.launches[name] += 1
         if (
             name == "_local_scalar_dense"
             or name in _SIZED_BY_VALUES
@@ -89,9 +100,11 @@ class HostReads(TorchDispatchMode):
         return sum(self.reads.values())
 
     def take(self) -> tuple[int, int, str]:
-        """(reads, uploads, where) since the last take; counting starts again."""
+        """(reads, uploads, where) since the last take; counting starts again (``launches``
+        too: read them first)."""
         got = (self.total(), self.uploads, self.report())
         self.reads.clear()
+        self.launches.clear()
         self.uploads = 0
         return got
 
@@ -130,6 +143,8 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
     value_reads = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
 
     def kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not mode.paused:
+            mode.launches[getattr(self.fn, "__name__", "triton kernel")] += 1
         mode.paused = True  # the interpreter's own copies in and out
         try:
             return launch(self, *args, **kwargs)
@@ -139,6 +154,7 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
 
     def uploaded(*args: Any, **kwargs: Any) -> torch.Tensor:
         mode.uploads += 1
+        mode.launches["upload"] += 1  # a copy from the host
         t = upload(*args, **kwargs)
         mark([t])
         return t
@@ -158,6 +174,8 @@ def counting(device_state: Iterable[torch.Tensor]) -> Iterator[HostReads]:
                 copied = name in ("tensor", "as_tensor") and not (args and on_device(args[0]))
                 if copied and not mode.paused:  # host values copied from pageable memory
                     mode.reads[(f"{name}(host values, device=)", _site())] += 1
+                if name != "empty" and not mode.paused:  # made there: a kernel or a copy
+                    mode.launches[name] += 1
                 mark([t])
             return t
 

@@ -45,6 +45,25 @@ def test_the_count_sees_each_kind_of_host_read() -> None:
     assert "rowopt.py" in c.report()  # where, in recsz
 
 
+def test_the_count_sees_what_would_launch_on_a_gpu() -> None:
+    """Operations on the device's tensors and Triton kernels are launches; views,
+    allocations and host tensors' operations are not."""
+    from recsz.codecs import blockkernels
+
+    x, host = torch.randn(8, 4), torch.randn(8, 4)
+    first, lens = torch.zeros(1, dtype=torch.int64), torch.tensor([32])
+    with counting([x]) as c:
+        host + 1, host.sum()  # the host's: none
+        words = x.view(32)[:16].view(torch.int32)  # views: none
+        torch.empty_like(x)  # an allocation: none
+        y = x * 2 + 1  # two
+        torch.zeros(3, device=x.device)  # made there: one
+        out = torch.zeros(1, dtype=torch.int32)  # the host's: none
+        blockkernels.word_sum_kernel[(1, 1)](words, first, lens, out, 16)  # a kernel: one
+    assert y.shape == x.shape and out.item() != 0
+    assert c.launches == {"mul": 1, "add": 1, "zeros": 1, "word_sum_kernel": 1}
+
+
 def test_held_verdicts_ride_on_the_next_read_of_sizes() -> None:
     """Verdicts held by HeldChecks cost no read until one is made anyway: the sizes read
     inside ``riding`` reads them along (one read), and names a failure with its prefix;
