@@ -101,6 +101,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: of what left this rank: the bytes of its fp32 slices, and the payload bytes
         self.raw = {"fwd": 0, "bwd": 0}
         self.wire = {"fwd": 0, "bwd": 0}
+        #: ``check_bounds``: every payload decoded before it leaves, its bound asserted;
+        #: the largest error / bound seen
+        self.check_bounds = config.check_bounds
+        self.max_err = {"fwd": 0.0, "bwd": 0.0}
         self._warned = False
         self._index = Indices()  # the policies' keys, made once on the device
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
@@ -177,6 +181,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
             eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
             # Untrimmed: every width's payload lengths are read to the host at once below.
             payloads, used = d.codec.encode_segments(groups, eb, trim=False)
+            if self.check_bounds and eb is not None:
+                sent = [(r, rows, sizes) for r, (rows, sizes) in zip(dest, groups, strict=True)]
+                worst = d.worst_error(sent, payloads, eb)
+                self.max_err[d.name] = max(self.max_err[d.name], worst)
             for r, p, n in zip(dest, payloads, used, strict=True):
                 parts[r].append((p, n))
         flat = [(p, n) for ps in parts for p, n in ps]

@@ -145,10 +145,15 @@ def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
     return out
 
 
-def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
-    (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks)."""
-    out = {"raw": {"fwd": 0, "bwd": 0}, "wire": {"fwd": 0, "bwd": 0}}
+    (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks); and
+    ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it)."""
+    out: dict[str, dict[str, Any]] = {
+        "raw": {"fwd": 0, "bwd": 0},
+        "wire": {"fwd": 0, "bwd": 0},
+        "max_err": {"fwd": 0.0, "bwd": 0.0},
+    }
     dists = {
         id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
     }
@@ -156,4 +161,5 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         for d in ("fwd", "bwd"):
             out["raw"][d] += dist.raw[d]
             out["wire"][d] += dist.wire[d]
+            out["max_err"][d] = max(out["max_err"][d], dist.max_err[d])
     return out
