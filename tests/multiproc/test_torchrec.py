@@ -362,3 +362,14 @@ def test_the_readme_example_runs_as_written() -> None:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step    0  loss" in p.stdout and "fwd: " in p.stdout and "bwd: " in p.stdout
+
+
+def test_options_the_sharder_does_not_use_are_refused_by_name() -> None:
+    """`recsz train` options that no dist reads (id-aware traffic, the MLP hooks, ...) are an
+    error, not silently dropped; the ones it reads pass."""
+    import recsz.torchrec as rt
+
+    with pytest.raises(ValueError, match="does not use dp_comm, id_dedup"):
+        rt.CompressedEBCSharder(id_dedup=True, dp_comm="eb")
+    sharder = rt.CompressedEBCSharder(fwd_eb=0.01, decay_t=100, check_bounds=True)
+    assert sharder.config.fwd_eb == 0.01 and sharder.config.check_bounds

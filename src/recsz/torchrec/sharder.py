@@ -37,6 +37,12 @@ COMPRESSED = {
 }
 UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
 _OURS = {f.name for f in fields(TrainConfig)}
+#: The fields the compressed dists read: the codecs and the bound policies' settings.
+TAKEN = {
+    "fwd_codec", "bwd_codec", "coder", "eb_policy", "fwd_eb", "bwd_eb", "eb_mode",
+    "fwd_class_eb", "bwd_class_eb", "hindex_probe_steps", "hindex_every", "decay_schedule",
+    "decay_c", "decay_t", "dct_keep", "dct_refresh", "check_bounds",
+}  # fmt: skip
 
 
 class _CompressedEBC(ShardedEmbeddingBagCollection):
@@ -76,10 +82,10 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
     """TorchRec's EBC sharder with the embedding all-to-all compressed both ways.
 
     Keyword arguments named like :class:`recsz.config.TrainConfig` fields configure the
-    compression (``fwd_codec``, ``bwd_codec``, ``eb_policy``, ``fwd_eb``, ``eb_mode``,
-    ``decay_schedule``, ...; the defaults here: ``hybrid`` both ways under the ``dual``
-    policy); the rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's
-    sharder.
+    compression (those in :data:`TAKEN`: ``fwd_codec``, ``bwd_codec``, ``eb_policy``,
+    ``fwd_eb``, ``eb_mode``, ``decay_schedule``, ``check_bounds``, ...; the defaults here:
+    ``hybrid`` both ways under the ``dual`` policy; another field is refused by name); the
+    rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's sharder.
     """
 
     def __init__(
@@ -90,6 +96,11 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         **kwargs: Any,
     ) -> None:
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k in _OURS}
+        if unused := sorted(set(ours) - TAKEN):
+            raise ValueError(
+                f"recsz: CompressedEBCSharder does not use {', '.join(unused)} (options of "
+                f"`recsz train`); it takes {', '.join(sorted(TAKEN))}"
+            )
         self.config = TrainConfig(
             fwd_codec=fwd_codec, bwd_codec=bwd_codec, eb_policy=eb_policy, **ours
         )
