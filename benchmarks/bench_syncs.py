@@ -10,8 +10,7 @@ outputs of tensors that would live on the GPU (gloo ranks on this machine; ``tin
 preset, global batch 64, dual bounds both ways outside their probe window), and the
 launches a step (torch operations that would launch GPU work, Triton kernels, uploads: each
 some microseconds of host time on a GPU, whose sum bounds how busy a host-bound GPU can
-be). Rows: the
-trainer's default id-aware traffic and fixed-size traffic (``--no-id-dedup
+be). Rows: the trainer's default id-aware traffic and fixed-size traffic (``--no-id-dedup
 --no-bwd-coalesce``), each with the hybrid codec and with ``none``; id-aware traffic
 with its distinct ids found slice by slice (how the exchange did it before one pass did
 every slice); and hybrid with the MLP gradients' eb hook (``--dp-comm eb``, world > 1).

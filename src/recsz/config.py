@@ -252,7 +252,7 @@ class TrainConfig:
                 raise ValueError(f"{_flag(f.name)} must be a finite number, got {v}")
             if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
                 raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
-        self._check_bounds()
+        self._check_bound_values()
         model = get_preset(self.preset).model
         n_tables = model.n_tables
         self.failure_at()
@@ -297,7 +297,7 @@ class TrainConfig:
         if self.log_every == 0:
             self.log_every = 1
 
-    def _check_bounds(self) -> None:
+    def _check_bound_values(self) -> None:
         """The class bounds parse; an absolute bound is one a codec accepts."""
         for d in ("fwd", "bwd"):
             classes = parse_class_eb(getattr(self, f"{d}_class_eb"), f"--{d}-class-eb")
