@@ -10,7 +10,8 @@ Only this subpackage imports TorchRec (``pip install 'recsz[torchrec]'``).
 
 from __future__ import annotations
 
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist, CompressedReduceScatterDist
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
 
 __all__ = [

@@ -28,8 +28,8 @@ from __future__ import annotations
 import functools
 import itertools
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,43 @@ def _by_width(dims: tuple[int, ...]) -> dict[int, tuple[list[int], list[int]]]:
 def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
     """(features, rows, width): the columns of x starting at ``cols``."""
     return torch.stack([x[:, c : c + width] for c in cols])
+
+
+class Pick(NamedTuple):
+    """The rows of a block that carry each of its features (the others are zero and travel
+    as nothing): per feature, the rows in order with the carried ones first, and how many."""
+
+    order: torch.Tensor  # (rows, features)
+    counts: list[int]  # (features,), on the host
+
+    @staticmethod
+    def of(masks: list[torch.Tensor]) -> list[Pick]:
+        """Picks of boolean masks (rows, features), their counts read in one host read."""
+        counts = torch.stack([m.sum(0) for m in masks]).tolist() if masks else []
+        order = [torch.argsort((~m).to(torch.uint8), dim=0, stable=True) for m in masks]
+        return [Pick(o, c) for o, c in zip(order, counts, strict=True)]
+
+    def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group:
+        """The carried rows of features ``fs`` (columns ``cols`` of x), one after another."""
+        n = [self.counts[f] for f in fs]
+        rows = [x[self.order[:k, f], c : c + width] for f, c, k in zip(fs, cols, n, strict=True)]
+        return torch.cat(rows) if rows else x.new_empty(0, width), n
+
+    def place(
+        self, out: torch.Tensor, y: torch.Tensor, fs: list[int], cols: list[int], width: int
+    ) -> None:
+        """Write :meth:`taken`'s rows ``y`` back into their places in ``out``."""
+        at = 0
+        for f, c in zip(fs, cols, strict=True):
+            k = self.counts[f]
+            out[self.order[:k, f], c : c + width] = y[at : at + k]
+            at += k
+
+
+#: A group's rows (table after table) and each table's row count.
+Group = tuple[torch.Tensor, list[int]]
+#: What one step's directions share (row-wise: which rows each rank's features fill).
+Context = dict[str, Any]
 
 
 class CompressedPooledEmbeddingDist(nn.Module):
@@ -143,9 +180,19 @@ class CompressedPooledEmbeddingDist(nn.Module):
         at = _offsets(per_rank)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
+        ctx = self._context(data, at)
         share = self.world if self.summed else 1
-        pending = self._send(self.fwd, step, blocks, (data, dims, mine), train, share)
-        awaitable = _Received(local_embs, self, pending, step, per_rank)
+        pending = self._send(
+            self.fwd,
+            step,
+            blocks,
+            (data, dims, mine),
+            train,
+            share,
+            ctx.get("mine"),
+            ctx.get("bits"),
+        )
+        awaitable = _Received(local_embs, self, pending, step, per_rank, ctx)
         awaitable.callbacks.extend(self.callbacks)
         return awaitable
 
@@ -158,12 +205,15 @@ class CompressedPooledEmbeddingDist(nn.Module):
         bound_src: tuple[torch.Tensor, tuple[int, ...], list[int]],
         train: bool,
         share: int = 1,
+        picks: list[Pick] | None = None,
+        extra: list[list[torch.Tensor]] | None = None,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
         the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
         feature sent, divided by ``share`` (the receiver sums that many). One block: coded
-        once, its payload sent to every rank. ``train``: feed the policy and the byte
-        counters."""
+        once, its payload sent to every rank. ``picks[r]``: only those rows of block r;
+        ``extra[r]``: bytes framed ahead of its payloads. ``train``: feed the policy and
+        the byte counters."""
         ebs = self._bounds(d, step, *bound_src, train)
         if ebs is not None and share > 1:
             ebs = ebs / share
@@ -175,7 +225,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 if width not in _by_width(dims):
                     continue
                 fs, cols = _by_width(dims)[width]
-                groups.append((_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs)))
+                if picks is None:
+                    groups.append(
+                        (_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs))
+                    )
+                else:
+                    groups.append(picks[r].taken(x, fs, cols, width))
                 keys += [ks[i] for i in fs]
                 dest.append(r)
             eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
@@ -194,7 +249,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
             with riding(self._fwd_checks):
                 lengths = iter(read_sizes(torch.stack([n for _, n in flat])))
         self._fwd_checks.read()  # what did not ride: bytes made from the forward leave next
-        send = [[frame([p[: next(lengths)] for p, _ in ps]).to(device)] for ps in parts]
+        ahead = extra or [[]] * len(parts)
+        send = [
+            [frame([*e, *(p[: next(lengths)] for p, _ in ps)]).to(device)]
+            for e, ps in zip(ahead, parts, strict=True)
+        ]
         if len(blocks) == 1:  # one block, the same bytes for every rank
             send, blocks = send * self.world, blocks * self.world
         if train:
@@ -230,28 +289,42 @@ class CompressedPooledEmbeddingDist(nn.Module):
         rows: list[int],
         dims: list[tuple[int, ...]],
         hold: bool = False,
+        picks: list[Pick] | Callable[[list[torch.Tensor]], list[Pick]] | None = None,
     ) -> list[torch.Tensor]:
         """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide. Every
         width's checks are read at once; ``hold``: later (the forward's, whose backward
-        reads them with its lengths, before any byte made from them leaves)."""
+        reads them with its lengths, before any byte made from them leaves). ``picks``:
+        the rows each source sent (the others zero), or a function of the part each
+        framed ahead of its payloads that gives them."""
         bufs = pending.wait()
         widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
+        ahead = int(callable(picks))
         parts = unframe_all(
-            bufs, [len(w) for w in widths], [f"rank {s} ({d.name})" for s in range(self.world)]
+            bufs,
+            [len(w) + ahead for w in widths],
+            [f"rank {s} ({d.name})" for s in range(self.world)],
         )  # every source's table of lengths in one host read
-        out = [
-            torch.empty(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)
-        ]
+        if callable(picks):
+            picks = picks([p[0] for p in parts])
+            parts = [p[1:] for p in parts]
+        new = torch.empty if picks is None else torch.zeros
+        out = [new(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)]
         checks = self._fwd_checks if hold else HeldChecks()
         try:
             with checks.holding(f"rank {self.rank}: {d.name} payloads"):
                 for width in sorted({w for ws in widths for w in ws}):
                     srcs = [s for s in range(self.world) if width in widths[s]]
-                    sizes = [[rows[s]] * len(_by_width(dims[s])[width][0]) for s in srcs]
+                    fcs = [_by_width(dims[s])[width] for s in srcs]
+                    sizes = [
+                        [rows[s]] * len(fs) if picks is None else [picks[s].counts[f] for f in fs]
+                        for s, (fs, _) in zip(srcs, fcs, strict=True)
+                    ]
                     payloads = [parts[s][widths[s].index(width)] for s in srcs]
                     decoded = d.codec.decode_segments(payloads, sizes, width)
-                    for s, y in zip(srcs, decoded, strict=True):
-                        cols = _by_width(dims[s])[width][1]
+                    for s, (fs, cols), y in zip(srcs, fcs, decoded, strict=True):
+                        if picks is not None:
+                            picks[s].place(out[s], y, fs, cols, width)
+                            continue
                         slabs = y.view(len(cols), rows[s], width)
                         for j, c in enumerate(cols):
                             out[s][:, c : c + width] = slabs[j]
@@ -261,14 +334,18 @@ class CompressedPooledEmbeddingDist(nn.Module):
             checks.read()
         return out
 
+    def _context(self, data: torch.Tensor, at: list[int]) -> Context:
+        """What the step's directions share (table-wise: nothing)."""
+        return {}
+
     def finish_forward(
-        self, pending: PendingBytes, per_rank: list[int], hold: bool = False
+        self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context
     ) -> torch.Tensor:
         """(local batch, all dims); ``hold``: a backward follows (:meth:`_receive`)."""
         rows = [per_rank[self.rank]] * self.world
         return torch.cat(self._receive(self.fwd, pending, rows, self.dims, hold), 1)
 
-    def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
+    def start_backward(self, grad: torch.Tensor, step: int, ctx: Context) -> PendingBytes:
         """(local batch, all dims) gradient: coded and sent to the tables' owners."""
         grad = self._divided(grad)
         every = tuple(w for ds in self.dims for w in ds)
@@ -285,42 +362,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
         grad = grad.contiguous()
         return grad / self.world if get_gradient_division() else grad
 
-    def finish_backward(self, pending: PendingBytes, per_rank: list[int]) -> torch.Tensor:
+    def finish_backward(
+        self, pending: PendingBytes, per_rank: list[int], ctx: Context
+    ) -> torch.Tensor:
         """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
         dims = [self.dims[self.rank]] * self.world
         return torch.cat(self._receive(self.bwd, pending, per_rank, dims))
-
-
-class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
-    """Drop-in for TorchRec's ``RwPooledEmbeddingDist``: every rank holds a row shard of
-    every feature, so its forward is partial sums of the global batch, reduce-scattered to
-    the samples' ranks; the backward all-gathers their gradients.
-
-    Here the forward sends each rank its samples' partial sums (one payload, all
-    features), each feature under its bound / world, so that the sum of the decoded
-    partials is within the bound of the sum of the exact ones (the bound a rank's policy
-    sets from its own partial sums; a zero partial, a sample none of whose ids this rank
-    holds, decodes exactly); the receiver decodes and adds them. The backward codes a
-    rank's gradient once and sends the same bytes to every rank.
-    """
-
-    summed = True
-
-    def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
-        dims = tuple(inner._embedding_dims)
-        return [dims] * self.world, [list(range(len(dims)))] * self.world
-
-    def finish_forward(
-        self, pending: PendingBytes, per_rank: list[int], hold: bool = False
-    ) -> torch.Tensor:
-        rows = [per_rank[self.rank]] * self.world
-        return torch.stack(self._receive(self.fwd, pending, rows, self.dims, hold)).sum(0)
-
-    def start_backward(self, grad: torch.Tensor, step: int) -> PendingBytes:
-        """(local batch, all dims) gradient: coded once, the same bytes to every rank."""
-        grad = self._divided(grad)
-        block = (grad, self.dims[self.rank], self.keys[self.rank])
-        return self._send(self.bwd, step, [block], block, True)
 
 
 class _Received(Awaitable[torch.Tensor]):
@@ -334,17 +381,18 @@ class _Received(Awaitable[torch.Tensor]):
         pending: PendingBytes,
         step: int,
         per_rank: list[int],
+        ctx: Context,
     ) -> None:
         super().__init__()
-        self.args = (local_embs, owner, pending, step, per_rank)
+        self.args = (local_embs, owner, pending, step, per_rank, ctx)
 
     def _wait_impl(self) -> torch.Tensor:
-        local_embs, owner, pending, step, per_rank = self.args
+        local_embs, owner, pending, step, per_rank, ctx = self.args
         hold = local_embs.requires_grad and torch.is_grad_enabled()  # a backward follows
-        received = owner.finish_forward(pending, per_rank, hold).to(local_embs.dtype)
+        received = owner.finish_forward(pending, per_rank, hold, ctx).to(local_embs.dtype)
         return tie_backward(
             received,
             local_embs,
-            lambda grad: owner.start_backward(grad, step),
-            lambda sent: owner.finish_backward(sent, per_rank).to(local_embs.dtype),
+            lambda grad: owner.start_backward(grad, step, ctx),
+            lambda sent: owner.finish_backward(sent, per_rank, ctx).to(local_embs.dtype),
         )

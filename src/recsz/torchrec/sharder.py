@@ -25,7 +25,8 @@ from torchrec.distributed.embeddingbag import (
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
 from recsz.config import TrainConfig
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist, CompressedReduceScatterDist
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.rowwise import CompressedReduceScatterDist
 
 #: Our dist of each sharding whose output we carry, and the one with no output
 #: communication at all.
@@ -69,12 +70,24 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
         ours = COMPRESSED[kind]
+        seen: dict[str, torch.Tensor] = {}  # row-wise: the lookup's input lengths, a step
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             made.append(ours(build(device=device), config))
+            if isinstance(made[-1], CompressedReduceScatterDist):
+                made[-1].seen = seen
             return made[-1]
 
         sharding.create_output_dist = create_output_dist
+        if ours is CompressedReduceScatterDist:
+            lookup_of = sharding.create_lookup
+
+            def create_lookup(*args: Any, **kwargs: Any) -> Any:
+                lookup = lookup_of(*args, **kwargs)
+                lookup.register_forward_pre_hook(lambda _, a: seen.update(lengths=a[0].lengths()))
+                return lookup
+
+            sharding.create_lookup = create_lookup
         return sharding
 
 

@@ -1,0 +1,106 @@
+"""TorchRec's row-wise output dist through our codecs: a reduce-scatter of partial sums.
+
+A row-wise table's rows are split over the ranks, so every rank looks up the whole global
+batch in its shard and holds partial sums of every feature; TorchRec reduce-scatters them
+to the samples' ranks (``RwPooledEmbeddingDist``) and all-gathers the gradients back: per
+rank, world-size times the bytes of a table-wise all-to-all.
+
+:class:`CompressedReduceScatterDist` sends each sample owner only the partial sums of the
+bags that hold ids of this rank's shard (a bag with none sums to zero here: nothing to
+send), with one bit a (sample, feature) saying which; each feature's rows travel under its
+bound / world, so that the decoded sum of the partials stays within the bound of the exact
+sum; the owner adds them up. The backward sends each rank back only the gradient rows of
+the bags it filled: a rank's update reads no other (an empty bag touches no row), so this
+is exact, and with one id a sample a rank gets 1 / world of the rows. Which bags hold ids
+comes from the lengths of the lookup's input, which the sharder's hook hands over
+(:attr:`seen`); without them every bag counts as filled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recsz.comm.exchange import PendingBytes
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context, Pick
+
+#: Bit weights of a packed byte.
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as bytes, eight entries a byte (flattened, zero-padded)."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
+    return (flat.view(-1, 8) * _BITS.to(flat.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """:func:`pack_bits`' bytes back as a boolean tensor of ``shape``."""
+    n = shape[0] * shape[1]
+    if data.numel() != -(-n // 8):
+        raise ValueError(f"{data.numel()} bytes of row bits, expected {-(-n // 8)} for {shape}")
+    bits = (data.unsqueeze(1) & _BITS.to(data.device)) != 0
+    return bits.reshape(-1)[:n].view(shape)
+
+
+class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
+    """Drop-in for TorchRec's ``RwPooledEmbeddingDist`` (see the module's text)."""
+
+    summed = True
+
+    def __init__(self, inner: Any, config: Any) -> None:
+        super().__init__(inner, config)
+        #: the lookup's input lengths of the step (features x global batch), set by the
+        #: sharder's hook on this sharding's lookup, taken by the next forward
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
+        dims = tuple(inner._embedding_dims)
+        return [dims] * self.world, [list(range(len(dims)))] * self.world
+
+    def _filled(self, data: torch.Tensor) -> torch.Tensor:
+        """(global batch, features): which bags hold ids of this rank's shard."""
+        n, f = data.shape[0], len(self.dims[self.rank])
+        lengths = self.seen.pop("lengths", None)
+        if lengths is None or lengths.numel() != n * f:
+            return torch.ones(n, f, dtype=torch.bool, device=data.device)
+        return lengths.to(data.device).view(f, n).t() > 0
+
+    def _context(self, data: torch.Tensor, at: list[int]) -> Context:
+        """This rank's filled bags, by sample owner: the rows it sends each (``mine``,
+        also the rows it takes back) and their bits (``bits``, framed ahead)."""
+        filled = self._filled(data)
+        masks = [filled[at[r] : at[r + 1]] for r in range(self.world)]
+        return {"mine": Pick.of(masks), "bits": [[pack_bits(m)] for m in masks]}
+
+    def finish_forward(
+        self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context
+    ) -> torch.Tensor:
+        """The sum of every rank's partials of my samples; which bags each filled is kept
+        (``theirs``) for the backward."""
+        n, f = per_rank[self.rank], len(self.dims[self.rank])
+
+        def theirs(ahead: list[torch.Tensor]) -> list[Pick]:
+            ctx["theirs"] = Pick.of([unpack_bits(b, (n, f)) for b in ahead])
+            return ctx["theirs"]
+
+        rows = [n] * self.world
+        got = self._receive(self.fwd, pending, rows, self.dims, hold, theirs)
+        return torch.stack(got).sum(0)
+
+    def start_backward(self, grad: torch.Tensor, step: int, ctx: Context) -> PendingBytes:
+        """(local batch, all dims) gradient: to each rank, the rows of the bags it filled."""
+        grad = self._divided(grad)
+        block = (grad, self.dims[self.rank], self.keys[self.rank])
+        blocks = [block] * self.world
+        return self._send(self.bwd, step, blocks, block, True, picks=ctx["theirs"])
+
+    def finish_backward(
+        self, pending: PendingBytes, per_rank: list[int], ctx: Context
+    ) -> torch.Tensor:
+        """(global batch, my dims): each source's rows of the bags I filled, zero elsewhere."""
+        dims = [self.dims[self.rank]] * self.world
+        got = self._receive(self.bwd, pending, per_rank, dims, picks=ctx["mine"])
+        return torch.cat(got)
