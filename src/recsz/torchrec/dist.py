@@ -14,9 +14,8 @@ which the direction's policy sets from all the values of that feature this rank 
 width form one group; a destination's groups travel framed as one buffer.
 
 Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
-all-gather back) take the same path with every rank's block holding every feature:
-:class:`CompressedReduceScatterDist` adds the decoded partials up, and codes the
-backward's one block once for all ranks.
+all-gather back) take the same path with every rank's block holding every feature and
+only some rows of each (:class:`Pick`): :mod:`recsz.torchrec.rowwise`.
 
 Backward: when TorchRec's gradient division is on, the gradient is divided by the world
 size before it is encoded (TorchRec divides after the all-to-all), so the bound holds for
