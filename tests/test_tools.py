@@ -285,7 +285,8 @@ def test_bench_accuracy_refuses_a_pair_it_will_not_run(capsys: pytest.CaptureFix
 
 def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: Path) -> None:
     """World size 1 (no process group): fixed-size traffic reads nothing back, id-aware
-    traffic once a step (the counts tests/test_host_syncs.py asserts, as the table). Two
+    traffic once a step (the counts tests/test_host_syncs.py asserts, as the table), and
+    launches more. Two
     ranks, hybrid both ways: the payloads' sizes once a direction, the checks' verdicts
     riding on those reads."""
     bench = _bench("bench_syncs")
@@ -295,7 +296,13 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
     rows = {r["case"]: r for r in json.loads(out.read_text())}
     assert rows["none, fixed-size"]["reads_per_step"] == 0
     assert rows["none, id-aware"]["reads_per_step"] == 1
-    assert "| none, id-aware | 1 |" in out.with_suffix(".md").read_text()
+    # launches: id-aware traffic's distinct ids and layouts cost operations of their own
+    fixed, ids = rows["none, fixed-size"], rows["none, id-aware"]
+    assert 0 < fixed["launches_per_step"] < ids["launches_per_step"]
+    assert (
+        f"| none, id-aware | 1 / {ids['launches_per_step']:g} |"
+        in out.with_suffix(".md").read_text()
+    )
     argv = ["--worlds", "2", "--cases", "hybrid, fixed-size", "--json-out", str(out)]
     assert bench.main(argv) == 0
     (row,) = json.loads(out.read_text())
