@@ -76,11 +76,18 @@ class Pick(NamedTuple):
     counts: list[int]  # (features,), on the host
 
     @staticmethod
-    def of(masks: list[torch.Tensor]) -> list[Pick]:
-        """Picks of boolean masks (rows, features), their counts read in one host read."""
-        counts = torch.stack([m.sum(0) for m in masks]).tolist() if masks else []
+    def of(masks: list[torch.Tensor], also: torch.Tensor | None = None) -> tuple[list[Pick], list]:
+        """Picks of boolean masks (rows, features), their counts read in one host read,
+        with ``also`` (integers) along."""
         order = [torch.argsort((~m).to(torch.uint8), dim=0, stable=True) for m in masks]
-        return [Pick(o, c) for o, c in zip(order, counts, strict=True)]
+        if not masks:
+            return [], []
+        counts = torch.stack([m.sum(0) for m in masks])
+        extra = torch.empty(0, dtype=torch.int64, device=counts.device) if also is None else also
+        read = torch.cat([counts.reshape(-1), extra.reshape(-1).to(counts.device)]).tolist()
+        n = counts.shape[1]
+        picks = [Pick(o, read[i * n : (i + 1) * n]) for i, o in enumerate(order)]
+        return picks, read[counts.numel() :]
 
     def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group:
         """The carried rows of features ``fs`` (columns ``cols`` of x), one after another."""

@@ -18,6 +18,7 @@ comes from the lengths of the lookup's input, which the sharder's hook hands ove
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,24 +26,43 @@ import torch
 from recsz.comm.exchange import PendingBytes
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context, Pick
 
-#: Bit weights of a packed byte.
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """The weights of a packed byte's bits, made once a device."""
+    return _weights(str(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _weights(device: str) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def _check(data: torch.Tensor) -> torch.Tensor:
+    """A checksum of bytes: the sum of byte i times 2i + 1, modulo 2^31 (int64, 0-d)."""
+    i = torch.arange(data.numel(), device=data.device)
+    return (data.long() * (2 * i + 1)).sum() & 0x7FFFFFFF
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A boolean tensor as bytes, eight entries a byte (flattened, zero-padded)."""
+    """A boolean tensor as bytes, eight entries a byte (flattened, zero-padded), and the
+    bytes' checksum in 4 more (little-endian)."""
     flat = mask.reshape(-1).to(torch.uint8)
     flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
-    return (flat.view(-1, 8) * _BITS.to(flat.device)).sum(1, dtype=torch.uint8)
+    data = (flat.view(-1, 8) * _bit_weights(flat.device)).sum(1, dtype=torch.uint8)
+    check = (_check(data) >> torch.arange(0, 32, 8, device=data.device)) & 0xFF
+    return torch.cat([data, check.to(torch.uint8)])
 
 
-def unpack_bits(data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """:func:`pack_bits`' bytes back as a boolean tensor of ``shape``."""
+def unpack_bits(part: torch.Tensor, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_bits`' bytes back as a boolean tensor of ``shape``, and whether their
+    checksum holds (a 0-d tensor, where the bytes are: read it with something else)."""
     n = shape[0] * shape[1]
-    if data.numel() != -(-n // 8):
-        raise ValueError(f"{data.numel()} bytes of row bits, expected {-(-n // 8)} for {shape}")
-    bits = (data.unsqueeze(1) & _BITS.to(data.device)) != 0
-    return bits.reshape(-1)[:n].view(shape)
+    if part.numel() != -(-n // 8) + 4:
+        raise ValueError(f"{part.numel()} bytes of row bits, expected {-(-n // 8) + 4} for {shape}")
+    data, sent = part[:-4], part[-4:].long()
+    ok = _check(data) == (sent << torch.arange(0, 32, 8, device=part.device)).sum()
+    bits = (data.unsqueeze(1) & _bit_weights(data.device)) != 0
+    return bits.reshape(-1)[:n].view(shape), ok
 
 
 class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
@@ -73,7 +93,7 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         also the rows it takes back) and their bits (``bits``, framed ahead)."""
         filled = self._filled(data)
         masks = [filled[at[r] : at[r + 1]] for r in range(self.world)]
-        return {"mine": Pick.of(masks), "bits": [[pack_bits(m)] for m in masks]}
+        return {"mine": Pick.of(masks)[0], "bits": [[pack_bits(m)] for m in masks]}
 
     def finish_forward(
         self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context
@@ -83,8 +103,17 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         n, f = per_rank[self.rank], len(self.dims[self.rank])
 
         def theirs(ahead: list[torch.Tensor]) -> list[Pick]:
-            ctx["theirs"] = Pick.of([unpack_bits(b, (n, f)) for b in ahead])
-            return ctx["theirs"]
+            got = []
+            for s, part in enumerate(ahead):
+                try:
+                    got.append(unpack_bits(part, (n, f)))
+                except ValueError as e:
+                    raise ValueError(f"rank {self.rank}: fwd payloads: rank {s}: {e}") from e
+            picks, ok = Pick.of([m for m, _ in got], torch.stack([k for _, k in got]))
+            if bad := [s for s, k in enumerate(ok) if not k]:
+                raise ValueError(f"rank {self.rank}: fwd payloads: row bits of rank(s) {bad} damaged")
+            ctx["theirs"] = picks
+            return picks
 
         rows = [n] * self.world
         got = self._receive(self.fwd, pending, rows, self.dims, hold, theirs)
