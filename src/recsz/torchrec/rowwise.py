@@ -111,7 +111,9 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
                     raise ValueError(f"rank {self.rank}: fwd payloads: rank {s}: {e}") from e
             picks, ok = Pick.of([m for m, _ in got], torch.stack([k for _, k in got]))
             if bad := [s for s, k in enumerate(ok) if not k]:
-                raise ValueError(f"rank {self.rank}: fwd payloads: row bits of rank(s) {bad} damaged")
+                raise ValueError(
+                    f"rank {self.rank}: fwd payloads: row bits of rank(s) {bad} damaged"
+                )
             ctx["theirs"] = picks
             return picks
 
