@@ -216,10 +216,9 @@ class CompressedPooledEmbeddingDist(nn.Module):
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
         the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
-        feature sent, divided by ``share`` (the receiver sums that many). One block: coded
-        once, its payload sent to every rank. ``picks[r]``: only those rows of block r;
-        ``extra[r]``: bytes framed ahead of its payloads. ``train``: feed the policy and
-        the byte counters."""
+        feature sent, divided by ``share`` (the receiver sums that many). ``picks[r]``:
+        only those rows of block r; ``extra[r]``: bytes framed ahead of its payloads.
+        ``train``: feed the policy and the byte counters."""
         ebs = self._bounds(d, step, *bound_src, train)
         if ebs is not None and share > 1:
             ebs = ebs / share
@@ -260,8 +259,6 @@ class CompressedPooledEmbeddingDist(nn.Module):
             [frame([*e, *(p[: next(lengths)] for p, _ in ps)]).to(device)]
             for e, ps in zip(ahead, parts, strict=True)
         ]
-        if len(blocks) == 1:  # one block, the same bytes for every rank
-            send, blocks = send * self.world, blocks * self.world
         if train:
             others = [r for r in range(self.world) if r != self.rank]
             self.raw[d.name] += sum(blocks[r][0].numel() * 4 for r in others)
