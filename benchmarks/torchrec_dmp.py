@@ -75,18 +75,16 @@ def torchrec_dlrm(mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise")
     )
     world = dist.get_world_size()
     if sharding == "row_wise":  # placed by hand: the planner offers RW on GPUs only
+        from torchrec.distributed.embedding_types import EmbeddingComputeKernel
         from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
         from torchrec.distributed.types import ShardingPlan
-
-        path = "sparse_arch.embedding_bag_collection"
-        from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
         fused = EmbeddingComputeKernel.FUSED.value  # the fused optimizer, as the planner's TW
         per_table = {t.name: row_wise(compute_kernel=fused) for t in tables}
         ebc_plan = construct_module_sharding_plan(
             ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
         )
-        plan = ShardingPlan({path: ebc_plan})
+        plan = ShardingPlan({"sparse_arch.embedding_bag_collection": ebc_plan})
     else:
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=world, compute_device="cpu"),
@@ -217,13 +215,12 @@ def main() -> None:
     else:  # fixed-size codecs: computed
         raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
         # (pooled: one vector a bag, whatever its ids)
-        per_element = _WIRE_BYTES[a.precision]
+        per_element, share = _WIRE_BYTES[a.precision], (world - 1) / world
         if a.sharding == "rw":
-            # TorchRec's reduce-scatter takes no FP8 or MX4: it falls back to FP16 / BF16.
-            per_element = max(per_element, 2.0)
-        wire = raw / 4 * per_element * (world - 1) / world
-        if a.sharding == "rw":  # every rank's partial sums of the global batch, and back
-            wire *= world
+            # Every rank's partial sums of the global batch go to every other rank, and the
+            # gradients back; TorchRec's reduce-scatter takes no FP8 or MX4 (FP16 / BF16).
+            per_element, share = max(per_element, 2.0), world - 1
+        wire = raw / 4 * per_element * share
         ratios = (4 / per_element,) * 2
     if rank == 0:
         y, p_all = np.concatenate(labels), np.concatenate(preds)
