@@ -13,6 +13,13 @@ which the direction's policy sets from all the values of that feature this rank 
 (forward: the global batch; backward: this rank's gradient columns). Features of one
 width form one group; a destination's groups travel framed as one buffer.
 
+Bags of one content (one-hot features: one id) travel as one row both ways
+(:mod:`recsz.torchrec.rows`): the forward sends a content's pooled row once, the backward
+the sum of its bags' gradients, which the table owner puts on the content's first bag
+(a table's update reads only that sum). Both ends know the contents: the sharder hands
+the dist the ids its lookup took (:attr:`seen`) and, through TorchRec's sharding context,
+the ids of this rank's samples before the input dist.
+
 Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
 all-gather back) take the same path with every rank's block holding every feature and
 only some rows of each (:class:`Pick`): :mod:`recsz.torchrec.rowwise`.
@@ -28,7 +35,7 @@ import functools
 import itertools
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +52,7 @@ from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
+from recsz.torchrec.rows import Rows, bag_keys, merged
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -68,46 +76,6 @@ def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
     return torch.stack([x[:, c : c + width] for c in cols])
 
 
-class Pick(NamedTuple):
-    """The rows of a block that carry each of its features (the others are zero and travel
-    as nothing): per feature, the rows in order with the carried ones first, and how many."""
-
-    order: torch.Tensor  # (rows, features)
-    counts: list[int]  # (features,), on the host
-
-    @staticmethod
-    def of(masks: list[torch.Tensor], also: torch.Tensor | None = None) -> tuple[list[Pick], list]:
-        """Picks of boolean masks (rows, features), their counts read in one host read,
-        with ``also`` (integers) along."""
-        order = [torch.argsort((~m).to(torch.uint8), dim=0, stable=True) for m in masks]
-        if not masks:
-            return [], []
-        counts = torch.stack([m.sum(0) for m in masks])
-        extra = torch.empty(0, dtype=torch.int64, device=counts.device) if also is None else also
-        read = torch.cat([counts.reshape(-1), extra.reshape(-1).to(counts.device)]).tolist()
-        n = counts.shape[1]
-        picks = [Pick(o, read[i * n : (i + 1) * n]) for i, o in enumerate(order)]
-        return picks, read[counts.numel() :]
-
-    def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group:
-        """The carried rows of features ``fs`` (columns ``cols`` of x), one after another."""
-        n = [self.counts[f] for f in fs]
-        rows = [x[self.order[:k, f], c : c + width] for f, c, k in zip(fs, cols, n, strict=True)]
-        return torch.cat(rows) if rows else x.new_empty(0, width), n
-
-    def place(
-        self, out: torch.Tensor, y: torch.Tensor, fs: list[int], cols: list[int], width: int
-    ) -> None:
-        """Write :meth:`taken`'s rows ``y`` back into their places in ``out``."""
-        at = 0
-        for f, c in zip(fs, cols, strict=True):
-            k = self.counts[f]
-            out[self.order[:k, f], c : c + width] = y[at : at + k]
-            at += k
-
-
-#: A group's rows (table after table) and each table's row count.
-Group = tuple[torch.Tensor, list[int]]
 #: What one step's directions share (row-wise: which rows each rank's features fill).
 Context = dict[str, Any]
 
@@ -149,6 +117,9 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.check_bounds = config.check_bounds
         self.max_err = {"fwd": 0.0, "bwd": 0.0}
         self._warned = False
+        #: the ids this sharding's lookup took in the step, set by the sharder's hook on
+        #: the lookup, taken by the next forward
+        self.seen: dict[str, Any] = {}
         self._index = Indices()  # the policies' keys, made once on the device
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
@@ -186,7 +157,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         at = _offsets(per_rank)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
-        ctx = self._context(data, at)
+        ctx = self._context(data, at, sharding_ctx)
         share = self.world if self.summed else 1
         pending = self._send(
             self.fwd,
@@ -211,7 +182,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         bound_src: tuple[torch.Tensor, tuple[int, ...], list[int]],
         train: bool,
         share: int = 1,
-        picks: list[Pick] | None = None,
+        picks: Sequence[Rows] | None = None,
         extra: list[list[torch.Tensor]] | None = None,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
@@ -292,7 +263,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         rows: list[int],
         dims: list[tuple[int, ...]],
         hold: bool = False,
-        picks: list[Pick] | Callable[[list[torch.Tensor]], list[Pick]] | None = None,
+        picks: Sequence[Rows] | Callable[[list[torch.Tensor]], Sequence[Rows]] | None = None,
     ) -> list[torch.Tensor]:
         """Source s's block: ``rows[s]`` rows of its features ``dims[s]`` wide. Every
         width's checks are read at once; ``hold``: later (the forward's, whose backward
@@ -337,16 +308,38 @@ class CompressedPooledEmbeddingDist(nn.Module):
             checks.read()
         return out
 
-    def _context(self, data: torch.Tensor, at: list[int]) -> Context:
-        """What the step's directions share (table-wise: nothing)."""
-        return {}
+    def _context(self, data: torch.Tensor, at: list[int], sharding_ctx: Any) -> Context:
+        """What the step's directions share: the contents of the bags (rows.py), as picks
+        of my rows by destination (``mine``) and merges of their rows by source
+        (``theirs``); nothing where either end's ids are missing or bags weighted."""
+        lookup = self.seen.pop("lookup", None)
+        n, ds = at[-1], self.dims
+        owned = (
+            bag_keys(lookup, n, len(ds[self.rank]))
+            if ds[self.rank]
+            else torch.empty(0, n, dtype=torch.int64, device=data.device)
+        )
+        local = bag_keys(
+            getattr(sharding_ctx, "recsz_local", None),
+            at[self.rank + 1] - at[self.rank],
+            sum(len(d) for d in ds),
+        )
+        if owned is None or local is None:
+            return {}
+        starts = _offsets([len(d) for d in ds])
+        mine, theirs = merged(
+            [owned[:, at[r] : at[r + 1]].to(data.device) for r in range(self.world)],
+            [local[starts[s] : starts[s + 1]].to(data.device) for s in range(self.world)],
+        )
+        return {"mine": mine, "theirs": theirs}
 
     def finish_forward(
         self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context
     ) -> torch.Tensor:
         """(local batch, all dims); ``hold``: a backward follows (:meth:`_receive`)."""
         rows = [per_rank[self.rank]] * self.world
-        return torch.cat(self._receive(self.fwd, pending, rows, self.dims, hold), 1)
+        got = self._receive(self.fwd, pending, rows, self.dims, hold, ctx.get("theirs"))
+        return torch.cat(got, 1)
 
     def start_backward(self, grad: torch.Tensor, step: int, ctx: Context) -> PendingBytes:
         """(local batch, all dims) gradient: coded and sent to the tables' owners."""
@@ -357,7 +350,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         blocks = [
             (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
         ]
-        return self._send(self.bwd, step, blocks, (grad, every, keys), True)
+        return self._send(self.bwd, step, blocks, (grad, every, keys), True, 1, ctx.get("theirs"))
 
     def _divided(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient as the tables will take it: divided by the world size where
@@ -370,7 +363,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
     ) -> torch.Tensor:
         """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
         dims = [self.dims[self.rank]] * self.world
-        return torch.cat(self._receive(self.bwd, pending, per_rank, dims))
+        return torch.cat(self._receive(self.bwd, pending, per_rank, dims, picks=ctx.get("mine")))
 
 
 class _Received(Awaitable[torch.Tensor]):

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from recsz.comm.exchange import PendingBytes
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context, Pick
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
+from recsz.torchrec.rows import Pick
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -70,12 +71,6 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
 
     summed = True
 
-    def __init__(self, inner: Any, config: Any) -> None:
-        super().__init__(inner, config)
-        #: the lookup's input lengths of the step (features x global batch), set by the
-        #: sharder's hook on this sharding's lookup, taken by the next forward
-        self.seen: dict[str, torch.Tensor] = {}
-
     def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
         dims = tuple(inner._embedding_dims)
         return [dims] * self.world, [list(range(len(dims)))] * self.world
@@ -83,12 +78,12 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
     def _filled(self, data: torch.Tensor) -> torch.Tensor:
         """(global batch, features): which bags hold ids of this rank's shard."""
         n, f = data.shape[0], len(self.dims[self.rank])
-        lengths = self.seen.pop("lengths", None)
-        if lengths is None or lengths.numel() != n * f:
+        lookup = self.seen.pop("lookup", None)
+        if lookup is None or lookup.lengths().numel() != n * f:
             return torch.ones(n, f, dtype=torch.bool, device=data.device)
-        return lengths.to(data.device).view(f, n).t() > 0
+        return lookup.lengths().to(data.device).view(f, n).t() > 0
 
-    def _context(self, data: torch.Tensor, at: list[int]) -> Context:
+    def _context(self, data: torch.Tensor, at: list[int], sharding_ctx: Any) -> Context:
         """This rank's filled bags, by sample owner: the rows it sends each (``mine``,
         also the rows it takes back) and their bits (``bits``, framed ahead)."""
         filled = self._filled(data)

@@ -70,25 +70,39 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
         ours = COMPRESSED[kind]
-        seen: dict[str, torch.Tensor] = {}  # row-wise: the lookup's input lengths, a step
+        # The ids of the step: what the lookup took (for the dist's forward, which follows
+        # it) and this rank's samples' before the input dist (for the sharding context:
+        # a pipeline runs the next batch's input dist before this one's output dist).
+        seen: dict[str, Any] = {}
+        sharding.recsz_seen = seen
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             made.append(ours(build(device=device), config))
-            if isinstance(made[-1], CompressedReduceScatterDist):
-                made[-1].seen = seen
+            made[-1].seen = seen
             return made[-1]
 
+        def hooked(create: Any, key: str) -> Any:
+            def create_hooked(*args: Any, **kwargs: Any) -> Any:
+                module = create(*args, **kwargs)
+                module.register_forward_pre_hook(lambda _, a: seen.update({key: a[0]}))
+                return module
+
+            return create_hooked
+
         sharding.create_output_dist = create_output_dist
-        if ours is CompressedReduceScatterDist:
-            lookup_of = sharding.create_lookup
-
-            def create_lookup(*args: Any, **kwargs: Any) -> Any:
-                lookup = lookup_of(*args, **kwargs)
-                lookup.register_forward_pre_hook(lambda _, a: seen.update(lengths=a[0].lengths()))
-                return lookup
-
-            sharding.create_lookup = create_lookup
+        sharding.create_lookup = hooked(sharding.create_lookup, "lookup")
+        sharding.create_input_dist = hooked(sharding.create_input_dist, "local")
         return sharding
+
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        """TorchRec's, each sharding's ids before the dist kept in its context."""
+        got = super().input_dist(ctx, features)
+        shardings = self._embedding_shardings
+        for sharding, sctx in zip(shardings, ctx.sharding_contexts[-len(shardings) :], strict=True):
+            seen = getattr(sharding, "recsz_seen", None)
+            if seen is not None:
+                sctx.recsz_local = seen.pop("local", None)
+        return got
 
 
 class CompressedEBCSharder(EmbeddingBagCollectionSharder):
