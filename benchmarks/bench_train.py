@@ -89,6 +89,10 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-bf16": ("--dmp", "bf16"),
     "trdmp-mx4": ("--dmp", "mx4"),
     "trdmp-hybrid": ("--dmp", "hybrid"),  # TorchRec's DMP with recsz's sharder
+    # ... and the dense part's DDP hook (recsz.torchrec.dense_comm): torch's bf16 cast
+    # beside TorchRec's bf16 comms, our error-bounded one beside our sharder
+    "trdmp-bf16+dp-bf16": ("--dmp", "bf16", "--dp-comm", "bf16"),
+    "trdmp-hybrid+dp-eb": ("--dmp", "hybrid", "--dp-comm", "eb"),
     # The MLPs and interaction in bfloat16 (torch.autocast), ours and DMP's alike.
     "none+amp": (*_PLAIN, "--dense-dtype", "bf16"),
     # The trainer's defaults with no codec: id-aware traffic (lossless), no TorchRec peer.

@@ -243,6 +243,18 @@ class TrainConfig:
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return get_codec_with(name, coder=self.coder)
 
+    def dp_hook_options(self) -> dict[str, Any]:
+        """The options of ``--dp-comm``'s hook (:func:`recsz.comm.dp_hooks.register`)."""
+        return {
+            "dct_keep": self.dct_keep,
+            "dct_refresh": self.dct_refresh,
+            "powersgd_rank": self.powersgd_rank,
+            "powersgd_warmup": self.powersgd_warmup,
+            "codec": get_codec_with(self.dp_codec),
+            "eb": self.dp_eb,
+            "collective": self.dp_eb_collective,
+        }
+
     def __post_init__(self) -> None:
         for f in fields(self):
             v, m = getattr(self, f.name), f.metadata

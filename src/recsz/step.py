@@ -29,7 +29,6 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from recsz.codecs import get_codec
 from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
@@ -111,19 +110,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
             **DDP_NO_BUFFER_SYNC,  # its one buffer is a constant: no collective a step
         )
-        dp = register_dp_hook(
-            dense,
-            cfg.dp_comm,
-            ranks.world,
-            group,
-            dct_keep=cfg.dct_keep,
-            dct_refresh=cfg.dct_refresh,
-            powersgd_rank=cfg.powersgd_rank,
-            powersgd_warmup=cfg.powersgd_warmup,
-            codec=get_codec(cfg.dp_codec),
-            eb=cfg.dp_eb,
-            collective=cfg.dp_eb_collective,
-        )
+        dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, **cfg.dp_hook_options())
     dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
     exchange = EmbeddingExchange(
         plan,

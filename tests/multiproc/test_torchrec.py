@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -57,14 +58,17 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 class _Net(torch.nn.Module):
-    """An EBC and a loss, as TorchRec's training pipeline expects a model."""
+    """An EBC, a dense layer on its output (DMP wraps it in DDP) and a loss, as TorchRec's
+    training pipeline expects a model."""
 
     def __init__(self, ebc: torch.nn.Module) -> None:
         super().__init__()
         self.ebc = ebc
+        self.top = torch.nn.Linear(sum(d for _, d, _ in TABLES.values()), 1)
 
     def forward(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = (self.ebc(batch.kjt).values() * batch.w).sum()
+        y = self.ebc(batch.kjt).values()
+        loss = (y * batch.w).sum() + self.top(y).square().mean()
         return loss, loss.detach()
 
 
@@ -181,6 +185,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
         res["reads"] = _our_host_reads(rank, plan_of)
     res["damaged"] = _damaged_forward(rank, plan_of)
+    res["dense"] = _dense(rank, plan_of)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -242,6 +247,29 @@ def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
     except ValueError as e:
         return "backward", str(e)
     return "nowhere", ""
+
+
+def _dense(rank: int, plan_of: dict) -> dict[str, object]:
+    """The dense layer's gradients after a step with DDP's own all-reduce and with
+    dense_comm's eb hook under a lossless codec; what a model without DDP gets."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    import recsz.torchrec as rt
+
+    out: dict[str, object] = {}
+    for mode in ("allreduce", "eb"):
+        net = _dmp(EmbeddingBagCollectionSharder(), plan_of, net=True)
+        hook = rt.dense_comm(net, "eb", dp_codec="zstd") if mode == "eb" else None
+        loss, _ = net(_Batch(*_batch(rank, rank)))  # different data on each rank
+        loss.backward()
+        out[mode] = [p.grad.clone() for p in net.module.top.parameters()]
+        if hook is not None:
+            out["sent"] = (hook.bytes_sent, hook.bytes_dense)
+    try:
+        rt.dense_comm(_dmp(EmbeddingBagCollectionSharder(), plan_of), "bf16")
+    except ValueError as e:
+        out["no_ddp"] = str(e)
+    return out
 
 
 def _variable_batch(dist: torch.nn.Module) -> tuple[list[object], int]:
@@ -409,6 +437,18 @@ def test_the_readme_example_runs_as_written() -> None:
     assert "step    0  loss" in p.stdout and "fwd: " in p.stdout and "bwd: " in p.stdout
 
 
+def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:
+    """recsz.torchrec.dense_comm's eb hook under a lossless codec gives the dense layer the
+    gradients DDP's all-reduce gives it (ranks on different data), its bytes counted; a
+    DMP without a dense part is refused saying so."""
+    for res in ranks:
+        d = res["dense"]
+        for ours, ddp in zip(d["eb"], d["allreduce"], strict=True):
+            assert torch.allclose(ours, ddp, rtol=1e-6, atol=1e-7)
+        assert d["sent"][0] > 0 and d["sent"][1] > 0
+        assert "holds 0" in d["no_ddp"]
+
+
 def test_options_the_sharder_does_not_use_are_refused_by_name() -> None:
     """`recsz train` options that no dist reads (id-aware traffic, the MLP hooks, ...) are an
     error, not silently dropped; the ones it reads pass."""
@@ -418,6 +458,14 @@ def test_options_the_sharder_does_not_use_are_refused_by_name() -> None:
         rt.CompressedEBCSharder(id_dedup=True, dp_comm="eb")
     sharder = rt.CompressedEBCSharder(fwd_eb=0.01, decay_t=100, check_bounds=True)
     assert sharder.config.fwd_eb == 0.01 and sharder.config.check_bounds
+    with pytest.raises(
+        ValueError, match=re.escape("does not use id_dedup (options of `recsz train`)")
+    ):
+        rt.dense_comm(torch.nn.Linear(1, 1), "eb", id_dedup=True)
+    with pytest.raises(ValueError, match=re.escape("does not use dp_bound (not options")):
+        rt.dense_comm(torch.nn.Linear(1, 1), "eb", dp_bound=0.1)
+    with pytest.raises(ValueError, match="--dp-comm 'zip' is not one of"):
+        rt.dense_comm(torch.nn.Linear(1, 1), "zip")
 
 
 @given(

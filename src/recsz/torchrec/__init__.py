@@ -5,11 +5,14 @@ compressed, changing one line of a TorchRec program::
         model, sharders=recsz.torchrec.sharders(fwd_codec="hybrid", eb_policy="dual")
     )
 
+and its dense part's gradients through one of our DDP hooks (:func:`dense_comm`).
+
 Only this subpackage imports TorchRec (``pip install 'recsz[torchrec]'``).
 """
 
 from __future__ import annotations
 
+from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
@@ -19,5 +22,6 @@ __all__ = [
     "CompressedPooledEmbeddingDist",
     "CompressedReduceScatterDist",
     "comm_bytes",
+    "dense_comm",
     "sharders",
 ]
