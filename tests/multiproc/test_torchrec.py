@@ -435,6 +435,7 @@ def test_the_readme_example_runs_as_written() -> None:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step    0  loss" in p.stdout and "fwd: " in p.stdout and "bwd: " in p.stdout
+    assert "mlp: " in p.stdout  # dense_comm's counters
 
 
 def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:
