@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
 
 from torchrec import KeyedJaggedTensor
 
+import recsz.torchrec.rows as rows_module
 from recsz.torchrec.rows import bag_keys, merged
 
 
@@ -34,34 +37,68 @@ def _bags(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
     return lengths, draw(st.integers(1, 12)), seed
 
 
-@given(bags=_bags())
+def _slices(rows: int, cut: int) -> list[int]:
+    return [0, min(cut, rows), rows]
+
+
+@pytest.mark.parametrize("collide", [False, True])
+@given(bags=_bags(), cut=st.integers(0, 30))
 @settings(max_examples=60, deadline=None)
-def test_keys_merge_bags_of_one_content(bags: tuple[torch.Tensor, int, int]) -> None:
-    """Two bags of a feature share a key exactly when both are empty or both hold one and
-    the same id; a bag of several ids has a key of its own."""
+def test_keys_merge_bags_of_one_content(
+    bags: tuple[torch.Tensor, int, int], cut: int, collide: bool
+) -> None:
+    """Within a feature and a slice of the batch, two bags share a key exactly when they
+    hold the same ids in the same order. When every bag hashes alike (``collide``) the ids'
+    check still keeps bags of different ids apart (bags of one content may then stay
+    apart: fewer merged, none wrong). The keys of a slice do not depend on the rest of the
+    batch (the sample owner sees its slice only)."""
     lengths, ids, seed = bags
     kjt = _kjt(lengths, ids, seed)
     features, rows = lengths.shape
-    keys = bag_keys(kjt, rows, features)
-    assert keys is not None and keys.shape == (features, rows)
-    values, at = kjt.values().tolist(), 0
+    at = _slices(rows, cut)
+    with pytest.MonkeyPatch.context() as mp:
+        if collide:
+            mp.setattr(rows_module, "_mix", lambda x: x * 0)
+        keys = bag_keys(kjt, at, features)
+        assert keys is not None
+        alone = [bag_keys(_part(kjt, lengths, a, b), [0, b - a], features) for a, b in _pairs(at)]
+    values, start = kjt.values().tolist(), 0
     content = []
     for n in lengths.reshape(-1).tolist():
-        content.append(tuple(values[at : at + n]) if n < 2 else ("own", len(content)))
-        at += n
-    content_of = [content[f * rows : (f + 1) * rows] for f in range(features)]
-    for f in range(features):
-        for i in range(rows):
-            for j in range(rows):
-                same = content_of[f][i] == content_of[f][j]
-                assert same == bool(keys[f, i] == keys[f, j]), (f, i, j)
+        content.append(tuple(values[start : start + n]))
+        start += n
+    for (a, b), k, solo in zip(_pairs(at), keys, alone, strict=True):
+        assert k.shape == (features, b - a) and solo is not None and torch.equal(solo[0], k)
+        for f in range(features):
+            mine = content[f * rows + a : f * rows + b]
+            for i in range(b - a):
+                for j in range(b - a):
+                    same = bool(k[f, i] == k[f, j])
+                    assert same <= (mine[i] == mine[j]), (f, a, i, j)
+                    assert collide or same == (mine[i] == mine[j]), (f, a, i, j)
+
+
+def _pairs(at: list[int]) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(at))
+
+
+def _part(kjt: KeyedJaggedTensor, lengths: torch.Tensor, a: int, b: int) -> KeyedJaggedTensor:
+    """The bags of samples a..b, as the sample owner's own batch."""
+    per = kjt.values().split(lengths.reshape(-1).tolist())
+    rows = lengths.shape[1]
+    keep = [per[f * rows + i] for f in range(lengths.shape[0]) for i in range(a, b)]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=kjt.keys(),
+        values=torch.cat(keep) if keep else kjt.values()[:0],
+        lengths=lengths[:, a:b].reshape(-1).int(),
+    )
 
 
 def test_weighted_bags_or_another_layout_are_not_merged() -> None:
     lengths = torch.ones(2, 5, dtype=torch.int64)
-    assert bag_keys(_kjt(lengths, 3, 0, weighted=True), 5, 2) is None
-    assert bag_keys(_kjt(lengths, 3, 0), 4, 2) is None
-    assert bag_keys(None, 5, 2) is None
+    assert bag_keys(_kjt(lengths, 3, 0, weighted=True), [0, 5], 2) is None
+    assert bag_keys(_kjt(lengths, 3, 0), [0, 4], 2) is None
+    assert bag_keys(None, [0, 5], 2) is None
 
 
 @given(bags=_bags(), width=st.integers(1, 5))
@@ -75,8 +112,9 @@ def test_a_content_travels_once_and_its_gradients_as_one_sum(
     elsewhere: per content, the same sum as the plain block's."""
     lengths, ids, seed = bags
     features, rows = lengths.shape
-    keys = bag_keys(_kjt(lengths, ids, seed), rows, features)
-    assert keys is not None
+    got = bag_keys(_kjt(lengths, ids, seed), [0, rows], features)
+    assert got is not None
+    keys = got[0]
     (pick,), (merge,) = merged([keys], [keys.clone()])
     assert pick.counts == merge.counts == [len(set(k.tolist())) for k in keys]
     fs, cols = list(range(features)), [f * width for f in range(features)]

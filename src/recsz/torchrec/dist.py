@@ -313,23 +313,19 @@ class CompressedPooledEmbeddingDist(nn.Module):
         of my rows by destination (``mine``) and merges of their rows by source
         (``theirs``); nothing where either end's ids are missing or bags weighted."""
         lookup = self.seen.pop("lookup", None)
-        n, ds = at[-1], self.dims
+        ds, n = self.dims, at[self.rank + 1] - at[self.rank]
         owned = (
-            bag_keys(lookup, n, len(ds[self.rank]))
+            bag_keys(lookup, at, len(ds[self.rank]))
             if ds[self.rank]
-            else torch.empty(0, n, dtype=torch.int64, device=data.device)
+            else [data.new_empty(0, b - a, dtype=torch.int64) for a, b in itertools.pairwise(at)]
         )
-        local = bag_keys(
-            getattr(sharding_ctx, "recsz_local", None),
-            at[self.rank + 1] - at[self.rank],
-            sum(len(d) for d in ds),
-        )
+        local = bag_keys(getattr(sharding_ctx, "recsz_local", None), [0, n], sum(map(len, ds)))
         if owned is None or local is None:
             return {}
         starts = _offsets([len(d) for d in ds])
         mine, theirs = merged(
-            [owned[:, at[r] : at[r + 1]].to(data.device) for r in range(self.world)],
-            [local[starts[s] : starts[s + 1]].to(data.device) for s in range(self.world)],
+            [k.to(data.device) for k in owned],
+            [local[0][starts[s] : starts[s + 1]].to(data.device) for s in range(self.world)],
         )
         return {"mine": mine, "theirs": theirs}
 

@@ -14,13 +14,14 @@ block (:meth:`place`). Two kinds:
   content's first bag (:class:`Pick`), zero on the others: the same update.
 
 A content is known to both ends without a byte sent (:func:`bag_keys`): the sample owner
-holds its batch's ids before TorchRec's input dist, the table owner after it. Bags of one
-id (one-hot features, the usual case) are merged by id, empty bags all together; a bag
-of several ids stays a row of its own.
+holds its batch's ids before TorchRec's input dist, the table owner after it. A content is
+a bag's ids in order: one-hot features merge by id, empty bags all together, and bags of
+several ids wherever they repeat (MLPerf's multi-hot bags, a function of the one-hot id).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -97,23 +98,59 @@ class Merge(NamedTuple):
 Rows = Pick | Merge
 
 
-def bag_keys(kjt: Any, rows: int, features: int) -> torch.Tensor | None:
-    """(features, rows) int64 keys of a KeyedJaggedTensor's bags, equal for two bags of a
-    feature exactly when they are merged: a one-id bag's id, -1 for an empty bag, and for
-    a bag of several ids one of its own (-2 - its row: the same order at both ends). None
-    where bags cannot be merged: weighted bags (a pooled row then depends on the weights)
-    or a layout other than ``features`` x ``rows``."""
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32)."""
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    x = ((x >> 16) ^ x) * _MUL & _M32
+    return (x >> 16) ^ x
+
+
+def bag_keys(kjt: Any, at: list[int], features: int) -> list[torch.Tensor] | None:
+    """Keys of a KeyedJaggedTensor's bags (``features`` x ``at[-1]``), per slice of the
+    batch (columns ``at[i]:at[i + 1]``, (features, rows) each), equal for two bags of a
+    feature and slice exactly when they hold the same ids in the same order (their pooled
+    rows are then equal, bit for bit). A hash of the ids, checked: where two bags of one key
+    differ, the later gets a key of its own (-1 - its row in the slice), so the keys are the
+    same at both ends, which see the same bags. None where bags cannot be merged: weighted
+    bags (a pooled row then depends on the weights) or a layout other than the one given."""
     if kjt is None or kjt.weights_or_none() is not None:
         return None
-    lengths = kjt.lengths()
+    rows, lengths = at[-1], kjt.lengths().long()
     if len(kjt.keys()) != features or lengths.numel() != rows * features:
         return None
-    lengths = lengths.view(features, rows)
-    values = kjt.values()
-    at = kjt.offsets()[:-1].view(features, rows).long()
-    first = values[at.clamp(max=values.numel() - 1)].long() if values.numel() else at
-    own = -2 - torch.arange(rows, device=lengths.device).expand(features, rows)
-    return torch.where(lengths == 1, first, torch.where(lengths == 0, -1, own))
+    values, device = kjt.values().long(), lengths.device
+    offsets = kjt.offsets()[:-1].long()
+    bag = torch.repeat_interleave(
+        torch.arange(lengths.numel(), device=device), lengths, output_size=values.numel()
+    )
+    pos = torch.arange(values.numel(), device=device) - offsets[bag]
+    hashed = _mix(_mix(values & _M32) ^ ((values >> 32) & _M32))
+    hashed = _mix((hashed + pos * 0x9E3779B1) & _M32)
+    whole = torch.zeros_like(lengths).index_add_(0, bag, hashed)
+    key = ((whole & (2**52 - 1)) << 10 | (lengths & 1023)).view(features, rows)
+    # Each bag against its key's first bag in its slice: length, then id by id.
+    ref = torch.empty_like(key)
+    for a, b in itertools.pairwise(at):
+        k, idx = torch.sort(key[:, a:b], dim=1, stable=True)
+        start = torch.ones_like(k, dtype=torch.bool)
+        start[:, 1:] = k[:, 1:] != k[:, :-1]
+        where = torch.arange(b - a, device=device).expand_as(k)
+        first = torch.cummax(torch.where(start, where, 0), dim=1).values
+        ref[:, a:b].scatter_(1, idx, torch.gather(idx, 1, first) + a)
+    ref = (ref + torch.arange(features, device=device).unsqueeze(1) * rows).view(-1)
+    bad = lengths != lengths[ref]
+    if values.numel():
+        theirs = (offsets[ref[bag]] + pos).clamp(max=values.numel() - 1)
+        differ = (values[theirs] != values).long()
+        bad |= torch.zeros_like(lengths).index_add_(0, bag, differ) > 0
+    slices = itertools.pairwise(at)
+    own = -1 - torch.cat([torch.arange(b - a, device=device) for a, b in slices])
+    key = torch.where(bad.view(features, rows), own, key)
+    return [key[:, a:b] for a, b in itertools.pairwise(at)]
 
 
 def _runs(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
