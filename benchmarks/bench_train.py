@@ -113,6 +113,8 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     # Row-wise tables (each table's rows over all ranks: a reduce-scatter of partial sums;
     # TorchRec's takes no MX4 or FP8 there, it sends FP16 / BF16 instead).
     **{f"trdmp-{p}+rw": ("--dmp", p, "--sharding", "rw") for p in ("fp32", "bf16", "hybrid")},
+    "trdmp-bf16+rw+dp-bf16": ("--dmp", "bf16", "--sharding", "rw", "--dp-comm", "bf16"),
+    "trdmp-hybrid+rw+dp-eb": ("--dmp", "hybrid", "--sharding", "rw", "--dp-comm", "eb"),
 }
 #: Any config of ours with this suffix runs with glibc's malloc as it comes (``--host-memory
 #: return``): what keeping freed host memory wins.
