@@ -128,8 +128,9 @@ def bag_keys(kjt: Any, at: list[int], features: int) -> list[torch.Tensor] | Non
         torch.arange(lengths.numel(), device=device), lengths, output_size=values.numel()
     )
     pos = torch.arange(values.numel(), device=device) - offsets[bag]
-    hashed = _mix(_mix(values & _M32) ^ ((values >> 32) & _M32))
-    hashed = _mix((hashed + pos * 0x9E3779B1) & _M32)
+    # one mix an id (its position in the bag in it: order counts); a weak hash only
+    # merges fewer bags, the check below keeps different ones apart
+    hashed = _mix((values ^ (values >> 32) ^ (pos * 0x9E3779B1)) & _M32)
     whole = torch.zeros_like(lengths).index_add_(0, bag, hashed)
     key = ((whole & (2**52 - 1)) << 10 | (lengths & 1023)).view(features, rows)
     # Each bag against its key's first bag in its slice: length, then id by id.
