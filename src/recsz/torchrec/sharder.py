@@ -10,6 +10,11 @@ a subclass can change the sharding it returns). Table-row-wise and grid sharding
 reduce-scatter within a host, then an all-to-all between hosts) are not carried: the
 sharder does not offer them to the planner, and a plan that asks for one is refused
 naming the tables.
+
+The dists also see the step's ids, through forward pre-hooks on each sharding's lookup
+(the ids it looks up, read by the output dist right after) and input dist (this rank's
+samples' ids, carried to the output dist in TorchRec's per-batch sharding context, since a
+pipeline runs the next batch's input dist first).
 """
 
 from __future__ import annotations
