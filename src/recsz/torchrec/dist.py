@@ -14,11 +14,12 @@ which the direction's policy sets from all the values of that feature this rank 
 width form one group; a destination's groups travel framed as one buffer.
 
 Bags of one content (the same ids in the same order: one-hot features' bags of one id,
-repeated multi-hot bags) travel as one row both ways (:mod:`recsz.torchrec.rows`): the forward sends a content's pooled row once, the backward
-the sum of its bags' gradients, which the table owner puts on the content's first bag
-(a table's update reads only that sum). Both ends know the contents: the sharder hands
-the dist the ids its lookup took (:attr:`seen`) and, through TorchRec's sharding context,
-the ids of this rank's samples before the input dist.
+repeated multi-hot bags) travel as one row both ways (:mod:`recsz.torchrec.rows`): the
+forward sends a content's pooled row once, the backward the sum of its bags' gradients,
+which the table owner puts on the content's first bag (a table's update reads only that
+sum). Both ends know the contents: the sharder hands the dist the ids its lookup took
+(:attr:`seen`) and, through TorchRec's sharding context, the ids of this rank's samples
+before the input dist.
 
 Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
 all-gather back) take the same path with every rank's block holding every feature and
