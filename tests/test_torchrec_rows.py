@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,131 +12,105 @@ pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
 from torchrec import KeyedJaggedTensor
 
 import recsz.torchrec.rows as rows_module
-from recsz.torchrec.rows import bag_keys, merged
-
-
-def _kjt(lengths: torch.Tensor, ids: int, seed: int, weighted: bool = False) -> KeyedJaggedTensor:
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, ids, (int(lengths.sum()),), generator=g)
-    weights = torch.rand(values.numel(), generator=g) if weighted else None
-    keys = [f"f{i}" for i in range(lengths.shape[0])]
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=values, lengths=lengths.reshape(-1).int(), weights=weights
-    )
+from recsz.torchrec.rows import Merge, Pick, first_bags
 
 
 @st.composite
-def _bags(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
+def _bags(draw: st.DrawFn) -> KeyedJaggedTensor:
+    """Bags of 0-3 ids from a few, so that contents repeat."""
     features, rows = draw(st.integers(1, 4)), draw(st.integers(0, 30))
-    most = draw(st.integers(0, 3))
-    seed = draw(st.integers(0, 2**16))
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, most + 1, (features, rows), generator=g)
-    return lengths, draw(st.integers(1, 12)), seed
-
-
-def _slices(rows: int, cut: int) -> list[int]:
-    return [0, min(cut, rows), rows]
-
-
-@pytest.mark.parametrize("collide", [False, True])
-@given(bags=_bags(), cut=st.integers(0, 30))
-@settings(max_examples=60, deadline=None)
-def test_keys_merge_bags_of_one_content(
-    bags: tuple[torch.Tensor, int, int], cut: int, collide: bool
-) -> None:
-    """Within a feature and a slice of the batch, two bags share a key exactly when they
-    hold the same ids in the same order. When every bag hashes alike (``collide``) the ids'
-    check still keeps bags of different ids apart (bags of one content may then stay
-    apart: fewer merged, none wrong). The keys of a slice do not depend on the rest of the
-    batch (the sample owner sees its slice only)."""
-    lengths, ids, seed = bags
-    kjt = _kjt(lengths, ids, seed)
-    features, rows = lengths.shape
-    at = _slices(rows, cut)
-    with pytest.MonkeyPatch.context() as mp:
-        if collide:
-            mp.setattr(rows_module, "_mix", lambda x: x * 0)
-        keys = bag_keys(kjt, at, features)
-        assert keys is not None
-        alone = [bag_keys(_part(kjt, lengths, a, b), [0, b - a], features) for a, b in _pairs(at)]
-    values, start = kjt.values().tolist(), 0
-    content = []
-    for n in lengths.reshape(-1).tolist():
-        content.append(tuple(values[start : start + n]))
-        start += n
-    for (a, b), k, solo in zip(_pairs(at), keys, alone, strict=True):
-        assert k.shape == (features, b - a) and solo is not None and torch.equal(solo[0], k)
-        for f in range(features):
-            mine = content[f * rows + a : f * rows + b]
-            for i in range(b - a):
-                for j in range(b - a):
-                    same = bool(k[f, i] == k[f, j])
-                    assert same <= (mine[i] == mine[j]), (f, a, i, j)
-                    assert collide or same == (mine[i] == mine[j]), (f, a, i, j)
-
-
-def _pairs(at: list[int]) -> list[tuple[int, int]]:
-    return list(itertools.pairwise(at))
-
-
-def _part(kjt: KeyedJaggedTensor, lengths: torch.Tensor, a: int, b: int) -> KeyedJaggedTensor:
-    """The bags of samples a..b, as the sample owner's own batch."""
-    per = kjt.values().split(lengths.reshape(-1).tolist())
-    rows = lengths.shape[1]
-    keep = [per[f * rows + i] for f in range(lengths.shape[0]) for i in range(a, b)]
+    most, ids = draw(st.integers(0, 3)), draw(st.integers(1, 12))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    lengths = torch.randint(0, most + 1, (features * rows,), generator=g)
+    values = torch.randint(0, ids, (int(lengths.sum()),), generator=g)
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=kjt.keys(),
-        values=torch.cat(keep) if keep else kjt.values()[:0],
-        lengths=lengths[:, a:b].reshape(-1).int(),
+        keys=[f"f{i}" for i in range(features)], values=values, lengths=lengths.int(), stride=rows
     )
 
 
-def test_weighted_bags_or_another_layout_are_not_merged() -> None:
-    lengths = torch.ones(2, 5, dtype=torch.int64)
-    assert bag_keys(_kjt(lengths, 3, 0, weighted=True), [0, 5], 2) is None
-    assert bag_keys(_kjt(lengths, 3, 0), [0, 4], 2) is None
-    assert bag_keys(None, [0, 5], 2) is None
+def _first_bags(kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = kjt.lengths().view(len(kjt.keys()), kjt.stride())
+    return first_bags(lengths, kjt.offsets()[:-1], kjt.values())
 
 
-@given(bags=_bags(), width=st.integers(1, 5))
+def _contents(kjt: KeyedJaggedTensor) -> list[list[tuple[int, ...]]]:
+    """Each feature's bags' ids, in order."""
+    values, at, out = kjt.values().tolist(), 0, []
+    for n in kjt.lengths().tolist():
+        out.append(tuple(values[at : at + n]))
+        at += n
+    rows = kjt.stride()
+    return [out[f * rows : (f + 1) * rows] for f in range(len(kjt.keys()))]
+
+
+@given(kjt=_bags())
+@settings(max_examples=80, deadline=None)
+def test_first_bags_against_a_reference(kjt: KeyedJaggedTensor) -> None:
+    """A bag is first when it holds ids and no earlier bag of its feature holds the same
+    ids in the same order; contents are numbered in the order of their first bags."""
+    first, inverse = _first_bags(kjt)
+    for f, bags in enumerate(_contents(kjt)):
+        order: dict[tuple[int, ...], int] = {}
+        for i, ids in enumerate(bags):
+            new = bool(ids) and ids not in order
+            if new:
+                order[ids] = len(order)
+            assert bool(first[f, i]) == new, (f, i)
+            assert int(inverse[f, i]) == (order[ids] if ids else -1), (f, i)
+
+
+@given(kjt=_bags())
+@settings(max_examples=40, deadline=None)
+def test_when_every_hash_collides_no_two_contents_merge(kjt: KeyedJaggedTensor) -> None:
+    """With every bag hashing alike, the ids' check still keeps different bags apart (bags
+    of one content may then stay apart: fewer merged, none wrong), and every bag points
+    to a first bag of its own ids."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rows_module, "_mix", lambda x: x * 0)
+        first, inverse = _first_bags(kjt)
+    for f, bags in enumerate(_contents(kjt)):
+        firsts = [i for i in range(len(bags)) if first[f, i]]
+        for i, ids in enumerate(bags):
+            k = int(inverse[f, i])
+            assert k == -1 if not ids else bags[firsts[k]] == ids, (f, i)
+
+
+@given(kjt=_bags(), width=st.integers(1, 5))
 @settings(max_examples=60, deadline=None)
 def test_a_content_travels_once_and_its_gradients_as_one_sum(
-    bags: tuple[torch.Tensor, int, int], width: int
+    kjt: KeyedJaggedTensor, width: int
 ) -> None:
-    """Forward: the table owner's picks carry each content's first bag, in key order, and the
-    sample owner's merges copy them back to every bag: the block as it was. Backward: the
-    merges sum each content's gradients and the picks put the sum on its first bag, zero
-    elsewhere: per content, the same sum as the plain block's."""
-    lengths, ids, seed = bags
-    features, rows = lengths.shape
-    got = bag_keys(_kjt(lengths, ids, seed), [0, rows], features)
-    assert got is not None
-    keys = got[0]
-    (pick,), (merge,) = merged([keys], [keys.clone()])
-    assert pick.counts == merge.counts == [len(set(k.tolist())) for k in keys]
+    """Forward: the table owner's pick of the bags left filled (each content's first, the
+    repeats emptied) carries one row a content, and the sample owner's merge copies it back
+    to every bag of that content (zero: empty bags): the block as it was. Backward: the
+    merge sums each content's gradients and the pick puts the sum on its first bag: per
+    content, the same sum as the plain block's; an empty bag's gradient goes nowhere."""
+    first, inverse = _first_bags(kjt)
+    features, rows = first.shape
+    (pick,), counts = Pick.of([first.t()], first.sum(1))
+    merge = Merge(inverse.t(), counts)
+    assert pick.counts == merge.counts
     fs, cols = list(range(features)), [f * width for f in range(features)]
-    g = torch.Generator().manual_seed(seed)
-    table = torch.randn(features, 64, width, generator=g)
-    # a bag's pooled row is a function of its key
-    x = torch.cat([table[f, keys[f] % 64] for f in fs], 1)
-    sent, counts = pick.taken(x, fs, cols, width)
-    assert counts == pick.counts and sent.shape == (sum(counts), width)
-    for f in fs:  # first bags, keys ascending
-        first = pick.order[: pick.counts[f], f]
-        got = keys[f, first]
-        assert torch.equal(got, torch.unique(keys[f]))
-        assert all(int(i) == int((keys[f] == keys[f, i]).nonzero()[0]) for i in first)
-    back = torch.zeros_like(x)
+    g = torch.Generator().manual_seed(rows * 31 + width)
+    contents = _contents(kjt)
+    table = {ids: torch.randn(width, generator=g) for bags in contents for ids in bags}
+    x = torch.zeros(rows, features * width)
+    for f, bags in enumerate(contents):
+        for i, ids in enumerate(bags):
+            x[i, cols[f] : cols[f] + width] = table[ids] if ids else 0
+    sent, n = pick.taken(x, fs, cols, width)
+    assert n == pick.counts and sent.shape == (sum(n), width)
+    back = torch.full_like(x, float("nan"))
     merge.place(back, sent, fs, cols, width)
     assert torch.equal(back, x)
     grad = torch.randn(rows, features * width, generator=g, dtype=torch.float64)
     sums, _ = merge.taken(grad, fs, cols, width)
     placed = torch.zeros_like(grad)
     pick.place(placed, sums, fs, cols, width)
-    for f, c in zip(fs, cols, strict=True):
-        for k in torch.unique(keys[f]):
-            rows_of = keys[f] == k
-            want = grad[rows_of, c : c + width].sum(0)
-            assert torch.allclose(placed[rows_of, c : c + width].sum(0), want)
-            assert int((placed[rows_of, c : c + width] != 0).any(1).sum()) <= 1
+    for f, bags in enumerate(contents):
+        c = cols[f]
+        for ids in set(bags):
+            of = torch.tensor([b == ids for b in bags])
+            want = grad[of, c : c + width].sum(0) if ids else torch.zeros(width).double()
+            assert torch.allclose(placed[of, c : c + width].sum(0), want)
+            assert int((placed[of, c : c + width] != 0).any(1).sum()) <= 1

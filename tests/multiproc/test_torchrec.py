@@ -210,7 +210,11 @@ def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
             y = model(kjt).wait().values()
             (y * w).sum().backward()
             # made in recsz; not TorchRec's input dist, which the sharder's calls
-            ours = {k: n for k, n in c.reads.items() if k[1] and "input_dist" not in k[1]}
+            ours = {
+                k: n
+                for k, n in c.reads.items()
+                if k[1] and not k[1].split(" <- ")[0].endswith(" input_dist")
+            }
             got.append((sum(ours.values()), c.report()))
             c.take()
     return got[2:]
@@ -420,7 +424,7 @@ def test_train_pipeline_sparse_dist_gives_stock_losses(ranks: list[dict]) -> Non
         assert torch.allclose(got["lossy"], got["stock"], rtol=1e-2, atol=0.1)
 
 
-def test_on_the_gpu_path_each_dist_reads_the_host_six_times_a_step(
+def test_on_the_gpu_path_each_dist_reads_the_host_six_times_a_step_and_the_ids_once(
     ranks: list[dict],
 ) -> None:
     """What a GPU would wait for in our dists (counted on the CPU, tests/hostreads.py):
@@ -428,16 +432,18 @@ def test_on_the_gpu_path_each_dist_reads_the_host_six_times_a_step(
     received buffers' tables of lengths (one for every source); the checks' verdicts (one
     for every width) of the backward, while the forward's ride on the backward's lengths;
     and how many contents the bags have, both ends' at once (rows.py). The row-wise dist
-    reads how many bags it filled for each rank, and how many each rank filled for it.
-    Indices are made once: no host values copied to the device."""
+    reads how many bags it filled for each rank, and how many each rank filled for it. And
+    once a step for the sharded module: the ids left after emptying repeated bags (their
+    number). Indices are made once: no host values copied to the device."""
     if "reads" not in ranks[0]:
         pytest.skip("the host path: host reads cost nothing there")
     for r in ranks:
         for reads, where in r["reads"]:
-            assert reads == 6 * (r["dists"] - 1) + 7, where  # one row-wise dist
+            assert reads == 6 * (r["dists"] - 1) + 7 + 1, where  # one row-wise dist
             assert "read_sizes" in where  # the lengths' read, with the verdicts along
             assert "rowwise.py" in where  # the filled bags' counts
-            assert "merged" in where  # the contents' counts
+            assert "dist.py" in where and "_context" in where  # the contents' counts
+            assert "_merged" in where  # the ids kept
 
 
 def test_the_readme_example_runs_as_written() -> None:

@@ -15,11 +15,11 @@ width form one group; a destination's groups travel framed as one buffer.
 
 Bags of one content (the same ids in the same order: one-hot features' bags of one id,
 repeated multi-hot bags) travel as one row both ways (:mod:`recsz.torchrec.rows`): the
-forward sends a content's pooled row once, the backward the sum of its bags' gradients,
-which the table owner puts on the content's first bag (a table's update reads only that
-sum). Both ends know the contents: the sharder hands the dist the ids its lookup took
-(:attr:`seen`) and, through TorchRec's sharding context, the ids of this rank's samples
-before the input dist.
+sample owner empties every bag but the first of each content before TorchRec's input dist
+(the sharder's ``input_dist``, which keeps how its bags merged in TorchRec's per-batch
+sharding context), so the table owner sends the rows of its filled bags, one a content,
+and puts each content's summed gradient back on it (a table's update reads only that
+sum); the sample owner copies a content's row to its bags and sums their gradients.
 
 Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
 all-gather back) take the same path with every rank's block holding every feature and
@@ -53,7 +53,7 @@ from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
-from recsz.torchrec.rows import Rows, bag_keys, merged
+from recsz.torchrec.rows import Merge, Pick, Rows
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -310,24 +310,35 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return out
 
     def _context(self, data: torch.Tensor, at: list[int], sharding_ctx: Any) -> Context:
-        """What the step's directions share: the contents of the bags (rows.py), as picks
-        of my rows by destination (``mine``) and merges of their rows by source
-        (``theirs``); nothing where either end's ids are missing or bags weighted."""
+        """What the step's directions share, where the sample owners merged their bags
+        (the sharder's ``input_dist``; rows.py): picks of my filled bags by destination
+        (``mine``: the first bag of each content, the repeats came empty) and the merges of
+        their rows by source (``theirs``), their counts in one host read."""
         lookup = self.seen.pop("lookup", None)
-        ds, n = self.dims, at[self.rank + 1] - at[self.rank]
-        owned = (
-            bag_keys(lookup, at, len(ds[self.rank]))
-            if ds[self.rank]
-            else [data.new_empty(0, b - a, dtype=torch.int64) for a, b in itertools.pairwise(at)]
-        )
-        local = bag_keys(getattr(sharding_ctx, "recsz_local", None), [0, n], sum(map(len, ds)))
-        if owned is None or local is None:
+        merge = getattr(sharding_ctx, "recsz_merge", None)
+        if merge is None:
             return {}
-        starts = _offsets([len(d) for d in ds])
-        mine, theirs = merged(
-            [k.to(data.device) for k in owned],
-            [local[0][starts[s] : starts[s + 1]].to(data.device) for s in range(self.world)],
-        )
+        inverse, counts = merge
+        f, n = len(self.dims[self.rank]), at[-1]
+        if not f:
+            filled = torch.zeros(n, 0, dtype=torch.bool, device=data.device)
+        elif lookup is None or lookup.lengths().numel() != f * n:
+            got = "none" if lookup is None else f"{lookup.lengths().numel()} bags"
+            raise ValueError(
+                f"rank {self.rank}: the lookup's ids of this step ({got}) are not {f} features "
+                f"x {n} samples; the sample owners merged their bags against them"
+            )
+        else:
+            filled = lookup.lengths().to(data.device).view(f, n).t() > 0
+        mine, read = Pick.of([filled[at[r] : at[r + 1]] for r in range(self.world)], counts)
+        starts = _offsets([len(d) for d in self.dims])
+        theirs = [
+            Merge(
+                inverse[:, starts[s] : starts[s + 1]].to(data.device),
+                read[starts[s] : starts[s + 1]],
+            )
+            for s in range(self.world)
+        ]
         return {"mine": mine, "theirs": theirs}
 
     def finish_forward(

@@ -6,23 +6,23 @@ A selection gives, per feature, the rows that go on the wire (:meth:`taken`), ho
 block (:meth:`place`). Two kinds:
 
 - :class:`Pick`: some of the rows travel, the others are zero (row-wise tables: the bags a
-  rank filled; a table owner's end of merged bags: each content's first bag).
+  rank filled; table-wise ones: the first bag of each content).
 - :class:`Merge`: the bags of one content travel as one row. The pooled row of a bag is a
   function of its ids, so the forward sends a content's row once and the receiver copies
   it to each of its bags; a table's update reads only the sum of the gradients of a
   content's bags, so the backward sends that sum once and the table owner puts it on the
   content's first bag (:class:`Pick`), zero on the others: the same update.
 
-A content is known to both ends without a byte sent (:func:`bag_keys`): the sample owner
-holds its batch's ids before TorchRec's input dist, the table owner after it. A content is
-a bag's ids in order: one-hot features merge by id, empty bags all together, and bags of
-several ids wherever they repeat (MLPerf's multi-hot bags, a function of the one-hot id).
+A content is a bag's ids in order (:func:`first_bags`): one-hot features merge by id, bags
+of several ids wherever they repeat (MLPerf's multi-hot bags, a function of the one-hot
+id); an empty bag carries nothing. The sample owner finds the contents of its batch and
+empties every bag but the first of each before TorchRec's input dist (the sharder), so the
+ids of a repeat never travel and the table owner's filled bags are the first ones.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -69,17 +69,22 @@ class Pick(NamedTuple):
 
 
 class Merge(NamedTuple):
-    """Each row's content among a feature's contents (numbered as :func:`merged` orders
-    them), and how many contents each feature has."""
+    """Each row's content among a feature's contents (numbered in the order of their first
+    rows; -1: an empty bag, which carries nothing), and how many contents each feature has."""
 
     inverse: torch.Tensor  # (rows, features)
     counts: list[int]  # (features,), on the host
+
+    def _index(self, f: int) -> torch.Tensor:
+        """Feature f's contents, an empty bag's pointing one past the last."""
+        inv = self.inverse[:, f]
+        return torch.where(inv < 0, self.counts[f], inv)
 
     def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group:
         """Per content, the sum of its rows of ``x`` (the gradients of its bags)."""
         n = [self.counts[f] for f in fs]
         sums = [
-            x.new_zeros(k, width).index_add_(0, self.inverse[:, f], x[:, c : c + width])
+            x.new_zeros(k + 1, width).index_add_(0, self._index(f), x[:, c : c + width])[:k]
             for f, c, k in zip(fs, cols, n, strict=True)
         ]
         return torch.cat(sums) if sums else x.new_empty(0, width), n
@@ -87,11 +92,12 @@ class Merge(NamedTuple):
     def place(
         self, out: torch.Tensor, y: torch.Tensor, fs: list[int], cols: list[int], width: int
     ) -> None:
-        """Each content's row of ``y`` copied to every row of that content."""
-        at = 0
+        """Each content's row of ``y`` copied to every row of that content (zero: empty)."""
+        at, zero = 0, y.new_zeros(1, width)
         for f, c in zip(fs, cols, strict=True):
-            out[:, c : c + width] = y[at + self.inverse[:, f]]
-            at += self.counts[f]
+            k = self.counts[f]
+            out[:, c : c + width] = torch.cat([y[at : at + k], zero])[self._index(f)]
+            at += k
 
 
 #: A selection of rows, either kind.
@@ -109,21 +115,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def bag_keys(kjt: Any, at: list[int], features: int) -> list[torch.Tensor] | None:
-    """Keys of a KeyedJaggedTensor's bags (``features`` x ``at[-1]``), per slice of the
-    batch (columns ``at[i]:at[i + 1]``, (features, rows) each), equal for two bags of a
-    feature and slice exactly when they hold the same ids in the same order (their pooled
-    rows are then equal, bit for bit). A hash of the ids, checked: where two bags of one key
-    differ, the later gets a key of its own (-1 - its row in the slice), so the keys are the
-    same at both ends, which see the same bags. None where bags cannot be merged: weighted
-    bags (a pooled row then depends on the weights) or a layout other than the one given."""
-    if kjt is None or kjt.weights_or_none() is not None:
-        return None
-    rows, lengths = at[-1], kjt.lengths().long()
-    if len(kjt.keys()) != features or lengths.numel() != rows * features:
-        return None
-    values, device = kjt.values().long(), lengths.device
-    offsets = kjt.offsets()[:-1].long()
+def first_bags(
+    lengths: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bags (features, rows) of ``lengths`` ids from ``values`` at ``offsets`` (as a
+    KeyedJaggedTensor lays them out): whether each is the first nonempty bag of its content
+    (the same ids in the same order: their pooled rows are equal, bit for bit), and each
+    bag's content among its feature's, numbered in the order of those first bags (-1:
+    empty). A hash of the ids sorts the bags, and each is checked id by id against the
+    first of its hash: where they differ it counts as a content of its own."""
+    features, rows = lengths.shape
+    lengths, offsets, values = lengths.reshape(-1).long(), offsets.reshape(-1).long(), values.long()
+    device = lengths.device
     bag = torch.repeat_interleave(
         torch.arange(lengths.numel(), device=device), lengths, output_size=values.numel()
     )
@@ -133,54 +136,21 @@ def bag_keys(kjt: Any, at: list[int], features: int) -> list[torch.Tensor] | Non
     hashed = _mix((values ^ (values >> 32) ^ (pos * 0x9E3779B1)) & _M32)
     whole = torch.zeros_like(lengths).index_add_(0, bag, hashed)
     key = ((whole & (2**52 - 1)) << 10 | (lengths & 1023)).view(features, rows)
-    # Each bag against its key's first bag in its slice: length, then id by id.
-    ref = torch.empty_like(key)
-    for a, b in itertools.pairwise(at):
-        k, idx = torch.sort(key[:, a:b], dim=1, stable=True)
-        start = torch.ones_like(k, dtype=torch.bool)
-        start[:, 1:] = k[:, 1:] != k[:, :-1]
-        where = torch.arange(b - a, device=device).expand_as(k)
-        first = torch.cummax(torch.where(start, where, 0), dim=1).values
-        ref[:, a:b].scatter_(1, idx, torch.gather(idx, 1, first) + a)
-    ref = (ref + torch.arange(features, device=device).unsqueeze(1) * rows).view(-1)
-    bad = lengths != lengths[ref]
+    # Each bag's reference: the first bag of its key.
+    k, idx = torch.sort(key, dim=1, stable=True)
+    start = torch.ones_like(k, dtype=torch.bool)
+    start[:, 1:] = k[:, 1:] != k[:, :-1]
+    at = torch.arange(rows, device=device).expand_as(k)
+    run_first = torch.gather(idx, 1, torch.cummax(torch.where(start, at, 0), dim=1).values)
+    ref = torch.empty_like(key).scatter_(1, idx, run_first)
+    flat_ref = (ref + torch.arange(features, device=device).unsqueeze(1) * rows).view(-1)
+    bad = lengths != lengths[flat_ref]
     if values.numel():
-        theirs = (offsets[ref[bag]] + pos).clamp(max=values.numel() - 1)
+        theirs = (offsets[flat_ref[bag]] + pos).clamp(max=values.numel() - 1)
         differ = (values[theirs] != values).long()
         bad |= torch.zeros_like(lengths).index_add_(0, bag, differ) > 0
-    slices = itertools.pairwise(at)
-    own = -1 - torch.cat([torch.arange(b - a, device=device) for a, b in slices])
-    key = torch.where(bad.view(features, rows), own, key)
-    return [key[:, a:b] for a, b in itertools.pairwise(at)]
-
-
-def _runs(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contents of (features, rows) keys, numbered by key: (rows, features) each content's
-    first row (carried first, as :class:`Pick` wants), (rows, features) each row's
-    content, and (features,) how many contents."""
-    key, idx = torch.sort(keys, dim=1, stable=True)
-    start = torch.ones_like(key, dtype=torch.bool)
-    start[:, 1:] = key[:, 1:] != key[:, :-1]
-    run = start.cumsum(1) - 1
-    inverse = torch.empty_like(run).scatter_(1, idx, run)
-    firsts = torch.gather(idx, 1, torch.argsort((~start).to(torch.uint8), dim=1, stable=True))
-    return firsts.t(), inverse.t(), start.sum(1)
-
-
-def merged(owned: list[torch.Tensor], local: list[torch.Tensor]) -> tuple[list[Pick], list[Merge]]:
-    """The table owner's picks of each destination's bags (``owned[r]``: the keys of rank
-    r's slice of the batch for my features) and the sample owner's merges of each source's
-    features (``local[s]``: my bags' keys for rank s's features); their counts in one host
-    read."""
-    a = [_runs(k) for k in owned]
-    b = [_runs(k) for k in local]
-    counts = [c for *_, c in a + b]
-    if not counts:
-        return [], []
-    read = torch.cat(counts).tolist()
-    at = [0]
-    for c in counts:
-        at.append(at[-1] + c.numel())
-    picks = [Pick(f, read[at[i] : at[i + 1]]) for i, (f, _, _) in enumerate(a)]
-    merges = [Merge(v, read[at[len(a) + i] : at[len(a) + i + 1]]) for i, (_, v, _) in enumerate(b)]
-    return picks, merges
+    ref = torch.where(bad.view(features, rows), at, ref)
+    filled = lengths.view(features, rows) > 0
+    first = (ref == at) & filled
+    number = first.long().cumsum(1) - 1
+    return first, torch.where(filled, torch.gather(number, 1, ref), -1)

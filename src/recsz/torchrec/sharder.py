@@ -31,6 +31,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
 from recsz.config import TrainConfig
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.rows import first_bags
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 
 #: Our dist of each sharding whose output we carry, and the one with no output
@@ -75,39 +76,87 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
         ours = COMPRESSED[kind]
-        # The ids of the step: what the lookup took (for the dist's forward, which follows
-        # it) and this rank's samples' before the input dist (for the sharding context:
-        # a pipeline runs the next batch's input dist before this one's output dist).
+        # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
-        sharding.recsz_seen = seen
+        # Table-wise kinds take merged bags (input_dist)
+        sharding.recsz_merged = ours is CompressedPooledEmbeddingDist
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             made.append(ours(build(device=device), config))
             made[-1].seen = seen
             return made[-1]
 
-        def hooked(create: Any, key: str) -> Any:
-            def create_hooked(*args: Any, **kwargs: Any) -> Any:
-                module = create(*args, **kwargs)
-                module.register_forward_pre_hook(lambda _, a: seen.update({key: a[0]}))
-                return module
+        lookup_of = sharding.create_lookup
 
-            return create_hooked
+        def create_lookup(*args: Any, **kwargs: Any) -> Any:
+            lookup = lookup_of(*args, **kwargs)
+            lookup.register_forward_pre_hook(lambda _, a: seen.update(lookup=a[0]))
+            return lookup
 
         sharding.create_output_dist = create_output_dist
-        sharding.create_lookup = hooked(sharding.create_lookup, "lookup")
-        sharding.create_input_dist = hooked(sharding.create_input_dist, "local")
+        sharding.create_lookup = create_lookup
         return sharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
-        """TorchRec's, each sharding's ids before the dist kept in its context."""
+        """TorchRec's, on this rank's ids with the bags of table-wise tables that repeat an
+        earlier bag emptied (``torchrec/rows.py``: that content's row travels once, from
+        its first bag); each such sharding's context keeps how its bags merged, for its
+        output dist (a pipeline runs the next batch's input dist before this one's)."""
+        merges, features = self._merged(features)
         got = super().input_dist(ctx, features)
         shardings = self._embedding_shardings
-        for sharding, sctx in zip(shardings, ctx.sharding_contexts[-len(shardings) :], strict=True):
-            seen = getattr(sharding, "recsz_seen", None)
-            if seen is not None:
-                sctx.recsz_local = seen.pop("local", None)
+        for i, sctx in enumerate(ctx.sharding_contexts[-len(shardings) :]):
+            sctx.recsz_merge = merges.get(i)
         return got
+
+    def _merged(self, features: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], Any]:
+        """Per table-wise sharding, (inverse (rows, its features), counts (its features,)),
+        and the features with the repeating bags of those tables emptied; nothing for
+        weighted bags (a pooled row then depends on the weights) or a variable batch."""
+        from torchrec import KeyedJaggedTensor
+
+        shardings = self._embedding_shardings
+        merged = [i for i, s in enumerate(shardings) if getattr(s, "recsz_merged", False)]
+        if (
+            not merged
+            or not isinstance(features, KeyedJaggedTensor)
+            or features.weights_or_none() is not None
+            or features.variable_stride_per_key()
+        ):
+            return {}, features
+        keys, rows, lengths = features.keys(), features.stride(), features.lengths()
+        layout = self._merge_layout(tuple(keys), merged, lengths.device)
+        lengths = lengths.view(len(keys), rows)
+        values = features.values()
+        first, inverse = first_bags(lengths, features.offsets()[:-1], values)
+        keep = first | layout["kept"].unsqueeze(1)
+        each = torch.repeat_interleave(keep.view(-1), lengths.view(-1), output_size=values.numel())
+        stripped = KeyedJaggedTensor(
+            keys=keys, values=values[each], lengths=(lengths * keep).view(-1), stride=rows
+        )
+        counts = first.sum(1)
+        return {i: (inverse[at].t(), counts[at]) for i, at in layout["rows"].items()}, stripped
+
+    def _merge_layout(
+        self, keys: tuple[str, ...], merged: list[int], device: torch.device
+    ) -> dict[str, Any]:
+        """Made once for a feature order: which features keep every bag (the other
+        shardings'), and each merged sharding's features' positions (on the device)."""
+        cache = self.__dict__.setdefault("_recsz_layouts", {})
+        if keys not in cache:
+            where = {k: i for i, k in enumerate(keys)}
+            rows = {
+                i: [where[n] for n in self._embedding_shardings[i].feature_names()] for i in merged
+            }
+            taken = {r for rs in rows.values() for r in rs}
+            kept = [i not in taken for i in range(len(keys))]
+            cache[keys] = {
+                "kept": torch.tensor(kept, device=device),
+                "rows": {
+                    i: torch.tensor(r, dtype=torch.long, device=device) for i, r in rows.items()
+                },
+            }
+        return cache[keys]
 
 
 class CompressedEBCSharder(EmbeddingBagCollectionSharder):
