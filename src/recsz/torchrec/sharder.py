@@ -11,10 +11,11 @@ reduce-scatter within a host, then an all-to-all between hosts) are not carried:
 sharder does not offer them to the planner, and a plan that asks for one is refused
 naming the tables.
 
-The dists also see the step's ids, through forward pre-hooks on each sharding's lookup
-(the ids it looks up, read by the output dist right after) and input dist (this rank's
-samples' ids, carried to the output dist in TorchRec's per-batch sharding context, since a
-pipeline runs the next batch's input dist first).
+The sharded module's ``input_dist`` empties, in this rank's batch, every bag of a
+table-wise table but the first of each content (:mod:`recsz.torchrec.rows`) and keeps how
+the bags merged in TorchRec's per-batch sharding context, for the output dist (a pipeline
+runs the next batch's input dist before this one's output dist); a forward pre-hook on
+each sharding's lookup hands its dist the ids it looked up (which bags are filled).
 """
 
 from __future__ import annotations
