@@ -513,3 +513,28 @@ def test_row_bits_round_trip_and_a_damaged_byte_is_caught(
     assert not bool(unpack_bits(bad, (rows, features))[1])
     with pytest.raises(ValueError, match="bytes of row bits"):
         unpack_bits(packed[:-1], (rows, features))
+
+
+def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
+    """A feature of a table-wise table that also feeds a row-wise or data-parallel table
+    must reach that table whole: the module then merges no bags (the layout says None);
+    otherwise the other shardings' features keep every bag and the table-wise ones' rows
+    are found by name, duplicates (column-wise shards) included."""
+    from types import SimpleNamespace
+
+    from recsz.torchrec.sharder import _CompressedEBC
+
+    def module(*shardings: list[str]) -> object:
+        return SimpleNamespace(
+            _embedding_shardings=[SimpleNamespace(feature_names=lambda n=n: n) for n in shardings]
+        )
+
+    keys = ("a", "b", "c")
+    cpu = torch.device("cpu")
+    shared = module(["a", "b"], ["b"])  # sharding 1 (not merged) also reads b
+    assert _CompressedEBC._merge_layout(shared, keys, [0], cpu) is None
+    apart = module(["a", "a", "c"], ["b"])
+    layout = _CompressedEBC._merge_layout(apart, keys, [0], cpu)
+    assert layout is not None
+    assert layout["kept"].tolist() == [False, True, False]
+    assert layout["rows"][0].tolist() == [0, 0, 2]

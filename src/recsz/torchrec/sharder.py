@@ -127,6 +127,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             return {}, features
         keys, rows, lengths = features.keys(), features.stride(), features.lengths()
         layout = self._merge_layout(tuple(keys), merged, lengths.device)
+        if layout is None:
+            return {}, features
         lengths = lengths.view(len(keys), rows)
         values = features.values()
         first, inverse = first_bags(lengths, features.offsets()[:-1], values)
@@ -140,16 +142,20 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
 
     def _merge_layout(
         self, keys: tuple[str, ...], merged: list[int], device: torch.device
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
         """Made once for a feature order: which features keep every bag (the other
-        shardings'), and each merged sharding's features' positions (on the device)."""
+        shardings'), and each merged sharding's features' positions (on the device); None
+        where a feature also feeds a table of another sharding (it needs every bag)."""
         cache = self.__dict__.setdefault("_recsz_layouts", {})
         if keys not in cache:
             where = {k: i for i, k in enumerate(keys)}
-            rows = {
-                i: [where[n] for n in self._embedding_shardings[i].feature_names()] for i in merged
-            }
+            names = [s.feature_names() for s in self._embedding_shardings]
+            rows = {i: [where[n] for n in names[i]] for i in merged}
             taken = {r for rs in rows.values() for r in rs}
+            others = {where[n] for i, ns in enumerate(names) if i not in rows for n in ns}
+            if taken & others:
+                cache[keys] = None
+                return None
             kept = [i not in taken for i in range(len(keys))]
             cache[keys] = {
                 "kept": torch.tensor(kept, device=device),
