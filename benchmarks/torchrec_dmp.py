@@ -108,7 +108,7 @@ def bag_kjt(bags: Bags, hotness: Sequence[int], one_hot: torch.Tensor) -> Any:
     ids = bags.ids(one_hot.long()).split(list(hotness), dim=1)
     return KeyedJaggedTensor.from_lengths_sync(
         keys=[f"f{i}" for i in range(len(hotness))],
-        values=torch.cat([i.reshape(-1) for i in ids]),
+        values=torch.cat([i.reshape(-1) for i in ids]).int(),  # ids < 2^31: as users send them
         lengths=torch.tensor(hotness, dtype=torch.int32).repeat_interleave(one_hot.shape[0]),
     )
 
