@@ -525,16 +525,20 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
     from recsz.torchrec.sharder import _CompressedEBC
 
     def module(*shardings: list[str]) -> object:
+        """Sharding 0 table-wise (merged), the others not."""
         return SimpleNamespace(
-            _embedding_shardings=[SimpleNamespace(feature_names=lambda n=n: n) for n in shardings]
+            _embedding_shardings=[
+                SimpleNamespace(feature_names=lambda n=n: n, recsz_merged=i == 0)
+                for i, n in enumerate(shardings)
+            ]
         )
 
     keys = ("a", "b", "c")
     cpu = torch.device("cpu")
     shared = module(["a", "b"], ["b"])  # sharding 1 (not merged) also reads b
-    assert _CompressedEBC._merge_layout(shared, keys, [0], cpu) is None
+    assert _CompressedEBC._merge_layout(shared, keys, cpu) is None
     apart = module(["a", "a", "c"], ["b"])
-    layout = _CompressedEBC._merge_layout(apart, keys, [0], cpu)
+    layout = _CompressedEBC._merge_layout(apart, keys, cpu)
     assert layout is not None
     assert layout["kept"].tolist() == [False, True, False]
     assert layout["rows"][0].tolist() == [0, 0, 2]

@@ -77,7 +77,7 @@ def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
     return torch.stack([x[:, c : c + width] for c in cols])
 
 
-#: What one step's directions share (row-wise: which rows each rank's features fill).
+#: What one step's directions share (which rows of each rank's block travel, both ways).
 Context = dict[str, Any]
 
 
@@ -314,22 +314,19 @@ class CompressedPooledEmbeddingDist(nn.Module):
         (the sharder's ``input_dist``; rows.py): picks of my filled bags by destination
         (``mine``: the first bag of each content, the repeats came empty) and the merges of
         their rows by source (``theirs``), their counts in one host read."""
-        lookup = self.seen.pop("lookup", None)
+        f, n = len(self.dims[self.rank]), at[-1]
+        filled = self._filled(n, data.device)
         merge = getattr(sharding_ctx, "recsz_merge", None)
         if merge is None:
             return {}
         inverse, counts = merge
-        f, n = len(self.dims[self.rank]), at[-1]
-        if not f:
-            filled = torch.zeros(n, 0, dtype=torch.bool, device=data.device)
-        elif lookup is None or lookup.lengths().numel() != f * n:
-            got = "none" if lookup is None else f"{lookup.lengths().numel()} bags"
+        if filled is None and f:
             raise ValueError(
-                f"rank {self.rank}: the lookup's ids of this step ({got}) are not {f} features "
-                f"x {n} samples; the sample owners merged their bags against them"
+                f"rank {self.rank}: the lookup's ids of this step are missing or not {f} "
+                f"features x {n} samples; the sample owners merged their bags against them"
             )
-        else:
-            filled = lookup.lengths().to(data.device).view(f, n).t() > 0
+        if filled is None:
+            filled = torch.zeros(n, 0, dtype=torch.bool, device=data.device)
         mine, read = Pick.of([filled[at[r] : at[r + 1]] for r in range(self.world)], counts)
         starts = _offsets([len(d) for d in self.dims])
         theirs = [
@@ -340,6 +337,14 @@ class CompressedPooledEmbeddingDist(nn.Module):
             for s in range(self.world)
         ]
         return {"mine": mine, "theirs": theirs}
+
+    def _filled(self, n: int, device: torch.device) -> torch.Tensor | None:
+        """(n, my features): which bags this step's lookup found ids in (the sharder's hook
+        hands its input over, taken here); None where it is missing or laid out otherwise."""
+        lookup, f = self.seen.pop("lookup", None), len(self.dims[self.rank])
+        if lookup is None or lookup.lengths().numel() != n * f:
+            return None
+        return lookup.lengths().to(device).view(f, n).t() > 0
 
     def finish_forward(
         self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context

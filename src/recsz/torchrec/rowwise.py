@@ -75,18 +75,14 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         dims = tuple(inner._embedding_dims)
         return [dims] * self.world, [list(range(len(dims)))] * self.world
 
-    def _filled(self, data: torch.Tensor) -> torch.Tensor:
-        """(global batch, features): which bags hold ids of this rank's shard."""
-        n, f = data.shape[0], len(self.dims[self.rank])
-        lookup = self.seen.pop("lookup", None)
-        if lookup is None or lookup.lengths().numel() != n * f:
-            return torch.ones(n, f, dtype=torch.bool, device=data.device)
-        return lookup.lengths().to(data.device).view(f, n).t() > 0
-
     def _context(self, data: torch.Tensor, at: list[int], sharding_ctx: Any) -> Context:
-        """This rank's filled bags, by sample owner: the rows it sends each (``mine``,
-        also the rows it takes back) and their bits (``bits``, framed ahead)."""
-        filled = self._filled(data)
+        """This rank's filled bags (those holding ids of its shard; every bag where the
+        lookup's ids are missing), by sample owner: the rows it sends each (``mine``, also
+        the rows it takes back) and their bits (``bits``, framed ahead)."""
+        n, f = data.shape[0], len(self.dims[self.rank])
+        filled = self._filled(n, data.device)
+        if filled is None:
+            filled = torch.ones(n, f, dtype=torch.bool, device=data.device)
         masks = [filled[at[r] : at[r + 1]] for r in range(self.world)]
         return {"mine": Pick.of(masks)[0], "bits": [[pack_bits(m)] for m in masks]}
 

@@ -116,21 +116,19 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         weighted bags (a pooled row then depends on the weights) or a variable batch."""
         from torchrec import KeyedJaggedTensor
 
-        shardings = self._embedding_shardings
-        merged = [i for i, s in enumerate(shardings) if getattr(s, "recsz_merged", False)]
         if (
-            not merged
-            or not isinstance(features, KeyedJaggedTensor)
+            not isinstance(features, KeyedJaggedTensor)
             or features.weights_or_none() is not None
             or features.variable_stride_per_key()
         ):
             return {}, features
         keys, rows, lengths = features.keys(), features.stride(), features.lengths()
-        layout = self._merge_layout(tuple(keys), merged, lengths.device)
+        layout = self._merge_layout(tuple(keys), lengths.device)
         if layout is None:
             return {}, features
         lengths = lengths.view(len(keys), rows)
         values = features.values()
+        # every feature's bags, the kept ones' too: their ids' count is known on the host
         first, inverse = first_bags(lengths, features.offsets()[:-1], values)
         keep = first | layout["kept"].unsqueeze(1)
         each = torch.repeat_interleave(keep.view(-1), lengths.view(-1), output_size=values.numel())
@@ -140,20 +138,24 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         counts = first.sum(1)
         return {i: (inverse[at].t(), counts[at]) for i, at in layout["rows"].items()}, stripped
 
-    def _merge_layout(
-        self, keys: tuple[str, ...], merged: list[int], device: torch.device
-    ) -> dict[str, Any] | None:
+    def _merge_layout(self, keys: tuple[str, ...], device: torch.device) -> dict[str, Any] | None:
         """Made once for a feature order: which features keep every bag (the other
-        shardings'), and each merged sharding's features' positions (on the device); None
-        where a feature also feeds a table of another sharding (it needs every bag)."""
+        shardings'), and each table-wise sharding's features' positions (on the device);
+        None where there is none, or a feature also feeds a table of another sharding (it
+        needs every bag)."""
         cache = self.__dict__.setdefault("_recsz_layouts", {})
         if keys not in cache:
+            shardings = self._embedding_shardings
             where = {k: i for i, k in enumerate(keys)}
-            names = [s.feature_names() for s in self._embedding_shardings]
-            rows = {i: [where[n] for n in names[i]] for i in merged}
+            names = [s.feature_names() for s in shardings]
+            rows = {
+                i: [where[n] for n in names[i]]
+                for i, s in enumerate(shardings)
+                if getattr(s, "recsz_merged", False)
+            }
             taken = {r for rs in rows.values() for r in rs}
             others = {where[n] for i, ns in enumerate(names) if i not in rows for n in ns}
-            if taken & others:
+            if not rows or taken & others:
                 cache[keys] = None
                 return None
             kept = [i not in taken for i in range(len(keys))]
