@@ -158,9 +158,9 @@ def main() -> None:
         "learning_rate": a.emb_lr
         or TrainConfig(preset=a.preset, multi_hot=a.multi_hot).resolved("emb_lr"),
     }
-    if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
-        import recsz.torchrec
+    import recsz.torchrec  # (imports TorchRec)
 
+    if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
         sharder = recsz.torchrec.CompressedEBCSharder(eb_policy="dual", fused_params=fused)
     else:
         precision = CommType[a.precision.upper()]
@@ -173,8 +173,6 @@ def main() -> None:
     dmp = torchrec_dlrm(mcfg, sharder, {"tw": "table_wise", "rw": "row_wise"}[a.sharding])
     dense_hook = None
     if a.dp_comm != "allreduce":
-        import recsz.torchrec
-
         dense_hook = recsz.torchrec.dense_comm(dmp, a.dp_comm)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
     opt = torch.optim.SGD(dense_params.values(), lr=preset.lr)

@@ -243,6 +243,19 @@ class TrainConfig:
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return get_codec_with(name, coder=self.coder)
 
+    @classmethod
+    def taking(cls, who: str, taken: set[str], **options: Any) -> TrainConfig:
+        """A configuration of ``options`` for ``who``, which reads the fields ``taken``
+        only: any other option is refused by name, not dropped silently."""
+        if unused := sorted(set(options) - taken):
+            ours = {f.name for f in fields(cls)}
+            known = "options of `recsz train`" if set(unused) <= ours else "not options"
+            raise ValueError(
+                f"recsz: {who} does not use {', '.join(unused)} ({known}); it takes "
+                f"{', '.join(sorted(taken))}"
+            )
+        return cls(**options)
+
     def dp_hook_options(self) -> dict[str, Any]:
         """The options of ``--dp-comm``'s hook (:func:`recsz.comm.dp_hooks.register`)."""
         return {

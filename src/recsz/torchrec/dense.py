@@ -13,7 +13,6 @@ options, on a process group of its own (:attr:`recsz.comm.dp_hooks.DPComm.group`
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 import torch.distributed as dist
@@ -28,7 +27,6 @@ DENSE_TAKEN = {
     "dp_comm", "dp_codec", "dp_eb", "dp_eb_collective", "powersgd_rank", "powersgd_warmup",
     "dct_keep", "dct_refresh",
 }  # fmt: skip
-_OURS = {f.name for f in fields(TrainConfig)}
 
 
 def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
@@ -37,13 +35,7 @@ def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
     hook's ``recsz train`` options by field name (``dp_eb``, ``dp_codec``, ``powersgd_rank``,
     ...); another name is refused. Returns the hook's state: its seconds, ``bytes_sent``
     and ``bytes_dense`` (what fp32 would have sent) so far, this rank's."""
-    if unused := sorted(set(options) - DENSE_TAKEN):
-        known = "options of `recsz train`" if set(unused) <= _OURS else "not options"
-        raise ValueError(
-            f"recsz: dense_comm does not use {', '.join(unused)} ({known}); it takes "
-            f"{', '.join(sorted(DENSE_TAKEN))}"
-        )
-    config = TrainConfig(dp_comm=dp_comm, **options)
+    config = TrainConfig.taking("dense_comm", DENSE_TAKEN, dp_comm=dp_comm, **options)
     ddp = [m for m in dmp.modules() if isinstance(m, DistributedDataParallel)]
     if len(ddp) != 1:
         raise ValueError(

@@ -186,13 +186,13 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         **kwargs: Any,
     ) -> None:
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k in _OURS}
-        if unused := sorted(set(ours) - TAKEN):
-            raise ValueError(
-                f"recsz: CompressedEBCSharder does not use {', '.join(unused)} (options of "
-                f"`recsz train`); it takes {', '.join(sorted(TAKEN))}"
-            )
-        self.config = TrainConfig(
-            fwd_codec=fwd_codec, bwd_codec=bwd_codec, eb_policy=eb_policy, **ours
+        self.config = TrainConfig.taking(
+            "CompressedEBCSharder",
+            TAKEN,
+            fwd_codec=fwd_codec,
+            bwd_codec=bwd_codec,
+            eb_policy=eb_policy,
+            **ours,
         )
         self._order = kwargs.get("sharded_module_order_overwrite")
         super().__init__(**kwargs)
