@@ -24,7 +24,6 @@ from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
-from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -33,7 +32,6 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
 from recsz.config import TrainConfig
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
-from recsz.torchrec.ids import IdsPacker
 from recsz.torchrec.rows import first_bags
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 
@@ -62,8 +60,6 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     recsz_config: ClassVar[TrainConfig]
     #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
     recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
-    #: the input dists' id packers (ids.py), where the sharder packs ids
-    recsz_packers: ClassVar[list[IdsPacker] | None]
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -100,18 +96,6 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
 
         sharding.create_output_dist = create_output_dist
         sharding.create_lookup = create_lookup
-        packers = cls.recsz_packers
-        if packers is not None:  # the ids bit-packed (ids.py), on each KJTAllToAll
-            input_of = sharding.create_input_dist
-
-            def create_input_dist(*args: Any, **kwargs: Any) -> Any:
-                made = input_of(*args, **kwargs)
-                if isinstance(getattr(made, "_dist", None), KJTAllToAll):
-                    packers.append(IdsPacker())
-                    made._dist.register_forward_pre_hook(packers[-1])
-                return made
-
-            sharding.create_input_dist = create_input_dist
         return sharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
@@ -190,10 +174,8 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
     Keyword arguments named like :class:`recsz.config.TrainConfig` fields configure the
     compression (those in :data:`TAKEN`: ``fwd_codec``, ``bwd_codec``, ``eb_policy``,
     ``fwd_eb``, ``eb_mode``, ``decay_schedule``, ``check_bounds``, ...; the defaults here:
-    ``hybrid`` both ways under the ``dual`` policy; another field is refused by name);
-    ``pack_ids``: the input dist sends the ids and bag lengths bit-packed (lossless;
-    :mod:`recsz.torchrec.ids`); the rest (``fused_params``, ``qcomm_codecs_registry``, ...)
-    go to TorchRec's sharder.
+    ``hybrid`` both ways under the ``dual`` policy; another field is refused by name); the
+    rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's sharder.
     """
 
     def __init__(
@@ -201,7 +183,6 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         fwd_codec: str = "hybrid",
         bwd_codec: str = "hybrid",
         eb_policy: str = "dual",
-        pack_ids: bool = True,
         **kwargs: Any,
     ) -> None:
         ours = {k: kwargs.pop(k) for k in list(kwargs) if k in _OURS}
@@ -218,11 +199,7 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         self._module_type: type[_CompressedEBC] = type(
             "CompressedShardedEmbeddingBagCollection",
             (_CompressedEBC,),
-            {
-                "recsz_config": self.config,
-                "recsz_dists": [],
-                "recsz_packers": [] if pack_ids else None,
-            },
+            {"recsz_config": self.config, "recsz_dists": []},
         )
 
     @property
@@ -272,22 +249,18 @@ def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
 def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
     (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks); and
-    ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it).
-    ``ids``: the input dists' (raw: the lengths and ids as TorchRec sends them; 0 where
-    they are not packed)."""
+    ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it)."""
     out: dict[str, dict[str, Any]] = {
-        "raw": {"fwd": 0, "bwd": 0, "ids": 0},
-        "wire": {"fwd": 0, "bwd": 0, "ids": 0},
+        "raw": {"fwd": 0, "bwd": 0},
+        "wire": {"fwd": 0, "bwd": 0},
         "max_err": {"fwd": 0.0, "bwd": 0.0},
     }
-    kinds = {type(m) for m in model.modules() if isinstance(m, _CompressedEBC)}
-    for kind in kinds:
-        for dist in kind.recsz_dists:
-            for d in ("fwd", "bwd"):
-                out["raw"][d] += dist.raw[d]
-                out["wire"][d] += dist.wire[d]
-                out["max_err"][d] = max(out["max_err"][d], dist.max_err[d])
-        for packer in kind.recsz_packers or []:
-            for k in ("raw", "wire"):
-                out[k]["ids"] += packer.counter[k]
+    dists = {
+        id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
+    }
+    for dist in dists.values():
+        for d in ("fwd", "bwd"):
+            out["raw"][d] += dist.raw[d]
+            out["wire"][d] += dist.wire[d]
+            out["max_err"][d] = max(out["max_err"][d], dist.max_err[d])
     return out
