@@ -126,6 +126,13 @@ def main() -> None:
         choices=DP_MODES,
         help="the dense part's DDP hook (recsz.torchrec.dense_comm; allreduce: DDP's own)",
     )
+    ap.add_argument(
+        "--sharder-opts",
+        type=json.loads,
+        default={},
+        help='hybrid: JSON of the sharder\'s options over eb_policy="dual" (e.g. '
+        '\'{"bwd_codec": "none"}\', \'{"decay_c": 1.0}\')',
+    )
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
@@ -161,7 +168,8 @@ def main() -> None:
     import recsz.torchrec  # (imports TorchRec)
 
     if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
-        sharder = recsz.torchrec.CompressedEBCSharder(eb_policy="dual", fused_params=fused)
+        options = {"eb_policy": "dual", **a.sharder_opts}
+        sharder = recsz.torchrec.CompressedEBCSharder(fused_params=fused, **options)
     else:
         precision = CommType[a.precision.upper()]
         sharder = EmbeddingBagCollectionSharder(
