@@ -136,9 +136,11 @@ def _batch(step: int, rank: int) -> tuple[object, torch.Tensor]:
     return kjt, torch.randn(B, sum(d for _, d, _ in TABLES.values()), generator=g)
 
 
-def _train(model: torch.nn.Module, rank: int, steps: int = STEPS) -> list[torch.Tensor]:
+def _train(
+    model: torch.nn.Module, rank: int, steps: int = STEPS, start: int = 0
+) -> list[torch.Tensor]:
     outs = []
-    for step in range(steps):
+    for step in range(start, start + steps):
         kjt, w = _batch(step, rank)
         y = model(kjt).wait().values()
         outs.append(y.detach().clone())
@@ -186,6 +188,8 @@ def _worker(rank: int, store: str, out: str) -> None:
         res["reads"] = _our_host_reads(rank, plan_of)
     res["damaged"] = _damaged_forward(rank, plan_of)
     res["dense"] = _dense(rank, plan_of)
+    if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
+        res["resumed"] = _resumed(rank, plan_of)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -251,6 +255,38 @@ def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
     except ValueError as e:
         return "backward", str(e)
     return "nowhere", ""
+
+
+def _resumed(rank: int, plan_of: dict) -> dict[str, object]:
+    """The dual policy (a probe window at step 2, its classes after it, the bound decaying
+    over the 4 steps) trained 4 steps at once, and 2 + 2 through ``dmp.state_dict()`` into
+    a fresh DMP; the same from a checkpoint without our state (as stock DMP writes one),
+    and from another rank's (as a checkpointer keeping one copy of non-tensors loads it)."""
+    import recsz.torchrec as rt
+
+    def make() -> rt.CompressedEBCSharder:
+        return rt.CompressedEBCSharder(eb_policy="dual", hindex_probe_steps=1, hindex_every=2,
+                                       decay_t=4)  # fmt: skip
+
+    def resumed(saved: dict) -> tuple[list[torch.Tensor], list[str], list[int]]:
+        sharder = make()
+        model = _dmp(sharder, plan_of)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.load_state_dict(saved)
+        said = [str(w.message) for w in caught if "recsz" in str(w.message)]
+        steps = [d.step for d in sharder.dists]
+        return _train(model, rank, 2, start=2), said, steps
+
+    out: dict[str, object] = {"straight": _train(_dmp(make(), plan_of), rank)}
+    half = _dmp(make(), plan_of)
+    _train(half, rank, 2)
+    saved = half.state_dict()
+    (key,) = [k for k in saved if k.endswith("_extra_state")]
+    out["resumed"] = resumed(saved)
+    out["afresh"] = resumed({k: v for k, v in saved.items() if k != key})
+    out["other"] = resumed({**saved, key: {**saved[key], "rank": 1 - rank}})
+    return out
 
 
 def _dense(rank: int, plan_of: dict) -> dict[str, object]:
@@ -542,3 +578,23 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
     assert layout is not None
     assert layout["kept"].tolist() == [False, True, False]
     assert layout["rows"][0].tolist() == [0, 0, 2]
+
+
+def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
+    """``dmp.state_dict()`` holds the dists' steps and bound policies: 2 + 2 steps through it
+    equal 4 at once, bit for bit; without it (a stock checkpoint) the run differs and says
+    so; another rank's restores the steps alone, and says so."""
+    if "resumed" not in ranks[0]:
+        pytest.skip("run on the host path (the dists' state is the same on both)")
+    for r in ranks:
+        got = r["resumed"]
+        straight = got["straight"][2:]
+        outs, said, steps = got["resumed"]
+        assert all(torch.equal(a, b) for a, b in zip(straight, outs, strict=True))
+        assert said == [] and steps == [2] * len(steps)  # as loaded
+        outs, said, steps = got["afresh"]
+        assert not all(torch.equal(a, b) for a, b in zip(straight, outs, strict=True))
+        assert len(said) == 1 and "holds no sharder state" in said[0] and steps[0] == 0
+        outs, said, steps = got["other"]
+        assert len(said) == 1 and "sharder state: the step counts are restored" in said[0]
+        assert steps == [2] * len(steps)

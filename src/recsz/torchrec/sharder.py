@@ -20,10 +20,12 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torchrec.distributed.embeddingbag import (
     EmbeddingBagCollectionSharder,
     ShardedEmbeddingBagCollection,
@@ -60,6 +62,65 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     recsz_config: ClassVar[TrainConfig]
     #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
     recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
+    #: the version of what :meth:`get_extra_state` writes
+    STATE_VERSION: ClassVar[int] = 1
+
+    def _ours(self) -> list[CompressedPooledEmbeddingDist]:
+        """This module's compressed dists, in its shardings' order (from TorchRec's private
+        ``_output_dists``, read here only)."""
+        return [d for d in self._output_dists if isinstance(d, CompressedPooledEmbeddingDist)]
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """What the compressed dists carry from step to step, in ``dmp.state_dict()``: each
+        one's step count (the bound decay's clock and the probe windows'), its bound
+        policies' state (the classes the homogenization index chose, a window's counts) and
+        its byte counters; this rank's, marked with it."""
+        return {
+            "recsz": self.STATE_VERSION,
+            "rank": dist.get_rank(),
+            "dists": [_dist_state(d) for d in self._ours()],
+        }
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore :meth:`get_extra_state`'s state. Another rank's (a checkpointer that keeps
+        one copy of what is not a tensor, as ``torch.distributed.checkpoint`` does) gives the
+        step counts only (every rank's are the same), with a warning: this rank's policies
+        then classify its tables anew."""
+        ours, rank = self._ours(), dist.get_rank()
+        if (
+            not isinstance(state, dict)
+            or state.get("recsz") != self.STATE_VERSION
+            or len(state.get("dists", ())) != len(ours)
+        ):
+            got = len(state.get("dists", ())) if isinstance(state, dict) else None
+            raise ValueError(
+                f"recsz: rank {rank}: the checkpoint's sharder state does not fit this module "
+                f"(version {state.get('recsz') if isinstance(state, dict) else None}, {got} "
+                f"compressed dists for {len(ours)}: another sharding plan?)"
+            )
+        mine = state["rank"] == rank
+        if not mine:
+            warnings.warn(
+                f"recsz: rank {rank} loads rank {state['rank']}'s sharder state: the step "
+                "counts are restored, this rank's bound policies start afresh",
+                stacklevel=2,
+            )
+        for d, saved in zip(ours, state["dists"], strict=True):
+            _load_dist_state(d, saved, whole=mine)
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """TorchRec's, and a checkpoint without our state (written by stock DMP) loads too,
+        under ``strict``: the dists then start afresh, with a warning."""
+        missing: list[str] = args[2]
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        key = prefix + "_extra_state"  # where nn.Module keeps get_extra_state's
+        if key in missing:
+            missing.remove(key)
+            warnings.warn(
+                f"recsz: the checkpoint holds no sharder state ({key}): the compressed dists' "
+                "bound policies and step counts start afresh",
+                stacklevel=2,
+            )
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -258,9 +319,28 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     dists = {
         id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
     }
-    for dist in dists.values():
+    for one in dists.values():
         for d in ("fwd", "bwd"):
-            out["raw"][d] += dist.raw[d]
-            out["wire"][d] += dist.wire[d]
-            out["max_err"][d] = max(out["max_err"][d], dist.max_err[d])
+            out["raw"][d] += one.raw[d]
+            out["wire"][d] += one.wire[d]
+            out["max_err"][d] = max(out["max_err"][d], one.max_err[d])
     return out
+
+
+def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
+    """One dist's state (:meth:`_CompressedEBC.get_extra_state`)."""
+    return {
+        "step": d.step,
+        "policies": {x.name: x.policy.state_dict() for x in (d.fwd, d.bwd)},
+        "counters": {"raw": dict(d.raw), "wire": dict(d.wire), "max_err": dict(d.max_err)},
+    }
+
+
+def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], whole: bool) -> None:
+    """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone)."""
+    d.step = int(state["step"])
+    if whole:
+        for x in (d.fwd, d.bwd):
+            x.policy.load_state_dict(state["policies"][x.name])
+        for k in ("raw", "wire", "max_err"):
+            getattr(d, k).update(state["counters"][k])
