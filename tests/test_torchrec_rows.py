@@ -12,7 +12,7 @@ pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
 from torchrec import KeyedJaggedTensor
 
 import recsz.torchrec.rows as rows_module
-from recsz.torchrec.rows import Merge, Pick, first_bags
+from recsz.torchrec.rows import Merge, Pick, first_bags, first_rows
 
 
 @st.composite
@@ -114,3 +114,15 @@ def test_a_content_travels_once_and_its_gradients_as_one_sum(
             want = grad[of, c : c + width].sum(0) if ids else torch.zeros(width).double()
             assert torch.allclose(placed[of, c : c + width].sum(0), want)
             assert int((placed[of, c : c + width] != 0).any(1).sum()) <= 1
+
+
+@given(kjt=_bags())
+@settings(max_examples=60, deadline=None)
+def test_first_rows_point_every_bag_at_its_contents_first(kjt: KeyedJaggedTensor) -> None:
+    """Row-wise tables' merges (rows.first_rows): each bag's row is its content's first bag
+    (the first bag, in order, with the same ids), an empty bag's its own."""
+    src = first_rows(_first_bags(kjt)[1].t())
+    for f, bags in enumerate(_contents(kjt)):
+        for i, ids in enumerate(bags):
+            want = bags.index(ids) if ids else i
+            assert int(src[i, f]) == want, (f, i)

@@ -110,11 +110,11 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
 
 
 #: ids a bag: (fewest, most) of each table; the others 1-3
-BAGS = {"t0": (1, 1), "t1": (0, 1), "t3": (1, 1)}
+BAGS = {"t0": (1, 1), "t1": (0, 1), "t3": (1, 1), "t5": (1, 1)}
 
 
 def _batch(step: int, rank: int) -> tuple[object, torch.Tensor]:
-    """This rank's local batch (one-hot t0 and t3, t1 0-1 ids a bag, the others 1-3) and
+    """This rank's local batch (one-hot t0, t3 and t5, t1 0-1 ids a bag, the others 1-3) and
     the loss weights of its outputs."""
     from torchrec import KeyedJaggedTensor
 
@@ -159,7 +159,13 @@ def _worker(rank: int, store: str, out: str) -> None:
     res: dict[str, object] = {}
     res["stock"] = _train(_dmp(EmbeddingBagCollectionSharder(), plan_of), rank)
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
+    import recsz.torchrec.rowwise as rowwise
+
+    merged, first_rows = [], rowwise.first_rows  # the row-wise dist's merges, as they happen
+    rowwise.first_rows = lambda inv: merged.append(inv.max(0).values + 1) or first_rows(inv)
     res["lossless"] = _train(_dmp(lossless, plan_of), rank)
+    rowwise.first_rows = first_rows
+    res["rw_contents"] = [m.tolist() for m in merged]  # a step's contents per RW feature
     res["dists"] = len(lossless.dists)  # one per sharding type: TW, CW, TWCW, RW
     rw = [d for d in lossless.dists if isinstance(d, rt.CompressedReduceScatterDist)]
     res["rw_bytes"] = [(d.raw["fwd"], d.wire["fwd"], d.raw["bwd"], d.wire["bwd"]) for d in rw]
@@ -412,6 +418,15 @@ def test_row_wise_sends_only_the_bags_each_rank_filled(ranks: list[dict]) -> Non
         ((raw_f, wire_f, raw_b, wire_b),) = res["rw_bytes"]
         assert 0.5 * raw_f < wire_f < 0.85 * raw_f
         assert 0 < wire_b < 0.85 * raw_b
+
+
+def test_row_wise_bags_of_one_content_travel_once(ranks: list[dict]) -> None:
+    """The row-wise dist merges too: every step, the one-hot row-wise table t5 had fewer
+    contents than the rank's 64 bags (its 70 ids repeat), and stock DMP's outputs all the
+    same (the lossless test)."""
+    for res in ranks:
+        contents = res["rw_contents"]
+        assert len(contents) == STEPS and all(0 < t5 < B for t5, _ in contents)
 
 
 def test_lossy_outputs_within_the_bound_and_bytes_counted(ranks: list[dict]) -> None:

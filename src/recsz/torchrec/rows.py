@@ -104,6 +104,18 @@ class Merge(NamedTuple):
 Rows = Pick | Merge
 
 
+def first_rows(inverse: torch.Tensor) -> torch.Tensor:
+    """(rows, features): the row of each bag's content's first bag (an empty bag's: its own),
+    from a :class:`Merge`'s ``inverse``; sized by the shapes alone (no host read). Row-wise
+    tables gather their summed rows from it forward and add the gradients into it backward."""
+    n, f = inverse.shape
+    rows = torch.arange(n, device=inverse.device).unsqueeze(1).expand(n, f)
+    slot = torch.where(inverse < 0, n, inverse)  # an empty bag's content: one past the last
+    first = torch.full((n + 1, f), n, dtype=rows.dtype, device=inverse.device)
+    first = first.scatter_reduce(0, slot, rows, "amin")
+    return torch.where(inverse < 0, rows, first.gather(0, slot))
+
+
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
 

@@ -14,6 +14,11 @@ the bags it filled: a rank's update reads no other (an empty bag touches no row)
 is exact, and with one id a sample a rank gets 1 / world of the rows. Which bags hold ids
 comes from the lengths of the lookup's input, which the sharder's hook hands over
 (:attr:`seen`); without them every bag counts as filled.
+
+Bags of one content (:mod:`recsz.torchrec.rows`): the sample owner emptied every bag but
+the first of each before TorchRec's input dist, so no rank fills a repeat; the owner copies
+the first bag's summed row to the others forward, and adds their gradients onto it
+backward (a table's update reads only that sum).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from recsz.comm.exchange import PendingBytes
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
-from recsz.torchrec.rows import Pick
+from recsz.torchrec.rows import Pick, first_rows
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -84,7 +89,13 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         if filled is None:
             filled = torch.ones(n, f, dtype=torch.bool, device=data.device)
         masks = [filled[at[r] : at[r + 1]] for r in range(self.world)]
-        return {"mine": Pick.of(masks)[0], "bits": [[pack_bits(m)] for m in masks]}
+        ctx = {"mine": Pick.of(masks)[0], "bits": [[pack_bits(m)] for m in masks]}
+        merge = getattr(sharding_ctx, "recsz_merge", None)
+        if merge is not None:  # each column of my samples' block: its content's first row
+            cols = [i for i, d in enumerate(self.dims[self.rank]) for _ in range(d)]
+            src = first_rows(merge[0].to(data.device))
+            ctx["firsts"] = src[:, self._index(cols, data.device)]
+        return ctx
 
     def finish_forward(
         self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context
@@ -109,12 +120,14 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
             return picks
 
         rows = [n] * self.world
-        got = self._receive(self.fwd, pending, rows, self.dims, hold, theirs)
-        return torch.stack(got).sum(0)
+        got = torch.stack(self._receive(self.fwd, pending, rows, self.dims, hold, theirs)).sum(0)
+        return got.gather(0, ctx["firsts"]) if "firsts" in ctx else got
 
     def start_backward(self, grad: torch.Tensor, step: int, ctx: Context) -> PendingBytes:
         """(local batch, all dims) gradient: to each rank, the rows of the bags it filled."""
         grad = self._divided(grad)
+        if "firsts" in ctx:  # a content's gradients, summed on its first bag
+            grad = torch.zeros_like(grad).scatter_add_(0, ctx["firsts"], grad)
         block = (grad, self.dims[self.rank], self.keys[self.rank])
         blocks = [block] * self.world
         return self._send(self.bwd, step, blocks, block, True, picks=ctx["theirs"])

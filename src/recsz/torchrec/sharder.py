@@ -11,8 +11,8 @@ reduce-scatter within a host, then an all-to-all between hosts) are not carried:
 sharder does not offer them to the planner, and a plan that asks for one is refused
 naming the tables.
 
-The sharded module's ``input_dist`` empties, in this rank's batch, every bag of a
-table-wise table but the first of each content (:mod:`recsz.torchrec.rows`) and keeps how
+The sharded module's ``input_dist`` empties, in this rank's batch, every bag of a table
+whose output we carry but the first of each content (:mod:`recsz.torchrec.rows`) and keeps how
 the bags merged in TorchRec's per-batch sharding context, for the output dist (a pipeline
 runs the next batch's input dist before this one's output dist); a forward pre-hook on
 each sharding's lookup hands its dist the ids it looked up (which bags are filled).
@@ -140,8 +140,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         ours = COMPRESSED[kind]
         # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
-        # Table-wise kinds take merged bags (input_dist)
-        sharding.recsz_merged = ours is CompressedPooledEmbeddingDist
+        # Our dists take merged bags (input_dist)
+        sharding.recsz_merged = True
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             made.append(ours(build(device=device), config))
@@ -160,7 +160,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         return sharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
-        """TorchRec's, on this rank's ids with the bags of table-wise tables that repeat an
+        """TorchRec's, on this rank's ids with the bags of our dists' tables that repeat an
         earlier bag emptied (``torchrec/rows.py``: that content's row travels once, from
         its first bag); each such sharding's context keeps how its bags merged, for its
         output dist (a pipeline runs the next batch's input dist before this one's)."""
@@ -172,7 +172,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         return got
 
     def _merged(self, features: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], Any]:
-        """Per table-wise sharding, (inverse (rows, its features), counts (its features,)),
+        """Per sharding we carry, (inverse (rows, its features), counts (its features,)),
         and the features with the repeating bags of those tables emptied; nothing for
         weighted bags (a pooled row then depends on the weights) or a variable batch."""
         from torchrec import KeyedJaggedTensor
@@ -201,7 +201,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
 
     def _merge_layout(self, keys: tuple[str, ...], device: torch.device) -> dict[str, Any] | None:
         """Made once for a feature order: which features keep every bag (the other
-        shardings'), and each table-wise sharding's features' positions (on the device);
+        shardings': data-parallel), and each of our shardings' features' positions (on the
+        device);
         None where there is none, or a feature also feeds a table of another sharding (it
         needs every bag)."""
         cache = self.__dict__.setdefault("_recsz_layouts", {})
