@@ -126,10 +126,11 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
     def start_backward(self, grad: torch.Tensor, step: int, ctx: Context) -> PendingBytes:
         """(local batch, all dims) gradient: to each rank, the rows of the bags it filled."""
         grad = self._divided(grad)
+        block = (grad, self.dims[self.rank], self.keys[self.rank])  # bounds: each bag's
+        sent = block
         if "firsts" in ctx:  # a content's gradients, summed on its first bag
-            grad = torch.zeros_like(grad).scatter_add_(0, ctx["firsts"], grad)
-        block = (grad, self.dims[self.rank], self.keys[self.rank])
-        blocks = [block] * self.world
+            sent = (torch.zeros_like(grad).scatter_add_(0, ctx["firsts"], grad), *block[1:])
+        blocks = [sent] * self.world
         return self._send(self.bwd, step, blocks, block, True, picks=ctx["theirs"])
 
     def finish_backward(
