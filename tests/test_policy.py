@@ -153,6 +153,29 @@ def test_state_survives_checkpoint_roundtrip() -> None:
     assert a.classes == b.classes and a.index == b.index and a.events == b.events
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda s: s["classes"].update({0: "medium"}), "unknown classes"),
+        (lambda s: s["classes"].update({7: "tight"}), r"tables \[7\] beyond"),
+        (lambda s: s.pop("win"), "malformed"),
+        (lambda s: s["index"].update({0: "x"}), "malformed"),
+    ],
+)
+def test_a_damaged_state_is_refused_naming_what(edit: object, message: str) -> None:
+    """A class the policy does not have would fail steps later (a KeyError in bounds());
+    the load names it instead, and leaves the policy as it was."""
+    a = DualBound(n_tables=2, class_eb=CLS, probe_steps=1, every=0)
+    a.observe([0, 1], 0, torch.randn(2, 8, 4, generator=torch.Generator().manual_seed(0)))
+    one_bound(a, 0, 1, torch.ones(2, 2))
+    state = a.state_dict()
+    edit(state)  # type: ignore[operator]
+    b = DualBound(n_tables=2, class_eb=CLS, probe_steps=1, every=0)
+    with pytest.raises(ValueError, match=message):
+        b.load_state_dict(state)
+    assert b.classes == {} and b.index == {}
+
+
 def test_fixed_and_relative_bounds() -> None:
     x = torch.tensor([[-1.0, 3.0]])
     assert one_bound(FixedBound(0.03, "rel"), 0, 0, x) == pytest.approx(0.12)

@@ -221,10 +221,23 @@ class DualBound(BoundPolicy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.classes = {int(k): v for k, v in state["classes"].items()}
-        self.index = {int(k): float(v) for k, v in state["index"].items()}
-        self.events = list(state["events"])
-        self._win = {int(t): _Window(*v) for t, v in state["win"].items()}
+        """Restore :meth:`state_dict`'s; ValueError naming what does not fit this policy
+        (a class it does not have, a table beyond its ``n_tables``, a missing field)."""
+        try:
+            classes = {int(k): v for k, v in state["classes"].items()}
+            index = {int(k): float(v) for k, v in state["index"].items()}
+            events = list(state["events"])
+            win = {int(t): _Window(*v) for t, v in state["win"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{self.name} policy state is malformed: {e!r}") from None
+        if bad := {c for c in classes.values() if c not in CLASSES}:
+            raise ValueError(f"{self.name} policy state: unknown classes {sorted(bad)}")
+        tables = set(classes) | set(index) | set(win)
+        if outside := sorted(t for t in tables if not 0 <= t < self.n_tables):
+            raise ValueError(
+                f"{self.name} policy state: tables {outside} beyond this policy's {self.n_tables}"
+            )
+        self.classes, self.index, self.events, self._win = classes, index, events, win
 
 
 def parse_class_eb(spec: str, what: str) -> dict[str, float]:

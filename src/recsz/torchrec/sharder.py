@@ -105,8 +105,11 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
                 "counts are restored, this rank's bound policies start afresh",
                 stacklevel=2,
             )
-        for d, saved in zip(ours, state["dists"], strict=True):
-            _load_dist_state(d, saved, whole=mine)
+        for i, (d, saved) in enumerate(zip(ours, state["dists"], strict=True)):
+            try:
+                _load_dist_state(d, saved, whole=mine)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"recsz: rank {rank}: compressed dist {i}'s state: {e}") from e
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """TorchRec's, and a checkpoint without our state (written by stock DMP) loads too,
@@ -338,10 +341,12 @@ def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
 
 
 def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], whole: bool) -> None:
-    """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone)."""
-    d.step = int(state["step"])
+    """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone).
+    The policies first: a state they refuse leaves the dist as it was."""
+    step = int(state["step"])
     if whole:
         for x in (d.fwd, d.bwd):
             x.policy.load_state_dict(state["policies"][x.name])
         for k in ("raw", "wire", "max_err"):
             getattr(d, k).update(state["counters"][k])
+    d.step = step
