@@ -7,6 +7,7 @@ saw, and the assertions run here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -291,7 +292,8 @@ def _resumed(rank: int, plan_of: dict) -> dict[str, object]:
     (key,) = [k for k in saved if k.endswith("_extra_state")]
     out["resumed"] = resumed(saved)
     out["afresh"] = resumed({k: v for k, v in saved.items() if k != key})
-    out["other"] = resumed({**saved, key: {**saved[key], "rank": 1 - rank}})
+    other = {**json.loads(saved[key]), "rank": 1 - rank}
+    out["other"] = resumed({**saved, key: json.dumps(other).encode()})
     return out
 
 

@@ -20,6 +20,7 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 
 from __future__ import annotations
 
+import json
 import warnings
 from dataclasses import fields
 from typing import Any, ClassVar
@@ -70,16 +71,19 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         ``_output_dists``, read here only)."""
         return [d for d in self._output_dists if isinstance(d, CompressedPooledEmbeddingDist)]
 
-    def get_extra_state(self) -> dict[str, Any]:
+    def get_extra_state(self) -> bytes:
         """What the compressed dists carry from step to step, in ``dmp.state_dict()``: each
         one's step count (the bound decay's clock and the probe windows'), its bound
         policies' state (the classes the homogenization index chose, a window's counts) and
-        its byte counters; this rank's, marked with it."""
-        return {
+        its byte counters; this rank's, marked with it. One JSON blob: a checkpointer that
+        flattens nested state (``torch.distributed.checkpoint``) sees one value of one shape
+        on every rank."""
+        state = {
             "recsz": self.STATE_VERSION,
             "rank": dist.get_rank(),
             "dists": [_dist_state(d) for d in self._ours()],
         }
+        return json.dumps(state, default=float).encode()
 
     def set_extra_state(self, state: Any) -> None:
         """Restore :meth:`get_extra_state`'s state. Another rank's (a checkpointer that keeps
@@ -87,6 +91,10 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         step counts only (every rank's are the same), with a warning: this rank's policies
         then classify its tables anew."""
         ours, rank = self._ours(), dist.get_rank()
+        try:
+            state = json.loads(bytes(state))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recsz: rank {rank}: the checkpoint's sharder state: {e}") from e
         if (
             not isinstance(state, dict)
             or state.get("recsz") != self.STATE_VERSION
@@ -205,9 +213,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     def _merge_layout(self, keys: tuple[str, ...], device: torch.device) -> dict[str, Any] | None:
         """Made once for a feature order: which features keep every bag (the other
         shardings': data-parallel), and each of our shardings' features' positions (on the
-        device);
-        None where there is none, or a feature also feeds a table of another sharding (it
-        needs every bag)."""
+        device); None where there is none, or a feature also feeds a table of another
+        sharding (it needs every bag)."""
         cache = self.__dict__.setdefault("_recsz_layouts", {})
         if keys not in cache:
             shardings = self._embedding_shardings
