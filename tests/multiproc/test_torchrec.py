@@ -196,7 +196,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["damaged"] = _damaged_forward(rank, plan_of)
     res["dense"] = _dense(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
-        res["resumed"] = _resumed(rank, plan_of)
+        res["resumed"] = _resumed(rank, plan_of, Path(out) / "dcp")
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -264,22 +264,28 @@ def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
     return "nowhere", ""
 
 
-def _resumed(rank: int, plan_of: dict) -> dict[str, object]:
+def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
     """The dual policy (a probe window at step 2, its classes after it, the bound decaying
     over the 4 steps) trained 4 steps at once, and 2 + 2 through ``dmp.state_dict()`` into
     a fresh DMP; the same from a checkpoint without our state (as stock DMP writes one),
-    and from another rank's (as a checkpointer keeping one copy of non-tensors loads it)."""
+    and from another rank's (as a checkpointer keeping one copy of non-tensors loads it);
+    and through torch.distributed.checkpoint, which does."""
+    import torch.distributed.checkpoint as dcp
+
     import recsz.torchrec as rt
 
     def make() -> rt.CompressedEBCSharder:
         return rt.CompressedEBCSharder(eb_policy="dual", hindex_probe_steps=1, hindex_every=2,
                                        decay_t=4)  # fmt: skip
 
-    def resumed(saved: dict) -> tuple[list[torch.Tensor], list[str], list[int]]:
+    def resumed(saved: dict | None) -> tuple[list[torch.Tensor], list[str], list[int]]:
         sharder = make()
         model = _dmp(sharder, plan_of)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            if saved is None:  # from the DCP checkpoint
+                saved = model.state_dict()
+                dcp.load(saved, checkpoint_id=str(dcp_dir))
             model.load_state_dict(saved)
         said = [str(w.message) for w in caught if "recsz" in str(w.message)]
         steps = [d.step for d in sharder.dists]
@@ -294,6 +300,8 @@ def _resumed(rank: int, plan_of: dict) -> dict[str, object]:
     out["afresh"] = resumed({k: v for k, v in saved.items() if k != key})
     other = {**json.loads(saved[key]), "rank": 1 - rank}
     out["other"] = resumed({**saved, key: json.dumps(other).encode()})
+    dcp.save(saved, checkpoint_id=str(dcp_dir))
+    out["dcp"] = resumed(None)
     return out
 
 
@@ -615,3 +623,8 @@ def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
         outs, said, steps = got["other"]
         assert len(said) == 1 and "sharder state: the step counts are restored" in said[0]
         assert steps == [2] * len(steps)
+    # torch.distributed.checkpoint keeps rank 0's blob: rank 0 whole, rank 1 the steps
+    for rank, r in enumerate(ranks):
+        outs, said, steps = r["resumed"]["dcp"]
+        assert steps == [2] * len(steps) and len(said) == rank
+        assert not rank or "loads rank 0's sharder state" in said[0]
