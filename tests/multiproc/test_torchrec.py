@@ -280,9 +280,9 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
 
     def resumed(saved: dict | None) -> tuple[list[torch.Tensor], list[str], list[int]]:
         sharder = make()
-        model = _dmp(sharder, plan_of)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            model = _dmp(sharder, plan_of)  # (which says nothing of recsz's state)
             if saved is None:  # from the DCP checkpoint
                 saved = model.state_dict()
                 dcp.load(saved, checkpoint_id=str(dcp_dir))

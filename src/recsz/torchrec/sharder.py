@@ -127,6 +127,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         key = prefix + "_extra_state"  # where nn.Module keeps get_extra_state's
         if key in missing:
             missing.remove(key)
+        if key not in state_dict:
             warnings.warn(
                 f"recsz: the checkpoint holds no sharder state ({key}): the compressed dists' "
                 "bound policies and step counts start afresh",
