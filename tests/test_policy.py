@@ -153,6 +153,30 @@ def test_state_survives_checkpoint_roundtrip() -> None:
     assert a.classes == b.classes and a.index == b.index and a.events == b.events
 
 
+def test_probe_again_classifies_anew_from_that_step() -> None:
+    """A restore that lost a rank's classes (the sharder, given another rank's state) probes
+    again from the step it resumes at; without it, a policy that classifies once keeps its
+    first classes for good. The window survives a checkpoint."""
+    g = torch.Generator().manual_seed(5)
+    runs = []
+    for again in (False, True):
+        p = DualBound(n_tables=1, class_eb=CLS, probe_steps=2, every=0)
+        for step in (0, 1):
+            p.observe([0], step, _spread(g))
+        one_bound(p, 0, 2, torch.ones(2, 2))
+        first = p.class_of(0)
+        if again:
+            p.probe_again(50)
+            q = DualBound(n_tables=1, class_eb=CLS, probe_steps=2, every=0)
+            q.load_state_dict(p.state_dict())
+            p = q
+        for step in (50, 51):
+            p.observe([0], step, _collapsing(g))
+        one_bound(p, 0, 52, torch.ones(2, 2))
+        runs.append((first, p.class_of(0)))
+    assert runs[0] == ("loose", "loose") and runs[1] == ("loose", "tight")
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [

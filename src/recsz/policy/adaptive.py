@@ -128,6 +128,7 @@ class DualBound(BoundPolicy):
     events: list[dict[str, Any]] = field(default_factory=list)
     _win: dict[int, _Window] = field(default_factory=dict)
     _pending: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)
+    _again: int | None = None  # a probe window from this step (:meth:`probe_again`)
 
     def __post_init__(self) -> None:
         if set(self.class_eb) != set(CLASSES) or min(self.class_eb.values()) <= 0:
@@ -145,6 +146,8 @@ class DualBound(BoundPolicy):
     def _in_window(self, step: int) -> bool:
         """Probe windows: [0, probe) and then [k every, k every + probe) for k >= 1."""
         if step < self.probe_steps:
+            return True
+        if self._again is not None and self._again <= step < self._again + self.probe_steps:
             return True
         return bool(self.every) and step >= self.every and step % self.every < self.probe_steps
 
@@ -218,6 +221,7 @@ class DualBound(BoundPolicy):
             "index": dict(self.index),
             "events": list(self.events),
             "win": {t: (w.before, w.after) for t, w in self._win.items()},
+            "again": self._again,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -228,6 +232,7 @@ class DualBound(BoundPolicy):
             index = {int(k): float(v) for k, v in state["index"].items()}
             events = list(state["events"])
             win = {int(t): _Window(*v) for t, v in state["win"].items()}
+            again = None if state.get("again") is None else int(state["again"])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"{self.name} policy state is malformed: {e!r}") from None
         if bad := {c for c in classes.values() if c not in CLASSES}:
@@ -238,6 +243,12 @@ class DualBound(BoundPolicy):
                 f"{self.name} policy state: tables {outside} beyond this policy's {self.n_tables}"
             )
         self.classes, self.index, self.events, self._win = classes, index, events, win
+        self._again = again
+
+    def probe_again(self, step: int) -> None:
+        """A probe window of ``probe_steps`` from ``step``, its classes after it (until then
+        the tables keep theirs: base where none)."""
+        self._again = step
 
 
 def parse_class_eb(spec: str, what: str) -> dict[str, float]:

@@ -120,6 +120,10 @@ class BoundPolicy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def probe_again(self, step: int) -> None:
+        """Learn anew from ``step`` on, what a restore could not give back (a checkpoint
+        with another rank's state); nothing for a policy that learns nothing."""
+
 
 class FixedBound(BoundPolicy):
     """One bound for every table and step (absolute, or relative to each slice's range)."""

@@ -89,7 +89,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         """Restore :meth:`get_extra_state`'s state. Another rank's (a checkpointer that keeps
         one copy of what is not a tensor, as ``torch.distributed.checkpoint`` does) gives the
         step counts only (every rank's are the same), with a warning: this rank's policies
-        then classify its tables anew."""
+        then probe its tables anew from that step (:meth:`BoundPolicy.probe_again`)."""
         ours, rank = self._ours(), dist.get_rank()
         try:
             state = json.loads(bytes(state))
@@ -110,7 +110,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         if not mine:
             warnings.warn(
                 f"recsz: rank {rank} loads rank {state['rank']}'s sharder state: the step "
-                "counts are restored, this rank's bound policies start afresh",
+                "counts are restored, this rank's bound policies probe its tables anew",
                 stacklevel=2,
             )
         for i, (d, saved) in enumerate(zip(ours, state["dists"], strict=True)):
@@ -352,9 +352,12 @@ def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], wh
     """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone).
     The policies first: a state they refuse leaves the dist as it was."""
     step = int(state["step"])
-    if whole:
-        for x in (d.fwd, d.bwd):
+    for x in (d.fwd, d.bwd):
+        if whole:
             x.policy.load_state_dict(state["policies"][x.name])
+        else:
+            x.policy.probe_again(step)
+    if whole:
         for k in ("raw", "wire", "max_err"):
             getattr(d, k).update(state["counters"][k])
     d.step = step
