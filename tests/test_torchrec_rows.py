@@ -12,7 +12,7 @@ pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
 from torchrec import KeyedJaggedTensor
 
 import recsz.torchrec.rows as rows_module
-from recsz.torchrec.rows import Merge, Pick, first_bags, first_rows
+from recsz.torchrec.rows import Merge, Pick, first_bags
 
 
 @st.composite
@@ -29,8 +29,9 @@ def _bags(draw: st.DrawFn) -> KeyedJaggedTensor:
 
 
 def _first_bags(kjt: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """first_bags' first bags and contents (its third output: the test below)."""
     lengths = kjt.lengths().view(len(kjt.keys()), kjt.stride())
-    return first_bags(lengths, kjt.offsets()[:-1], kjt.values())
+    return first_bags(lengths, kjt.offsets()[:-1], kjt.values())[:2]
 
 
 def _contents(kjt: KeyedJaggedTensor) -> list[list[tuple[int, ...]]]:
@@ -118,11 +119,12 @@ def test_a_content_travels_once_and_its_gradients_as_one_sum(
 
 @given(kjt=_bags())
 @settings(max_examples=60, deadline=None)
-def test_first_rows_point_every_bag_at_its_contents_first(kjt: KeyedJaggedTensor) -> None:
-    """Row-wise tables' merges (rows.first_rows): each bag's row is its content's first bag
-    (the first bag, in order, with the same ids), an empty bag's its own."""
-    src = first_rows(_first_bags(kjt)[1].t())
+def test_each_bag_points_at_its_contents_first(kjt: KeyedJaggedTensor) -> None:
+    """Row-wise tables' merges (first_bags' third output): each bag's row is its content's
+    first bag (the first bag, in order, with the same ids), an empty bag's its own."""
+    lengths = kjt.lengths().view(len(kjt.keys()), kjt.stride())
+    src = first_bags(lengths, kjt.offsets()[:-1], kjt.values())[2]
     for f, bags in enumerate(_contents(kjt)):
         for i, ids in enumerate(bags):
             want = bags.index(ids) if ids else i
-            assert int(src[i, f]) == want, (f, i)
+            assert int(src[f, i]) == want, (f, i)

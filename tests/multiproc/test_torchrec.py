@@ -162,10 +162,16 @@ def _worker(rank: int, store: str, out: str) -> None:
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
     import recsz.torchrec.rowwise as rowwise
 
-    merged, first_rows = [], rowwise.first_rows  # the row-wise dist's merges, as they happen
-    rowwise.first_rows = lambda inv: merged.append(inv.max(0).values + 1) or first_rows(inv)
-    # what the row-wise backward takes its bounds from: t5's columns (its first 8), a row a bag
-    Dist, bounds_of, zero = rowwise.CompressedReduceScatterDist, [], []
+    # the row-wise dist's merges, as they happen (each feature's contents), and what its
+    # backward takes its bounds from: t5's columns (its first 8), a row a bag
+    Dist, context_of, bounds_of, merged, zero = rowwise.CompressedReduceScatterDist, [], [], [], []
+    context_of.append(Dist._context)
+    Dist._context = lambda self, data, at, sctx: (
+        (  # type: ignore[method-assign]
+            merged.append(sctx.recsz_merge[1]) if sctx.recsz_merge is not None else None
+        )
+        or context_of[0](self, data, at, sctx)
+    )
     bounds_of.append(Dist._bounds)
     Dist._bounds = (
         lambda self, d, step, x, *a: (
@@ -176,7 +182,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         )
     )
     res["lossless"] = _train(_dmp(lossless, plan_of), rank)
-    rowwise.first_rows, Dist._bounds = first_rows, bounds_of[0]
+    Dist._context, Dist._bounds = context_of[0], bounds_of[0]
     res["rw_contents"] = [m.tolist() for m in merged]  # a step's contents per RW feature
     res["rw_bound_zero_rows"] = zero
     res["dists"] = len(lossless.dists)  # one per sharding type: TW, CW, TWCW, RW

@@ -319,7 +319,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         merge = getattr(sharding_ctx, "recsz_merge", None)
         if merge is None:
             return {}
-        inverse, counts = merge
+        inverse, counts, _ = merge
         if filled is None and f:
             raise ValueError(
                 f"rank {self.rank}: the lookup's ids of this step are missing or not {f} "

@@ -104,18 +104,6 @@ class Merge(NamedTuple):
 Rows = Pick | Merge
 
 
-def first_rows(inverse: torch.Tensor) -> torch.Tensor:
-    """(rows, features): the row of each bag's content's first bag (an empty bag's: its own),
-    from a :class:`Merge`'s ``inverse``; sized by the shapes alone (no host read). Row-wise
-    tables gather their summed rows from it forward and add the gradients into it backward."""
-    n, f = inverse.shape
-    rows = torch.arange(n, device=inverse.device).unsqueeze(1).expand(n, f)
-    slot = torch.where(inverse < 0, n, inverse)  # an empty bag's content: one past the last
-    first = torch.full((n + 1, f), n, dtype=rows.dtype, device=inverse.device)
-    first = first.scatter_reduce(0, slot, rows, "amin")
-    return torch.where(inverse < 0, rows, first.gather(0, slot))
-
-
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
 
@@ -129,13 +117,15 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 def first_bags(
     lengths: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Bags (features, rows) of ``lengths`` ids from ``values`` at ``offsets`` (as a
     KeyedJaggedTensor lays them out): whether each is the first nonempty bag of its content
-    (the same ids in the same order: their pooled rows are equal, bit for bit), and each
-    bag's content among its feature's, numbered in the order of those first bags (-1:
-    empty). A hash of the ids sorts the bags, and each is checked id by id against the
-    first of its hash: where they differ it counts as a content of its own."""
+    (the same ids in the same order: their pooled rows are equal, bit for bit), each bag's
+    content among its feature's, numbered in the order of those first bags (-1: empty), and
+    the row of each bag's content's first bag (an empty bag's: its own; row-wise tables
+    gather their summed rows from it forward and add the gradients into it backward). A
+    hash of the ids sorts the bags, and each is checked id by id against the first of its
+    hash: where they differ it counts as a content of its own."""
     features, rows = lengths.shape
     lengths, offsets, values = lengths.reshape(-1).long(), offsets.reshape(-1).long(), values.long()
     device = lengths.device
@@ -165,4 +155,5 @@ def first_bags(
     filled = lengths.view(features, rows) > 0
     first = (ref == at) & filled
     number = first.long().cumsum(1) - 1
-    return first, torch.where(filled, torch.gather(number, 1, ref), -1)
+    inverse = torch.where(filled, torch.gather(number, 1, ref), -1)
+    return first, inverse, torch.where(filled, ref, at)

@@ -30,7 +30,7 @@ import torch
 
 from recsz.comm.exchange import PendingBytes
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
-from recsz.torchrec.rows import Pick, first_rows
+from recsz.torchrec.rows import Pick
 
 
 def _bit_weights(device: torch.device) -> torch.Tensor:
@@ -93,8 +93,7 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         merge = getattr(sharding_ctx, "recsz_merge", None)
         if merge is not None:  # each column of my samples' block: its content's first row
             cols = [i for i, d in enumerate(self.dims[self.rank]) for _ in range(d)]
-            src = first_rows(merge[0].to(data.device))
-            ctx["firsts"] = src[:, self._index(cols, data.device)]
+            ctx["firsts"] = merge[2].to(data.device)[:, self._index(cols, data.device)]
         return ctx
 
     def finish_forward(

@@ -183,10 +183,13 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             sctx.recsz_merge = merges.get(i)
         return got
 
-    def _merged(self, features: Any) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor]], Any]:
-        """Per sharding we carry, (inverse (rows, its features), counts (its features,)),
-        and the features with the repeating bags of those tables emptied; nothing for
-        weighted bags (a pooled row then depends on the weights) or a variable batch."""
+    def _merged(
+        self, features: Any
+    ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Any]:
+        """Per sharding we carry, (inverse (rows, its features), counts (its features,),
+        each bag's content's first bag (rows, its features)), and the features with the
+        repeating bags of those tables emptied; nothing for weighted bags (a pooled row then
+        depends on the weights) or a variable batch."""
         from torchrec import KeyedJaggedTensor
 
         if (
@@ -202,14 +205,17 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         lengths = lengths.view(len(keys), rows)
         values = features.values()
         # every feature's bags, the kept ones' too: their ids' count is known on the host
-        first, inverse = first_bags(lengths, features.offsets()[:-1], values)
+        first, inverse, source = first_bags(lengths, features.offsets()[:-1], values)
         keep = first | layout["kept"].unsqueeze(1)
         each = torch.repeat_interleave(keep.view(-1), lengths.view(-1), output_size=values.numel())
         stripped = KeyedJaggedTensor(
             keys=keys, values=values[each], lengths=(lengths * keep).view(-1), stride=rows
         )
         counts = first.sum(1)
-        return {i: (inverse[at].t(), counts[at]) for i, at in layout["rows"].items()}, stripped
+        merges = {
+            i: (inverse[at].t(), counts[at], source[at].t()) for i, at in layout["rows"].items()
+        }
+        return merges, stripped
 
     def _merge_layout(self, keys: tuple[str, ...], device: torch.device) -> dict[str, Any] | None:
         """Made once for a feature order: which features keep every bag (the other
@@ -350,7 +356,7 @@ def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
 
 def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], whole: bool) -> None:
     """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone).
-    The policies first: a state they refuse leaves the dist as it was."""
+    The policies first: a state one refuses leaves the step and counters as they were."""
     step = int(state["step"])
     for x in (d.fwd, d.bwd):
         if whole:
