@@ -79,8 +79,8 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
     from torchrec.distributed.sharding_plan import (
         column_wise,
         construct_module_sharding_plan,
+        grid_shard,
         row_wise,
-        table_row_wise,
         table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
@@ -95,7 +95,7 @@ def _dmp(sharder: object, plan_of: dict, net: bool = False) -> torch.nn.Module:
 
     make = {"tw": lambda a: table_wise(rank=a), "cw": lambda a: column_wise(ranks=a),
             "twcw": table_column_wise, "rw": lambda a: row_wise(),
-            "twrw": lambda a: table_row_wise(host_index=0)}  # fmt: skip
+            "grid": lambda a: grid_shard(host_indexes=[0])}  # fmt: skip
     ebc = _model(0)
     per_param = {n: make[k](a) for n, (k, a) in plan_of.items()}
     plan = construct_module_sharding_plan(
@@ -205,9 +205,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["eval_counted"] = [after[k] != res["bytes"][k] for k in ("raw", "wire")]
     res["variable_batch"] = _variable_batch(lossy.dists[0])
     try:
-        _dmp(lossless, {**plan_of, "t1": ("twrw", None)})
+        _dmp(lossless, {**plan_of, "t1": ("grid", None)})
     except ValueError as e:
-        res["twrw_error"] = str(e)
+        res["grid_error"] = str(e)
     res["pipeline"] = _pipeline(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
         res["reads"] = _our_host_reads(rank, plan_of)
@@ -490,9 +490,10 @@ def test_a_damaged_forward_payload_is_named_before_its_backward_leaves(
         assert f"rank {rank}: fwd payloads" in msg, msg
 
 
-def test_table_row_wise_is_refused_naming_the_table(ranks: list[dict]) -> None:
+def test_grid_sharding_is_refused_naming_the_table(ranks: list[dict]) -> None:
+    """(Table-row-wise tables: tests/multiproc/test_torchrec_twrw.py, four ranks.)"""
     for res in ranks:
-        assert "tables t1 are sharded table_row_wise" in res["twrw_error"]
+        assert "tables t1 are sharded grid_shard" in res["grid_error"]
 
 
 def test_train_pipeline_sparse_dist_gives_stock_losses(ranks: list[dict]) -> None:

@@ -16,11 +16,13 @@ from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
+from recsz.torchrec.twrw import CompressedTwRwDist
 
 __all__ = [
     "CompressedEBCSharder",
     "CompressedPooledEmbeddingDist",
     "CompressedReduceScatterDist",
+    "CompressedTwRwDist",
     "comm_bytes",
     "dense_comm",
     "sharders",

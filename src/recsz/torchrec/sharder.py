@@ -6,10 +6,10 @@ table-wise, column-wise and table-column-wise tables (an all-to-all of pooled
 embeddings) and by :class:`CompressedReduceScatterDist` for row-wise ones (a
 reduce-scatter of partial sums), through TorchRec's extension point for exactly this
 (``ShardedEmbeddingBagCollection.create_embedding_bag_sharding``, a classmethod so that
-a subclass can change the sharding it returns). Table-row-wise and grid shardings (a
-reduce-scatter within a host, then an all-to-all between hosts) are not carried: the
-sharder does not offer them to the planner, and a plan that asks for one is refused
-naming the tables.
+a subclass can change the sharding it returns), and by :class:`CompressedTwRwDist` for
+table-row-wise ones (TorchRec's reduce-scatter within a host, then our all-to-all between
+hosts). Grid shardings are not carried: the sharder does not offer them to the planner,
+and a plan that asks for one is refused naming the tables.
 
 The sharded module's ``input_dist`` empties, in this rank's batch, every bag of a table
 whose output we carry but the first of each content (:mod:`recsz.torchrec.rows`) and keeps how
@@ -37,15 +37,19 @@ from recsz.config import TrainConfig
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rows import first_bags
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
+from recsz.torchrec.twrw import CompressedTwRwDist
 
 #: Our dist of each sharding whose output we carry, and the one with no output
 #: communication at all.
-COMPRESSED = {
+COMPRESSED: dict[str, type[CompressedPooledEmbeddingDist] | type[CompressedTwRwDist]] = {
     ShardingType.TABLE_WISE.value: CompressedPooledEmbeddingDist,
     ShardingType.COLUMN_WISE.value: CompressedPooledEmbeddingDist,
     ShardingType.TABLE_COLUMN_WISE.value: CompressedPooledEmbeddingDist,
     ShardingType.ROW_WISE.value: CompressedReduceScatterDist,
+    ShardingType.TABLE_ROW_WISE.value: CompressedTwRwDist,
 }
+#: Those whose bags of one content travel once (table-row-wise: every bag, see twrw.py).
+MERGED = set(COMPRESSED) - {ShardingType.TABLE_ROW_WISE.value}
 UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
 _OURS = {f.name for f in fields(TrainConfig)}
 #: The fields the compressed dists read: the codecs and the bound policies' settings.
@@ -69,7 +73,11 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
         ``_output_dists``, read here only)."""
-        return [d for d in self._output_dists if isinstance(d, CompressedPooledEmbeddingDist)]
+        return [
+            d.cross if isinstance(d, CompressedTwRwDist) else d
+            for d in self._output_dists
+            if isinstance(d, CompressedPooledEmbeddingDist | CompressedTwRwDist)
+        ]
 
     def get_extra_state(self) -> bytes:
         """What the compressed dists carry from step to step, in ``dmp.state_dict()``: each
@@ -152,13 +160,14 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         ours = COMPRESSED[kind]
         # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
-        # Our dists take merged bags (input_dist)
-        sharding.recsz_merged = True
+        # Our dists take merged bags (input_dist), but table-row-wise ones
+        sharding.recsz_merged = kind in MERGED
 
         def create_output_dist(device: torch.device | None = None) -> Any:
-            made.append(ours(build(device=device), config))
+            out = ours(build(device=device), config)
+            made.append(out.cross if isinstance(out, CompressedTwRwDist) else out)
             made[-1].seen = seen
-            return made[-1]
+            return out
 
         lookup_of = sharding.create_lookup
 
@@ -168,7 +177,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             return lookup
 
         sharding.create_output_dist = create_output_dist
-        sharding.create_lookup = create_lookup
+        if sharding.recsz_merged:  # (table-row-wise dists read no ids)
+            sharding.create_lookup = create_lookup
         return sharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
