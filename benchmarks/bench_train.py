@@ -115,6 +115,16 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     **{f"trdmp-{p}+rw": ("--dmp", p, "--sharding", "rw") for p in ("fp32", "bf16", "hybrid")},
     "trdmp-bf16+rw+dp-bf16": ("--dmp", "bf16", "--sharding", "rw", "--dp-comm", "bf16"),
     "trdmp-hybrid+rw+dp-eb": ("--dmp", "hybrid", "--sharding", "rw", "--dp-comm", "eb"),
+    # Table-row-wise tables over 2 hosts (a reduce-scatter within a host, an all-to-all
+    # between hosts; our sharder compresses the latter): world sizes of 4 and up.
+    **{f"trdmp-{p}+twrw": ("--dmp", p, "--sharding", "twrw") for p in ("fp32", "bf16", "hybrid")},
+    "trdmp-bf16+twrw+dp-bf16": ("--dmp", "bf16", "--sharding", "twrw", "--dp-comm", "bf16"),
+    "trdmp-hybrid+twrw+dp-eb": ("--dmp", "hybrid", "--sharding", "twrw", "--dp-comm", "eb"),
+    # ... with TorchRec's bf16 comms on the hop within a host, which ours leave alone
+    "trdmp-hybrid+twrw-bf16+dp-eb": (
+        *("--dmp", "hybrid", "--sharding", "twrw"),
+        *("--intra", "bf16", "--dp-comm", "eb"),
+    ),
 }
 #: Any config of ours with this suffix runs with glibc's malloc as it comes (``--host-memory
 #: return``): what keeping freed host memory wins.

@@ -8,7 +8,11 @@ Same model shape as the ``bench`` preset (26 tables of dim 64 hashed to 50k rows
 13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction), same synthetic
 data, seed, global batch and steps as our runs; table-wise sharding (planner constrained;
 ``--sharding rw``: row-wise, every table's rows split over the ranks, its output a
-reduce-scatter of partial sums and its backward an all-gather),
+reduce-scatter of partial sums and its backward an all-gather; ``--sharding twrw``:
+table-row-wise over ``--hosts`` hosts of world / hosts ranks (``LOCAL_WORLD_SIZE``), each
+table's rows split over one host's ranks, tables dealt to the hosts in turn: a
+reduce-scatter within the host, then an all-to-all between hosts, which is all our
+sharder compresses),
 TorchRec's quantized comms (fbgemm ``QuantizedCommCodec``) on the embedding all-to-alls in
 both directions (``--precision hybrid``: recsz's sharder instead, ``recsz.torchrec``: the
 hybrid codec under dual bounds both ways, bytes counted rather than computed), DDP on the
@@ -21,6 +25,7 @@ TorchRec itself (``make anchors``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -42,13 +47,16 @@ from recsz.model.multihot import Bags, parse_hotness
 # Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
 # 8-bit exponent per 32 elements).
 _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "mx4": 0.5 + 1 / 32}
+_SHARDINGS = {"tw": "table_wise", "rw": "row_wise", "twrw": "table_row_wise"}
 
 
-def torchrec_dlrm(mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise") -> Any:
+def torchrec_dlrm(
+    mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise", hosts: int = 1
+) -> Any:
     """TorchRec's DLRM of ``mcfg``'s shape (its dot interaction; tables ``t{i}`` of features
     ``f{i}``, sum-pooled), drawn from torch's generator, under DMP on the process group with
     every table sharded ``sharding`` (TorchRec's name) under ``sharder`` (as on many ranks:
-    fused optimizer)."""
+    fused optimizer); table-row-wise tables dealt to ``hosts`` hosts in turn."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -75,15 +83,32 @@ def torchrec_dlrm(mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise")
         over_arch_layer_sizes=list(mcfg.top_mlp),
     )
     world = dist.get_world_size()
-    if sharding == "row_wise":  # placed by hand: the planner offers RW on GPUs only
+    if sharding != "table_wise":  # placed by hand: the planner offers these on GPUs only
         from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+        from torchrec.distributed.sharding_plan import (
+            construct_module_sharding_plan,
+            row_wise,
+            table_row_wise,
+        )
         from torchrec.distributed.types import ShardingPlan
 
         fused = EmbeddingComputeKernel.FUSED.value  # the fused optimizer, as the planner's TW
-        per_table = {t.name: row_wise(compute_kernel=fused) for t in tables}
+
+        def twrw(host: int) -> Any:  # (TorchRec's helper takes no compute kernel)
+            gen = table_row_wise(host_index=host)
+            return lambda *a, **kw: dataclasses.replace(gen(*a, **kw), compute_kernel=fused)
+
+        per_table = {
+            t.name: row_wise(compute_kernel=fused) if sharding == "row_wise" else twrw(i % hosts)
+            for i, t in enumerate(tables)
+        }
         ebc_plan = construct_module_sharding_plan(
-            ebc, per_table, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+            ebc,
+            per_table,
+            sharder=sharder,
+            local_size=world // hosts,
+            world_size=world,
+            device_type="cpu",
         )
         plan = ShardingPlan({"sparse_arch.embedding_bag_collection": ebc_plan})
     else:
@@ -119,7 +144,16 @@ def main() -> None:
     ap.add_argument(
         "--autocast", action="store_true", help="the dense part under bfloat16 torch.autocast"
     )
-    ap.add_argument("--sharding", default="tw", choices=["tw", "rw"], help="table- or row-wise")
+    ap.add_argument(
+        "--sharding", default="tw", choices=list(_SHARDINGS), help="table-, row-, table-row-wise"
+    )
+    ap.add_argument("--hosts", type=int, default=2, help="twrw: hosts the ranks form")
+    ap.add_argument(
+        "--intra",
+        default="fp32",
+        choices=["fp32", "fp16", "bf16"],
+        help="hybrid, twrw: TorchRec's precision for the reduce-scatter within a host",
+    )
     ap.add_argument(
         "--dp-comm",
         default="allreduce",
@@ -155,6 +189,11 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    local = world // a.hosts  # ranks a host (TorchRec reads it when it shards)
+    if a.sharding == "twrw":
+        if a.hosts < 2 or world % a.hosts:
+            raise SystemExit(f"--hosts {a.hosts}: need 2 or more hosts dividing {world} ranks")
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
     torch.manual_seed(a.seed)
     preset = get_preset(a.preset)
     mcfg = preset.model
@@ -169,6 +208,11 @@ def main() -> None:
 
     if a.precision == "hybrid":  # recsz's sharder: the hybrid codec, dual bounds both ways
         options = {"eb_policy": "dual", **a.sharder_opts}
+        if a.intra != "fp32":  # TorchRec's comms where ours are not (twrw: within a host)
+            precision = CommType[a.intra.upper()]
+            options["qcomm_codecs_registry"] = get_qcomm_codecs_registry(
+                QCommsConfig(forward_precision=precision, backward_precision=precision)
+            )
         sharder = recsz.torchrec.CompressedEBCSharder(fused_params=fused, **options)
     else:
         precision = CommType[a.precision.upper()]
@@ -178,7 +222,7 @@ def main() -> None:
                 QCommsConfig(forward_precision=precision, backward_precision=precision)
             ),
         )
-    dmp = torchrec_dlrm(mcfg, sharder, {"tw": "table_wise", "rw": "row_wise"}[a.sharding])
+    dmp = torchrec_dlrm(mcfg, sharder, _SHARDINGS[a.sharding], a.hosts)
     dense_hook = None
     if a.dp_comm != "allreduce":
         dense_hook = recsz.torchrec.dense_comm(dmp, a.dp_comm)
@@ -224,21 +268,30 @@ def main() -> None:
     t = torch.tensor([train_s])
     dist.all_reduce(t)
     train_s = float(t) / world
+    raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+    # (pooled: one vector a bag, whatever its ids). Table-row-wise: within each host its
+    # ranks' partial sums of the global batch reduce-scattered (each rank sends
+    # (local - 1) / local of them, in TorchRec's precision: beside our sharder, which
+    # carries only the hop between hosts, --intra's), then (hosts - 1) / hosts of what a
+    # rank holds to the other hosts; TorchRec's reduce-scatter takes no FP8 or MX4 (FP16 /
+    # BF16 instead).
+    theirs = a.intra if a.precision == "hybrid" else a.precision
+    intra = raw * (local - 1) * max(_WIRE_BYTES[theirs], 2.0) / 4 if a.sharding == "twrw" else 0
     if a.precision == "hybrid":  # counted: payload bytes that left each rank, all ranks
         sent = recsz.torchrec.comm_bytes(dmp)
         counts = torch.tensor([float(sent[k][d]) for k in ("raw", "wire") for d in ("fwd", "bwd")])
         dist.all_reduce(counts)
         raw_f, raw_b, wire_f, wire_b = counts.tolist()
-        wire, ratios = wire_f + wire_b, (raw_f / wire_f, raw_b / wire_b)
+        wire, ratios = wire_f + wire_b + intra, (raw_f / wire_f, raw_b / wire_b)
     else:  # fixed-size codecs: computed
-        raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
-        # (pooled: one vector a bag, whatever its ids)
         per_element, share = _WIRE_BYTES[a.precision], (world - 1) / world
         if a.sharding == "rw":
             # Every rank's partial sums of the global batch go to every other rank, and the
-            # gradients back; TorchRec's reduce-scatter takes no FP8 or MX4 (FP16 / BF16).
+            # gradients back (FP16 / BF16 at the least, as above).
             per_element, share = max(per_element, 2.0), world - 1
-        wire = raw / 4 * per_element * share
+        if a.sharding == "twrw":
+            share = (a.hosts - 1) / a.hosts
+        wire = raw / 4 * per_element * share + intra
         ratios = (4 / per_element,) * 2
     if rank == 0:
         y, p_all = np.concatenate(labels), np.concatenate(preds)

@@ -101,6 +101,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.pg: dist.ProcessGroup = inner._pg
         self.callbacks = list(getattr(inner, "_callbacks", None) or [])
         self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
+        #: who this is in errors: the global rank (``rank`` is this one's in ``pg``)
+        self.who = f"rank {dist.get_rank()}"
         #: each rank's block of a sample: its features' dims, and their keys (the
         #: policies' table ids: every feature of the sharding, in rank order)
         self.dims, self.keys = self._layout(inner)
@@ -144,7 +146,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         if not per_rank:
             if local_embs.shape[0] % self.world:
                 raise ValueError(
-                    f"rank {self.rank}: global batch {local_embs.shape[0]} is not divisible "
+                    f"{self.who}: global batch {local_embs.shape[0]} is not divisible "
                     f"by the {self.world} ranks"
                 )
             per_rank = [local_embs.shape[0] // self.world] * self.world
@@ -286,7 +288,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         out = [new(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)]
         checks = self._fwd_checks if hold else HeldChecks()
         try:
-            with checks.holding(f"rank {self.rank}: {d.name} payloads"):
+            with checks.holding(f"{self.who}: {d.name} payloads"):
                 for width in sorted({w for ws in widths for w in ws}):
                     srcs = [s for s in range(self.world) if width in widths[s]]
                     fcs = [_by_width(dims[s])[width] for s in srcs]
@@ -304,7 +306,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
                         for j, c in enumerate(cols):
                             out[s][:, c : c + width] = slabs[j]
         except ValueError as e:
-            raise ValueError(f"rank {self.rank}: {d.name} payloads: {e}") from e
+            raise ValueError(f"{self.who}: {d.name} payloads: {e}") from e
         if not hold:
             checks.read()
         return out
@@ -322,7 +324,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         inverse, counts, _ = merge
         if filled is None and f:
             raise ValueError(
-                f"rank {self.rank}: the lookup's ids of this step are missing or not {f} "
+                f"{self.who}: the lookup's ids of this step are missing or not {f} "
                 f"features x {n} samples; the sample owners merged their bags against them"
             )
         if filled is None:

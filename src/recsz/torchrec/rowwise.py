@@ -109,12 +109,10 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
                 try:
                     got.append(unpack_bits(part, (n, f)))
                 except ValueError as e:
-                    raise ValueError(f"rank {self.rank}: fwd payloads: rank {s}: {e}") from e
+                    raise ValueError(f"{self.who}: fwd payloads: rank {s}: {e}") from e
             picks, ok = Pick.of([m for m, _ in got], torch.stack([k for _, k in got]))
             if bad := [s for s, k in enumerate(ok) if not k]:
-                raise ValueError(
-                    f"rank {self.rank}: fwd payloads: row bits of rank(s) {bad} damaged"
-                )
+                raise ValueError(f"{self.who}: fwd payloads: row bits of rank(s) {bad} damaged")
             ctx["theirs"] = picks
             return picks
 
