@@ -5,6 +5,8 @@
 Each rate runs inside a fresh network namespace whose loopback is shaped with
 ``tc qdisc add dev lo root tbf rate RATE burst 128kb latency 100ms``; the ranks talk over
 that loopback only, and the namespace is deleted afterwards (also on failure or Ctrl-C).
+Table-row-wise configurations (``+twrw``: 2 hosts) keep the traffic within a host on an
+address of that loopback which tc leaves unshaped (``--host-link fast``, the default).
 Without root or without ``ip``/``tc`` it says so and runs unshaped only.
 
 Same model (``bench`` preset: Terabyte dims, tables hashed to 50k rows), data (synthetic),
@@ -211,39 +213,44 @@ def can_shape() -> str | None:
     return None
 
 
+#: Where ``--host-link fast`` puts the traffic within a host (table-row-wise's reduce-scatter):
+#: an address of the namespace's loopback, labelled so that gloo can be given it by name
+#: (``GLOO_SOCKET_IFNAME``), which tc leaves unshaped.
+HOST_ADDR, HOST_IF = "10.213.0.1", "lo:host"
+
+
 @contextlib.contextmanager
-def shaped(rate: str | None) -> Iterator[list[str]]:
-    """A command prefix that runs inside a namespace with loopback shaped to ``rate``."""
+def shaped(rate: str | None, fast_hosts: bool = False) -> Iterator[list[str]]:
+    """A command prefix that runs inside a namespace with loopback shaped to ``rate``;
+    ``fast_hosts``: but for the traffic of :data:`HOST_ADDR` (the ranks find its name in
+    ``RECSZ_HOST_LINK``), as within a host, where NVLink beats any network."""
     if rate is None:
         yield []
         return
     ns = f"recsz-bench-{os.getpid()}"
+
+    def run(*cmd: str) -> None:
+        subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True)
+
+    tbf = ("tbf", "rate", rate, "burst", "128kb", "latency", "100ms")
     try:
         subprocess.run(["ip", "netns", "add", ns], check=True)
-        subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "lo",
-                "root",
-                "tbf",
-                "rate",
-                rate,
-                "burst",
-                "128kb",
-                "latency",
-                "100ms",
-            ],
-            check=True,
-        )
-        yield ["ip", "netns", "exec", ns]
+        run("ip", "link", "set", "lo", "up")
+        if not fast_hosts:
+            run("tc", "qdisc", "add", "dev", "lo", "root", *tbf)
+            yield ["ip", "netns", "exec", ns]
+            return
+        run("ip", "addr", "add", f"{HOST_ADDR}/32", "dev", "lo", "label", HOST_IF)
+        # two classes that do not limit, everything in the second, shaped by the same tbf,
+        # but what goes to HOST_ADDR (htb: the one classful qdisc this kernel has)
+        run("tc", "qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "20")
+        for c in ("1:10", "1:20"):
+            run("tc", "class", "add", "dev", "lo", "parent", "1:", "classid", c, "htb",
+                "rate", "100gbit", "quantum", "200000")  # fmt: skip
+        run("tc", "qdisc", "add", "dev", "lo", "parent", "1:20", "handle", "20:", *tbf)
+        run("tc", "filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1",
+            "u32", "match", "ip", "dst", f"{HOST_ADDR}/32", "flowid", "1:10")  # fmt: skip
+        yield ["ip", "netns", "exec", ns, "env", f"RECSZ_HOST_LINK={HOST_IF}"]
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False, stderr=subprocess.DEVNULL)
 
@@ -378,6 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--emb-lr", help="the tables' learning rate, every run (default: preset's)")
     ap.add_argument("--train-flags", default="", help="more recsz train flags, our runs only")
+    ap.add_argument(
+        "--host-link",
+        default="fast",
+        choices=["fast", "shaped"],
+        help="twrw configs' traffic within a host (2 hosts of world / 2 ranks): left "
+        "unshaped, as NVLink, or shaped like the rest",
+    )
     a = ap.parse_args(argv)
     # SIGTERM (e.g. a job runner's kill) unwinds like Ctrl-C, so namespaces get deleted.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -431,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[Row] = []
     for rate in rates:
-        with shaped(RATES[rate]) as prefix:
+        fast_hosts = a.host_link == "fast" and any("+twrw" in c for c in configs)
+        with shaped(RATES[rate], fast_hosts) as prefix:
             for world in worlds:
                 base: dict | None = None
                 for cfg in configs:

@@ -50,6 +50,25 @@ _WIRE_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "
 _SHARDINGS = {"tw": "table_wise", "rw": "row_wise", "twrw": "table_row_wise"}
 
 
+def host_groups(link: str, local: int, hosts: int) -> None:
+    """TorchRec's process groups within a host (on the interface ``link``: bench_train.py's
+    unshaped address, as NVLink) and between hosts (the world's, shaped), made here as
+    TorchRec makes them (``intra_and_cross_node_pg``), which then takes them."""
+    import torchrec.distributed.comm as trcomm
+
+    rank = dist.get_rank()
+    os.environ["GLOO_SOCKET_IFNAME"] = link  # read as each group is made
+    for h in range(hosts):
+        group = dist.new_group([h * local + r for r in range(local)])
+        if rank // local == h:
+            trcomm._INTRA_PG = group
+    del os.environ["GLOO_SOCKET_IFNAME"]
+    for r in range(local):
+        group = dist.new_group([r + h * local for h in range(hosts)])
+        if rank % local == r:
+            trcomm._CROSS_PG = group
+
+
 def torchrec_dlrm(
     mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise", hosts: int = 1
 ) -> Any:
@@ -194,6 +213,8 @@ def main() -> None:
         if a.hosts < 2 or world % a.hosts:
             raise SystemExit(f"--hosts {a.hosts}: need 2 or more hosts dividing {world} ranks")
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
+        if link := os.environ.get("RECSZ_HOST_LINK"):
+            host_groups(link, local, a.hosts)
     torch.manual_seed(a.seed)
     preset = get_preset(a.preset)
     mcfg = preset.model
