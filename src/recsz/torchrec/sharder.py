@@ -48,8 +48,6 @@ COMPRESSED: dict[str, type[CompressedPooledEmbeddingDist] | type[CompressedTwRwD
     ShardingType.ROW_WISE.value: CompressedReduceScatterDist,
     ShardingType.TABLE_ROW_WISE.value: CompressedTwRwDist,
 }
-#: Those whose bags of one content travel once (table-row-wise: every bag, see twrw.py).
-MERGED = set(COMPRESSED) - {ShardingType.TABLE_ROW_WISE.value}
 UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
 _OURS = {f.name for f in fields(TrainConfig)}
 #: The fields the compressed dists read: the codecs and the bound policies' settings.
@@ -160,13 +158,13 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         ours = COMPRESSED[kind]
         # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
-        # Our dists take merged bags (input_dist), but table-row-wise ones
-        sharding.recsz_merged = kind in MERGED
+        # Our dists take merged bags (input_dist)
+        sharding.recsz_merged = True
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             out = ours(build(device=device), config)
             made.append(out.cross if isinstance(out, CompressedTwRwDist) else out)
-            made[-1].seen = seen
+            out.seen = seen
             return out
 
         lookup_of = sharding.create_lookup
@@ -177,8 +175,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             return lookup
 
         sharding.create_output_dist = create_output_dist
-        if sharding.recsz_merged:  # (table-row-wise dists read no ids)
-            sharding.create_lookup = create_lookup
+        sharding.create_lookup = create_lookup
         return sharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:

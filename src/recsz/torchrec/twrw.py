@@ -12,16 +12,20 @@ are added exactly within the host, so every element of what a sample owner recei
 within its bound of the pooled sum, and the gradients come back under theirs; TorchRec's
 reduce-scatter's backward (an all-gather within the host) takes them from there.
 
-Bags of one content are not merged for these tables (every bag travels): a host's bags
-come through the reduce-scatter, whose rows the sample owners' merges do not follow.
-Variable batch per feature goes through TorchRec's dist, uncompressed, with a warning.
+Bags of one content travel once between hosts, as in the table-wise dist: the sample owner
+emptied every repeat before TorchRec's input dist, so a content's ids reach only its first
+bag, and the host's reduced row of any other bag is zero. Which bags hold ids (what the
+sender picks) is known to no one rank of the host, each seeing the ids of its rows only:
+each rank's count of ids a bag rides along the reduce-scatter as one more column a
+feature, summed with the partial sums (exact: small integers). Variable batch per feature
+goes through TorchRec's dist, uncompressed, with a warning.
 """
 
 from __future__ import annotations
 
 import warnings
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,6 +66,8 @@ class CompressedTwRwDist(nn.Module):
         )
         self.rank = inner._rank
         self._warned = False
+        #: the ids this sharding's lookup took in the step (the sharder's hook)
+        self.seen: dict[str, Any] = {}
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
         if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
@@ -75,15 +81,41 @@ class CompressedTwRwDist(nn.Module):
         assert self.reduce_scatter is not None  # made in __init__
         local, hosts = self.intra_pg.size(), self.cross.world
         per_rank = list(getattr(sharding_ctx, "batch_size_per_rank", None) or [])
-        cross_ctx = None
+        cross_ctx = SimpleNamespace(
+            variable_batch_per_feature=False,
+            batch_size_per_rank=None,
+            recsz_merge=getattr(sharding_ctx, "recsz_merge", None),
+        )
+        splits: dict[str, Any] = {}
         if len(set(per_rank)) > 1:
             # each local rank's samples from every host, in host order (TorchRec's order)
-            by_cross, sums = self.inner._preprocess_batch_size_per_rank(local, hosts, per_rank)
-            reduced = self.reduce_scatter(local_embs, input_splits=sums).wait()
-            cross_ctx = SimpleNamespace(
-                variable_batch_per_feature=False,
-                batch_size_per_rank=by_cross[self.rank % local],
+            by_cross, splits["input_splits"] = self.inner._preprocess_batch_size_per_rank(
+                local, hosts, per_rank
             )
-        else:
-            reduced = self.reduce_scatter(local_embs).wait()
-        return self.cross(reduced, cross_ctx)
+            cross_ctx.batch_size_per_rank = by_cross[self.rank % local]
+        lookup, width = self.seen.pop("lookup", None), local_embs.shape[1]
+        features = len(self.cross.dims[self.cross.rank])
+        n = local_embs.shape[0]
+        if (
+            cross_ctx.recsz_merge is None
+            or lookup is None
+            or lookup.lengths().numel() != n * features
+        ):
+            cross_ctx.recsz_merge = None  # every bag travels
+            reduced = self.reduce_scatter(local_embs, **splits).wait()
+            return self.cross(reduced, cross_ctx)
+        # This rank's ids a bag ride along, summed with the partial sums: the host's
+        counts = lookup.lengths().view(features, n).t().to(local_embs)
+        reduced = self.reduce_scatter(torch.cat([local_embs, counts], 1), **splits).wait()
+        self.cross.seen["lookup"] = _Lengths(reduced[:, width:].detach())
+        return self.cross(reduced[:, :width], cross_ctx)
+
+
+class _Lengths(NamedTuple):
+    """What the cross dist reads of a lookup's input (:meth:`_filled`): ids a bag, here the
+    host's (reduced rows, features), laid out as a KeyedJaggedTensor's lengths."""
+
+    counts: torch.Tensor
+
+    def lengths(self) -> torch.Tensor:
+        return self.counts.t().reshape(-1)
