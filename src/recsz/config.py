@@ -1,23 +1,21 @@
 """Training configuration: one typed dataclass, validated on construction.
 
-Each field is declared once, with its default, help and allowed values; the `recsz
-train` command line is built from these fields (:func:`build_parser`), so a flag, its
-default and its help cannot drift apart.
+Each field is declared once, with its default, help and allowed values
+(:func:`recsz.fields.opt`); the `recsz train` command line is built from these fields
+(:func:`build_parser`), so a flag, its default and its help cannot drift apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import operator
-import types
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, get_type_hints
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
+from recsz.fields import check, opt, parser
 from recsz.model import (
     MLP_INITS,
     PRESETS,
@@ -40,22 +38,6 @@ CONFIG_VERSION = 9  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hoo
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory
-
-
-def opt(
-    default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True, **limits: float
-) -> Any:
-    """A config field: its default, its help text and, where fixed, its allowed values:
-    ``choices``, or ``limits`` (``ge``, ``gt``, ``le``: v >= , > , <= the value)."""
-    meta = {"help": help, "choices": choices, "cli": cli, "limits": limits}
-    return field(default=default, metadata=meta)
-
-
-_LIMITS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
-
-
-def _limits_text(limits: dict[str, float]) -> str:
-    return " and ".join(f"{_LIMITS[k][1]} {x:g}" for k, x in limits.items())
 
 
 CODECS = tuple(available_codecs())
@@ -243,6 +225,10 @@ class TrainConfig:
         name = self.fwd_codec if direction == "fwd" else self.bwd_codec
         return get_codec_with(name, coder=self.coder)
 
+    def class_eb(self, direction: str) -> dict[str, float]:
+        """The tight, base and loose bounds of one direction ("fwd" or "bwd")."""
+        return parse_class_eb(getattr(self, f"{direction}_class_eb"), f"--{direction}-class-eb")
+
     @classmethod
     def taking(cls, who: str, taken: set[str], **options: Any) -> TrainConfig:
         """A configuration of ``options`` for ``who``, which reads the fields ``taken``
@@ -269,14 +255,7 @@ class TrainConfig:
         }
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            v, m = getattr(self, f.name), f.metadata
-            if v is not None and m["choices"] and v not in m["choices"]:
-                raise ValueError(f"{_flag(f.name)} {v!r} is not one of: {', '.join(m['choices'])}")
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ValueError(f"{_flag(f.name)} must be a finite number, got {v}")
-            if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
-                raise ValueError(f"{_flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
+        check(self)
         self._check_bound_values()
         model = get_preset(self.preset).model
         n_tables = model.n_tables
@@ -325,7 +304,7 @@ class TrainConfig:
     def _check_bound_values(self) -> None:
         """The class bounds parse; an absolute bound is one a codec accepts."""
         for d in ("fwd", "bwd"):
-            classes = parse_class_eb(getattr(self, f"{d}_class_eb"), f"--{d}-class-eb")
+            classes = self.class_eb(d)
             if self.eb_mode != "abs":
                 continue
             for flag, eb in (
@@ -389,38 +368,9 @@ class TrainConfig:
         return cls(**d)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The `recsz train` flags: one per TrainConfig field, typed, defaulted and described
-    by the field."""
-    p = argparse.ArgumentParser(
-        prog="recsz train",
-        description="Train DLRM with a compressed embedding all-to-all.",
-    )
-    hints = get_type_hints(TrainConfig)
-    for f in fields(TrainConfig):
-        if not f.metadata["cli"]:
-            continue
-        kind = hints[f.name]
-        if isinstance(kind, types.UnionType):  # X | None
-            kind = next(a for a in kind.__args__ if a is not type(None))
-        help_text = f.metadata["help"]
-        if f.metadata["choices"]:
-            help_text += f" ({', '.join(f.metadata['choices'])})"
-        if f.metadata["limits"]:
-            help_text += f" ({_limits_text(f.metadata['limits'])})"
-        if f.default is not None and "(default:" not in help_text:  # else the help says it
-            help_text += f" (default: {f.default})"
-        kw: dict[str, Any] = {"default": f.default, "help": help_text}
-        if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            kw["type"] = kind
-        p.add_argument(_flag(f.name), **kw)
-    return p
+    """The `recsz train` flags: one per TrainConfig field."""
+    return parser(TrainConfig, "recsz train", "Train DLRM with a compressed embedding all-to-all.")
 
 
 def parse_train_args(argv: list[str] | None) -> TrainConfig:

@@ -269,10 +269,9 @@ def parse_class_eb(spec: str, what: str) -> dict[str, float]:
 
 def make_adaptive(cfg: TrainConfig, direction: str, n_tables: int) -> DualBound:
     """The table-wise (``table``) or dual-level (``dual``) policy of one direction."""
-    spec = cfg.fwd_class_eb if direction == "fwd" else cfg.bwd_class_eb
     return DualBound(
         n_tables=n_tables,
-        class_eb=parse_class_eb(spec, f"--{direction}-class-eb"),
+        class_eb=cfg.class_eb(direction),
         mode=cfg.eb_mode,
         probe_steps=cfg.hindex_probe_steps,
         every=cfg.hindex_every,

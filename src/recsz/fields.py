@@ -1,0 +1,73 @@
+"""Typed dataclass fields that carry their command line: each declared once, with its
+default, help and allowed values (:func:`opt`); :func:`check` holds an instance to them and
+:func:`parser` makes the flags, so a flag, its default and its help cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import operator
+import types
+from dataclasses import field, fields
+from typing import Any, get_type_hints
+
+_LIMITS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
+
+
+def opt(
+    default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True, **limits: float
+) -> Any:
+    """A field: its default, its help text and, where fixed, its allowed values:
+    ``choices``, or ``limits`` (``ge``, ``gt``, ``le``: v >= , > , <= the value);
+    ``cli=False``: no flag."""
+    meta = {"help": help, "choices": choices, "cli": cli, "limits": limits}
+    return field(default=default, metadata=meta)
+
+
+def flag(name: str) -> str:
+    """A field's flag: ``--batch-size`` for ``batch_size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _limits_text(limits: dict[str, float]) -> str:
+    return " and ".join(f"{_LIMITS[k][1]} {x:g}" for k, x in limits.items())
+
+
+def check(obj: Any) -> None:
+    """Each field of the dataclass instance ``obj`` among its choices, finite where a float,
+    within its limits; a ValueError naming the flag otherwise (None passes)."""
+    for f in fields(obj):
+        v, m = getattr(obj, f.name), f.metadata
+        if v is not None and m["choices"] and v not in m["choices"]:
+            raise ValueError(f"{flag(f.name)} {v!r} is not one of: {', '.join(m['choices'])}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{flag(f.name)} must be a finite number, got {v}")
+        if v is not None and not all(_LIMITS[k][0](v, x) for k, x in m["limits"].items()):
+            raise ValueError(f"{flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
+
+
+def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+    """The flags of the dataclass ``cls``: one per field (but ``cli=False`` ones), typed,
+    defaulted and described by the field."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if not f.metadata["cli"]:
+            continue
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(a for a in kind.__args__ if a is not type(None))
+        help_text = f.metadata["help"]
+        if f.metadata["choices"]:
+            help_text += f" ({', '.join(f.metadata['choices'])})"
+        if f.metadata["limits"]:
+            help_text += f" ({_limits_text(f.metadata['limits'])})"
+        if f.default is not None and "(default:" not in help_text:  # else the help says it
+            help_text += f" (default: {f.default})"
+        kw: dict[str, Any] = {"default": f.default, "help": help_text}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = kind
+        p.add_argument(flag(f.name), **kw)
+    return p
