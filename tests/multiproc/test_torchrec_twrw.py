@@ -19,9 +19,15 @@ torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs 
 
 WORLD, LOCAL, B, STEPS, EB = 4, 2, 16, 3, 1e-3
 # name: (rows, dim, plan): two table-row-wise tables, one on each host, of two widths (a:
-# one-hot over 10 ids, so that a rank's 16 bags repeat; b: 0-3 ids a bag), and a table-wise
-# one beside them
-TABLES = {"a": (10, 8, ("twrw", 0)), "b": (30, 16, ("twrw", 1)), "c": (20, 8, ("tw", 3))}
+# one-hot over 10 ids, so that a rank's 16 bags repeat; b: 0-3 ids a bag), a grid one (its
+# 256 columns over both hosts, in TorchRec's blocks of 128, each half row-wise within its
+# host) and a table-wise one
+TABLES = {
+    "a": (10, 8, ("twrw", 0)),
+    "b": (30, 16, ("twrw", 1)),
+    "d": (24, 256, ("grid", [0, 1])),
+    "c": (20, 8, ("tw", 3)),
+}
 
 
 def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
@@ -29,6 +35,7 @@ def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
         construct_module_sharding_plan,
+        grid_shard,
         table_row_wise,
         table_wise,
     )
@@ -44,7 +51,11 @@ def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
         ]
     )
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
-    make = {"twrw": lambda a: table_row_wise(host_index=a), "tw": lambda a: table_wise(rank=a)}
+    make = {
+        "twrw": lambda a: table_row_wise(host_index=a),
+        "grid": lambda a: grid_shard(host_indexes=a),
+        "tw": lambda a: table_wise(rank=a),
+    }
     per_param = {n: make[k](a) for n, (_, _, (k, a)) in TABLES.items()}
     plan = construct_module_sharding_plan(
         ebc, per_param, sharder=sharder, local_size=LOCAL, world_size=WORLD, device_type="cpu"
@@ -96,7 +107,8 @@ def _worker(rank: int, store: str, out: str) -> None:
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
     res["lossless"] = _train(_dmp(lossless), rank)
     res["kinds"] = sorted(type(d).__name__ for d in lossless.dists)
-    cross = [d for d in lossless.dists if d.world == WORLD // LOCAL]
+    res["dims"] = sorted(str(d.dims) for d in lossless.dists)
+    cross = [d for d in lossless.dists if d.dims == [(8,), (16,)]]  # the twrw tables a, b
     res["cross_bytes"] = [(d.raw["fwd"], d.wire["fwd"], d.raw["bwd"], d.wire["bwd"]) for d in cross]
     # Uneven batches: forward only (TorchRec's all-gather of uneven blocks, the reduce-
     # scatter's backward, fails on gloo, stock DMP's alike)
@@ -148,12 +160,18 @@ def _spawned() -> list[dict]:
 
 
 def test_lossless_codecs_give_stock_dmp(ranks: list[dict]) -> None:
-    """Two table-row-wise tables (hosts 0 and 1) beside a table-wise one, several steps of
+    """Two table-row-wise tables (hosts 0 and 1), a grid one and a table-wise one, several steps of
     fused SGD: our dists (the cross-host all-to-all of each, a table-wise one) give stock
     DMP's outputs, the first bit for bit; with uneven batches (rank r: B + r samples) the
     forward's outputs, bit for bit."""
     for res in ranks:
-        assert res["kinds"] == ["CompressedPooledEmbeddingDist"] * 2
+        assert res["kinds"] == ["CompressedPooledEmbeddingDist"] * 3
+        # table-wise c on rank 3; between the 2 hosts: a | b (twrw), d's column halves (grid)
+        assert res["dims"] == [
+            "[(), (), (), (8,)]",
+            "[(128,), (128,)]",
+            "[(8,), (16,)]",
+        ]
         assert torch.equal(res["lossless"][0], res["stock"][0])
         for step, (a, b) in enumerate(zip(res["lossless"], res["stock"], strict=True)):
             assert (a - b).abs().max() < 1e-5, f"step {step}"

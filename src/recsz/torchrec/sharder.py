@@ -7,9 +7,9 @@ embeddings) and by :class:`CompressedReduceScatterDist` for row-wise ones (a
 reduce-scatter of partial sums), through TorchRec's extension point for exactly this
 (``ShardedEmbeddingBagCollection.create_embedding_bag_sharding``, a classmethod so that
 a subclass can change the sharding it returns), and by :class:`CompressedTwRwDist` for
-table-row-wise ones (TorchRec's reduce-scatter within a host, then our all-to-all between
-hosts). Grid shardings are not carried: the sharder does not offer them to the planner,
-and a plan that asks for one is refused naming the tables.
+table-row-wise and grid ones (TorchRec's reduce-scatter within a host, then our all-to-all
+between hosts). A sharding we do not carry (none of TorchRec 1.8's pooled ones) would not
+be offered to the planner, and a plan that asks for one is refused naming the tables.
 
 The sharded module's ``input_dist`` empties, in this rank's batch, every bag of a table
 whose output we carry but the first of each content (:mod:`recsz.torchrec.rows`) and keeps how
@@ -47,6 +47,7 @@ COMPRESSED: dict[str, type[CompressedPooledEmbeddingDist] | type[CompressedTwRwD
     ShardingType.TABLE_COLUMN_WISE.value: CompressedPooledEmbeddingDist,
     ShardingType.ROW_WISE.value: CompressedReduceScatterDist,
     ShardingType.TABLE_ROW_WISE.value: CompressedTwRwDist,
+    ShardingType.GRID_SHARD.value: CompressedTwRwDist,
 }
 UNTOUCHED = {ShardingType.DATA_PARALLEL.value}
 _OURS = {f.name for f in fields(TrainConfig)}

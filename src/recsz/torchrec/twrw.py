@@ -1,4 +1,4 @@
-"""TorchRec's table-row-wise output dist with its hop between hosts compressed.
+"""TorchRec's table-row-wise and grid output dists with their hop between hosts compressed.
 
 A table-row-wise table (``TwRwPooledEmbeddingDist``; TorchRec's planner's choice for large
 tables on several hosts) has its rows split over the ranks of one host. Its output dist
@@ -10,7 +10,9 @@ hosts through our table-wise dist (:class:`CompressedPooledEmbeddingDist`, on To
 cross-host process group, a host's features standing for a rank's): the partial sums
 are added exactly within the host, so every element of what a sample owner receives is
 within its bound of the pooled sum, and the gradients come back under theirs; TorchRec's
-reduce-scatter's backward (an all-gather within the host) takes them from there.
+reduce-scatter's backward (an all-gather within the host) takes them from there. Grid
+sharding (``GridPooledEmbeddingDist``: a table's columns split over hosts, each column
+shard table-row-wise within its host) takes the same two hops, and the same dist.
 
 Bags of one content travel once between hosts, as in the table-wise dist: the sample owner
 emptied every repeat before TorchRec's input dist, so a content's ids reach only its first
@@ -29,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torchrec.distributed.sharding.grid_sharding import GridPooledEmbeddingDist
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
@@ -38,8 +41,10 @@ from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 
 
 class CompressedTwRwDist(nn.Module):
-    """Drop-in for TorchRec's ``TwRwPooledEmbeddingDist``: TorchRec's reduce-scatter within
-    the host, then :attr:`cross`, our compressed all-to-all between hosts.
+    """Drop-in for TorchRec's ``TwRwPooledEmbeddingDist`` and ``GridPooledEmbeddingDist``
+    (grid sharding: column shards over hosts, each table-row-wise within its host, the same
+    two hops): TorchRec's reduce-scatter within the host, then :attr:`cross`, our
+    compressed all-to-all between hosts.
 
     Args:
         inner: the dist TorchRec built for this sharding (its process groups and layout are
@@ -47,7 +52,9 @@ class CompressedTwRwDist(nn.Module):
         config: codecs and bound policies (the fields of :class:`recsz.config.TrainConfig`).
     """
 
-    def __init__(self, inner: TwRwPooledEmbeddingDist, config: TrainConfig) -> None:
+    def __init__(
+        self, inner: TwRwPooledEmbeddingDist | GridPooledEmbeddingDist, config: TrainConfig
+    ) -> None:
         super().__init__()
         self.inner = inner
         # TorchRec's private fields (stable since 0.x), read here only.
@@ -61,6 +68,8 @@ class CompressedTwRwDist(nn.Module):
                 dim_sum_per_rank=inner._dim_sum_per_node,
                 emb_dim_per_rank_per_feature=inner._emb_dim_per_node_per_feature,
                 device=inner._device,
+                # grid: the column shards' permutation, after the all-to-all
+                callbacks=getattr(inner, "_callbacks", None),
             ),
             config,
         )
