@@ -4,15 +4,13 @@ reduce-scatter within a host, our compressed all-to-all between hosts, against s
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from recsz.devicepath import DEVICE_PATH_ON_CPU
+from tests.multiproc.spawned import codec_path, spawned
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -142,21 +140,9 @@ def _worker(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module", params=["host", "device"])
 def ranks(request: pytest.FixtureRequest) -> Iterator[list[dict]]:
-    """The workers' results; "device": the codecs' device path (formats 3 and 4, what GPUs
-    send, format 3 by its Triton kernels under the interpreter), here on the CPU."""
-    with pytest.MonkeyPatch.context() as mp_env:
-        if request.param == "device":
-            mp_env.setenv(DEVICE_PATH_ON_CPU, "1")  # the spawned workers inherit it
-        yield _spawned()
-
-
-def _spawned() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.start_processes(
-            _worker, args=(store, tmp), nprocs=WORLD, join=True, start_method="spawn"
-        )
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    """The workers' results, on the codecs' host and device paths (:func:`codec_path`)."""
+    with codec_path(request.param):
+        yield spawned(_worker, WORLD)
 
 
 def test_lossless_codecs_give_stock_dmp(ranks: list[dict]) -> None:

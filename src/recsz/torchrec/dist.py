@@ -13,17 +13,13 @@ which the direction's policy sets from all the values of that feature this rank 
 (forward: the global batch; backward: this rank's gradient columns). Features of one
 width form one group; a destination's groups travel framed as one buffer.
 
-Bags of one content (the same ids in the same order: one-hot features' bags of one id,
-repeated multi-hot bags) travel as one row both ways (:mod:`recsz.torchrec.rows`): the
-sample owner empties every bag but the first of each content before TorchRec's input dist
-(the sharder's ``input_dist``, which keeps how its bags merged in TorchRec's per-batch
-sharding context), so the table owner sends the rows of its filled bags, one a content,
-and puts each content's summed gradient back on it (a table's update reads only that
-sum); the sample owner copies a content's row to its bags and sums their gradients.
+Bags of one content travel as one row both ways (:mod:`recsz.torchrec.rows`): the table
+owner sends its filled bags (a :class:`Pick`; the sharder's ``input_dist`` emptied the
+repeats), the sample owner copies each row to its content's bags and sums their gradients
+(a :class:`Merge`, kept in TorchRec's per-batch sharding context).
 
-Row-wise tables (``RwPooledEmbeddingDist``: a reduce-scatter of partial sums, an
-all-gather back) take the same path with every rank's block holding every feature and
-only some rows of each (:class:`Pick`): :mod:`recsz.torchrec.rowwise`.
+Row-wise tables: :mod:`recsz.torchrec.rowwise`; table-row-wise and grid ones:
+:mod:`recsz.torchrec.twrw`.
 
 Backward: when TorchRec's gradient division is on, the gradient is divided by the world
 size before it is encoded (TorchRec divides after the all-to-all), so the bound holds for
@@ -81,6 +77,18 @@ def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
 Context = dict[str, Any]
 
 
+def variable_batch(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
+    """Where the batch varies per feature, TorchRec's own dist (``owner.inner``),
+    uncompressed, with one warning an owner; None otherwise."""
+    if ctx is None or not ctx.variable_batch_per_feature:
+        return None
+    if not getattr(owner, "warned_variable_batch", False):
+        msg = "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)"
+        warnings.warn(msg, stacklevel=3)
+        owner.warned_variable_batch = True
+    return owner.inner(local_embs, ctx)
+
+
 class CompressedPooledEmbeddingDist(nn.Module):
     """Drop-in for TorchRec's ``TwPooledEmbeddingDist``: ``forward(local_embs, ctx)`` gives
     an awaitable of (local batch, all features' dims), compressed both ways.
@@ -119,7 +127,6 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: the largest error / bound seen
         self.check_bounds = config.check_bounds
         self.max_err = {"fwd": 0.0, "bwd": 0.0}
-        self._warned = False
         #: the ids this sharding's lookup took in the step, set by the sharder's hook on
         #: the lookup, taken by the next forward
         self.seen: dict[str, Any] = {}
@@ -134,14 +141,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return dims, [list(range(starts[r], starts[r + 1])) for r in range(self.world)]
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
-        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
-            if not self._warned:
-                warnings.warn(
-                    "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)",
-                    stacklevel=2,
-                )
-                self._warned = True
-            return self.inner(local_embs, sharding_ctx)
+        if (theirs := variable_batch(self, local_embs, sharding_ctx)) is not None:
+            return theirs
         per_rank = getattr(sharding_ctx, "batch_size_per_rank", None) or []
         if not per_rank:
             if local_embs.shape[0] % self.world:

@@ -25,7 +25,6 @@ goes through TorchRec's dist, uncompressed, with a warning.
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -37,7 +36,7 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsz.config import TrainConfig
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, variable_batch
 
 
 class CompressedTwRwDist(nn.Module):
@@ -74,19 +73,12 @@ class CompressedTwRwDist(nn.Module):
             config,
         )
         self.rank = inner._rank
-        self._warned = False
         #: the ids this sharding's lookup took in the step (the sharder's hook)
         self.seen: dict[str, Any] = {}
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
-        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
-            if not self._warned:
-                warnings.warn(
-                    "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)",
-                    stacklevel=2,
-                )
-                self._warned = True
-            return self.inner(local_embs, sharding_ctx)
+        if (theirs := variable_batch(self, local_embs, sharding_ctx)) is not None:
+            return theirs
         assert self.reduce_scatter is not None  # made in __init__
         local, hosts = self.intra_pg.size(), self.cross.world
         per_rank = list(getattr(sharding_ctx, "batch_size_per_rank", None) or [])

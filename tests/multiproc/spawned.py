@@ -1,0 +1,34 @@
+"""Run a worker on gloo ranks (spawned processes) and collect what each saved."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from recsz.devicepath import DEVICE_PATH_ON_CPU
+
+
+@contextmanager
+def codec_path(path: str) -> Iterator[None]:
+    """``path`` "device": the codecs' device path (formats 3 and 4, what GPUs send, format
+    3 by its Triton kernels under the interpreter), here on the CPU, in the ranks spawned
+    inside; "host": the host path."""
+    with pytest.MonkeyPatch.context() as mp_env:
+        if path == "device":
+            mp_env.setenv(DEVICE_PATH_ON_CPU, "1")  # the spawned workers inherit it
+        yield
+
+
+def spawned(worker: Callable[[int, str, str], None], world: int) -> list[dict]:
+    """``worker(rank, store, out)`` on ``world`` ranks; what each saved as ``out/rank{r}.pt``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.start_processes(worker, args=(store, tmp), nprocs=world, join=True, start_method="spawn")
+        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
