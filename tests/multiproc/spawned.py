@@ -32,3 +32,21 @@ def spawned(worker: Callable[[int, str, str], None], world: int) -> list[dict]:
         store = os.path.join(tmp, "store")
         mp.start_processes(worker, args=(store, tmp), nprocs=world, join=True, start_method="spawn")
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def sgd_ebc(tables: dict[str, tuple], seed: int) -> torch.nn.Module:
+    """An EmbeddingBagCollection of ``tables`` (name: (rows, dim, ...)), feature ``f_{name}``
+    each, drawn from ``seed``, under SGD fused into the backward (lr 0.5)."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(seed)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+            for n, (r, d, *_) in tables.items()
+        ]
+    )
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
+    return ebc

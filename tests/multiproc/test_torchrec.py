@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from tests.multiproc.spawned import codec_path, spawned
+from tests.multiproc.spawned import codec_path, sgd_ebc, spawned
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -42,19 +42,7 @@ TABLES = {
 
 
 def _model(seed: int) -> torch.nn.Module:
-    from torchrec import EmbeddingBagCollection
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-
-    torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
-            for n, (r, d, _) in TABLES.items()
-        ]
-    )
-    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
-    return ebc
+    return sgd_ebc(TABLES, seed)
 
 
 class _Net(torch.nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc.spawned import codec_path, spawned
+from tests.multiproc.spawned import codec_path, sgd_ebc, spawned
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -29,7 +29,6 @@ TABLES = {
 
 
 def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
-    from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
         construct_module_sharding_plan,
@@ -38,17 +37,8 @@ def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
         table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
-            for n, (r, d, _) in TABLES.items()
-        ]
-    )
-    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
+    ebc = sgd_ebc(TABLES, seed)
     make = {
         "twrw": lambda a: table_row_wise(host_index=a),
         "grid": lambda a: grid_shard(host_indexes=a),
