@@ -123,6 +123,20 @@ def _worker(rank: int, store: str, out: str) -> None:
     again = make()
     again.load_state_dict(half.state_dict())
     res["resumed"] = _train(again, rank, 2, start=2)
+    # the ids the lookup took, lost: refused before any byte leaves, on every rank alike
+    forward = rt.CompressedTwRwDist.forward
+
+    def forgetful(self: rt.CompressedTwRwDist, *a: object) -> object:
+        self.seen.clear()
+        return forward(self, *a)
+
+    rt.CompressedTwRwDist.forward = forgetful  # type: ignore[method-assign]
+    try:
+        _train(_dmp(lossless), rank, 1)
+    except ValueError as e:
+        res["no_ids"] = str(e)
+    finally:
+        rt.CompressedTwRwDist.forward = forward  # type: ignore[method-assign]
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -187,3 +201,13 @@ def test_a_checkpoint_carries_the_cross_host_dists_state(ranks: list[dict]) -> N
     for res in ranks:
         for a, b in zip(res["resumed"], res["straight"][2:], strict=True):
             assert torch.equal(a, b)
+
+
+def test_merged_bags_without_the_lookups_ids_are_refused_naming_the_rank(
+    ranks: list[dict],
+) -> None:
+    """The sample owners emptied their repeated bags; without the lookup's ids the dist
+    could not say which rows to send (sending all would leave the repeats zero): an error
+    naming the rank, not a silent wrong answer."""
+    for rank, res in enumerate(ranks):
+        assert f"rank {rank}: the lookup's ids of this step are missing" in res["no_ids"]

@@ -94,17 +94,15 @@ class CompressedTwRwDist(nn.Module):
                 local, hosts, per_rank
             )
             cross_ctx.batch_size_per_rank = by_cross[self.rank % local]
+        if cross_ctx.recsz_merge is None:  # every bag travels
+            return self.cross(self.reduce_scatter(local_embs, **splits).wait(), cross_ctx)
         lookup, width = self.seen.pop("lookup", None), local_embs.shape[1]
-        features = len(self.cross.dims[self.cross.rank])
-        n = local_embs.shape[0]
-        if (
-            cross_ctx.recsz_merge is None
-            or lookup is None
-            or lookup.lengths().numel() != n * features
-        ):
-            cross_ctx.recsz_merge = None  # every bag travels
-            reduced = self.reduce_scatter(local_embs, **splits).wait()
-            return self.cross(reduced, cross_ctx)
+        features, n = len(self.cross.dims[self.cross.rank]), local_embs.shape[0]
+        if lookup is None or lookup.lengths().numel() != n * features:
+            raise ValueError(
+                f"{self.cross.who}: the lookup's ids of this step are missing or not {features} "
+                f"features x {n} samples; the sample owners merged their bags against them"
+            )
         # This rank's ids a bag ride along, summed with the partial sums: the host's
         counts = lookup.lengths().view(features, n).t().to(local_embs)
         reduced = self.reduce_scatter(torch.cat([local_embs, counts], 1), **splits).wait()
