@@ -34,9 +34,10 @@ def spawned(worker: Callable[[int, str, str], None], world: int) -> list[dict]:
         return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def sgd_ebc(tables: dict[str, tuple], seed: int) -> torch.nn.Module:
+def sgd_ebc(tables: dict[str, tuple], seed: int, weighted: bool = False) -> torch.nn.Module:
     """An EmbeddingBagCollection of ``tables`` (name: (rows, dim, ...)), feature ``f_{name}``
-    each, drawn from ``seed``, under SGD fused into the backward (lr 0.5)."""
+    each, drawn from ``seed``, under SGD fused into the backward (lr 0.5); ``weighted``: its
+    bags take per-id weights."""
     from torchrec import EmbeddingBagCollection
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -46,7 +47,8 @@ def sgd_ebc(tables: dict[str, tuple], seed: int) -> torch.nn.Module:
         tables=[
             EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
             for n, (r, d, *_) in tables.items()
-        ]
+        ],
+        is_weighted=weighted,
     )
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     return ebc

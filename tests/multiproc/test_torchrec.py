@@ -206,6 +206,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         res["reads"] = _our_host_reads(rank, plan_of)
     res["damaged"] = _damaged_forward(rank, plan_of)
     res["dense"] = _dense(rank, plan_of)
+    res["feature_processed"] = _feature_processed(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
         res["resumed"] = _resumed(rank, plan_of, Path(out) / "dcp")
     torch.save(res, Path(out) / f"rank{rank}.pt")
@@ -313,6 +314,50 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
     out["other"] = resumed({**saved, key: json.dumps(other).encode()})
     dcp.save(saved, checkpoint_id=str(dcp_dir))
     out["dcp"] = resumed(None)
+    return out
+
+
+def _feature_processed(rank: int, plan_of: dict) -> dict[str, list[torch.Tensor]]:
+    """The test's tables with TorchRec's position weights (a FeatureProcessedEBC) under the
+    sharders of ``recsz.torchrec.sharders()`` (its FP-EBC sharder wraps ours) and stock's:
+    their outputs over the steps, and how many compressed dists ours made."""
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    import recsz.torchrec as rt
+
+    tw = [n for n, (kind, _) in plan_of.items() if kind == "tw"]
+    out: dict[str, list[torch.Tensor]] = {}
+    lossless = [s for s in rt.sharders(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
+                if isinstance(s, FeatureProcessedEmbeddingBagCollectionSharder)]  # fmt: skip
+    for name, sharder in (("stock", FeatureProcessedEmbeddingBagCollectionSharder()),
+                          ("ours", lossless[0])):  # fmt: skip
+        ebc = sgd_ebc({n: TABLES[n] for n in tw}, 0, weighted=True)
+        processors = PositionWeightedModuleCollection({f"f_{n}": 3 for n in tw})
+        torch.manual_seed(1)
+        for p in processors.parameters():
+            torch.nn.init.uniform_(p, 0.5, 1.5)
+        fp = FeatureProcessedEmbeddingBagCollection(ebc, processors)
+        per_param = {n: table_wise(rank=plan_of[n][1]) for n in tw}
+        plan = construct_module_sharding_plan(
+            fp, per_param, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
+        )
+        model = DistributedModelParallel(
+            fp, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
+        )
+        outs = []
+        for step in range(STEPS):
+            kjt, _ = _batch(step, rank)
+            kjt = kjt.permute([list(TABLES).index(n) for n in tw])
+            y = model(kjt).wait().values()
+            outs.append(y.detach().clone())
+            y.square().sum().backward()
+        out[name] = outs
+    out["dists"] = [len(lossless[0]._ebc_sharder.dists)]
     return out
 
 
@@ -520,6 +565,20 @@ def test_the_readme_example_runs_as_written() -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step    0  loss" in p.stdout and "fwd: " in p.stdout and "bwd: " in p.stdout
     assert "mlp: " in p.stdout  # dense_comm's counters
+
+
+def test_feature_processed_bags_go_through_our_dists_as_stock(ranks: list[dict]) -> None:
+    """TorchRec's position-weighted bags (FeatureProcessedEmbeddingBagCollection, the
+    sharder ``recsz.torchrec.sharders()`` gives it wrapping ours): lossless codecs give stock
+    DMP's outputs over several steps (bags of one content merge: the same ids in the same
+    positions weigh the same)."""
+    for res in ranks:
+        got = res["feature_processed"]
+        assert got["dists"] == [1]
+        assert torch.equal(got["ours"][0], got["stock"][0])
+        for ours, stock in zip(got["ours"], got["stock"], strict=True):
+            # (a content's weighted gradients summed before the update: a few ulps apart)
+            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:

@@ -34,20 +34,23 @@ def tie_backward(
     if not source.requires_grad:
         return received
     # What ties ``received`` into autograd: not ``source``, so that backward reaches the
-    # source only through the callback.
+    # source only through the callback. ``received`` is handed over beside the inputs and
+    # detached (the same memory, no view): an input returned as it is, or a view, would be
+    # an output that may not be changed in place, as TorchRec's feature-processed bags do
+    # (their DDP sync adds to it).
     anchor = received.new_empty(0).requires_grad_()
-    out: torch.Tensor = _Deferred.apply(anchor, received, (source, start, finish))
+    out: torch.Tensor = _Deferred.apply(anchor, (received.detach(), source, start, finish))
     return out
 
 
 class _Deferred(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, received: torch.Tensor, hooks: Any) -> torch.Tensor:
-        ctx.hooks = hooks
+    def forward(ctx: Any, anchor: torch.Tensor, hooks: Any) -> torch.Tensor:
+        received, *ctx.hooks = hooks
         return received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
         source, start, finish = ctx.hooks
         in_flight = start(grad)
 
@@ -55,4 +58,4 @@ class _Deferred(torch.autograd.Function):
             torch.autograd.backward(source, finish(in_flight))
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
-        return None, None, None
+        return None, None

@@ -323,14 +323,21 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
 
 
 def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
-    """TorchRec's default sharders with the EmbeddingBagCollection one compressed:
+    """TorchRec's default sharders with the EmbeddingBagCollection one compressed, and the
+    FeatureProcessedEmbeddingBagCollection one (position-weighted bags) wrapping it:
     ``DistributedModelParallel(model, sharders=recsz.torchrec.sharders(eb_policy="dual"))``.
     Takes :class:`CompressedEBCSharder`'s arguments."""
+    from torchrec.distributed.fp_embeddingbag import (
+        FeatureProcessedEmbeddingBagCollectionSharder as FPSharder,
+    )
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     ours = CompressedEBCSharder(**kwargs)
-    out = [ours if type(s) is EmbeddingBagCollectionSharder else s for s in get_default_sharders()]
-    return out
+    wrapped: dict[type, ModuleSharder[torch.nn.Module]] = {
+        EmbeddingBagCollectionSharder: ours,
+        FPSharder: FPSharder(ebc_sharder=ours, qcomm_codecs_registry=ours.qcomm_codecs_registry),
+    }
+    return [wrapped.get(type(s), s) for s in get_default_sharders()]
 
 
 def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
