@@ -77,6 +77,23 @@ def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
 Context = dict[str, Any]
 
 
+def lookup_lengths(seen: dict[str, Any], f: int, n: int) -> torch.Tensor | None:
+    """(n, f): ids a bag of the step's lookup (``seen["lookup"]``, which the sharder's hook
+    hands over, taken here); None where it is missing or laid out otherwise."""
+    lookup = seen.pop("lookup", None)
+    if lookup is None or lookup.lengths().numel() != n * f:
+        return None
+    return lookup.lengths().view(f, n).t()
+
+
+def missing_ids(who: str, f: int, n: int) -> ValueError:
+    """The error of a dist whose sample owners merged their bags but that lacks the ids."""
+    return ValueError(
+        f"{who}: the lookup's ids of this step are missing or not {f} features x {n} "
+        "samples; the sample owners merged their bags against them"
+    )
+
+
 def variable_batch(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
     """Where the batch varies per feature, TorchRec's own dist (``owner.inner``),
     uncompressed, with one warning an owner; None otherwise."""
@@ -324,10 +341,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             return {}
         inverse, counts, _ = merge
         if filled is None and f:
-            raise ValueError(
-                f"{self.who}: the lookup's ids of this step are missing or not {f} "
-                f"features x {n} samples; the sample owners merged their bags against them"
-            )
+            raise missing_ids(self.who, f, n)
         if filled is None:
             filled = torch.zeros(n, 0, dtype=torch.bool, device=data.device)
         mine, read = Pick.of([filled[at[r] : at[r + 1]] for r in range(self.world)], counts)
@@ -342,12 +356,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return {"mine": mine, "theirs": theirs}
 
     def _filled(self, n: int, device: torch.device) -> torch.Tensor | None:
-        """(n, my features): which bags this step's lookup found ids in (the sharder's hook
-        hands its input over, taken here); None where it is missing or laid out otherwise."""
-        lookup, f = self.seen.pop("lookup", None), len(self.dims[self.rank])
-        if lookup is None or lookup.lengths().numel() != n * f:
-            return None
-        return lookup.lengths().to(device).view(f, n).t() > 0
+        """(n, my features): which bags this step's lookup found ids in (:func:`lookup_lengths`);
+        None where it is missing or laid out otherwise."""
+        lengths = lookup_lengths(self.seen, len(self.dims[self.rank]), n)
+        return None if lengths is None else lengths.to(device) > 0
 
     def finish_forward(
         self, pending: PendingBytes, per_rank: list[int], hold: bool, ctx: Context

@@ -72,11 +72,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
         ``_output_dists``, read here only)."""
-        return [
-            d.cross if isinstance(d, CompressedTwRwDist) else d
-            for d in self._output_dists
-            if isinstance(d, CompressedPooledEmbeddingDist | CompressedTwRwDist)
-        ]
+        return [c for d in self._output_dists if (c := _compressed(d)) is not None]
 
     def get_extra_state(self) -> bytes:
         """What the compressed dists carry from step to step, in ``dmp.state_dict()``: each
@@ -164,7 +160,9 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
 
         def create_output_dist(device: torch.device | None = None) -> Any:
             out = ours(build(device=device), config)
-            made.append(out.cross if isinstance(out, CompressedTwRwDist) else out)
+            compressed = _compressed(out)
+            assert compressed is not None  # (one of ours)
+            made.append(compressed)
             out.seen = seen
             return out
 
@@ -358,6 +356,14 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
             out["wire"][d] += one.wire[d]
             out["max_err"][d] = max(out["max_err"][d], one.max_err[d])
     return out
+
+
+def _compressed(d: Any) -> CompressedPooledEmbeddingDist | None:
+    """Our compressed all-to-all in an output dist (table-row-wise and grid: the one between
+    hosts); None in one of TorchRec's."""
+    if isinstance(d, CompressedTwRwDist):
+        return d.cross
+    return d if isinstance(d, CompressedPooledEmbeddingDist) else None
 
 
 def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:

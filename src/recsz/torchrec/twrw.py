@@ -36,7 +36,12 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsz.config import TrainConfig
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist, variable_batch
+from recsz.torchrec.dist import (
+    CompressedPooledEmbeddingDist,
+    lookup_lengths,
+    missing_ids,
+    variable_batch,
+)
 
 
 class CompressedTwRwDist(nn.Module):
@@ -96,15 +101,16 @@ class CompressedTwRwDist(nn.Module):
             cross_ctx.batch_size_per_rank = by_cross[self.rank % local]
         if cross_ctx.recsz_merge is None:  # every bag travels
             return self.cross(self.reduce_scatter(local_embs, **splits).wait(), cross_ctx)
-        lookup, width = self.seen.pop("lookup", None), local_embs.shape[1]
-        features, n = len(self.cross.dims[self.cross.rank]), local_embs.shape[0]
-        if lookup is None or lookup.lengths().numel() != n * features:
-            raise ValueError(
-                f"{self.cross.who}: the lookup's ids of this step are missing or not {features} "
-                f"features x {n} samples; the sample owners merged their bags against them"
-            )
+        width, features, n = (
+            local_embs.shape[1],
+            len(self.cross.dims[self.cross.rank]),
+            len(local_embs),
+        )
+        lengths = lookup_lengths(self.seen, features, n)
+        if lengths is None:
+            raise missing_ids(self.cross.who, features, n)
         # This rank's ids a bag ride along, summed with the partial sums: the host's
-        counts = lookup.lengths().view(features, n).t().to(local_embs)
+        counts = lengths.to(local_embs)
         reduced = self.reduce_scatter(torch.cat([local_embs, counts], 1), **splits).wait()
         self.cross.seen["lookup"] = _Lengths(reduced[:, width:].detach())
         return self.cross(reduced[:, :width], cross_ctx)
