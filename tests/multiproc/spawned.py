@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -52,3 +53,17 @@ def sgd_ebc(tables: dict[str, tuple], seed: int, weighted: bool = False) -> torc
     )
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     return ebc
+
+
+def trained(
+    model: torch.nn.Module, batch: Callable[[int], tuple[Any, torch.Tensor]], steps: range
+) -> list[torch.Tensor]:
+    """Each step's outputs of ``model`` on ``batch(step)`` = (ids, loss weights), after
+    which the weighted sum of the outputs is differentiated (the fused update)."""
+    outs = []
+    for step in steps:
+        kjt, w = batch(step)
+        y = model(kjt).wait().values()
+        outs.append(y.detach().clone())
+        (y * w).sum().backward()
+    return outs

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from tests.multiproc.spawned import codec_path, sgd_ebc, spawned
+from tests.multiproc.spawned import codec_path, sgd_ebc, spawned, trained
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -127,13 +127,7 @@ def _batch(step: int, rank: int) -> tuple[object, torch.Tensor]:
 def _train(
     model: torch.nn.Module, rank: int, steps: int = STEPS, start: int = 0
 ) -> list[torch.Tensor]:
-    outs = []
-    for step in range(start, start + steps):
-        kjt, w = _batch(step, rank)
-        y = model(kjt).wait().values()
-        outs.append(y.detach().clone())
-        (y * w).sum().backward()
-    return outs
+    return trained(model, lambda step: _batch(step, rank), range(start, start + steps))
 
 
 def _worker(rank: int, store: str, out: str) -> None:

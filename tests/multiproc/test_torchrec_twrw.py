@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc.spawned import codec_path, sgd_ebc, spawned
+from tests.multiproc.spawned import codec_path, sgd_ebc, spawned, trained
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -74,13 +74,7 @@ def _batch(step: int, rank: int, uneven: bool) -> tuple[object, torch.Tensor]:
 def _train(
     model: torch.nn.Module, rank: int, steps: int = STEPS, start: int = 0
 ) -> list[torch.Tensor]:
-    outs = []
-    for step in range(start, start + steps):
-        kjt, w = _batch(step, rank, False)
-        y = model(kjt).wait().values()
-        outs.append(y.detach().clone())
-        (y * w).sum().backward()
-    return outs
+    return trained(model, lambda step: _batch(step, rank, False), range(start, start + steps))
 
 
 def _worker(rank: int, store: str, out: str) -> None:
