@@ -289,7 +289,8 @@ def main() -> None:
     t = torch.tensor([train_s])
     dist.all_reduce(t)
     train_s = float(t) / world
-    raw = a.steps * a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+    per_step = a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
+    raw = a.steps * per_step
     # (pooled: one vector a bag, whatever its ids). Table-row-wise: within each host its
     # ranks' partial sums of the global batch reduce-scattered (each rank sends
     # (local - 1) / local of them, in TorchRec's precision: beside our sharder, which
@@ -298,22 +299,33 @@ def main() -> None:
     # BF16 instead).
     theirs = a.intra if a.precision == "hybrid" else a.precision
     intra = raw * (local - 1) * max(_WIRE_BYTES[theirs], 2.0) / 4 if a.sharding == "twrw" else 0
-    if a.precision == "hybrid":  # counted: payload bytes that left each rank, all ranks
-        sent = recsz.torchrec.comm_bytes(dmp)
-        counts = torch.tensor([float(sent[k][d]) for k in ("raw", "wire") for d in ("fwd", "bwd")])
-        dist.all_reduce(counts)
-        raw_f, raw_b, wire_f, wire_b = counts.tolist()
-        wire, ratios = wire_f + wire_b + intra, (raw_f / wire_f, raw_b / wire_b)
-    else:  # fixed-size codecs: computed
-        per_element, share = _WIRE_BYTES[a.precision], (world - 1) / world
+
+    def fixed(precision: str, steps: int) -> float:
+        """Bytes a fixed-size codec sends in ``steps`` steps, all ranks: computed."""
+        per_element, share = _WIRE_BYTES[precision], (world - 1) / world
         if a.sharding == "rw":
             # Every rank's partial sums of the global batch go to every other rank, and the
             # gradients back (FP16 / BF16 at the least, as above).
             per_element, share = max(per_element, 2.0), world - 1
         if a.sharding == "twrw":
             share = (a.hosts - 1) / a.hosts
-        wire = raw / 4 * per_element * share + intra
-        ratios = (4 / per_element,) * 2
+        return steps * per_step / 4 * per_element * share
+
+    switch: dict[str, Any] = {}
+    if a.precision == "hybrid":  # counted: payload bytes that left each rank, all ranks
+        sent = recsz.torchrec.comm_bytes(dmp)
+        counts = torch.tensor([float(sent[k][d]) for k in ("raw", "wire") for d in ("fwd", "bwd")])
+        dist.all_reduce(counts)
+        raw_f, raw_b, wire_f, wire_b = counts.tolist()
+        # compress="auto": the steps sent plain went through TorchRec's fp32 dist
+        switch = next(iter(sent["compress"].values()), {})
+        plain = switch.get("steps", {}).get("plain", 0)
+        raw_p, wire_p = plain * per_step / 2 * (world - 1) / world, fixed("fp32", plain) / 2
+        wire = wire_f + wire_b + 2 * wire_p + intra
+        ratios = ((raw_f + raw_p) / (wire_f + wire_p), (raw_b + raw_p) / (wire_b + wire_p))
+    else:  # fixed-size codecs: computed
+        wire = fixed(a.precision, a.steps) + intra
+        ratios = (4 / _WIRE_BYTES[a.precision],) * 2
     if rank == 0:
         y, p_all = np.concatenate(labels), np.concatenate(preds)
         nan = float("nan")
@@ -331,6 +343,7 @@ def main() -> None:
             "allreduce_s": nan if dense_hook is None else dense_hook.seconds,
             "compute_s": nan,
             "bytes_estimated": a.precision != "hybrid",
+            "compress": switch,
         }
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "summary.json").write_text(json.dumps(summary, indent=1))

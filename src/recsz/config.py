@@ -15,6 +15,7 @@ from typing import Any
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
+from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.fields import check, opt, parser
 from recsz.model import (
     MLP_INITS,
@@ -34,10 +35,11 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 9  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 10  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
-# 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory
+# 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
+# 10: --compress auto
 
 
 CODECS = tuple(available_codecs())
@@ -149,6 +151,14 @@ class TrainConfig:
     decay_t: int = opt(65_536, "dual: iteration where the multiplier reaches 1", ge=1)
     id_dedup: bool = opt(True, "forward: one vector per distinct id of a destination's slice")
     bwd_coalesce: bool = opt(True, "backward: sum the gradients of samples sharing an id first")
+    compress: str = opt(
+        "always",
+        "auto: a step goes through the codecs only while trials (steps of each way in turn, "
+        "timed) find them faster than the plain, lossless exchange",
+        COMPRESS_MODES,
+    )
+    compress_trial: int = opt(6, "auto: timed steps of each way in a trial", ge=1)
+    compress_every: int = opt(500, "auto: steps from one trial to the next (0: one)", ge=0)
     # ---- the MLP all-reduce
     dp_comm: str = opt("allreduce", "MLP gradients' exchange (DDP hook)", DP_MODES)
     powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations", ge=1)
@@ -229,6 +239,10 @@ class TrainConfig:
         """The tight, base and loose bounds of one direction ("fwd" or "bwd")."""
         return parse_class_eb(getattr(self, f"{direction}_class_eb"), f"--{direction}-class-eb")
 
+    def switch(self, **kw: Any) -> CompressionSwitch:
+        """``--compress``'s switch (``kw``: its ``agree``, ``sync``)."""
+        return CompressionSwitch(self.compress, self.compress_trial, self.compress_every, **kw)
+
     @classmethod
     def taking(cls, who: str, taken: set[str], **options: Any) -> TrainConfig:
         """A configuration of ``options`` for ``who``, which reads the fields ``taken``
@@ -260,6 +274,7 @@ class TrainConfig:
         model = get_preset(self.preset).model
         n_tables = model.n_tables
         self.failure_at()
+        self.switch()
         spec = self.fiited_spec()
         if spec is not None:
             spec.chunks_of(model.emb_dim)  # before any rank starts
@@ -335,6 +350,7 @@ class TrainConfig:
             ("--id-dedup", self.id_dedup),
             ("--bwd-coalesce", self.bwd_coalesce),
             ("--check-bounds", self.check_bounds),
+            ("--compress auto", self.compress == "auto"),
             ("--fiited-budget", self.fiited_budget is not None),
             ("--tt-tables", self.tt_tables > 0),
         ]

@@ -180,8 +180,20 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  bytes on wire  {s['bytes_sent'] / 1e6:.2f} MB of {s['bytes_raw'] / 1e6:.2f} MB raw",
             f"  a2a time       fwd {s['a2a_fwd_s']:.2f} s, bwd {s['a2a_bwd_s']:.2f} s, "
             f"codec {s['codec_s']:.2f} s, all-reduce {s['allreduce_s']:.2f} s",
+            *_trials(s.get("compress")),
         ]
     )
+
+
+def _trials(switch: dict[str, Any] | None) -> list[str]:
+    """``--compress auto``: each trial's median steps and what it chose."""
+    if not switch or switch.get("mode") != "auto":
+        return []
+    return [
+        f"  compress trial step {t['step']}: {t['compressed_s'] * 1e3:.1f} ms compressed, "
+        f"{t['plain_s'] * 1e3:.1f} ms plain -> {'compressed' if t['compress'] else 'plain'}"
+        for t in switch["trials"]
+    ]
 
 
 class Log:

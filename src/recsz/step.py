@@ -29,11 +29,13 @@ from sklearn.metrics import log_loss, roc_auc_score
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recsz.codecs import get_codec
 from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
 from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.stats import ShardPlan
+from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
 from recsz.data.source import Batch, DataSource
 from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
@@ -112,15 +114,26 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         )
         dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, **cfg.dp_hook_options())
     dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
+    fwd, bwd = (
+        Direction(d, cfg.codec(d), make_policy(cfg, d, mcfg.n_tables)) for d in ("fwd", "bwd")
+    )
+    # --compress auto: the plain steps' directions (lossless; a codec that takes no bound
+    # never asks its policy) and the switch, which every rank's step times decide alike
+    plain = (
+        Direction("fwd", get_codec("none"), fwd.policy),
+        Direction("bwd", get_codec("none"), bwd.policy),
+    )
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
-        Direction("fwd", cfg.codec("fwd"), make_policy(cfg, "fwd", mcfg.n_tables)),
-        Direction("bwd", cfg.codec("bwd"), make_policy(cfg, "bwd", mcfg.n_tables)),
+        fwd,
+        bwd,
         check_bounds=cfg.check_bounds,
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
         sparse_grad=sparse.takes_sparse_grad,
+        plain=plain if cfg.compress == "auto" else None,
+        switch=cfg.switch(agree=max_over(None), sync=device_sync(ranks.device)),
     )
     return Parts(sparse, dense, dense_opt, exchange, dp), owners
 

@@ -156,6 +156,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "world_size": ranks.world,
             "skipped_lines": source.skipped_lines,
             "graph_replays": getattr(run_step, "replays", 0),  # --cuda-graph's steps
+            "compress": parts.exchange.switch.state(),  # --compress auto's trials
             **totals,
             "per_table": totals.pop("tables"),
             # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).

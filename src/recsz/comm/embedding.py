@@ -37,15 +37,18 @@ from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Distinct, distinct_slices
 from recsz.comm.overlap import tie_backward
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
+from recsz.comm.switch import CompressionSwitch
 from recsz.devicepath import Indices
 from recsz.policy import BoundPolicy
 
 
 class Sent(NamedTuple):
-    """One direction's bytes in flight, and the rank's own rows where they skip the codec."""
+    """One direction's bytes in flight, the rank's own rows where they skip the codec, and
+    the direction (codec) that made them, which decodes them."""
 
     pending: PendingBytes
     own: torch.Tensor | None
+    way: Direction
 
 
 class Block(NamedTuple):
@@ -71,6 +74,8 @@ class EmbeddingExchange:
             gradient of pooled (one row per distinct id, on its first sample), for a
             table module that takes one (:attr:`SparseArch.takes_sparse_grad`): no dense
             zeros of (B, |T_r|, D), no second sum of the same ids.
+        plain, switch: ``--compress auto``: the lossless directions of the steps the
+            switch does not compress (:mod:`recsz.comm.switch`).
     """
 
     def __init__(
@@ -83,10 +88,15 @@ class EmbeddingExchange:
         id_dedup: bool = False,
         coalesce: bool = False,
         sparse_grad: bool = False,
+        plain: tuple[Direction, Direction] | None = None,
+        switch: CompressionSwitch | None = None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, plan.world
         self.fwd, self.bwd = fwd, bwd
-        for d in (fwd, bwd):
+        #: each step's directions, compressed (True) or plain, as the switch says
+        self.ways = {True: (fwd, bwd), False: plain or (fwd, bwd)}
+        self.switch = switch or CompressionSwitch()
+        for d in (fwd, bwd, *(plain or ())):
             d.codec.warm_up()
         self.mine = plan.tables_of(rank)
         #: Every table, each destination's side by side (then those no rank owns).
@@ -97,8 +107,6 @@ class EmbeddingExchange:
         self.check_bounds = check_bounds
         self.id_dedup, self.coalesce = id_dedup, coalesce
         self.sparse_grad = sparse_grad and coalesce
-        #: DCT-MP: the backward sends only the entries the forward delivered (:class:`Pending`).
-        self.mask_backward = bwd.codec.forward_mask
         #: (grad (b, T, D), this rank's samples' ids (b, T)) -> the gradient to send
         #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
         self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -119,6 +127,7 @@ class EmbeddingExchange:
     def train(self, mode: bool = True) -> None:
         if not mode:
             self.settle()
+            self.switch.pause()
         self.training = mode
 
     def settle(self) -> None:
@@ -183,11 +192,11 @@ class EmbeddingExchange:
         recv = d.known_sizes(
             blocks[0].rows, payloads, out, list(map(rows, expect, range(self.world)))
         )
-        return Sent(start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv), own)
+        pending = start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv)
+        return Sent(pending, own, d)
 
     def _receive(
         self,
-        d: Direction,
         sent: Sent,
         tables_from: Callable[[int], list[int]],
         sizes_from: Callable[[int], list[int]],
@@ -197,7 +206,7 @@ class EmbeddingExchange:
         """Wait for the bytes and decode them into one block per source, holding the
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
         each. ``hold`` keeps the checks' verdicts for a later host read."""
-        pending = sent.pending
+        pending, d = sent.pending, sent.way
         with record_function(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
         if self.training:
@@ -267,6 +276,8 @@ class EmbeddingExchange:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
         bytes fly while you compute."""
         self._fwd_checks.read()  # a forward's whose backward never ran
+        way = self.switch.compress(step) if self.training else self.switch.chosen
+        fwd, bwd = self.ways[way]
         data = pooled.detach().contiguous()
         bsz, n_mine, dim = data.shape
         b = bsz // self.world
@@ -283,15 +294,15 @@ class EmbeddingExchange:
         expect = [sum(self._sizes(self.id_dedup, ids, self.rank, s)) for s in range(self.world)]
         with record_function("recsz.a2a_fwd.encode"):
             bound_src = (self.mine, data.transpose(0, 1))
-            sent = self._send(self.fwd, step, blocks, bound_src, b * dim * 4, expect)
-        return Pending(self, pooled, sent, step, ids)
+            sent = self._send(fwd, step, blocks, bound_src, b * dim * 4, expect)
+        return Pending(self, pooled, sent, step, ids, bwd)
 
     def finish_forward(self, sent: Sent, ids: torch.Tensor, dim: int, hold: bool) -> torch.Tensor:
         """The forward's (b, T, D); ``hold``: a backward follows, which reads the checks'
         verdicts before any byte made from these values leaves (:meth:`_send`)."""
         b = ids.shape[0] // self.world
         sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
-        received = self._receive(self.fwd, sent, self.plan.tables_of, sizes, dim, self._fwd_checks)
+        received = self._receive(sent, self.plan.tables_of, sizes, dim, self._fwd_checks)
         if not hold:
             self._fwd_checks.read()
         # One gather of all blocks' rows into the (b, T, D) layout the model reads: each
@@ -313,9 +324,12 @@ class EmbeddingExchange:
         return rows.index_select(0, index.t().reshape(-1)).view(b, n_tables, dim).float()
 
     # ---- backward -----------------------------------------------------------------
-    def start_backward(self, grad: torch.Tensor, step: int, ids: torch.Tensor) -> Sent:
-        """grad (b, T, D) on a sample owner: code it and start sending it to the tables'
-        owners (:meth:`finish_backward` receives)."""
+    def start_backward(
+        self, grad: torch.Tensor, step: int, ids: torch.Tensor, bwd: Direction | None = None
+    ) -> Sent:
+        """grad (b, T, D) on a sample owner: code it (``bwd``: the step's direction, default
+        the compressed one) and start sending it to the tables' owners
+        (:meth:`finish_backward` receives)."""
         b, _, dim = grad.shape
         if self.grad_filter is not None:
             grad = self.grad_filter(grad, ids[self.rank * b : (self.rank + 1) * b])
@@ -343,7 +357,7 @@ class EmbeddingExchange:
             # -0.017 AUC in 30 steps of the link benchmark.)
             per_sample = (list(order), by_table)  # table-major (T, b, D)
             expect = [sum(self._sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)]
-            return self._send(self.bwd, step, blocks, per_sample, b * dim * 4, expect)
+            return self._send(bwd or self.bwd, step, blocks, per_sample, b * dim * 4, expect)
 
     def finish_backward(self, sent: Sent, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The gradients :meth:`start_backward` sent, received on the tables' owner -> grad
@@ -354,7 +368,7 @@ class EmbeddingExchange:
             return self._sizes(self.coalesce, ids, src, self.rank)
 
         checks = self._bwd_checks  # read later: until then a damaged payload updates nothing
-        received = self._receive(self.bwd, sent, lambda _: self.mine, sizes_from, dim, checks)
+        received = self._receive(sent, lambda _: self.mine, sizes_from, dim, checks)
         ok = checks.all_ok()
         if ok is not None:
             received = [blk._replace(rows=torch.where(ok, blk.rows, 0)) for blk in received]
@@ -390,15 +404,16 @@ class Pending:
     sent: Sent
     step: int
     ids: torch.Tensor
+    bwd: Direction  # the step's backward direction
 
     def wait(self) -> torch.Tensor:
-        ex, pooled, step, ids = self.ex, self.pooled, self.step, self.ids
+        ex, pooled, step, ids, bwd = self.ex, self.pooled, self.step, self.ids, self.bwd
         received = ex.finish_forward(self.sent, ids, pooled.shape[2], hold=pooled.requires_grad)
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
-        kept = received != 0 if ex.mask_backward and pooled.requires_grad else None
+        kept = received != 0 if bwd.codec.forward_mask and pooled.requires_grad else None
 
         def start(grad: torch.Tensor) -> Sent:
-            return ex.start_backward(grad if kept is None else grad * kept, step, ids)
+            return ex.start_backward(grad if kept is None else grad * kept, step, ids, bwd)
 
         return tie_backward(received, pooled, start, lambda s: ex.finish_backward(s, ids, pooled))

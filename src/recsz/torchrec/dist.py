@@ -94,10 +94,18 @@ def missing_ids(who: str, f: int, n: int) -> ValueError:
     )
 
 
-def variable_batch(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
-    """Where the batch varies per feature, TorchRec's own dist (``owner.inner``),
-    uncompressed, with one warning an owner; None otherwise."""
-    if ctx is None or not ctx.variable_batch_per_feature:
+def theirs(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
+    """TorchRec's own dist (``owner.inner``) for a step that is not ours: one the sharded
+    module's switch sends plain (``--compress auto``: ``ctx.recsz_plain``, the bags left
+    unmerged), or where the batch varies per feature (uncompressed, with one warning an
+    owner); None otherwise. The steps it carries are not ours to count: the policies' clock
+    (``owner.step``) counts the compressed ones."""
+    if ctx is None:
+        return None
+    if getattr(ctx, "recsz_plain", False):
+        owner.seen.pop("lookup", None)  # its ids are not read
+        return owner.inner(local_embs, ctx)
+    if not ctx.variable_batch_per_feature:
         return None
     if not getattr(owner, "warned_variable_batch", False):
         msg = "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)"
@@ -158,8 +166,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return dims, [list(range(starts[r], starts[r + 1])) for r in range(self.world)]
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
-        if (theirs := variable_batch(self, local_embs, sharding_ctx)) is not None:
-            return theirs
+        if (stock := theirs(self, local_embs, sharding_ctx)) is not None:
+            return stock
         per_rank = getattr(sharding_ctx, "batch_size_per_rank", None) or []
         if not per_rank:
             if local_embs.shape[0] % self.world:

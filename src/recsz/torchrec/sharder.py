@@ -33,6 +33,7 @@ from torchrec.distributed.embeddingbag import (
 )
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
+from recsz.comm.switch import CompressionSwitch, device_sync, max_over
 from recsz.config import TrainConfig
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rows import first_bags
@@ -55,7 +56,8 @@ _OURS = {f.name for f in fields(TrainConfig)}
 TAKEN = {
     "fwd_codec", "bwd_codec", "coder", "eb_policy", "fwd_eb", "bwd_eb", "eb_mode",
     "fwd_class_eb", "bwd_class_eb", "hindex_probe_steps", "hindex_every", "decay_schedule",
-    "decay_c", "decay_t", "dct_keep", "dct_refresh", "check_bounds",
+    "decay_c", "decay_t", "dct_keep", "dct_refresh", "check_bounds", "compress",
+    "compress_trial", "compress_every",
 }  # fmt: skip
 
 
@@ -181,13 +183,32 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         """TorchRec's, on this rank's ids with the bags of our dists' tables that repeat an
         earlier bag emptied (``torchrec/rows.py``: that content's row travels once, from
         its first bag); each such sharding's context keeps how its bags merged, for its
-        output dist (a pipeline runs the next batch's input dist before this one's)."""
-        merges, features = self._merged(features)
+        output dist (a pipeline runs the next batch's input dist before this one's). A
+        batch the switch sends plain (``compress="auto"``) keeps its bags, and its context
+        says so: the output dists then hand it to TorchRec's (:func:`dist.theirs`)."""
+        plain = not self._compressing()
+        merges, features = ({}, features) if plain else self._merged(features)
         got = super().input_dist(ctx, features)
         shardings = self._embedding_shardings
         for i, sctx in enumerate(ctx.sharding_contexts[-len(shardings) :]):
             sctx.recsz_merge = merges.get(i)
+            sctx.recsz_plain = plain
         return got
+
+    def _compressing(self) -> bool:
+        """The switch's way for this batch (:mod:`recsz.comm.switch`): a training batch is
+        a step of its clock (one input dist a batch, all ranks alike); another takes the
+        way chosen. One switch a module, its ranks' step times combined over its group."""
+        switch: CompressionSwitch | None = self.__dict__.get("_recsz_switch")
+        if switch is None:
+            group, device = self._env.process_group, self._device or torch.device("cpu")
+            switch = self.recsz_config.switch(agree=max_over(group), sync=device_sync(device))
+            self.__dict__.update(_recsz_switch=switch, _recsz_steps=0)
+        if not (self.training and torch.is_grad_enabled()):
+            switch.pause()
+            return switch.chosen
+        self._recsz_steps += 1
+        return switch.compress(self._recsz_steps - 1)
 
     def _merged(
         self, features: Any
@@ -341,7 +362,8 @@ def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
 def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
     (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks); and
-    ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it)."""
+    ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it);
+    ``compress``, each sharded module's switch (its trials, with ``compress="auto"``)."""
     out: dict[str, dict[str, Any]] = {
         "raw": {"fwd": 0, "bwd": 0},
         "wire": {"fwd": 0, "bwd": 0},
@@ -350,6 +372,8 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     dists = {
         id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
     }
+    switches = [m.__dict__.get("_recsz_switch") for m in model.modules()]
+    out["compress"] = {str(i): s.state() for i, s in enumerate(switches) if s is not None}
     for one in dists.values():
         for d in ("fwd", "bwd"):
             out["raw"][d] += one.raw[d]

@@ -40,7 +40,7 @@ from recsz.torchrec.dist import (
     CompressedPooledEmbeddingDist,
     lookup_lengths,
     missing_ids,
-    variable_batch,
+    theirs,
 )
 
 
@@ -82,8 +82,8 @@ class CompressedTwRwDist(nn.Module):
         self.seen: dict[str, Any] = {}
 
     def forward(self, local_embs: torch.Tensor, sharding_ctx: Any = None) -> Awaitable:
-        if (theirs := variable_batch(self, local_embs, sharding_ctx)) is not None:
-            return theirs
+        if (stock := theirs(self, local_embs, sharding_ctx)) is not None:
+            return stock
         assert self.reduce_scatter is not None  # made in __init__
         local, hosts = self.intra_pg.size(), self.cross.world
         per_rank = list(getattr(sharding_ctx, "batch_size_per_rank", None) or [])

@@ -1,0 +1,174 @@
+"""Compression where it pays: whether a step's embedding exchange goes through the codecs or
+plain, chosen from measured step times.
+
+On a fast link the codecs' time can exceed the bytes' time they save (2 CPU ranks on
+loopback: our sharder at 0.81x TorchRec's fp32 exchange); on a slow one they win several
+times over. ``--compress auto`` tries both: a trial runs ``warmup + trial`` steps of each
+way in turn (compressed first), times each step from its start to the next step's start,
+and keeps the way whose median step is shorter, until the next trial ``every`` steps after
+the first's start (links and loads change). Every rank decides alike: the ranks' medians
+are combined by ``agree`` (their maximum: a step lasts as long as its slowest rank) before
+the choice. Ties go to the plain exchange, which loses nothing.
+
+The exchange asks :meth:`CompressionSwitch.compress` once per training step, in step order;
+evaluation steps read :attr:`CompressionSwitch.chosen` (:meth:`pause` first, so that the
+time between two training steps around an evaluation is not counted).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+COMPRESS_MODES = ("always", "auto")
+
+
+@dataclass
+class CompressionSwitch:
+    """Whether each training step compresses (module docstring).
+
+    Args:
+        mode: "always" (every step compresses) or "auto" (trials choose).
+        trial: timed steps of each way in a trial.
+        every: steps from one trial's first step to the next's (0: one trial).
+        warmup: untimed steps of each way opening a trial (first calls: compilation, caches).
+        agree: the ranks' element-wise maximum of a small float64 tensor (None: one rank).
+        sync: waits for the device's queued work before each timing (a GPU, whose host
+            runs ahead of it where no size is read).
+        clock: seconds, monotonic.
+    """
+
+    mode: str = "always"
+    trial: int = 6
+    every: int = 500
+    warmup: int = 2
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+    sync: Callable[[], None] | None = None
+    clock: Callable[[], float] = time.perf_counter
+    #: the way steps outside a trial go: compressed (True) or plain
+    chosen: bool = True
+    #: each trial's outcome: its first step, the ranks' median step (s) each way, the choice
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    #: training steps asked so far: compressed, plain
+    steps: dict[str, int] = field(default_factory=lambda: {"compressed": 0, "plain": 0})
+    _start: int | None = None  # the current (or last) trial's first step
+    _last: tuple[int, bool, float] | None = None  # the last step asked: step, way, its start
+    _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+
+    def __post_init__(self) -> None:
+        if self.mode not in COMPRESS_MODES:
+            raise ValueError(f"compress mode {self.mode!r}: one of {', '.join(COMPRESS_MODES)}")
+        if self.trial < 1 or self.warmup < 0:
+            raise ValueError(
+                f"a trial needs trial >= 1, warmup >= 0 (got {self.trial}, {self.warmup})"
+            )
+        if self.every and self.every < self.length:
+            raise ValueError(
+                f"trials every {self.every} steps cannot hold a trial of {self.length} steps"
+            )
+
+    @property
+    def length(self) -> int:
+        """Steps of one trial, both ways."""
+        return 2 * (self.warmup + self.trial)
+
+    def compress(self, step: int) -> bool:
+        """Whether training step ``step`` compresses; asked once a step, in order."""
+        if self.mode == "always":
+            self.steps["compressed"] += 1
+            return True
+        if self._start is None or step < self._start:  # the first step seen, or a rewind
+            self._begin(step)
+        assert self._start is not None
+        i, last = step - self._start, self._last
+        if last is not None and last[0] + 1 == step and self._timed(last[0]):
+            self._wait()
+            self._times[last[1]].append(self.clock() - last[2])
+        if i == self.length:
+            self._decide()
+        if self.every and i >= self.every:
+            self._begin(step)
+            i = 0
+        way = i % 2 == 0 if i < self.length else self.chosen
+        if i < self.length:
+            self._wait()  # a trial's step starts on an idle device
+        self._last = (step, way, self.clock())
+        self.steps["compressed" if way else "plain"] += 1
+        return way
+
+    def pause(self) -> None:
+        """The next training step does not time the one before (an evaluation between)."""
+        self._last = None
+
+    def _wait(self) -> None:
+        if self.sync is not None:
+            self.sync()
+
+    def _begin(self, step: int) -> None:
+        self._start = step
+        self._times = {True: [], False: []}
+
+    def _timed(self, step: int) -> bool:
+        """Whether ``step`` is one of its trial's timed steps."""
+        assert self._start is not None
+        i = step - self._start
+        return 2 * self.warmup <= i < self.length
+
+    def _decide(self) -> None:
+        """The trial's medians, the ranks' maximum of each, and the way the next steps go."""
+        got = [
+            statistics.median(t) if t else float("nan")
+            for t in (self._times[True], self._times[False])
+        ]
+        medians = torch.tensor(got, dtype=torch.float64)
+        if self.agree is not None:
+            medians = self.agree(medians)
+        compressed, plain = medians.tolist()
+        if compressed == compressed and plain == plain:  # both timed (not NaN)
+            self.chosen = compressed < plain
+        self.trials.append(
+            {
+                "step": self._start,
+                "compressed_s": compressed,
+                "plain_s": plain,
+                "compress": self.chosen,
+            }
+        )
+
+    def state(self) -> dict[str, Any]:
+        """What a report shows: the mode, the way chosen, the trials so far, the steps each
+        way."""
+        return {
+            "mode": self.mode,
+            "compress": self.chosen,
+            "trials": list(self.trials),
+            "steps": dict(self.steps),
+        }
+
+
+def max_over(group: dist.ProcessGroup | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The ranks' element-wise maximum over ``group`` (None: the default group), on the
+    device its backend takes (NCCL: this process's GPU); None with one rank."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    nccl = dist.get_backend(group) == "nccl"
+
+    def agree(x: torch.Tensor) -> torch.Tensor:
+        y = x.to(f"cuda:{torch.cuda.current_device()}") if nccl else x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.MAX, group=group)
+        return y.cpu()
+
+    return agree
+
+
+def device_sync(device: torch.device) -> Callable[[], None] | None:
+    """What waits for ``device``'s queued work (None: a CPU, which runs in order)."""
+    if device.type != "cuda":
+        return None
+    return lambda: torch.cuda.synchronize(device)

@@ -1,0 +1,164 @@
+"""CompressionSwitch: the trial schedule, the choice from step times, the ranks' agreement."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsz.comm.switch import CompressionSwitch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run(
+    sw: CompressionSwitch, clock: Clock, steps: range, took: Callable[[int, bool], float]
+) -> list[bool]:
+    """Ask the switch at every step; each step then lasts ``took(step, way)`` seconds."""
+    ways = []
+    for s in steps:
+        way = sw.compress(s)
+        ways.append(way)
+        clock.t += took(s, way)
+    return ways
+
+
+def switch(clock: Clock, **kw: object) -> CompressionSwitch:
+    return CompressionSwitch(mode="auto", clock=clock, **kw)  # type: ignore[arg-type]
+
+
+def test_always_compresses_and_reads_no_clock() -> None:
+    def clock() -> float:
+        raise AssertionError("always reads no clock")
+
+    sw = CompressionSwitch(mode="always", clock=clock)
+    assert all(sw.compress(s) for s in range(50))
+
+
+@pytest.mark.parametrize(("fast", "slow", "chosen"), [(1.0, 2.0, True), (2.0, 1.0, False)])
+def test_a_trial_alternates_then_keeps_the_faster_way(
+    fast: float, slow: float, chosen: bool
+) -> None:
+    clock = Clock()
+    sw = switch(clock, trial=3, warmup=1, every=0)
+    ways = run(sw, clock, range(30), lambda _, way: fast if way else slow)
+    assert ways[: sw.length] == [True, False] * (sw.length // 2)
+    assert ways[sw.length :] == [chosen] * (30 - sw.length)
+    [trial] = sw.trials
+    assert (trial["compressed_s"], trial["plain_s"], trial["compress"]) == (fast, slow, chosen)
+
+
+def test_warmup_steps_are_not_timed() -> None:
+    """A slow first step of each way (compilation) does not decide."""
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=1, every=0)
+    # compressed is faster but its first step takes 100 s; the plain way's first is quick
+    run(sw, clock, range(10), lambda s, way: (100.0 if s == 0 else 1.0) if way else 2.0)
+    assert sw.chosen is True
+
+
+def test_ties_go_plain() -> None:
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=0, every=0)
+    run(sw, clock, range(8), lambda *_: 1.0)
+    assert sw.chosen is False
+
+
+def test_trials_recur_and_follow_the_link() -> None:
+    """The link slows down at step 40: the trial at 50 turns compression on."""
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=1, every=50)
+    ways = run(sw, clock, range(100), lambda s, way: 1.0 if way == (s >= 40) else 2.0)
+    assert ways[sw.length : 50] == [False] * (50 - sw.length)
+    assert ways[50 : 50 + sw.length] == [True, False] * (sw.length // 2)
+    assert ways[50 + sw.length :] == [True] * (50 - sw.length)
+    assert [t["step"] for t in sw.trials] == [0, 50]
+
+
+def test_ranks_agree_on_their_slowest() -> None:
+    """Rank 0 alone would compress; the ranks' maximum (rank 1's plain steps are faster
+    than its compressed ones by more) decides for both."""
+    other = torch.tensor([5.0, 1.0], dtype=torch.float64)  # rank 1's medians
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=0, every=0, agree=lambda x: torch.maximum(x, other))
+    run(sw, clock, range(10), lambda _, way: 1.0 if way else 2.0)
+    assert sw.chosen is False
+    assert (sw.trials[0]["compressed_s"], sw.trials[0]["plain_s"]) == (5.0, 2.0)
+
+
+def test_a_pause_leaves_the_gap_untimed() -> None:
+    """An evaluation of 1000 s between two trial steps is not a step's time."""
+    clock = Clock()
+    sw = switch(clock, trial=3, warmup=0, every=0)
+    for s in range(sw.length + 1):
+        way = sw.compress(s)
+        clock.t += 1.0 if way else 2.0
+        if s == 2:  # after a compressed step
+            sw.pause()
+            clock.t += 1000.0
+    assert sw.chosen is True
+    assert sw.trials[0]["compressed_s"] == 1.0
+
+
+def test_sync_runs_before_each_trial_timing_only() -> None:
+    clock, synced = Clock(), []
+    sw = switch(clock, trial=2, warmup=0, every=0, sync=lambda: synced.append(clock.t))
+    run(sw, clock, range(20), lambda *_: 1.0)
+    assert synced and max(synced) <= sw.length  # none once the trial is over
+
+
+def test_a_resume_at_a_later_step_starts_a_trial_there() -> None:
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=0, every=0)
+    ways = run(sw, clock, range(300, 310), lambda _, way: 1.0 if way else 2.0)
+    assert ways == [True, False] * 2 + [True] * 6
+    assert sw.trials[0]["step"] == 300
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"),
+    [
+        ({"mode": "sometimes"}, "compress mode"),
+        ({"trial": 0}, "trial >= 1"),
+        ({"trial": 5, "warmup": 1, "every": 10}, "cannot hold"),
+    ],
+)
+def test_bad_settings_are_refused(kw: dict[str, object], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        CompressionSwitch(**{"mode": "auto", **kw})  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 20).map(float), min_size=3, max_size=3),
+    st.lists(st.integers(1, 20).map(float), min_size=3, max_size=3),
+    st.integers(0, 2),
+)
+def test_the_choice_is_the_smaller_median(
+    compressed: list[float], plain: list[float], warmup: int
+) -> None:
+    """Against a plain reference: the timed steps' medians, compared (whole seconds: the
+    fake clock's sums stay exact)."""
+    clock = Clock()
+    sw = switch(clock, trial=3, warmup=warmup, every=0)
+    seen = {True: 0, False: 0}
+
+    def took(_: int, way: bool) -> float:
+        k = seen[way] - warmup
+        seen[way] += 1
+        if k < 0 or k >= 3:
+            return 50.0  # warm-up steps, and the one after the trial: never timed
+        return (compressed if way else plain)[k]
+
+    run(sw, clock, range(sw.length + 1), took)
+    assert sw.chosen == (statistics.median(compressed) < statistics.median(plain))
