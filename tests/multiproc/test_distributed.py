@@ -542,3 +542,53 @@ def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     single = tmp_path / "onehot"
     run(single)
     assert tables(single)[20].ne(tables(tmp_path / "one")[20]).any()  # the bags do train
+
+
+def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Path) -> None:
+    """--compress auto with a lossless codec: two trials (steps 0-7 and 10-17) alternate
+    zstd and the plain exchange step by step, every rank alike, and the model is the single
+    process's whichever way each step went."""
+    s = run(
+        tmp_path,
+        *("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--compress", "auto"),
+        *("--compress-trial", "2", "--compress-every", "10"),
+        nproc=2,
+    )
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+    )
+    assert_same_model(single, tmp_path, 1e-5)
+    switch = s["compress"]
+    assert [t["step"] for t in switch["trials"]] == [0, 10]
+    assert all(t["compressed_s"] > 0 and t["plain_s"] > 0 for t in switch["trials"])
+    steps = switch["steps"]
+    assert steps["compressed"] + steps["plain"] == 20 and min(steps.values()) >= 8
+
+
+def _conflicting_clocks(rank: int, store: str, out: str) -> None:
+    """Rank 0's steps say compress (1 s against 2 s plain), rank 1's say the opposite by
+    more (5 s against 1 s): the ranks' maxima (5 s, 2 s) choose plain on both."""
+    import torch.distributed as dist
+
+    from recsz.comm.switch import CompressionSwitch, max_over
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    now = [0.0]
+    switch = CompressionSwitch(
+        "auto", trial=2, every=0, warmup=0, agree=max_over(None), clock=lambda: now[0]
+    )
+    ways = []
+    for step in range(10):
+        ways.append(switch.compress(step))
+        now[0] += (1.0 if ways[-1] else 2.0) if rank == 0 else (5.0 if ways[-1] else 1.0)
+    torch.save({"ways": ways, "trials": switch.trials}, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_ranks_with_conflicting_step_times_choose_alike() -> None:
+    from tests.multiproc.spawned import spawned
+
+    got = spawned(_conflicting_clocks, 2)
+    assert got[0] == got[1]
+    assert got[0]["ways"] == [True, False] * 2 + [False] * 6
+    assert (got[0]["trials"][0]["compressed_s"], got[0]["trials"][0]["plain_s"]) == (5.0, 2.0)

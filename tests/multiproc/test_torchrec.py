@@ -124,6 +124,12 @@ def _batch(step: int, rank: int) -> tuple[object, torch.Tensor]:
     return kjt, torch.randn(B, sum(d for _, d, _ in TABLES.values()), generator=g)
 
 
+#: lossless codecs, each step's way chosen by a trial of one timed step each way (no
+#: warm-up): steps 0 and 2 ours, 1 and 3 TorchRec's, then the faster
+AUTO = {"fwd_codec": "none", "bwd_codec": "zstd", "eb_policy": "none", "compress": "auto",
+        "compress_trial": 1, "compress_every": 0}  # fmt: skip
+
+
 def _train(
     model: torch.nn.Module, rank: int, steps: int = STEPS, start: int = 0
 ) -> list[torch.Tensor]:
@@ -185,6 +191,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     after = rt.comm_bytes(model)
     res["eval_counted"] = [after[k] != res["bytes"][k] for k in ("raw", "wire")]
     res["variable_batch"] = _variable_batch(lossy.dists[0])
+    auto = rt.CompressedEBCSharder(**AUTO)
+    model = _dmp(auto, plan_of)
+    res["auto"] = _train(model, rank)
+    res["auto_bytes"] = rt.comm_bytes(model)
     import recsz.torchrec.sharder as sharder_module
 
     # a sharding we do not carry (TorchRec 1.8 has none left: grid stands in for one)
@@ -403,6 +413,7 @@ def _pipeline(rank: int, plan_of: dict) -> dict[str, list[float]]:
         "stock": EmbeddingBagCollectionSharder(),
         "lossless": rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none"),
         "lossy": rt.CompressedEBCSharder(eb_policy="fixed", fwd_eb=EB, bwd_eb=EB, eb_mode="abs"),
+        "auto": rt.CompressedEBCSharder(**AUTO),
     }
     out = {}
     for name, sharder in sharders.items():
@@ -493,6 +504,20 @@ def test_lossy_outputs_within_the_bound_and_bytes_counted(ranks: list[dict]) -> 
         assert res["eval_counted"] == [False, False]
 
 
+def test_compress_auto_hands_its_plain_steps_to_torchrec(ranks: list[dict]) -> None:
+    """compress="auto" with lossless codecs: the trial's steps alternate between our dists
+    (bags merged) and TorchRec's (every bag), and the outputs stay stock DMP's; our
+    counters hold the compressed steps only, the switch counts both."""
+    for res in ranks:
+        for step, (ours, stock) in enumerate(zip(res["auto"], res["stock"], strict=True)):
+            assert (ours - stock).abs().max() < 1e-5, f"step {step}"
+        [switch] = res["auto_bytes"]["compress"].values()
+        assert switch["mode"] == "auto" and switch["steps"] == {"compressed": 2, "plain": 2}
+        assert switch["trials"] == []  # (the trial ends at step 4, after these)
+        raw, wire = res["auto_bytes"]["raw"], res["auto_bytes"]["wire"]
+        assert 0 < wire["fwd"] <= raw["fwd"] and 0 < wire["bwd"] < raw["bwd"]
+
+
 def test_variable_batch_per_feature_falls_back_with_one_warning(ranks: list[dict]) -> None:
     for res in ranks:
         assert res["variable_batch"] == (["torchrec's", "torchrec's"], 1)
@@ -524,6 +549,7 @@ def test_train_pipeline_sparse_dist_gives_stock_losses(ranks: list[dict]) -> Non
         got = {k: torch.tensor(v) for k, v in res["pipeline"].items()}
         assert len(got["stock"]) == STEPS
         assert torch.allclose(got["lossless"], got["stock"], rtol=1e-5, atol=1e-4)
+        assert torch.allclose(got["auto"], got["stock"], rtol=1e-5, atol=1e-4)
         assert torch.allclose(got["lossy"], got["stock"], rtol=1e-2, atol=0.1)
 
 
