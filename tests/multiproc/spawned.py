@@ -15,6 +15,11 @@ import torch.multiprocessing as mp
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
 
+#: lossless codecs, the sharder's compress="auto": its first trial's 6 steps (2 warm-up
+#: and 1 timed step each way) alternate, our dists' first (steps 0, 2, 4)
+AUTO = {"fwd_codec": "none", "bwd_codec": "zstd", "eb_policy": "none", "compress": "auto",
+        "compress_trial": 1, "compress_every": 0}  # fmt: skip
+
 
 @contextmanager
 def codec_path(path: str) -> Iterator[None]:

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from tests.multiproc.spawned import codec_path, sgd_ebc, spawned, trained
+from tests.multiproc.spawned import AUTO, codec_path, sgd_ebc, spawned, trained
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -122,12 +122,6 @@ def _batch(step: int, rank: int) -> tuple[object, torch.Tensor]:
         keys=[f"f_{n}" for n in TABLES], values=values, lengths=lengths
     )
     return kjt, torch.randn(B, sum(d for _, d, _ in TABLES.values()), generator=g)
-
-
-#: lossless codecs, each step's way chosen by a trial of one timed step each way (no
-#: warm-up): steps 0 and 2 ours, 1 and 3 TorchRec's, then the faster
-AUTO = {"fwd_codec": "none", "bwd_codec": "zstd", "eb_policy": "none", "compress": "auto",
-        "compress_trial": 1, "compress_every": 0}  # fmt: skip
 
 
 def _train(
@@ -513,7 +507,7 @@ def test_compress_auto_hands_its_plain_steps_to_torchrec(ranks: list[dict]) -> N
             assert (ours - stock).abs().max() < 1e-5, f"step {step}"
         [switch] = res["auto_bytes"]["compress"].values()
         assert switch["mode"] == "auto" and switch["steps"] == {"compressed": 2, "plain": 2}
-        assert switch["trials"] == []  # (the trial ends at step 4, after these)
+        assert switch["trials"] == []  # (the trial ends at step 6, after these)
         raw, wire = res["auto_bytes"]["raw"], res["auto_bytes"]["wire"]
         assert 0 < wire["fwd"] <= raw["fwd"] and 0 < wire["bwd"] < raw["bwd"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc.spawned import codec_path, sgd_ebc, spawned, trained
+from tests.multiproc.spawned import AUTO, codec_path, sgd_ebc, spawned, trained
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -88,6 +88,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     res: dict[str, object] = {"stock": _train(_dmp(EmbeddingBagCollectionSharder()), rank)}
     lossless = rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
     res["lossless"] = _train(_dmp(lossless), rank)
+    auto = _dmp(rt.CompressedEBCSharder(**AUTO))  # steps 0 and 2 ours, 1 TorchRec's
+    res["auto"] = _train(auto, rank)
+    res["auto_steps"] = [s["steps"] for s in rt.comm_bytes(auto)["compress"].values()]
     res["kinds"] = sorted(type(d).__name__ for d in lossless.dists)
     res["dims"] = sorted(str(d.dims) for d in lossless.dists)
     cross = [d for d in lossless.dists if d.dims == [(8,), (16,)]]  # the twrw tables a, b
@@ -161,6 +164,10 @@ def test_lossless_codecs_give_stock_dmp(ranks: list[dict]) -> None:
             assert (a - b).abs().max() < 1e-5, f"step {step}"
         for a, b in zip(res["lossless_uneven"], res["stock_uneven"], strict=True):
             assert torch.equal(a, b)
+        # compress="auto": a step in TorchRec's dists between ours
+        assert res["auto_steps"] == [{"compressed": 2, "plain": 1}]
+        for step, (a, b) in enumerate(zip(res["auto"], res["stock"], strict=True)):
+            assert (a - b).abs().max() < 1e-5, f"step {step}"
 
 
 def test_only_the_cross_host_hop_is_ours_and_a_content_crosses_once(ranks: list[dict]) -> None:
