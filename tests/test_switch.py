@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.comm.switch import CompressionSwitch
+from recsz.comm.switch import CLEAR, CompressionSwitch
 
 
 class Clock:
@@ -46,16 +46,27 @@ def test_always_compresses_and_reads_no_clock() -> None:
 
 
 @pytest.mark.parametrize(("fast", "slow", "chosen"), [(1.0, 2.0, True), (2.0, 1.0, False)])
-def test_a_trial_alternates_then_keeps_the_faster_way(
+def test_ways_clearly_apart_end_the_trial_after_two_pairs(
     fast: float, slow: float, chosen: bool
 ) -> None:
     clock = Clock()
     sw = switch(clock, trial=3, warmup=1, every=0)
     ways = run(sw, clock, range(30), lambda _, way: fast if way else slow)
-    assert ways[: sw.length] == [True, False] * (sw.length // 2)
-    assert ways[sw.length :] == [chosen] * (30 - sw.length)
+    assert ways[:6] == [True, False] * 3  # a warm-up pair, two timed
+    assert ways[6:] == [chosen] * 24
     [trial] = sw.trials
-    assert (trial["compressed_s"], trial["plain_s"], trial["compress"]) == (fast, slow, chosen)
+    assert (trial["compressed_s"], trial["plain_s"], trial["timed"]) == (fast, slow, 2)
+    assert trial["compress"] is chosen
+
+
+def test_ways_close_together_take_the_whole_trial() -> None:
+    """1.0 s against 1.1 s (not CLEAR apart): three timed pairs, then the faster."""
+    clock = Clock()
+    sw = switch(clock, trial=3, warmup=1, every=0)
+    ways = run(sw, clock, range(20), lambda _, way: 1.1 if way else 1.0)
+    assert ways[: sw.length] == [True, False] * 4
+    assert ways[sw.length :] == [False] * (20 - sw.length)
+    assert sw.trials[0]["timed"] == 3
 
 
 def test_warmup_steps_are_not_timed() -> None:
@@ -75,20 +86,21 @@ def test_ties_go_plain() -> None:
 
 
 def test_trials_recur_and_follow_the_link() -> None:
-    """The link slows down at step 40: the trial at 50 turns compression on."""
+    """The link slows down at step 40: the trial at 50 (no warm-up after the first)
+    turns compression on."""
     clock = Clock()
     sw = switch(clock, trial=2, warmup=1, every=50)
     ways = run(sw, clock, range(100), lambda s, way: 1.0 if way == (s >= 40) else 2.0)
-    assert ways[sw.length : 50] == [False] * (50 - sw.length)
-    assert ways[50 : 50 + sw.length] == [True, False] * (sw.length // 2)
-    assert ways[50 + sw.length :] == [True] * (50 - sw.length)
+    assert ways[:6] == [True, False] * 3 and ways[6:50] == [False] * 44
+    assert ways[50:54] == [True, False] * 2 and ways[54:] == [True] * 46
     assert [t["step"] for t in sw.trials] == [0, 50]
 
 
 def test_ranks_agree_on_their_slowest() -> None:
     """Rank 0 alone would compress; the ranks' maximum (rank 1's plain steps are faster
     than its compressed ones by more) decides for both."""
-    other = torch.tensor([5.0, 1.0], dtype=torch.float64)  # rank 1's medians
+    # rank 1's figures: medians, maxima, minima negated (compressed, plain)
+    other = torch.tensor([5.0, 1.0, 5.0, 1.0, -5.0, -1.0], dtype=torch.float64)
     clock = Clock()
     sw = switch(clock, trial=2, warmup=0, every=0, agree=lambda x: torch.maximum(x, other))
     run(sw, clock, range(10), lambda _, way: 1.0 if way else 2.0)
@@ -138,27 +150,36 @@ def test_bad_settings_are_refused(kw: dict[str, object], msg: str) -> None:
         CompressionSwitch(**{"mode": "auto", **kw})  # type: ignore[arg-type]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(
-    st.lists(st.integers(1, 20).map(float), min_size=3, max_size=3),
-    st.lists(st.integers(1, 20).map(float), min_size=3, max_size=3),
+    st.lists(st.integers(1, 20).map(float), min_size=4, max_size=4),
+    st.lists(st.integers(1, 20).map(float), min_size=4, max_size=4),
     st.integers(0, 2),
 )
-def test_the_choice_is_the_smaller_median(
+def test_the_choice_against_a_plain_reference(
     compressed: list[float], plain: list[float], warmup: int
 ) -> None:
-    """Against a plain reference: the timed steps' medians, compared (whole seconds: the
-    fake clock's sums stay exact)."""
+    """The trial ends after the first k >= 2 timed pairs whose ways stand CLEAR apart, or
+    after all 4; the way of the smaller median of those steps wins (whole seconds: the fake
+    clock's sums stay exact)."""
+    for k in range(2, 5):
+        c, p = compressed[:k], plain[:k]
+        if k == 4 or min(p) >= CLEAR * max(c) or min(c) >= CLEAR * max(p):
+            break
+    want = (statistics.median(c) < statistics.median(p), k)
     clock = Clock()
-    sw = switch(clock, trial=3, warmup=warmup, every=0)
+    sw = switch(clock, trial=4, warmup=warmup, every=0)
     seen = {True: 0, False: 0}
 
     def took(_: int, way: bool) -> float:
-        k = seen[way] - warmup
+        at = seen[way] - warmup
         seen[way] += 1
-        if k < 0 or k >= 3:
-            return 50.0  # warm-up steps, and the one after the trial: never timed
-        return (compressed if way else plain)[k]
+        if at < 0 or at >= 4:
+            return 50.0  # warm-up steps, and those after the trial: never timed
+        return (compressed if way else plain)[at]
 
-    run(sw, clock, range(sw.length + 1), took)
-    assert sw.chosen == (statistics.median(compressed) < statistics.median(plain))
+    ways = run(sw, clock, range(sw.length + 1), took)
+    assert (sw.chosen, sw.trials[0]["timed"]) == want
+    end = 2 * (warmup + k)
+    assert ways[:end] == [True, False] * (end // 2)
+    assert ways[end:] == [want[0]] * (len(ways) - end)

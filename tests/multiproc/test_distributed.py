@@ -545,9 +545,9 @@ def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
 
 
 def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Path) -> None:
-    """--compress auto with a lossless codec: two trials (steps 0-7 and 10-17) alternate
-    zstd and the plain exchange step by step, every rank alike, and the model is the single
-    process's whichever way each step went."""
+    """--compress auto with a lossless codec: two trials (steps 0-7, with the first's
+    warm-up, and 10-13 at least) alternate zstd and the plain exchange step by step, every
+    rank alike, and the model is the single process's whichever way each step went."""
     s = run(
         tmp_path,
         *("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--compress", "auto"),
@@ -562,7 +562,7 @@ def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Pat
     assert [t["step"] for t in switch["trials"]] == [0, 10]
     assert all(t["compressed_s"] > 0 and t["plain_s"] > 0 for t in switch["trials"])
     steps = switch["steps"]
-    assert steps["compressed"] + steps["plain"] == 20 and min(steps.values()) >= 8
+    assert steps["compressed"] + steps["plain"] == 20 and min(steps.values()) >= 6
 
 
 def _conflicting_clocks(rank: int, store: str, out: str) -> None:

@@ -3,12 +3,18 @@ plain, chosen from measured step times.
 
 On a fast link the codecs' time can exceed the bytes' time they save (2 CPU ranks on
 loopback: our sharder at 0.81x TorchRec's fp32 exchange); on a slow one they win several
-times over. ``--compress auto`` tries both: a trial runs ``warmup + trial`` steps of each
-way in turn (compressed first), times each step from its start to the next step's start,
-and keeps the way whose median step is shorter, until the next trial ``every`` steps after
-the first's start (links and loads change). Every rank decides alike: the ranks' medians
-are combined by ``agree`` (their maximum: a step lasts as long as its slowest rank) before
-the choice. Ties go to the plain exchange, which loses nothing.
+times over. ``--compress auto`` tries both: a trial alternates the two ways step by step
+(compressed first), times each step from its start to the next step's start, and keeps the
+way whose median step is shorter until the next trial, ``every`` steps after this one's
+first (links and loads change). The first trial opens with ``warmup`` untimed steps each
+way (first calls: compilation, caches). A trial ends after ``trial`` timed steps each way,
+or from the second on as soon as the ways stand clearly apart (every step of one at least
+``CLEAR`` times every step of the other): on a slow link a plain step can cost several
+compressed ones, so a trial there costs two of them, not ``trial``.
+
+Every rank decides alike: at each point where a trial may end (fixed steps, the same on
+every rank) the ranks' figures are combined by ``agree`` (their maximum: a step lasts as
+long as its slowest rank). Ties go to the plain exchange, which loses nothing.
 
 The exchange asks :meth:`CompressionSwitch.compress` once per training step, in step order;
 evaluation steps read :attr:`CompressionSwitch.chosen` (:meth:`pause` first, so that the
@@ -27,6 +33,11 @@ import torch
 import torch.distributed as dist
 
 COMPRESS_MODES = ("always", "auto")
+#: ways stand clearly apart when every step of one lasts this many times every step of
+#: the other's (the ranks' extremes)
+CLEAR = 1.25
+#: timed steps each way before a trial may end early
+EARLIEST = 2
 
 
 @dataclass
@@ -35,9 +46,9 @@ class CompressionSwitch:
 
     Args:
         mode: "always" (every step compresses) or "auto" (trials choose).
-        trial: timed steps of each way in a trial.
+        trial: timed steps of each way in a trial, at most.
         every: steps from one trial's first step to the next's (0: one trial).
-        warmup: untimed steps of each way opening a trial (first calls: compilation, caches).
+        warmup: untimed steps of each way opening the first trial.
         agree: the ranks' element-wise maximum of a small float64 tensor (None: one rank).
         sync: waits for the device's queued work before each timing (a GPU, whose host
             runs ahead of it where no size is read).
@@ -53,11 +64,14 @@ class CompressionSwitch:
     clock: Callable[[], float] = time.perf_counter
     #: the way steps outside a trial go: compressed (True) or plain
     chosen: bool = True
-    #: each trial's outcome: its first step, the ranks' median step (s) each way, the choice
+    #: each trial's outcome: its first step, the ranks' median step (s) each way, the
+    #: timed steps each way, the choice
     trials: list[dict[str, Any]] = field(default_factory=list)
     #: training steps asked so far: compressed, plain
     steps: dict[str, int] = field(default_factory=lambda: {"compressed": 0, "plain": 0})
     _start: int | None = None  # the current (or last) trial's first step
+    _untimed: int = 0  # the current trial's untimed steps each way
+    _trying: bool = False
     _last: tuple[int, bool, float] | None = None  # the last step asked: step, way, its start
     _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
 
@@ -75,7 +89,7 @@ class CompressionSwitch:
 
     @property
     def length(self) -> int:
-        """Steps of one trial, both ways."""
+        """Steps of the longest trial (the first), both ways."""
         return 2 * (self.warmup + self.trial)
 
     def compress(self, step: int) -> bool:
@@ -84,19 +98,18 @@ class CompressionSwitch:
             self.steps["compressed"] += 1
             return True
         if self._start is None or step < self._start:  # the first step seen, or a rewind
-            self._begin(step)
+            self._begin(step, self.warmup if self._start is None else 0)
         assert self._start is not None
-        i, last = step - self._start, self._last
-        if last is not None and last[0] + 1 == step and self._timed(last[0]):
+        last = self._last
+        if self._trying and last is not None and last[0] + 1 == step and self._timed(last[0]):
             self._wait()
             self._times[last[1]].append(self.clock() - last[2])
-        if i == self.length:
-            self._decide()
-        if self.every and i >= self.every:
-            self._begin(step)
-            i = 0
-        way = i % 2 == 0 if i < self.length else self.chosen
-        if i < self.length:
+            if not last[1]:  # a pair of timed steps is complete: the trial may end here
+                self._weigh()
+        if not self._trying and self.every and step - self._start >= self.every:
+            self._begin(step, 0)
+        way = (step - self._start) % 2 == 0 if self._trying else self.chosen
+        if self._trying:
             self._wait()  # a trial's step starts on an idle device
         self._last = (step, way, self.clock())
         self.steps["compressed" if way else "plain"] += 1
@@ -110,33 +123,37 @@ class CompressionSwitch:
         if self.sync is not None:
             self.sync()
 
-    def _begin(self, step: int) -> None:
-        self._start = step
+    def _begin(self, step: int, untimed: int) -> None:
+        self._start, self._untimed, self._trying = step, untimed, True
         self._times = {True: [], False: []}
 
     def _timed(self, step: int) -> bool:
-        """Whether ``step`` is one of its trial's timed steps."""
+        """Whether ``step`` is one of the current trial's timed steps."""
         assert self._start is not None
-        i = step - self._start
-        return 2 * self.warmup <= i < self.length
+        return step - self._start >= 2 * self._untimed
 
-    def _decide(self) -> None:
-        """The trial's medians, the ranks' maximum of each, and the way the next steps go."""
-        got = [
-            statistics.median(t) if t else float("nan")
-            for t in (self._times[True], self._times[False])
-        ]
-        medians = torch.tensor(got, dtype=torch.float64)
-        if self.agree is not None:
-            medians = self.agree(medians)
-        compressed, plain = medians.tolist()
-        if compressed == compressed and plain == plain:  # both timed (not NaN)
-            self.chosen = compressed < plain
+    def _weigh(self) -> None:
+        """After a pair of timed steps (each rank at the same step): the ranks' figures,
+        and the trial's end where it has timed ``trial`` pairs or the ways stand apart."""
+        pairs = len(self._times[False])
+        if pairs < min(EARLIEST, self.trial):
+            return
+        c, p = self._times[True], self._times[False]
+        mine = [statistics.median(c), statistics.median(p), max(c), max(p), -min(c), -min(p)]
+        got = torch.tensor(mine, dtype=torch.float64)
+        med_c, med_p, max_c, max_p, neg_min_c, neg_min_p = (
+            self.agree(got) if self.agree is not None else got
+        ).tolist()
+        apart = -neg_min_p >= CLEAR * max_c or -neg_min_c >= CLEAR * max_p
+        if pairs < self.trial and not apart:
+            return
+        self.chosen, self._trying = med_c < med_p, False
         self.trials.append(
             {
                 "step": self._start,
-                "compressed_s": compressed,
-                "plain_s": plain,
+                "compressed_s": med_c,
+                "plain_s": med_p,
+                "timed": pairs,
                 "compress": self.chosen,
             }
         )
