@@ -66,6 +66,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "hybrid-dual-fwd": (*_PLAIN, *_DUAL),
     "hybrid-dual-fwd+bwd": (*_PLAIN, *_DUAL, "--bwd-codec", "hybrid"),
     "hybrid-dual+ids": (*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
+    # --compress auto: the plain exchange (none) where trials find it faster
+    "hybrid-dual+ids+auto": (
+        *(*_DUAL, "--bwd-codec", "hybrid", "--id-dedup", "--bwd-coalesce"),
+        *("--compress", "auto"),
+    ),
     # The MLP gradients too (--dp-comm): torch's fp16/bf16/PowerSGD hooks, DCT-DP, ours.
     **{
         f"hybrid-dual+ids+dp-{m}": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", m)
@@ -91,6 +96,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "trdmp-bf16": ("--dmp", "bf16"),
     "trdmp-mx4": ("--dmp", "mx4"),
     "trdmp-hybrid": ("--dmp", "hybrid"),  # TorchRec's DMP with recsz's sharder
+    "trdmp-hybrid+auto": ("--dmp", "hybrid", "--sharder-opts", '{"compress": "auto"}'),
     # ... and the dense part's DDP hook (recsz.torchrec.dense_comm): torch's bf16 cast
     # beside TorchRec's bf16 comms, our error-bounded one beside our sharder
     "trdmp-bf16+dp-bf16": ("--dmp", "bf16", "--dp-comm", "bf16"),
@@ -201,6 +207,7 @@ class Row:
     compute_s: float
     wall_s: float
     allreduce_bytes: int | None = None  # the MLP gradients' bytes (TorchRec runs: unknown)
+    compressed_steps: int | None = None  # --compress auto: the steps its switch compressed
 
 
 def can_shape() -> str | None:
@@ -338,17 +345,27 @@ def plot(rows: list[Row], path: Path, batch: int = 2048) -> None:
 def markdown(rows: list[Row]) -> str:
     head = (
         "| rate | ranks | config | samples/s | speedup | a2a fwd s | a2a bwd s | all-reduce s "
-        "| codec s | MB on wire | fwd ratio | bwd ratio | AUC | ΔAUC |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| codec s | MB on wire | fwd ratio | bwd ratio | AUC | ΔAUC | compressed steps |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     body = "".join(
         f"| {r.rate} | {r.world_size} | {r.config} | {r.samples_per_s:.0f} | {r.speedup:.2f}x "
         f"| {r.a2a_fwd_s:.2f} | {r.a2a_bwd_s:.2f} | {r.allreduce_s:.2f} | {r.codec_s:.2f} "
         f"| {r.bytes_sent / 1e6:.1f} | {_f(r.fwd_ratio)} | {_f(r.bwd_ratio)} | {r.auc:.4f} "
-        f"| {r.auc_delta:+.4f} |\n"
+        f"| {r.auc_delta:+.4f} | {_steps(r)} |\n"
         for r in rows
     )
     return head + body
+
+
+def _compressed_steps(summary: dict) -> int | None:
+    """--compress auto's compressed steps (None: every step as configured)."""
+    switch = summary.get("compress") or {}
+    return switch["steps"]["compressed"] if switch.get("mode") == "auto" else None
+
+
+def _steps(r: Row) -> str:
+    return "all" if r.compressed_steps is None else f"{r.compressed_steps}/{r.steps}"
 
 
 def _f(x: float | None) -> str:
@@ -480,13 +497,14 @@ def main(argv: list[str] | None = None) -> int:
                         s["compute_s"],
                         wall,
                         s.get("allreduce_bytes"),
+                        _compressed_steps(s),
                     )
                     rows.append(r)
                     print(
                         f"{rate:9s} W={world} {cfg:20s} {r.samples_per_s:8.0f} samples/s "
                         f"{r.speedup:5.2f}x  wire {r.bytes_sent / 1e6:8.1f} MB  "
                         f"fwd {_f(r.fwd_ratio):>6s} bwd {_f(r.bwd_ratio):>6s}  "
-                        f"AUC {r.auc:.4f} ({r.auc_delta:+.4f})",
+                        f"AUC {r.auc:.4f} ({r.auc_delta:+.4f})  compressed {_steps(r)}",
                         flush=True,
                     )
     out = Path(a.json_out)
