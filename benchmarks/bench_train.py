@@ -76,6 +76,10 @@ CONFIGS: dict[str, tuple[str, ...]] = {
         f"hybrid-dual+ids+dp-{m}": (*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", m)
         for m in ("fp16", "bf16", "powersgd", "dct", "eb")
     },
+    "hybrid-dual+ids+dp-eb+auto": (
+        *(*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "eb"),
+        *("--compress", "auto"),
+    ),
     # --dp-comm eb's two collectives (allgather is the default).
     **{
         f"hybrid-dual+ids+dp-eb-{c}": (
@@ -101,6 +105,10 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     # beside TorchRec's bf16 comms, our error-bounded one beside our sharder
     "trdmp-bf16+dp-bf16": ("--dmp", "bf16", "--dp-comm", "bf16"),
     "trdmp-hybrid+dp-eb": ("--dmp", "hybrid", "--dp-comm", "eb"),
+    "trdmp-hybrid+dp-eb+auto": (
+        *("--dmp", "hybrid", "--dp-comm", "eb"),
+        *("--sharder-opts", '{"compress": "auto"}'),
+    ),
     # The MLPs and interaction in bfloat16 (torch.autocast), ours and DMP's alike.
     "none+amp": (*_PLAIN, "--dense-dtype", "bf16"),
     # The trainer's defaults with no codec: id-aware traffic (lossless), no TorchRec peer.

@@ -9,7 +9,7 @@ import torch
 
 from recsz.codecs import get_codec, get_codec_with
 from recsz.comm.dct_dp import DCTState, all_gather_ragged, dct_hook
-from recsz.comm.dp_hooks import DPComm, EBState, _eb_exchange
+from recsz.comm.dp_hooks import DPComm, EBState, _eb_exchange, _hook
 
 PARAMS = [torch.nn.Parameter(torch.zeros(n)) for n in (600, 400, 300, 20_000)]
 
@@ -141,6 +141,12 @@ def _three_ranks(rank: int, world: int, init: str, out: str) -> None:
         kept = [dp.inner.reduced[k] for k in sorted(dp.inner.reduced)]
         reduced = torch.cat(kept) if kept else torch.zeros(20_000)
         got[codec, collective] = (outs, residual(dp), reduced, dp.bytes_sent)
+    for collective in ("rsag", "allgather"):  # --compress auto: a coded step, then a plain one
+        ways = iter([False, True])  # the two steps' "goes plain"
+        state = EBState(get_codec("hybrid"), 0.05, collective)
+        dp = DPComm("eb", world, inner=state, plain=lambda ways=ways: next(ways))
+        outs = [_hook(dp, Bucket(_grads(rank, s))).wait() for s in (0, 1)]
+        got["plain", collective] = (outs, len(state.residual) + len(state.reduced))
     torch.save(got, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
 
@@ -169,6 +175,13 @@ def test_reduce_scatter_variant_on_three_ranks(tmp_path) -> None:
     lost = sum(rk["hybrid", "rsag"][1] + rk["hybrid", "rsag"][2] for rk in ranks)
     torch.testing.assert_close(world * (o1 + o2) + lost, sum(g[0]) + sum(g[1]), rtol=0, atol=1e-4)
     assert float(lost.abs().max()) > 0
+    # --compress auto: a plain step after a coded one takes the fp32 all-reduce of the
+    # gradients and of all that error feedback held (both stages'): over the two steps the
+    # mean of the gradients, and nothing held any more
+    for collective in ("rsag", "allgather"):
+        (o1, o2), held = ranks[0]["plain", collective]
+        assert held == 0 and all(torch.equal(rk["plain", collective][0][1], o2) for rk in ranks)
+        torch.testing.assert_close(world * (o1 + o2), sum(g[0]) + sum(g[1]), rtol=0, atol=1e-4)
     rsag = sum(rk["hybrid", "rsag"][3] for rk in ranks)
     allgather = sum(rk["hybrid", "allgather"][3] for rk in ranks)
     assert rsag < 0.8 * allgather, (rsag, allgather)

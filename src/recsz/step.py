@@ -101,6 +101,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute, init).to(ranks.device)
     if cfg.compile:
         dense_arch.compile()  # in place: DDP and the checkpoints see the same module
+    # --compress auto's switch: the exchange asks it each step, the MLPs' hook follows it
+    switch = cfg.switch(agree=max_over(None), sync=device_sync(ranks.device))
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
     if ranks.world > 1:
@@ -112,7 +114,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
             gradient_as_bucket_view=True,  # gradients live in the buckets: no copy in or out
             **DDP_NO_BUFFER_SYNC,  # its one buffer is a constant: no collective a step
         )
-        dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, **cfg.dp_hook_options())
+        goes_plain = (lambda: not switch.current) if cfg.compress == "auto" else None
+        options = cfg.dp_hook_options()
+        dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
     dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
     fwd, bwd = (
         Direction(d, cfg.codec(d), make_policy(cfg, d, mcfg.n_tables)) for d in ("fwd", "bwd")
@@ -133,7 +137,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         coalesce=cfg.bwd_coalesce,
         sparse_grad=sparse.takes_sparse_grad,
         plain=plain if cfg.compress == "auto" else None,
-        switch=cfg.switch(agree=max_over(None), sync=device_sync(ranks.device)),
+        switch=switch,
     )
     return Parts(sparse, dense, dense_opt, exchange, dp), owners
 

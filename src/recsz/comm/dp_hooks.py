@@ -25,12 +25,18 @@
 
 Every hook counts its seconds (launch to completion) and the bytes this rank puts on the
 wire (``bytes_sent``) beside what a ring all-reduce of fp32 would (``bytes_dense``).
+
+With ``--compress auto`` (:mod:`recsz.comm.switch`) the steps the switch sends plain take
+DDP's fp32 all-reduce instead of ``fp16``, ``bf16`` or ``eb`` (whose residuals join that
+step's gradient, so nothing error feedback held back is lost); PowerSGD and DCT-DP keep
+their own schedules.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +58,8 @@ from recsz.comm.exchange import start_all_to_all_bytes
 from recsz.policy.base import absolute_bounds
 
 DP_MODES = ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb")
+#: the modes a step the switch sends plain turns into the all-reduce
+SWITCHED = ("fp16", "bf16", "eb")
 EB_COLLECTIVES = ("allgather", "rsag")
 
 
@@ -70,6 +78,8 @@ class DPComm:
     #: at a moment that differs between ranks, and on the embedding exchange's group that
     #: could interleave with its all-to-alls in another order on each rank (gloo then hangs).
     group: Any = None
+    #: ``--compress auto``: whether the step goes plain (module docstring)
+    plain: Callable[[], bool] | None = None
 
     def ring_bytes(self, n: int, itemsize: int) -> int:
         """What one rank sends in a ring all-reduce of n elements."""
@@ -118,15 +128,23 @@ class EBState:
     owned: dict[tuple[int, ...], list[torch.Tensor]] = field(default_factory=dict)
 
 
-def register(ddp: Any, mode: str, world: int, group: Any = None, **opts: Any) -> DPComm:
+def register(
+    ddp: Any,
+    mode: str,
+    world: int,
+    group: Any = None,
+    plain: Callable[[], bool] | None = None,
+    **opts: Any,
+) -> DPComm:
     """Install ``mode``'s hook on a DistributedDataParallel module whose process group is
-    ``group`` (see :attr:`DPComm.group`); return its state.
+    ``group`` (see :attr:`DPComm.group`); return its state. ``plain``: whether a step goes
+    plain (``--compress auto``).
 
     opts: ``powersgd_rank``, ``powersgd_warmup`` (powersgd), ``dct_keep``, ``dct_refresh``
     (dct), ``codec``, ``eb``, ``collective`` (eb)."""
     if mode not in DP_MODES:
         raise ValueError(f"--dp-comm {mode!r} is not one of: {', '.join(DP_MODES)}")
-    dp = DPComm(mode, world, group=group)
+    dp = DPComm(mode, world, group=group, plain=plain)
     if mode == "dct":
         dp.inner = DCTState(world, opts["dct_keep"], opts["dct_refresh"], group=group)
         ddp.register_comm_hook(dp, _dct)
@@ -161,7 +179,10 @@ def _hook(dp: DPComm, bucket):
     t = time.perf_counter()
     grad = bucket.buffer()
     dp.bytes_dense += dp.ring_bytes(grad.numel(), 4)
-    if dp.mode == "allreduce":
+    plain = dp.mode in SWITCHED and dp.plain is not None and dp.plain()
+    if plain and dp.mode == "eb":
+        grad = _flushed(dp, bucket)
+    if dp.mode == "allreduce" or plain:
         dp.bytes_sent += dp.ring_bytes(grad.numel(), grad.element_size())
         fut = dist.all_reduce(grad, group=dp.group, async_op=True).get_future()
         fut = fut.then(lambda f: f.value()[0].div_(dp.world))
@@ -227,6 +248,22 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(out.div_(dp.world))
     return fut
+
+
+def _flushed(dp: DPComm, bucket: Any) -> torch.Tensor:
+    """The bucket's gradient with everything error feedback holds for it (the residual of
+    this rank's payload, and rsag's of the means it coded, which stand for every rank's
+    share of the mean: times the world), which is then cleared."""
+    st: EBState = dp.inner
+    grad = bucket.buffer()
+    keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
+    acc = add_residual(grad, st.residual, keys, sizes)
+    if any(k in st.reduced for k in keys):
+        acc = acc + dp.world * add_residual(torch.zeros_like(grad), st.reduced, keys, sizes)
+    for held in (st.residual, st.reduced):
+        for k in keys:
+            held.pop(k, None)
+    return acc
 
 
 #: The eb hook codes a bucket as rows of this many values (a GPU's coder takes the row

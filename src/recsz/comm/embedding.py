@@ -34,7 +34,7 @@ from torch.profiler import record_function
 from recsz.codecs.checks import HeldChecks, read_all, riding
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
-from recsz.comm.ids import Distinct, distinct_slices
+from recsz.comm.ids import Slices
 from recsz.comm.overlap import tie_backward
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.comm.switch import CompressionSwitch
@@ -112,8 +112,7 @@ class EmbeddingExchange:
         self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         #: Training steps feed the policies and the statistics; evaluation does neither.
         self.training = True
-        self._batch: tuple[torch.Tensor, int] | None = None
-        self._distinct_of: dict[tuple[int, int], Distinct] = {}
+        self._slices = Slices(plan, rank)
         self._index_of = Indices()
         #: The checks' verdicts of received payloads, held to ride on the next read of
         #: sizes: the forward's until the backward's bytes are made (:meth:`_send`), the
@@ -247,30 +246,6 @@ class EmbeddingExchange:
         if self.training:
             self.stats.codec_s += time.perf_counter() - t0
 
-    def _distinct(self, ids: torch.Tensor, samples: int, owner: int) -> Distinct:
-        """The distinct ids of sample owner ``samples``'s slice of table owner ``owner``'s
-        tables. A batch's are computed at once, the first time one is asked for: every
-        slice this rank sends or receives (the forward and the backward of a step need the
-        same ones; on a GPU, one host read for all)."""
-        if self._batch is None or self._batch[0] is not ids or self._batch[1] != ids._version:
-            w, r = self.world, self.rank
-            keys = sorted({(d, r) for d in range(w)} | {(r, s) for s in range(w)})
-            b = ids.shape[0] // w
-            cols = [
-                ids[s * b : (s + 1) * b].index_select(
-                    1, self._index_of(self.plan.tables_of(o), ids.device)
-                )
-                for s, o in keys
-            ]  # an index made once: a list would be copied to a GPU from pageable memory
-            self._batch = (ids, ids._version)
-            self._distinct_of = dict(zip(keys, distinct_slices(cols), strict=True))
-        return self._distinct_of[(samples, owner)]
-
-    def _sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
-        if dedup:
-            return self._distinct(ids, samples, owner).counts
-        return [ids.shape[0] // self.world] * len(self.plan.tables_of(owner))
-
     # ---- forward ------------------------------------------------------------------
     def start_forward(self, pooled: torch.Tensor, step: int, ids: torch.Tensor) -> Pending:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
@@ -284,14 +259,16 @@ class EmbeddingExchange:
         blocks = []
         for dest in range(self.world):
             if self.id_dedup:  # rows of the distinct ids, table by table
-                first = self._distinct(ids, dest, self.rank).first  # table * b + sample
+                first = self._slices.distinct(ids, dest, self.rank).first  # table * b + sample
                 at = (dest * b + first % b) * n_mine + first // b
                 rows = data.view(-1, dim).index_select(0, at)
             else:
                 rows = data[dest * b : (dest + 1) * b].transpose(0, 1).reshape(n_mine * b, dim)
-            sizes = self._sizes(self.id_dedup, ids, dest, self.rank)
+            sizes = self._slices.sizes(self.id_dedup, ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
-        expect = [sum(self._sizes(self.id_dedup, ids, self.rank, s)) for s in range(self.world)]
+        expect = [
+            sum(self._slices.sizes(self.id_dedup, ids, self.rank, s)) for s in range(self.world)
+        ]
         with record_function("recsz.a2a_fwd.encode"):
             bound_src = (self.mine, data.transpose(0, 1))
             sent = self._send(fwd, step, blocks, bound_src, b * dim * 4, expect)
@@ -301,7 +278,7 @@ class EmbeddingExchange:
         """The forward's (b, T, D); ``hold``: a backward follows, which reads the checks'
         verdicts before any byte made from these values leaves (:meth:`_send`)."""
         b = ids.shape[0] // self.world
-        sizes = functools.partial(self._sizes, self.id_dedup, ids, self.rank)
+        sizes = functools.partial(self._slices.sizes, self.id_dedup, ids, self.rank)
         received = self._receive(sent, self.plan.tables_of, sizes, dim, self._fwd_checks)
         if not hold:
             self._fwd_checks.read()
@@ -313,7 +290,7 @@ class EmbeddingExchange:
         at = 0
         for blk in sent_by:
             if self.id_dedup:  # every sample gets its id's row
-                of = self._distinct(ids, self.rank, blk.peer).inverse
+                of = self._slices.distinct(ids, self.rank, blk.peer).inverse
             else:
                 of = torch.arange(len(blk.tables) * b, device=ids.device)
             index.index_copy_(0, self._index_of(blk.tables, ids.device), of.view(-1, b) + at)
@@ -346,9 +323,9 @@ class EmbeddingExchange:
             rows = by_table[at : at + len(tables)].view(-1, dim)
             at += len(tables)
             if self.coalesce:  # one summed row per distinct id, table by table
-                u = self._distinct(ids, self.rank, dest)
+                u = self._slices.distinct(ids, self.rank, dest)
                 rows = rows.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, rows)
-            sizes = self._sizes(self.coalesce, ids, self.rank, dest)
+            sizes = self._slices.sizes(self.coalesce, ids, self.rank, dest)
             blocks.append(Block(dest, tables, rows, sizes))
         with record_function("recsz.a2a_bwd.encode"):
             # Bounds from the per-sample gradients, not the coalesced sums: each sum carries
@@ -356,7 +333,9 @@ class EmbeddingExchange:
             # the sums' range, which popular ids stretch, zeroed rare ids' small gradients:
             # -0.017 AUC in 30 steps of the link benchmark.)
             per_sample = (list(order), by_table)  # table-major (T, b, D)
-            expect = [sum(self._sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)]
+            expect = [
+                sum(self._slices.sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)
+            ]
             return self._send(bwd or self.bwd, step, blocks, per_sample, b * dim * 4, expect)
 
     def finish_backward(self, sent: Sent, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -365,7 +344,7 @@ class EmbeddingExchange:
         b, dim = ids.shape[0] // self.world, like.shape[-1]
 
         def sizes_from(src: int) -> list[int]:  # src: a sample owner
-            return self._sizes(self.coalesce, ids, src, self.rank)
+            return self._slices.sizes(self.coalesce, ids, src, self.rank)
 
         checks = self._bwd_checks  # read later: until then a damaged payload updates nothing
         received = self._receive(sent, lambda _: self.mine, sizes_from, dim, checks)
@@ -376,7 +355,7 @@ class EmbeddingExchange:
         if self.sparse_grad:  # each sum at (its id's first sample, table)
             where, sums = [], []
             for blk in received:
-                first = self._distinct(ids, blk.peer, self.rank).first
+                first = self._slices.distinct(ids, blk.peer, self.rank).first
                 where.append(torch.stack([blk.peer * b + first % b, first // b]))
                 sums.append(blk.rows.to(like.dtype))
             return torch.sparse_coo_tensor(
@@ -386,7 +365,7 @@ class EmbeddingExchange:
         for blk in received:
             s = blk.peer
             if self.coalesce:  # each sum on its id's first sample
-                first = self._distinct(ids, s, self.rank).first
+                first = self._slices.distinct(ids, s, self.rank).first
                 at = (first // b) * bsz + s * b + first % b
                 out.view(-1, dim).index_copy_(0, at, blk.rows.to(out.dtype))
             else:

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from recsz.devicepath import device_path
+from recsz.comm.stats import ShardPlan
+from recsz.devicepath import Indices, device_path
 
 
 def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -113,3 +114,41 @@ def distinct_slices(cols: list[torch.Tensor]) -> list[Distinct]:
         out.append(Distinct(inv, first, mine))
         at, start, off = at + w, start + u, off + size
     return out
+
+
+class Slices:
+    """A rank's slices of the batch, each way: sample owner ``samples``'s samples of table
+    owner ``owner``'s tables, for every pair this rank is one end of; their distinct ids
+    (:func:`distinct_slices`) and their rows on the wire."""
+
+    def __init__(self, plan: ShardPlan, rank: int) -> None:
+        self.plan, self.rank, self.world = plan, rank, plan.world
+        self._batch: tuple[torch.Tensor, int] | None = None
+        self._of: dict[tuple[int, int], Distinct] = {}
+        self._index = Indices()
+
+    def distinct(self, ids: torch.Tensor, samples: int, owner: int) -> Distinct:
+        """The distinct ids of one slice of the global batch ``ids``. A batch's are
+        computed at once, the first time one is asked for: every slice this rank sends or
+        receives (the forward and the backward of a step need the same ones; on a GPU, one
+        host read for all)."""
+        if self._batch is None or self._batch[0] is not ids or self._batch[1] != ids._version:
+            w, r = self.world, self.rank
+            keys = sorted({(d, r) for d in range(w)} | {(r, s) for s in range(w)})
+            b = ids.shape[0] // w
+            cols = [
+                ids[s * b : (s + 1) * b].index_select(
+                    1, self._index(self.plan.tables_of(o), ids.device)
+                )
+                for s, o in keys
+            ]  # an index made once: a list would be copied to a GPU from pageable memory
+            self._batch = (ids, ids._version)
+            self._of = dict(zip(keys, distinct_slices(cols), strict=True))
+        return self._of[(samples, owner)]
+
+    def sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
+        """Rows of each table of a slice on the wire: its distinct ids' (``dedup``) or its
+        samples'."""
+        if dedup:
+            return self.distinct(ids, samples, owner).counts
+        return [ids.shape[0] // self.world] * len(self.plan.tables_of(owner))

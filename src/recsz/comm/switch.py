@@ -64,6 +64,8 @@ class CompressionSwitch:
     clock: Callable[[], float] = time.perf_counter
     #: the way steps outside a trial go: compressed (True) or plain
     chosen: bool = True
+    #: the way of the last training step asked
+    current: bool = True
     #: each trial's outcome: its first step, the ranks' median step (s) each way, the
     #: timed steps each way, the choice
     trials: list[dict[str, Any]] = field(default_factory=list)
@@ -111,7 +113,7 @@ class CompressionSwitch:
         way = (step - self._start) % 2 == 0 if self._trying else self.chosen
         if self._trying:
             self._wait()  # a trial's step starts on an idle device
-        self._last = (step, way, self.clock())
+        self._last, self.current = (step, way, self.clock()), way
         self.steps["compressed" if way else "plain"] += 1
         return way
 

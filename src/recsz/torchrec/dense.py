@@ -5,7 +5,9 @@ whose all-reduce of fp32 gradients moves, on a bench-preset DLRM, several times 
 of a compressed embedding all-to-all. :func:`dense_comm` puts one of ``recsz train``'s
 ``--dp-comm`` hooks on that DDP (:mod:`recsz.comm.dp_hooks`: torch's fp16 / bf16 / PowerSGD
 hooks, DCT-DP, or ``eb``, our error-bounded codec with error feedback), with the same
-options, on a process group of its own (:attr:`recsz.comm.dp_hooks.DPComm.group`)::
+options, on a process group of its own (:attr:`recsz.comm.dp_hooks.DPComm.group`); under a
+sharder with ``compress="auto"`` it follows the sharder's switch (a plain step's gradients
+take the fp32 all-reduce)::
 
     dmp = DistributedModelParallel(model, sharders=recsz.torchrec.sharders())
     dp = recsz.torchrec.dense_comm(dmp, dp_comm="eb", dp_eb=0.01)  # before the first step
@@ -13,6 +15,7 @@ options, on a process group of its own (:attr:`recsz.comm.dp_hooks.DPComm.group`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -43,4 +46,24 @@ def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
             f"part in; this model holds {len(ddp)}"
         )
     group = dist.new_group()
-    return register(ddp[0], dp_comm, dist.get_world_size(group), group, **config.dp_hook_options())
+    world, options = dist.get_world_size(group), config.dp_hook_options()
+    return register(ddp[0], dp_comm, world, group, _goes_plain(dmp), **options)
+
+
+def _goes_plain(dmp: nn.Module) -> Callable[[], bool] | None:
+    """Where the sharder's modules run ``compress="auto"``: whether their switch sent the
+    last batch it saw plain (under TorchRec's pipeline, the batch after the one whose
+    gradients these are: every rank alike all the same); None otherwise."""
+    auto = [
+        m
+        for m in dmp.modules()
+        if isinstance(c := getattr(m, "recsz_config", None), TrainConfig) and c.compress == "auto"
+    ]
+    if not auto:
+        return None
+
+    def plain() -> bool:
+        switch = auto[0].__dict__.get("_recsz_switch")  # made at the first input dist
+        return switch is not None and not switch.current
+
+    return plain

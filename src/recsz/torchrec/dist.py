@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +48,7 @@ from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
+from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs
 from recsz.torchrec.rows import Merge, Pick, Rows
 
 
@@ -75,43 +75,6 @@ def _slabs(x: torch.Tensor, cols: list[int], width: int) -> torch.Tensor:
 
 #: What one step's directions share (which rows of each rank's block travel, both ways).
 Context = dict[str, Any]
-
-
-def lookup_lengths(seen: dict[str, Any], f: int, n: int) -> torch.Tensor | None:
-    """(n, f): ids a bag of the step's lookup (``seen["lookup"]``, which the sharder's hook
-    hands over, taken here); None where it is missing or laid out otherwise."""
-    lookup = seen.pop("lookup", None)
-    if lookup is None or lookup.lengths().numel() != n * f:
-        return None
-    return lookup.lengths().view(f, n).t()
-
-
-def missing_ids(who: str, f: int, n: int) -> ValueError:
-    """The error of a dist whose sample owners merged their bags but that lacks the ids."""
-    return ValueError(
-        f"{who}: the lookup's ids of this step are missing or not {f} features x {n} "
-        "samples; the sample owners merged their bags against them"
-    )
-
-
-def theirs(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
-    """TorchRec's own dist (``owner.inner``) for a step that is not ours: one the sharded
-    module's switch sends plain (``--compress auto``: ``ctx.recsz_plain``, the bags left
-    unmerged), or where the batch varies per feature (uncompressed, with one warning an
-    owner); None otherwise. The steps it carries are not ours to count: the policies' clock
-    (``owner.step``) counts the compressed ones."""
-    if ctx is None:
-        return None
-    if getattr(ctx, "recsz_plain", False):
-        owner.seen.pop("lookup", None)  # its ids are not read
-        return owner.inner(local_embs, ctx)
-    if not ctx.variable_batch_per_feature:
-        return None
-    if not getattr(owner, "warned_variable_batch", False):
-        msg = "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)"
-        warnings.warn(msg, stacklevel=3)
-        owner.warned_variable_batch = True
-    return owner.inner(local_embs, ctx)
 
 
 class CompressedPooledEmbeddingDist(nn.Module):

@@ -20,7 +20,6 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 
 from __future__ import annotations
 
-import json
 import warnings
 from dataclasses import fields
 from typing import Any, ClassVar
@@ -35,6 +34,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingType
 
 from recsz.comm.switch import CompressionSwitch, device_sync, max_over
 from recsz.config import TrainConfig
+from recsz.torchrec import state
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rows import first_bags
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
@@ -68,8 +68,6 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     recsz_config: ClassVar[TrainConfig]
     #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
     recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
-    #: the version of what :meth:`get_extra_state` writes
-    STATE_VERSION: ClassVar[int] = 1
 
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
@@ -77,52 +75,13 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         return [c for d in self._output_dists if (c := _compressed(d)) is not None]
 
     def get_extra_state(self) -> bytes:
-        """What the compressed dists carry from step to step, in ``dmp.state_dict()``: each
-        one's step count (the bound decay's clock and the probe windows'), its bound
-        policies' state (the classes the homogenization index chose, a window's counts) and
-        its byte counters; this rank's, marked with it. One JSON blob: a checkpointer that
-        flattens nested state (``torch.distributed.checkpoint``) sees one value of one shape
-        on every rank."""
-        state = {
-            "recsz": self.STATE_VERSION,
-            "rank": dist.get_rank(),
-            "dists": [_dist_state(d) for d in self._ours()],
-        }
-        return json.dumps(state, default=float).encode()
+        """What the compressed dists carry from step to step, in ``dmp.state_dict()``
+        (:func:`recsz.torchrec.state.dump`)."""
+        return state.dump(self._ours(), dist.get_rank())
 
-    def set_extra_state(self, state: Any) -> None:
-        """Restore :meth:`get_extra_state`'s state. Another rank's (a checkpointer that keeps
-        one copy of what is not a tensor, as ``torch.distributed.checkpoint`` does) gives the
-        step counts only (every rank's are the same), with a warning: this rank's policies
-        then probe its tables anew from that step (:meth:`BoundPolicy.probe_again`)."""
-        ours, rank = self._ours(), dist.get_rank()
-        try:
-            state = json.loads(bytes(state))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"recsz: rank {rank}: the checkpoint's sharder state: {e}") from e
-        if (
-            not isinstance(state, dict)
-            or state.get("recsz") != self.STATE_VERSION
-            or len(state.get("dists", ())) != len(ours)
-        ):
-            got = len(state.get("dists", ())) if isinstance(state, dict) else None
-            raise ValueError(
-                f"recsz: rank {rank}: the checkpoint's sharder state does not fit this module "
-                f"(version {state.get('recsz') if isinstance(state, dict) else None}, {got} "
-                f"compressed dists for {len(ours)}: another sharding plan?)"
-            )
-        mine = state["rank"] == rank
-        if not mine:
-            warnings.warn(
-                f"recsz: rank {rank} loads rank {state['rank']}'s sharder state: the step "
-                "counts are restored, this rank's bound policies probe its tables anew",
-                stacklevel=2,
-            )
-        for i, (d, saved) in enumerate(zip(ours, state["dists"], strict=True)):
-            try:
-                _load_dist_state(d, saved, whole=mine)
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"recsz: rank {rank}: compressed dist {i}'s state: {e}") from e
+    def set_extra_state(self, saved: Any) -> None:
+        """Restore :meth:`get_extra_state`'s state (:func:`recsz.torchrec.state.load`)."""
+        state.load(self._ours(), saved, dist.get_rank())
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """TorchRec's, and a checkpoint without our state (written by stock DMP) loads too,
@@ -388,27 +347,3 @@ def _compressed(d: Any) -> CompressedPooledEmbeddingDist | None:
     if isinstance(d, CompressedTwRwDist):
         return d.cross
     return d if isinstance(d, CompressedPooledEmbeddingDist) else None
-
-
-def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
-    """One dist's state (:meth:`_CompressedEBC.get_extra_state`)."""
-    return {
-        "step": d.step,
-        "policies": {x.name: x.policy.state_dict() for x in (d.fwd, d.bwd)},
-        "counters": {"raw": dict(d.raw), "wire": dict(d.wire), "max_err": dict(d.max_err)},
-    }
-
-
-def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], whole: bool) -> None:
-    """Restore :func:`_dist_state`; ``whole``: this rank's (else the step count alone).
-    The policies first: a state one refuses leaves the step and counters as they were."""
-    step = int(state["step"])
-    for x in (d.fwd, d.bwd):
-        if whole:
-            x.policy.load_state_dict(state["policies"][x.name])
-        else:
-            x.policy.probe_again(step)
-    if whole:
-        for k in ("raw", "wire", "max_err"):
-            getattr(d, k).update(state["counters"][k])
-    d.step = step

@@ -36,12 +36,8 @@ from torchrec.distributed.sharding.twrw_sharding import TwRwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
 from recsz.config import TrainConfig
-from recsz.torchrec.dist import (
-    CompressedPooledEmbeddingDist,
-    lookup_lengths,
-    missing_ids,
-    theirs,
-)
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs
 
 
 class CompressedTwRwDist(nn.Module):

@@ -1,0 +1,50 @@
+"""What a compressed dist learns of its step beside the pooled embeddings, from the sharded
+module (``sharder.py``): the ids its sharding's lookup took (``seen["lookup"]``, put there by
+a hook on the lookup), and in TorchRec's per-batch sharding context how the sample owners
+merged their bags (``recsz_merge``, ``rows.py``) and whether the step is TorchRec's
+(``recsz_plain``: ``compress="auto"``'s switch sent it plain)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torchrec.distributed.types import Awaitable
+
+
+def lookup_lengths(seen: dict[str, Any], f: int, n: int) -> torch.Tensor | None:
+    """(n, f): ids a bag of the step's lookup (``seen["lookup"]``, which the sharder's hook
+    hands over, taken here); None where it is missing or laid out otherwise."""
+    lookup = seen.pop("lookup", None)
+    if lookup is None or lookup.lengths().numel() != n * f:
+        return None
+    return lookup.lengths().view(f, n).t()
+
+
+def missing_ids(who: str, f: int, n: int) -> ValueError:
+    """The error of a dist whose sample owners merged their bags but that lacks the ids."""
+    return ValueError(
+        f"{who}: the lookup's ids of this step are missing or not {f} features x {n} "
+        "samples; the sample owners merged their bags against them"
+    )
+
+
+def theirs(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
+    """TorchRec's own dist (``owner.inner``) for a step that is not ours: one the sharded
+    module's switch sends plain (``--compress auto``: ``ctx.recsz_plain``, the bags left
+    unmerged), or where the batch varies per feature (uncompressed, with one warning an
+    owner); None otherwise. The steps it carries are not ours to count: the policies' clock
+    (``owner.step``) counts the compressed ones."""
+    if ctx is None:
+        return None
+    if getattr(ctx, "recsz_plain", False):
+        owner.seen.pop("lookup", None)  # its ids are not read
+        return owner.inner(local_embs, ctx)
+    if not ctx.variable_batch_per_feature:
+        return None
+    if not getattr(owner, "warned_variable_batch", False):
+        msg = "recsz: variable batch per feature is sent uncompressed (TorchRec's dist)"
+        warnings.warn(msg, stacklevel=3)
+        owner.warned_variable_batch = True
+    return owner.inner(local_embs, ctx)
