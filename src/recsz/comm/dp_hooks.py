@@ -252,14 +252,14 @@ def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
 
 def _flushed(dp: DPComm, bucket: Any) -> torch.Tensor:
     """The bucket's gradient with everything error feedback holds for it (the residual of
-    this rank's payload, and rsag's of the means it coded, which stand for every rank's
-    share of the mean: times the world), which is then cleared."""
+    this rank's payload, and rsag's of the sums of chunks it coded), which is then
+    cleared."""
     st: EBState = dp.inner
     grad = bucket.buffer()
     keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
     acc = add_residual(grad, st.residual, keys, sizes)
     if any(k in st.reduced for k in keys):
-        acc = acc + dp.world * add_residual(torch.zeros_like(grad), st.reduced, keys, sizes)
+        acc = acc + add_residual(torch.zeros_like(grad), st.reduced, keys, sizes)
     for held in (st.residual, st.reduced):
         for k in keys:
             held.pop(k, None)
