@@ -144,7 +144,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         its first bag); each such sharding's context keeps how its bags merged, for its
         output dist (a pipeline runs the next batch's input dist before this one's). A
         batch the switch sends plain (``compress="auto"``) keeps its bags, and its context
-        says so: the output dists then hand it to TorchRec's (:func:`dist.theirs`)."""
+        says so: the output dists then hand it to TorchRec's (:func:`handover.theirs`)."""
         plain = not self._compressing()
         merges, features = ({}, features) if plain else self._merged(features)
         got = super().input_dist(ctx, features)
