@@ -60,15 +60,15 @@ def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from recsz.comm import embedding, ids
+    from recsz.comm import ids
 
-    at_once = embedding.distinct_slices
+    at_once = ids.distinct_slices
     if CASES[case][1]:  # slice by slice
-        embedding.distinct_slices = lambda cols: [ids.distinct_pairs(c) for c in cols]
+        ids.distinct_slices = lambda cols: [ids.distinct_pairs(c) for c in cols]
     try:
         out.put((rank, *_counted(CASES[case][0])))
     finally:
-        embedding.distinct_slices = at_once
+        ids.distinct_slices = at_once
 
 
 def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float]]:
