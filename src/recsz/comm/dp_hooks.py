@@ -257,9 +257,7 @@ def _flushed(dp: DPComm, bucket: Any) -> torch.Tensor:
     st: EBState = dp.inner
     grad = bucket.buffer()
     keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
-    acc = add_residual(grad, st.residual, keys, sizes)
-    if any(k in st.reduced for k in keys):
-        acc = acc + add_residual(torch.zeros_like(grad), st.reduced, keys, sizes)
+    acc = add_residual(add_residual(grad, st.residual, keys, sizes), st.reduced, keys, sizes)
     for held in (st.residual, st.reduced):
         for k in keys:
             held.pop(k, None)

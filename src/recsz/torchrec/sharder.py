@@ -162,12 +162,11 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         if switch is None:
             group, device = self._env.process_group, self._device or torch.device("cpu")
             switch = self.recsz_config.switch(agree=max_over(group), sync=device_sync(device))
-            self.__dict__.update(_recsz_switch=switch, _recsz_steps=0)
+            self.__dict__["_recsz_switch"] = switch
         if not (self.training and torch.is_grad_enabled()):
             switch.pause()
             return switch.chosen
-        self._recsz_steps += 1
-        return switch.compress(self._recsz_steps - 1)
+        return switch.compress(sum(switch.steps.values()))  # the training batches so far
 
     def _merged(
         self, features: Any
