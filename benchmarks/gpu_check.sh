@@ -34,10 +34,11 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    id-aware exchange's sparse, deferred gradient on CUDA against the CPU, the whole step
 #    replayed as CUDA graphs (--cuda-graph) against eager steps, prefetched batches intact
 #    while the GPU lags the host, the syncs of a step (fixed-size: none; id-aware: one) as
-#    counted on the CPU (tests/hostreads.py).
+#    counted on the CPU (tests/hostreads.py), --compress auto's trial timing queued GPU work.
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
     tests/test_exchange.py tests/test_stepgraph.py tests/test_synthetic.py tests/test_host_syncs.py \
+    tests/test_switch.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.

@@ -183,3 +183,25 @@ def test_the_choice_against_a_plain_reference(
     end = 2 * (warmup + k)
     assert ways[:end] == [True, False] * (end // 2)
     assert ways[end:] == [want[0]] * (len(ways) - end)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_steps_are_timed_by_their_kernels() -> None:
+    """On a GPU the host runs ahead of its kernels: the switch sees the compressed steps'
+    queued GPU work (here ~5 ms of sleep a step, against none plain) by synchronizing."""
+    from recsz.comm.switch import device_sync
+
+    device = torch.device("cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(1_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(1_000_000 * 5.0 / start.elapsed_time(end))  # ~5 ms of the GPU's clock
+    sw = CompressionSwitch(mode="auto", trial=4, warmup=1, every=0, sync=device_sync(device))
+    for step in range(sw.length + 2):
+        if sw.compress(step):
+            torch.cuda._sleep(cycles)  # queued, not waited for
+    torch.cuda.synchronize(device)
+    assert sw.trials and sw.chosen is False
+    assert sw.trials[0]["compressed_s"] > 4e-3 > sw.trials[0]["plain_s"]

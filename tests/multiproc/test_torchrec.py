@@ -205,6 +205,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["damaged"] = _damaged_forward(rank, plan_of)
     res["dense"] = _dense(rank, plan_of)
     res["feature_processed"] = _feature_processed(rank, plan_of)
+    res["managed_collision"] = _managed_collision(rank)
     if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
         res["resumed"] = _resumed(rank, plan_of, Path(out) / "dcp")
     torch.save(res, Path(out) / f"rank{rank}.pt")
@@ -356,6 +357,69 @@ def _feature_processed(rank: int, plan_of: dict) -> dict[str, list[torch.Tensor]
             y.square().sum().backward()
         out[name] = outs
     out["dists"] = [len(lossless[0]._ebc_sharder.dists)]
+    return out
+
+
+def _managed_collision(rank: int) -> dict[str, object]:
+    """The row-wise tables behind TorchRec's managed collision (a ManagedCollision-EBC: its
+    collection remaps raw ids to rows after its own input dist; TorchRec shards it row-wise
+    only) under stock DMP's sharder and ``recsz.torchrec.sharders()``'s, lossless and with
+    ``compress="auto"``: outputs over the steps, our bytes and switch."""
+    from torchrec import KeyedJaggedTensor
+    from torchrec.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder as MCSharder,
+    )
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (
+        DistanceLFU_EvictionPolicy,
+        ManagedCollisionCollection,
+        MCHManagedCollisionModule,
+    )
+
+    import recsz.torchrec as rt
+
+    rw = [n for n, (_, _, (kind, _)) in TABLES.items() if kind == "rw"]
+    lossless = {"fwd_codec": "none", "bwd_codec": "zstd", "eb_policy": "none"}
+    out: dict[str, object] = {}
+    for name, sharder in (
+        ("stock", MCSharder()),
+        *((k, next(s for s in rt.sharders(**kw) if isinstance(s, MCSharder)))
+          for k, kw in (("ours", lossless), ("auto", AUTO))),
+    ):  # fmt: skip
+        ebc = sgd_ebc({n: TABLES[n] for n in rw}, 0)
+        configs = ebc.embedding_bag_configs()
+        collisions = ManagedCollisionCollection(
+            {c.name: MCHManagedCollisionModule(
+                zch_size=c.num_embeddings, device=torch.device("cpu"), input_hash_size=1000,
+                eviction_policy=DistanceLFU_EvictionPolicy(), eviction_interval=2)
+             for c in configs},
+            configs,
+        )  # fmt: skip
+        mc = ManagedCollisionEmbeddingBagCollection(ebc, collisions, return_remapped_features=False)
+        plan = construct_module_sharding_plan(
+            mc, {n: row_wise() for n in rw}, sharder=sharder, local_size=WORLD,
+            world_size=WORLD, device_type="cpu",
+        )  # fmt: skip
+        model = DistributedModelParallel(
+            mc, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
+        )
+        outs = []
+        for step in range(2 * STEPS):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            values = torch.randint(0, 1000, (len(rw) * B,), generator=g) % (200 + 100 * step)
+            kjt = KeyedJaggedTensor.from_lengths_sync(
+                keys=[f"f_{n}" for n in rw], values=values, lengths=torch.ones_like(values)
+            )
+            pooled, _ = model(kjt)
+            y = pooled.wait().values() if hasattr(pooled, "wait") else pooled.values()
+            outs.append(y.detach().clone())
+            y.square().sum().backward()
+        out[name] = outs
+        if name != "stock":
+            out[f"{name}_bytes"] = rt.comm_bytes(model)
     return out
 
 
@@ -593,6 +657,22 @@ def test_feature_processed_bags_go_through_our_dists_as_stock(ranks: list[dict])
         for ours, stock in zip(got["ours"], got["stock"], strict=True):
             # (a content's weighted gradients summed before the update: a few ulps apart)
             assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_managed_collision_tables_go_through_our_dists_as_stock(ranks: list[dict]) -> None:
+    """A ManagedCollision-EBC (ids remapped to rows by TorchRec's collection, evicting by
+    LFU every 2 steps) under ``recsz.torchrec.sharders()``: lossless codecs give stock DMP's
+    outputs (no bag merges: a merged bag's ids would leave the collection's counts), the
+    bytes go through our dists, and ``compress="auto"``'s switch takes both ways."""
+    for res in ranks:
+        got = res["managed_collision"]
+        for way in ("ours", "auto"):
+            for step, (ours, stock) in enumerate(zip(got[way], got["stock"], strict=True)):
+                assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-6), (way, step)
+        sent = got["ours_bytes"]
+        assert 0 < sent["wire"]["fwd"] < sent["raw"]["fwd"] and sent["wire"]["bwd"] > 0
+        (switch,) = got["auto_bytes"]["compress"].values()
+        assert switch["steps"]["compressed"] > 0 and switch["steps"]["plain"] > 0
 
 
 def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
-from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders
+from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders, switches
 from recsz.torchrec.twrw import CompressedTwRwDist
 
 __all__ = [
@@ -26,4 +26,5 @@ __all__ = [
     "comm_bytes",
     "dense_comm",
     "sharders",
+    "switches",
 ]

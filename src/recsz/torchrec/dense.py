@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recsz.comm.dp_hooks import DPComm, register
 from recsz.config import TrainConfig
+from recsz.torchrec.sharder import switches
 
 #: The fields :func:`dense_comm` reads: the hook's mode and its options.
 DENSE_TAKEN = {
@@ -54,16 +55,7 @@ def _goes_plain(dmp: nn.Module) -> Callable[[], bool] | None:
     """Where the sharder's modules run ``compress="auto"``: whether their switch sent the
     last batch it saw plain (under TorchRec's pipeline, the batch after the one whose
     gradients these are: every rank alike all the same); None otherwise."""
-    auto = [
-        m
-        for m in dmp.modules()
-        if isinstance(c := getattr(m, "recsz_config", None), TrainConfig) and c.compress == "auto"
-    ]
+    auto = [s for s in switches(dmp) if s.mode == "auto"]
     if not auto:
         return None
-
-    def plain() -> bool:
-        switch = auto[0].__dict__.get("_recsz_switch")  # made at the first input dist
-        return switch is not None and not switch.current
-
-    return plain
+    return lambda: not auto[0].current

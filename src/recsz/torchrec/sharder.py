@@ -69,6 +69,16 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
     recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        group, device = self._env.process_group, self._device or torch.device("cpu")
+        #: whether each batch goes through the codecs (:mod:`recsz.comm.switch`; with
+        #: ``compress="auto"`` its trials choose), its ranks' step times combined over
+        #: the module's group; :func:`switches` finds it
+        self.recsz_switch = self.recsz_config.switch(
+            agree=max_over(group), sync=device_sync(device)
+        )
+
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
         ``_output_dists``, read here only)."""
@@ -154,15 +164,21 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             sctx.recsz_plain = plain
         return got
 
+    def compute(self, ctx: Any, dist_input: Any) -> Any:
+        """TorchRec's lookups. Where another module ran the input dist (a managed-collision
+        EBC's collection does: its sharding contexts carry no flag of ours), the switch is
+        asked here, once a batch, and every bag travels (none merged)."""
+        contexts = [s for s in ctx.sharding_contexts[-len(self._embedding_shardings) :] if s]
+        if contexts and not any(hasattr(s, "recsz_plain") for s in contexts):
+            plain = not self._compressing()
+            for sctx in contexts:
+                sctx.recsz_plain = plain
+        return super().compute(ctx, dist_input)
+
     def _compressing(self) -> bool:
-        """The switch's way for this batch (:mod:`recsz.comm.switch`): a training batch is
-        a step of its clock (one input dist a batch, all ranks alike); another takes the
-        way chosen. One switch a module, its ranks' step times combined over its group."""
-        switch: CompressionSwitch | None = self.__dict__.get("_recsz_switch")
-        if switch is None:
-            group, device = self._env.process_group, self._device or torch.device("cpu")
-            switch = self.recsz_config.switch(agree=max_over(group), sync=device_sync(device))
-            self.__dict__["_recsz_switch"] = switch
+        """The switch's way for this batch: a training batch is a step of its clock (one
+        input dist a batch, all ranks alike); another takes the way chosen."""
+        switch = self.recsz_switch
         if not (self.training and torch.is_grad_enabled()):
             switch.pause()
             return switch.chosen
@@ -301,18 +317,25 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
 
 def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
     """TorchRec's default sharders with the EmbeddingBagCollection one compressed, and the
-    FeatureProcessedEmbeddingBagCollection one (position-weighted bags) wrapping it:
+    FeatureProcessedEmbeddingBagCollection one (position-weighted bags) and the
+    ManagedCollisionEmbeddingBagCollection one (TorchRec's managed collision; its bags
+    travel unmerged, :meth:`_CompressedEBC.compute`) wrapping it:
     ``DistributedModelParallel(model, sharders=recsz.torchrec.sharders(eb_policy="dual"))``.
     Takes :class:`CompressedEBCSharder`'s arguments."""
     from torchrec.distributed.fp_embeddingbag import (
         FeatureProcessedEmbeddingBagCollectionSharder as FPSharder,
     )
+    from torchrec.distributed.mc_embeddingbag import (
+        ManagedCollisionEmbeddingBagCollectionSharder as MCSharder,
+    )
     from torchrec.distributed.sharding_plan import get_default_sharders
 
     ours = CompressedEBCSharder(**kwargs)
+    registry = ours.qcomm_codecs_registry
     wrapped: dict[type, ModuleSharder[torch.nn.Module]] = {
         EmbeddingBagCollectionSharder: ours,
-        FPSharder: FPSharder(ebc_sharder=ours, qcomm_codecs_registry=ours.qcomm_codecs_registry),
+        FPSharder: FPSharder(ebc_sharder=ours, qcomm_codecs_registry=registry),
+        MCSharder: MCSharder(ebc_sharder=ours, qcomm_codecs_registry=registry),
     }
     return [wrapped.get(type(s), s) for s in get_default_sharders()]
 
@@ -330,14 +353,19 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     dists = {
         id(d): d for m in model.modules() if isinstance(m, _CompressedEBC) for d in m.recsz_dists
     }
-    switches = [m.__dict__.get("_recsz_switch") for m in model.modules()]
-    out["compress"] = {str(i): s.state() for i, s in enumerate(switches) if s is not None}
+    out["compress"] = {str(i): s.state() for i, s in enumerate(switches(model))}
     for one in dists.values():
         for d in ("fwd", "bwd"):
             out["raw"][d] += one.raw[d]
             out["wire"][d] += one.wire[d]
             out["max_err"][d] = max(out["max_err"][d], one.max_err[d])
     return out
+
+
+def switches(model: torch.nn.Module) -> list[CompressionSwitch]:
+    """Each sharded module's switch in ``model`` (:attr:`_CompressedEBC.recsz_switch`), in
+    module order: whether its batches go through the codecs, and its trials' record."""
+    return [m.recsz_switch for m in model.modules() if isinstance(m, _CompressedEBC)]
 
 
 def _compressed(d: Any) -> CompressedPooledEmbeddingDist | None:
