@@ -476,6 +476,14 @@ def _pipeline(rank: int, plan_of: dict) -> dict[str, list[float]]:
     out = {}
     for name, sharder in sharders.items():
         net = _dmp(sharder, plan_of, net=True)
+        if name == "auto":  # the dense part's eb hook (lossless) follows each batch's way
+            hook, asked, hooked = rt.dense_comm(net, "eb", dp_codec="zstd"), [], []
+            (switch,) = rt.switches(net)
+            ask, plain = switch.compress, hook.plain
+            assert plain is not None
+            switch.compress = lambda step: asked.append(ask(step)) or asked[-1]  # type: ignore[method-assign]
+            hook.plain = lambda: hooked.append(not plain()) or not hooked[-1]
+            out["auto_ways"] = [asked, hooked]
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         pipe = TrainPipelineSparseDist(net, opt, torch.device("cpu"))
         batches = iter([_Batch(*_batch(s, rank)) for s in range(STEPS)])
@@ -602,8 +610,11 @@ def test_a_sharding_we_do_not_carry_is_refused_naming_the_table(ranks: list[dict
 def test_train_pipeline_sparse_dist_gives_stock_losses(ranks: list[dict]) -> None:
     """Under TorchRec's pipeline each batch's ids reach its own output dist (merged bags
     made from the next batch's ids would change the losses): lossless codecs give stock
-    DMP's losses, a lossy one losses near them."""
+    DMP's losses, a lossy one losses near them; with ``compress="auto"`` the dense hook
+    takes the way of the batch whose gradients it carries (the switch is a batch ahead)."""
     for res in ranks:
+        asked, hooked = res["pipeline"].pop("auto_ways")
+        assert hooked == asked[:STEPS] and len(set(hooked)) == 2  # each batch its own way
         got = {k: torch.tensor(v) for k, v in res["pipeline"].items()}
         assert len(got["stock"]) == STEPS
         assert torch.allclose(got["lossless"], got["stock"], rtol=1e-5, atol=1e-4)

@@ -15,7 +15,6 @@ take the fp32 all-reduce)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recsz.comm.dp_hooks import DPComm, register
 from recsz.config import TrainConfig
-from recsz.torchrec.sharder import switches
+from recsz.torchrec.sharder import sent_plain
 
 #: The fields :func:`dense_comm` reads: the hook's mode and its options.
 DENSE_TAKEN = {
@@ -48,14 +47,4 @@ def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
         )
     group = dist.new_group()
     world, options = dist.get_world_size(group), config.dp_hook_options()
-    return register(ddp[0], dp_comm, world, group, _goes_plain(dmp), **options)
-
-
-def _goes_plain(dmp: nn.Module) -> Callable[[], bool] | None:
-    """Where the sharder's modules run ``compress="auto"``: whether their switch sent the
-    last batch it saw plain (under TorchRec's pipeline, the batch after the one whose
-    gradients these are: every rank alike all the same); None otherwise."""
-    auto = [s for s in switches(dmp) if s.mode == "auto"]
-    if not auto:
-        return None
-    return lambda: not auto[0].current
+    return register(ddp[0], dp_comm, world, group, sent_plain(dmp), **options)

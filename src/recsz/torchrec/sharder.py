@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -78,6 +79,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         self.recsz_switch = self.recsz_config.switch(
             agree=max_over(group), sync=device_sync(device)
         )
+        #: whether the batch whose embeddings left last went plain (:meth:`_sending`)
+        self.recsz_sent_plain = False
 
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
@@ -163,6 +166,21 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             sctx.recsz_merge = merges.get(i)
             sctx.recsz_plain = plain
         return got
+
+    def compute_and_output_dist(self, ctx: Any, input: Any) -> Any:
+        self._sending(ctx)
+        return super().compute_and_output_dist(ctx, input)
+
+    def output_dist(self, ctx: Any, output: Any) -> Any:
+        self._sending(ctx)  # (a managed-collision EBC's forward calls this one)
+        return super().output_dist(ctx, output)
+
+    def _sending(self, ctx: Any) -> None:
+        """Note the way of the batch whose embeddings now leave: under TorchRec's pipeline
+        the switch was asked for the next batch already (its input dist runs ahead), and
+        this batch's backward follows (the dense hook's step, :func:`sent_plain`)."""
+        contexts = ctx.sharding_contexts[-len(self._embedding_shardings) :]
+        self.recsz_sent_plain = any(getattr(s, "recsz_plain", False) for s in contexts)
 
     def compute(self, ctx: Any, dist_input: Any) -> Any:
         """TorchRec's lookups. Where another module ran the input dist (a managed-collision
@@ -366,6 +384,19 @@ def switches(model: torch.nn.Module) -> list[CompressionSwitch]:
     """Each sharded module's switch in ``model`` (:attr:`_CompressedEBC.recsz_switch`), in
     module order: whether its batches go through the codecs, and its trials' record."""
     return [m.recsz_switch for m in model.modules() if isinstance(m, _CompressedEBC)]
+
+
+def sent_plain(model: torch.nn.Module) -> Callable[[], bool] | None:
+    """Where ``model``'s sharded modules run ``compress="auto"``: whether the batch whose
+    embeddings left last went plain, i.e. the batch whose backward runs next (under
+    TorchRec's pipeline not the switch's latest, which is a batch ahead); None otherwise.
+    Every rank alike (their switches agree)."""
+    auto = [
+        m
+        for m in model.modules()
+        if isinstance(m, _CompressedEBC) and m.recsz_switch.mode == "auto"
+    ]
+    return (lambda: auto[0].recsz_sent_plain) if auto else None
 
 
 def _compressed(d: Any) -> CompressedPooledEmbeddingDist | None:
