@@ -477,18 +477,34 @@ def _pipeline(rank: int, plan_of: dict) -> dict[str, list[float]]:
     for name, sharder in sharders.items():
         net = _dmp(sharder, plan_of, net=True)
         if name == "auto":  # the dense part's eb hook (lossless) follows each batch's way
-            hook, asked, hooked = rt.dense_comm(net, "eb", dp_codec="zstd"), [], []
-            (switch,) = rt.switches(net)
-            ask, plain = switch.compress, hook.plain
-            assert plain is not None
-            switch.compress = lambda step: asked.append(ask(step)) or asked[-1]  # type: ignore[method-assign]
-            hook.plain = lambda: hooked.append(not plain()) or not hooked[-1]
-            out["auto_ways"] = [asked, hooked]
+            out["auto_ways"] = _ways_logged(net)
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         pipe = TrainPipelineSparseDist(net, opt, torch.device("cpu"))
         batches = iter([_Batch(*_batch(s, rank)) for s in range(STEPS)])
         out[name] = [float(pipe.progress(batches)) for _ in range(STEPS)]
     return out
+
+
+def _ways_logged(net: torch.nn.Module) -> list[list[bool]]:
+    """Put dense_comm's eb hook (lossless) on ``net`` and log, as they happen, the ways its
+    switch gives batches (True: compressed) and the ways the hook's steps take."""
+    import recsz.torchrec as rt
+
+    hook, asked, hooked = rt.dense_comm(net, "eb", dp_codec="zstd"), [], []
+    (switch,) = rt.switches(net)
+    ask, plain = switch.compress, hook.plain
+    assert plain is not None
+
+    def compress(step: int) -> bool:
+        asked.append(ask(step))
+        return asked[-1]
+
+    def goes_plain() -> bool:
+        hooked.append(not plain())
+        return not hooked[-1]
+
+    switch.compress, hook.plain = compress, goes_plain  # type: ignore[method-assign]
+    return [asked, hooked]
 
 
 class _Batch(torchrec.streamable.Pipelineable):

@@ -21,8 +21,8 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 from __future__ import annotations
 
 import warnings
-from dataclasses import fields
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, ClassVar
 
 import torch
