@@ -96,6 +96,21 @@ def test_trials_recur_and_follow_the_link() -> None:
     assert [t["step"] for t in sw.trials] == [0, 50]
 
 
+def test_trials_keeping_the_way_back_off_and_a_change_resets_the_gap() -> None:
+    """Compression wins until step 500, plain after: each trial that keeps the way doubles
+    the gap to the next (20, 40, 80, then BACKOFF x 20 = 160 at most); the trial after the
+    change (at 620) brings it back to 20."""
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=0, every=20)
+    ways = run(sw, clock, range(700), lambda s, way: 1.0 if way == (s < 500) else 2.0)
+    assert [t["step"] for t in sw.trials] == [0, 20, 60, 140, 300, 460, 620, 640, 680]
+    assert [t["compress"] for t in sw.trials] == [True] * 6 + [False] * 3
+    assert ways[464:620] == [True] * 156 and ways[624:640] == [False] * 16
+    # plain: 2 in each of the first 6 trials, 2 in the one at 620, then all but the 2
+    # compressed steps of each of the trials at 640 and 680
+    assert sw.steps["plain"] == 6 * 2 + 2 + (700 - 624 - 2 * 2)
+
+
 def test_ranks_agree_on_their_slowest() -> None:
     """Rank 0 alone would compress; the ranks' maximum (rank 1's plain steps are faster
     than its compressed ones by more) decides for both."""

@@ -158,7 +158,12 @@ class TrainConfig:
         COMPRESS_MODES,
     )
     compress_trial: int = opt(6, "auto: timed steps of each way in a trial", ge=1)
-    compress_every: int = opt(500, "auto: steps from one trial to the next (0: one)", ge=0)
+    compress_every: int = opt(
+        500,
+        "auto: steps from one trial to the next, doubled while trials keep the way (up to 8x; "
+        "0: one trial)",
+        ge=0,
+    )
     # ---- the MLP all-reduce
     dp_comm: str = opt("allreduce", "MLP gradients' exchange (DDP hook)", DP_MODES)
     powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations", ge=1)

@@ -6,8 +6,11 @@ loopback: our sharder at 0.81x TorchRec's fp32 exchange); on a slow one they win
 times over. ``--compress auto`` tries both: a trial alternates the two ways step by step
 (compressed first), times each step from its start to the next step's start, and keeps the
 way whose median step is shorter until the next trial, ``every`` steps after this one's
-first (links and loads change). The first trial opens with ``warmup`` untimed steps each
-way (first calls: compilation, caches). A trial ends after ``trial`` timed steps each way,
+first (links and loads change); each trial that keeps the way chosen before doubles that gap,
+up to ``BACKOFF`` times ``every`` (a steady link pays for fewer trials: on a slow one a plain
+step costs several compressed ones), and one that changes it brings the gap back to
+``every``. The first trial opens with ``warmup`` untimed steps each way (first calls:
+compilation, caches). A trial ends after ``trial`` timed steps each way,
 or from the second on as soon as the ways stand clearly apart (every step of one at least
 ``CLEAR`` times every step of the other): on a slow link a plain step can cost several
 compressed ones, so a trial there costs two of them, not ``trial``.
@@ -38,6 +41,8 @@ COMPRESS_MODES = ("always", "auto")
 CLEAR = 1.25
 #: timed steps each way before a trial may end early
 EARLIEST = 2
+#: the longest gap between trials, in ``every``s (while trials keep choosing one way)
+BACKOFF = 8
 
 
 @dataclass
@@ -47,7 +52,8 @@ class CompressionSwitch:
     Args:
         mode: "always" (every step compresses) or "auto" (trials choose).
         trial: timed steps of each way in a trial, at most.
-        every: steps from one trial's first step to the next's (0: one trial).
+        every: steps from one trial's first step to the next's (0: one trial); doubled
+            while trials keep the way, up to ``BACKOFF`` times.
         warmup: untimed steps of each way opening the first trial.
         agree: the ranks' element-wise maximum of a small float64 tensor (None: one rank).
         sync: waits for the device's queued work before each timing (a GPU, whose host
@@ -75,6 +81,7 @@ class CompressionSwitch:
     _untimed: int = 0  # the current trial's untimed steps each way
     _trying: bool = False
     _last: tuple[int, bool, float] | None = None  # the last step asked: step, way, its start
+    _gap: int = 0  # steps from the current (or last) trial's first to the next's
     _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
 
     def __post_init__(self) -> None:
@@ -84,6 +91,7 @@ class CompressionSwitch:
             raise ValueError(
                 f"a trial needs trial >= 1, warmup >= 0 (got {self.trial}, {self.warmup})"
             )
+        self._gap = self.every
         if self.every and self.every < self.length:
             raise ValueError(
                 f"trials every {self.every} steps cannot hold a trial of {self.length} steps"
@@ -108,7 +116,7 @@ class CompressionSwitch:
             self._times[last[1]].append(self.clock() - last[2])
             if not last[1]:  # a pair of timed steps is complete: the trial may end here
                 self._weigh()
-        if not self._trying and self.every and step - self._start >= self.every:
+        if not self._trying and self.every and step - self._start >= self._gap:
             self._begin(step, 0)
         way = (step - self._start) % 2 == 0 if self._trying else self.chosen
         if self._trying:
@@ -149,6 +157,8 @@ class CompressionSwitch:
         apart = -neg_min_p >= CLEAR * max_c or -neg_min_c >= CLEAR * max_p
         if pairs < self.trial and not apart:
             return
+        kept = bool(self.trials) and self.trials[-1]["compress"] == (med_c < med_p)
+        self._gap = min(2 * self._gap, BACKOFF * self.every) if kept else self.every
         self.chosen, self._trying = med_c < med_p, False
         self.trials.append(
             {
