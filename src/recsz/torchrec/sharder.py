@@ -73,9 +73,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         group, device = self._env.process_group, self._device or torch.device("cpu")
-        #: whether each batch goes through the codecs (:mod:`recsz.comm.switch`; with
-        #: ``compress="auto"`` its trials choose), its ranks' step times combined over
-        #: the module's group; :func:`switches` finds it
+        #: whether a batch goes through the codecs (:mod:`recsz.comm.switch`), its ranks'
+        #: step times combined over the module's group
         self.recsz_switch = self.recsz_config.switch(
             agree=max_over(group), sync=device_sync(device)
         )
@@ -391,11 +390,8 @@ def sent_plain(model: torch.nn.Module) -> Callable[[], bool] | None:
     embeddings left last went plain, i.e. the batch whose backward runs next (under
     TorchRec's pipeline not the switch's latest, which is a batch ahead); None otherwise.
     Every rank alike (their switches agree)."""
-    auto = [
-        m
-        for m in model.modules()
-        if isinstance(m, _CompressedEBC) and m.recsz_switch.mode == "auto"
-    ]
+    auto = [m for m in model.modules() if isinstance(m, _CompressedEBC)]
+    auto = [m for m in auto if m.recsz_switch.mode == "auto"]
     return (lambda: auto[0].recsz_sent_plain) if auto else None
 
 
