@@ -113,6 +113,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "none+amp": (*_PLAIN, "--dense-dtype", "bf16"),
     # The trainer's defaults with no codec: id-aware traffic (lossless), no TorchRec peer.
     "none+ids": ("--id-dedup", "--bwd-coalesce"),
+    # the MLPs' gradients compressed, the embeddings' exchange not: is a choice per part
+    # (not one for the whole step, as --compress auto's) ever worth having?
+    "none+ids+dp-eb": ("--id-dedup", "--bwd-coalesce", "--dp-comm", "eb"),
     "none+ids+amp": ("--id-dedup", "--bwd-coalesce", "--dense-dtype", "bf16"),
     "hybrid-dual+ids+amp": (*_DUAL, "--bwd-codec", "hybrid", "--dense-dtype", "bf16"),
     "hybrid-dual+ids+dp-eb+amp": (
