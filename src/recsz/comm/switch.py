@@ -157,9 +157,10 @@ class CompressionSwitch:
         apart = -neg_min_p >= CLEAR * max_c or -neg_min_c >= CLEAR * max_p
         if pairs < self.trial and not apart:
             return
-        kept = bool(self.trials) and self.trials[-1]["compress"] == (med_c < med_p)
+        compress = med_c < med_p
+        kept = bool(self.trials) and compress == self.chosen  # the last trial's choice
         self._gap = min(2 * self._gap, BACKOFF * self.every) if kept else self.every
-        self.chosen, self._trying = med_c < med_p, False
+        self.chosen, self._trying = compress, False
         self.trials.append(
             {
                 "step": self._start,

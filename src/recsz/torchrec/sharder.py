@@ -160,8 +160,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         plain = not self._compressing()
         merges, features = ({}, features) if plain else self._merged(features)
         got = super().input_dist(ctx, features)
-        shardings = self._embedding_shardings
-        for i, sctx in enumerate(ctx.sharding_contexts[-len(shardings) :]):
+        for i, sctx in enumerate(self._contexts(ctx)):
             sctx.recsz_merge = merges.get(i)
             sctx.recsz_plain = plain
         return got
@@ -178,14 +177,18 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         """Note the way of the batch whose embeddings now leave: under TorchRec's pipeline
         the switch was asked for the next batch already (its input dist runs ahead), and
         this batch's backward follows (the dense hook's step, :func:`sent_plain`)."""
-        contexts = ctx.sharding_contexts[-len(self._embedding_shardings) :]
-        self.recsz_sent_plain = any(getattr(s, "recsz_plain", False) for s in contexts)
+        self.recsz_sent_plain = any(getattr(s, "recsz_plain", False) for s in self._contexts(ctx))
+
+    def _contexts(self, ctx: Any) -> list[Any]:
+        """This module's shardings' contexts in the batch's (the last ones: a wrapping
+        module's context may hold others before them)."""
+        return ctx.sharding_contexts[-len(self._embedding_shardings) :]
 
     def compute(self, ctx: Any, dist_input: Any) -> Any:
         """TorchRec's lookups. Where another module ran the input dist (a managed-collision
         EBC's collection does: its sharding contexts carry no flag of ours), the switch is
         asked here, once a batch, and every bag travels (none merged)."""
-        contexts = [s for s in ctx.sharding_contexts[-len(self._embedding_shardings) :] if s]
+        contexts = [s for s in self._contexts(ctx) if s]
         if contexts and not any(hasattr(s, "recsz_plain") for s in contexts):
             plain = not self._compressing()
             for sctx in contexts:
