@@ -662,6 +662,31 @@ def test_a_deferred_backwards_failure_stops_the_backward_pass() -> None:
     assert torch.equal(source.grad, torch.full((4, 3), 2.0))
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_gradient_deferred_or_not_reaches_a_callback_queued_before_it(defer: bool) -> None:
+    """DDP queues its reducer's end when its first gradient is ready, before the exchange's
+    node runs: a parameter behind the source (TorchRec's position weights) has its gradient
+    by then only where the exchange does not defer (``defer=False``); the gradient is the
+    chain rule's either way."""
+    from recsz.comm.overlap import tie_backward
+
+    weight = torch.randn(4, 1, requires_grad=True)  # a dense parameter behind the source
+    source = torch.ones(4, 3) * weight
+    dense = torch.randn(3, requires_grad=True)  # a parameter after the exchange
+    out = tie_backward(source.detach() * 2, source, lambda g: g * 2, lambda g: g, defer)
+    seen = []
+
+    def first_ready(grad: torch.Tensor) -> torch.Tensor:
+        run = torch.autograd.Variable._execution_engine.queue_callback
+        run(lambda: seen.append(weight.grad is not None))
+        return grad
+
+    dense.register_hook(first_ready)
+    (out * dense).sum().backward()
+    assert seen == [not defer]
+    assert torch.allclose(weight.grad, 2 * dense.detach().sum().expand(4, 1))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("codec", ["none", "fp16"])
 def test_cuda_sparse_deferred_gradients_train_the_tables_as_the_cpu(codec: str) -> None:

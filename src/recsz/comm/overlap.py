@@ -9,6 +9,11 @@ calls ``finish`` to receive the source's gradient and runs the source's own back
 it (the tables' fused update). Between the two, autograd goes on with what needs no
 embedding gradient: in DLRM the bottom MLP's backward and DDP's all-reduce, which the
 received tensor was made after, so the engine reaches it first.
+
+Where the source's backward reaches parameters that DDP reduces (TorchRec's feature
+processors: their position weights are the lookup's per-id weights), it must run within the
+pass, before DDP's reducer finishes (its own callback, queued earlier, would otherwise miss
+their gradients): ``defer=False`` then sends, waits and hands the source its gradient at once.
 """
 
 from __future__ import annotations
@@ -26,13 +31,17 @@ def tie_backward(
     source: torch.Tensor,
     start: Callable[[torch.Tensor], T],
     finish: Callable[[T], torch.Tensor],
+    defer: bool = True,
 ) -> torch.Tensor:
     """``received`` as a tensor of the autograd graph whose gradient ``g`` is sent by
     ``start(g)`` (-> what is in flight) and arrives as ``finish(in_flight)``, the gradient of
-    ``source``, at the end of the backward pass. A source that needs no gradient (frozen
-    tables, evaluation) leaves ``received`` as it is."""
+    ``source``, at the end of the backward pass (``defer=False``: at once, within it). A
+    source that needs no gradient (frozen tables, evaluation) leaves ``received`` as it is."""
     if not source.requires_grad:
         return received
+    if not defer:
+        now: torch.Tensor = _Now.apply(source, (received.detach(), start, finish))
+        return now
     # What ties ``received`` into autograd: not ``source``, so that backward reaches the
     # source only through the callback. ``received`` is handed over beside the inputs and
     # detached (the same memory, no view): an input returned as it is, or a view, would be
@@ -59,3 +68,15 @@ class _Deferred(torch.autograd.Function):
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
         return None, None
+
+
+class _Now(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, source: torch.Tensor, hooks: Any) -> torch.Tensor:
+        received, *ctx.hooks = hooks
+        return received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        start, finish = ctx.hooks
+        return finish(start(grad)), None

@@ -48,7 +48,7 @@ from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
-from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs
+from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs, weights_learn
 from recsz.torchrec.rows import Merge, Pick, Rows
 
 
@@ -145,6 +145,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self._fwd_checks.read()  # a forward's whose backward never ran
         step = self.step
         self.step += int(train)
+        defer = not getattr(sharding_ctx, "recsz_learns", weights_learn(self.seen))
         data = local_embs.detach()
         at = _offsets(per_rank)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
@@ -161,7 +162,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             ctx.get("mine"),
             ctx.get("bits"),
         )
-        awaitable = _Received(local_embs, self, pending, step, per_rank, ctx)
+        awaitable = _Received(local_embs, self, pending, step, per_rank, ctx, defer)
         awaitable.callbacks.extend(self.callbacks)
         return awaitable
 
@@ -367,7 +368,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
 
 class _Received(Awaitable[torch.Tensor]):
     """The forward in flight; waiting decodes it into a tensor whose gradient is sent back
-    while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`)."""
+    while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`;
+    ``defer=False``: within it)."""
 
     def __init__(
         self,
@@ -377,12 +379,13 @@ class _Received(Awaitable[torch.Tensor]):
         step: int,
         per_rank: list[int],
         ctx: Context,
+        defer: bool,
     ) -> None:
         super().__init__()
-        self.args = (local_embs, owner, pending, step, per_rank, ctx)
+        self.args = (local_embs, owner, pending, step, per_rank, ctx, defer)
 
     def _wait_impl(self) -> torch.Tensor:
-        local_embs, owner, pending, step, per_rank, ctx = self.args
+        local_embs, owner, pending, step, per_rank, ctx, defer = self.args
         hold = local_embs.requires_grad and torch.is_grad_enabled()  # a backward follows
         received = owner.finish_forward(pending, per_rank, hold, ctx).to(local_embs.dtype)
         return tie_backward(
@@ -390,4 +393,5 @@ class _Received(Awaitable[torch.Tensor]):
             local_embs,
             lambda grad: owner.start_backward(grad, step, ctx),
             lambda sent: owner.finish_backward(sent, per_rank, ctx).to(local_embs.dtype),
+            defer,
         )

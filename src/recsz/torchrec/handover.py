@@ -22,6 +22,15 @@ def lookup_lengths(seen: dict[str, Any], f: int, n: int) -> torch.Tensor | None:
     return lookup.lengths().view(f, n).t()
 
 
+def weights_learn(seen: dict[str, Any]) -> bool:
+    """Whether the step's lookup (``seen["lookup"]``) took per-id weights that learn
+    (TorchRec's feature processors, whose parameters DDP reduces): the gradient's exchange
+    then runs within the backward pass, not after it (:func:`recsz.comm.overlap.tie_backward`)."""
+    lookup: Any = seen.get("lookup")
+    weights = getattr(lookup, "weights_or_none", lambda: None)()
+    return weights is not None and weights.requires_grad
+
+
 def missing_ids(who: str, f: int, n: int) -> ValueError:
     """The error of a dist whose sample owners merged their bags but that lacks the ids."""
     return ValueError(

@@ -37,7 +37,7 @@ from torchrec.distributed.types import Awaitable
 
 from recsz.config import TrainConfig
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
-from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs
+from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs, weights_learn
 
 
 class CompressedTwRwDist(nn.Module):
@@ -87,6 +87,7 @@ class CompressedTwRwDist(nn.Module):
             variable_batch_per_feature=False,
             batch_size_per_rank=None,
             recsz_merge=getattr(sharding_ctx, "recsz_merge", None),
+            recsz_learns=weights_learn(self.seen),
         )
         splits: dict[str, Any] = {}
         if len(set(per_rank)) > 1:
