@@ -111,6 +111,31 @@ def test_trials_keeping_the_way_back_off_and_a_change_resets_the_gap() -> None:
     assert sw.steps["plain"] == 6 * 2 + 2 + (700 - 624 - 2 * 2)
 
 
+@pytest.mark.parametrize("mode", ["auto", "always"])
+def test_a_step_asked_again_gets_its_answer_and_counts_once(mode: str) -> None:
+    """Two modules of one model ask each step (the second a step behind, as a pipeline's
+    input dist runs ahead of another module's compute): the switch decides and counts as
+    for one, and each module's step goes the way the first ask of that step went."""
+    clock = Clock()
+    one, two = (
+        switch(clock, trial=3, warmup=1, every=20),
+        switch(clock, trial=3, warmup=1, every=20),
+    )
+    one.mode = two.mode = mode
+    took = lambda s, way: 1.0 if way == (s < 30) else 1.6  # noqa: E731
+    alone = run(one, clock, range(60), took)
+    clock.t, first, second = 0.0, [], []
+    for s in range(60):
+        first.append(two.compress(s))
+        if s:
+            second.append(two.compress(s - 1))
+        assert two.compress(s) == first[-1]
+        clock.t += took(s, first[-1])
+    assert first == alone and second == alone[:-1]
+    assert two.trials == one.trials and two.steps == one.steps
+    assert sum(two.steps.values()) == 60 and two.current == alone[-1]
+
+
 def test_ranks_agree_on_their_slowest() -> None:
     """Rank 0 alone would compress; the ranks' maximum (rank 1's plain steps are faster
     than its compressed ones by more) decides for both."""

@@ -206,6 +206,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["dense"] = _dense(rank, plan_of)
     res["feature_processed"] = _feature_processed(rank, plan_of)
     res["managed_collision"] = _managed_collision(rank)
+    res["two_modules"] = _two_modules(rank, plan_of)
     if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
         res["resumed"] = _resumed(rank, plan_of, Path(out) / "dcp")
     torch.save(res, Path(out) / f"rank{rank}.pt")
@@ -420,6 +421,83 @@ def _managed_collision(rank: int) -> dict[str, object]:
         out[name] = outs
         if name != "stock":
             out[f"{name}_bytes"] = rt.comm_bytes(model)
+    return out
+
+
+class _Two(torch.nn.Module):
+    """Two sharded modules in one model: an EBC and a feature-processed one."""
+
+    def __init__(self, ebc: torch.nn.Module, fp: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc, self.fp = ebc, fp
+
+    def forward(self, a: object, b: object) -> torch.Tensor:
+        return torch.cat([self.ebc(a).values(), self.fp(b).values()], dim=1)
+
+
+def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
+    """A model of two sharded modules (the row-wise tables in an EBC, the table-wise ones in
+    a position-weighted FeatureProcessedEBC) under stock DMP's sharders and
+    ``recsz.torchrec.sharders(compress="auto")``: the outputs over the steps, our switches'
+    states, the way each module's batches went (True: plain), and the position weights'
+    gradients (DDP's parameters: their exchange must end before DDP's does)."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as EBCSharder
+    from torchrec.distributed.fp_embeddingbag import (
+        FeatureProcessedEmbeddingBagCollectionSharder as FPSharder,
+    )
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        get_default_sharders,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    import recsz.torchrec as rt
+    from recsz.torchrec.sharder import _CompressedEBC
+
+    tw = [n for n, (kind, _) in plan_of.items() if kind == "tw"]
+    rw = [n for n, (kind, _) in plan_of.items() if kind == "rw"]
+    out: dict[str, object] = {}
+    for name, sharders in (("stock", get_default_sharders()), ("auto", rt.sharders(**AUTO))):
+        ebc = sgd_ebc({n: TABLES[n] for n in rw}, 0)
+        torch.manual_seed(1)
+        processors = PositionWeightedModuleCollection({f"f_{n}": 3 for n in tw})
+        fp = FeatureProcessedEmbeddingBagCollection(
+            sgd_ebc({n: TABLES[n] for n in tw}, 1, weighted=True), processors
+        )
+        of = {c: next(s for s in sharders if isinstance(s, c)) for c in (EBCSharder, FPSharder)}
+        plans = {
+            "ebc": construct_module_sharding_plan(
+                ebc, {n: row_wise() for n in rw}, sharder=of[EBCSharder],
+                local_size=WORLD, world_size=WORLD, device_type="cpu"),
+            "fp": construct_module_sharding_plan(
+                fp, {n: table_wise(rank=plan_of[n][1]) for n in tw},
+                sharder=of[FPSharder], local_size=WORLD,
+                world_size=WORLD, device_type="cpu"),
+        }  # fmt: skip
+        model = DistributedModelParallel(
+            _Two(ebc, fp), device=torch.device("cpu"), plan=ShardingPlan(plans), sharders=sharders
+        )
+        modules = [m for m in model.modules() if isinstance(m, _CompressedEBC)]
+        outs, ways = [], []
+        for step in range(STEPS):
+            kjt, _ = _batch(step, rank)
+            a = kjt.permute([list(TABLES).index(n) for n in rw])
+            b = kjt.permute([list(TABLES).index(n) for n in tw])
+            y = model(a, b)
+            outs.append(y.detach().clone())
+            y.square().sum().backward()
+            ways.append([m.recsz_sent_plain for m in modules])
+        out[name] = outs
+        # the position weights' gradients, summed over the steps, as DDP reduced them
+        out[f"{name}_weights"] = [p.grad.clone() for p in processors.parameters()]
+        if name == "auto":
+            out["ways"] = ways
+            out["switches"] = [s.state() for s in rt.switches(model)]
     return out
 
 
@@ -657,7 +735,7 @@ def test_on_the_gpu_path_each_dist_reads_the_host_six_times_a_step_and_the_ids_o
             assert "read_sizes" in where  # the lengths' read, with the verdicts along
             assert "rowwise.py" in where  # the filled bags' counts
             assert "dist.py" in where and "_context" in where  # the contents' counts
-            assert "_merged" in where  # the ids kept
+            assert "rows.py" in where and "merged" in where  # the ids kept
 
 
 def test_the_readme_example_runs_as_written() -> None:
@@ -700,6 +778,23 @@ def test_managed_collision_tables_go_through_our_dists_as_stock(ranks: list[dict
         assert min(sent[k][d] for k in ("raw", "wire") for d in ("fwd", "bwd")) > 0
         (switch,) = got["auto_bytes"]["compress"].values()
         assert switch["steps"]["compressed"] > 0 and switch["steps"]["plain"] > 0
+
+
+def test_a_models_sharded_modules_share_one_switch(ranks: list[dict]) -> None:
+    """An EBC and a feature-processed EBC in one model under ``recsz.torchrec.sharders(
+    compress="auto")``: one switch, asked once a batch (its trial's 2 + 2 steps), each batch
+    one way in both modules (both ways taken), and stock DMP's outputs and position weights'
+    gradients (lossless codecs; DDP reduces those within the backward pass)."""
+    for res in ranks:
+        got = res["two_modules"]
+        for ours, stock in zip(got["auto_weights"], got["stock_weights"], strict=True):
+            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-6)
+        (switch,) = got["switches"]
+        assert switch["steps"] == {"compressed": 2, "plain": 2}
+        assert [len(set(w)) for w in got["ways"]] == [1] * STEPS
+        assert [w[0] for w in got["ways"]] == [False, True, False, True]
+        for step, (ours, stock) in enumerate(zip(got["auto"], got["stock"], strict=True)):
+            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-5), step
 
 
 def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:
@@ -766,23 +861,21 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
     are found by name, duplicates (column-wise shards) included."""
     from types import SimpleNamespace
 
-    from recsz.torchrec.sharder import _CompressedEBC
+    from recsz.torchrec.rows import merge_layout
 
-    def module(*shardings: list[str]) -> object:
+    def module(*shardings: list[str]) -> list[object]:
         """Sharding 0 table-wise (merged), the others not."""
-        return SimpleNamespace(
-            _embedding_shardings=[
-                SimpleNamespace(feature_names=lambda n=n: n, recsz_merged=i == 0)
-                for i, n in enumerate(shardings)
-            ]
-        )
+        return [
+            SimpleNamespace(feature_names=lambda n=n: n, recsz_merged=i == 0)
+            for i, n in enumerate(shardings)
+        ]
 
     keys = ("a", "b", "c")
     cpu = torch.device("cpu")
     shared = module(["a", "b"], ["b"])  # sharding 1 (not merged) also reads b
-    assert _CompressedEBC._merge_layout(shared, keys, cpu) is None
+    assert merge_layout(shared, keys, cpu) is None
     apart = module(["a", "a", "c"], ["b"])
-    layout = _CompressedEBC._merge_layout(apart, keys, cpu)
+    layout = merge_layout(apart, keys, cpu)
     assert layout is not None
     assert layout["kept"].tolist() == [False, True, False]
     assert layout["rows"][0].tolist() == [0, 0, 2]

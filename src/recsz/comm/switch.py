@@ -19,9 +19,12 @@ Every rank decides alike: at each point where a trial may end (fixed steps, the 
 every rank) the ranks' figures are combined by ``agree`` (their maximum: a step lasts as
 long as its slowest rank). Ties go to the plain exchange, which loses nothing.
 
-The exchange asks :meth:`CompressionSwitch.compress` once per training step, in step order;
-evaluation steps read :attr:`CompressionSwitch.chosen` (:meth:`pause` first, so that the
-time between two training steps around an evaluation is not counted).
+The exchange asks :meth:`CompressionSwitch.compress` at each training step, in step order;
+a step asked again gets its first answer and times nothing (several exchanges of one step
+share a switch: TorchRec's sharded modules of one model, a pipeline's input dist a batch
+ahead of another module's). Evaluation steps read :attr:`CompressionSwitch.chosen`
+(:meth:`pause` first, so that the time between two training steps around an evaluation is
+not counted).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ CLEAR = 1.25
 EARLIEST = 2
 #: the longest gap between trials, in ``every``s (while trials keep choosing one way)
 BACKOFF = 8
+#: the latest steps whose ways a repeated ask gets
+RECENT = 4
 
 
 @dataclass
@@ -83,6 +88,7 @@ class CompressionSwitch:
     _last: tuple[int, bool, float] | None = None  # the last step asked: step, way, its start
     _gap: int = 0  # steps from the current (or last) trial's first to the next's
     _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
+    _ways: dict[int, bool] = field(default_factory=dict)  # the latest steps' ways
 
     def __post_init__(self) -> None:
         if self.mode not in COMPRESS_MODES:
@@ -103,10 +109,20 @@ class CompressionSwitch:
         return 2 * (self.warmup + self.trial)
 
     def compress(self, step: int) -> bool:
-        """Whether training step ``step`` compresses; asked once a step, in order."""
-        if self.mode == "always":
-            self.steps["compressed"] += 1
-            return True
+        """Whether training step ``step`` compresses; asked at each step, in order (a step
+        asked again, among the ``RECENT`` latest, gets its first answer)."""
+        way = self._ways.get(step)
+        if way is not None:
+            return way
+        way = True if self.mode == "always" else self._ask(step)
+        self._ways[step], self.current = way, way
+        if len(self._ways) > RECENT:
+            del self._ways[min(self._ways)]
+        self.steps["compressed" if way else "plain"] += 1
+        return way
+
+    def _ask(self, step: int) -> bool:
+        """The trials' way for a step asked the first time (times the step before)."""
         if self._start is None or step < self._start:  # the first step seen, or a rewind
             self._begin(step, self.warmup if self._start is None else 0)
         assert self._start is not None
@@ -121,8 +137,7 @@ class CompressionSwitch:
         way = (step - self._start) % 2 == 0 if self._trying else self.chosen
         if self._trying:
             self._wait()  # a trial's step starts on an idle device
-        self._last, self.current = (step, way, self.clock()), way
-        self.steps["compressed" if way else "plain"] += 1
+        self._last = (step, way, self.clock())
         return way
 
     def pause(self) -> None:

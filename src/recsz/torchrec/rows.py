@@ -17,12 +17,13 @@ A content is a bag's ids in order (:func:`first_bags`): one-hot features merge b
 of several ids wherever they repeat (MLPerf's multi-hot bags, a function of the one-hot
 id); an empty bag carries nothing. The sample owner finds the contents of its batch and
 empties every bag but the first of each before TorchRec's input dist (the sharder), so the
-ids of a repeat never travel and the table owner's filled bags are the first ones.
+ids of a repeat never travel and the table owner's filled bags are the first ones
+(:func:`merged`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -157,3 +158,68 @@ def first_bags(
     number = first.long().cumsum(1) - 1
     inverse = torch.where(filled, torch.gather(number, 1, ref), -1)
     return first, inverse, torch.where(filled, ref, at)
+
+
+#: Per sharding that merges: (each bag's content (rows, features), contents a feature
+#: (features,), each bag's content's first bag (rows, features)).
+Merges = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def merged(
+    shardings: list[Any], layouts: dict[tuple[str, ...], Any], features: Any
+) -> tuple[Merges, Any]:
+    """A batch's merges for each of ``shardings`` whose dist takes merged bags (its
+    ``recsz_merged``), and ``features`` with the repeating bags of their tables emptied;
+    nothing for weighted bags (a pooled row then depends on the weights) or a variable
+    batch. ``layouts``: the caller's cache of :func:`merge_layout` by feature order."""
+    from torchrec import KeyedJaggedTensor
+
+    if (
+        not isinstance(features, KeyedJaggedTensor)
+        or features.weights_or_none() is not None
+        or features.variable_stride_per_key()
+    ):
+        return {}, features
+    keys, rows, lengths = tuple(features.keys()), features.stride(), features.lengths()
+    if keys not in layouts:
+        layouts[keys] = merge_layout(shardings, keys, lengths.device)
+    layout = layouts[keys]
+    if layout is None:
+        return {}, features
+    lengths = lengths.view(len(keys), rows)
+    values = features.values()
+    # every feature's bags, the kept ones' too: their ids' count is known on the host
+    first, inverse, source = first_bags(lengths, features.offsets()[:-1], values)
+    keep = first | layout["kept"].unsqueeze(1)
+    each = torch.repeat_interleave(keep.view(-1), lengths.view(-1), output_size=values.numel())
+    stripped = KeyedJaggedTensor(
+        keys=list(keys), values=values[each], lengths=(lengths * keep).view(-1), stride=rows
+    )
+    counts = first.sum(1)
+    merges = {i: (inverse[at].t(), counts[at], source[at].t()) for i, at in layout["rows"].items()}
+    return merges, stripped
+
+
+def merge_layout(
+    shardings: list[Any], keys: tuple[str, ...], device: torch.device
+) -> dict[str, Any] | None:
+    """For a feature order: which features keep every bag (the other shardings':
+    data-parallel), and each merging sharding's features' positions (on the device); None
+    where none merges, or a feature also feeds a table of another sharding (it needs every
+    bag)."""
+    where = {k: i for i, k in enumerate(keys)}
+    names = [s.feature_names() for s in shardings]
+    rows = {
+        i: [where[n] for n in names[i]]
+        for i, s in enumerate(shardings)
+        if getattr(s, "recsz_merged", False)
+    }
+    taken = {r for rs in rows.values() for r in rs}
+    others = {where[n] for i, ns in enumerate(names) if i not in rows for n in ns}
+    if not rows or taken & others:
+        return None
+    kept = [i not in taken for i in range(len(keys))]
+    return {
+        "kept": torch.tensor(kept, device=device),
+        "rows": {i: torch.tensor(r, dtype=torch.long, device=device) for i, r in rows.items()},
+    }

@@ -21,6 +21,7 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, ClassVar
@@ -37,7 +38,7 @@ from recsz.comm.switch import CompressionSwitch, device_sync, max_over
 from recsz.config import TrainConfig
 from recsz.torchrec import state
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
-from recsz.torchrec.rows import first_bags
+from recsz.torchrec.rows import merged
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.twrw import CompressedTwRwDist
 
@@ -69,17 +70,27 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
     recsz_config: ClassVar[TrainConfig]
     #: every dist this class made (TorchRec keeps them in a plain list, not as modules)
     recsz_dists: ClassVar[list[CompressedPooledEmbeddingDist]]
+    #: each sharding environment's switch (TorchRec's DMP gives all its modules one)
+    recsz_switches: ClassVar[weakref.WeakKeyDictionary[Any, CompressionSwitch]]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         group, device = self._env.process_group, self._device or torch.device("cpu")
         #: whether a batch goes through the codecs (:mod:`recsz.comm.switch`), its ranks'
-        #: step times combined over the module's group
-        self.recsz_switch = self.recsz_config.switch(
-            agree=max_over(group), sync=device_sync(device)
-        )
+        #: step times combined over the module's group; one for all the modules of a model
+        #: (e.g. an EBC and a feature-processed one), so that a batch goes one way in all
+        #: and a trial times the steps of both ways
+        switch = self.recsz_switches.get(self._env)
+        if switch is None:
+            switch = self.recsz_config.switch(agree=max_over(group), sync=device_sync(device))
+            self.recsz_switches[self._env] = switch
+        self.recsz_switch = switch
+        #: training batches this module's input dist has seen (the switch's step)
+        self.recsz_batches = 0
         #: whether the batch whose embeddings left last went plain (:meth:`_sending`)
         self.recsz_sent_plain = False
+        #: how the bags merge, by feature order (:func:`recsz.torchrec.rows.merge_layout`)
+        self._recsz_layouts: dict[tuple[str, ...], Any] = {}
 
     def _ours(self) -> list[CompressedPooledEmbeddingDist]:
         """This module's compressed dists, in its shardings' order (from TorchRec's private
@@ -158,7 +169,11 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         batch the switch sends plain (``compress="auto"``) keeps its bags, and its context
         says so: the output dists then hand it to TorchRec's (:func:`handover.theirs`)."""
         plain = not self._compressing()
-        merges, features = ({}, features) if plain else self._merged(features)
+        merges, features = (
+            ({}, features)
+            if plain
+            else merged(self._embedding_shardings, self._recsz_layouts, features)
+        )
         got = super().input_dist(ctx, features)
         for i, sctx in enumerate(self._contexts(ctx)):
             sctx.recsz_merge = merges.get(i)
@@ -202,70 +217,8 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         if not (self.training and torch.is_grad_enabled()):
             switch.pause()
             return switch.chosen
-        return switch.compress(sum(switch.steps.values()))  # the training batches so far
-
-    def _merged(
-        self, features: Any
-    ) -> tuple[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], Any]:
-        """Per sharding we carry, (inverse (rows, its features), counts (its features,),
-        each bag's content's first bag (rows, its features)), and the features with the
-        repeating bags of those tables emptied; nothing for weighted bags (a pooled row then
-        depends on the weights) or a variable batch."""
-        from torchrec import KeyedJaggedTensor
-
-        if (
-            not isinstance(features, KeyedJaggedTensor)
-            or features.weights_or_none() is not None
-            or features.variable_stride_per_key()
-        ):
-            return {}, features
-        keys, rows, lengths = features.keys(), features.stride(), features.lengths()
-        layout = self._merge_layout(tuple(keys), lengths.device)
-        if layout is None:
-            return {}, features
-        lengths = lengths.view(len(keys), rows)
-        values = features.values()
-        # every feature's bags, the kept ones' too: their ids' count is known on the host
-        first, inverse, source = first_bags(lengths, features.offsets()[:-1], values)
-        keep = first | layout["kept"].unsqueeze(1)
-        each = torch.repeat_interleave(keep.view(-1), lengths.view(-1), output_size=values.numel())
-        stripped = KeyedJaggedTensor(
-            keys=keys, values=values[each], lengths=(lengths * keep).view(-1), stride=rows
-        )
-        counts = first.sum(1)
-        merges = {
-            i: (inverse[at].t(), counts[at], source[at].t()) for i, at in layout["rows"].items()
-        }
-        return merges, stripped
-
-    def _merge_layout(self, keys: tuple[str, ...], device: torch.device) -> dict[str, Any] | None:
-        """Made once for a feature order: which features keep every bag (the other
-        shardings': data-parallel), and each of our shardings' features' positions (on the
-        device); None where there is none, or a feature also feeds a table of another
-        sharding (it needs every bag)."""
-        cache = self.__dict__.setdefault("_recsz_layouts", {})
-        if keys not in cache:
-            shardings = self._embedding_shardings
-            where = {k: i for i, k in enumerate(keys)}
-            names = [s.feature_names() for s in shardings]
-            rows = {
-                i: [where[n] for n in names[i]]
-                for i, s in enumerate(shardings)
-                if getattr(s, "recsz_merged", False)
-            }
-            taken = {r for rs in rows.values() for r in rs}
-            others = {where[n] for i, ns in enumerate(names) if i not in rows for n in ns}
-            if not rows or taken & others:
-                cache[keys] = None
-                return None
-            kept = [i not in taken for i in range(len(keys))]
-            cache[keys] = {
-                "kept": torch.tensor(kept, device=device),
-                "rows": {
-                    i: torch.tensor(r, dtype=torch.long, device=device) for i, r in rows.items()
-                },
-            }
-        return cache[keys]
+        self.recsz_batches += 1
+        return switch.compress(self.recsz_batches - 1)
 
 
 class CompressedEBCSharder(EmbeddingBagCollectionSharder):
@@ -299,7 +252,11 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         self._module_type: type[_CompressedEBC] = type(
             "CompressedShardedEmbeddingBagCollection",
             (_CompressedEBC,),
-            {"recsz_config": self.config, "recsz_dists": []},
+            {
+                "recsz_config": self.config,
+                "recsz_dists": [],
+                "recsz_switches": weakref.WeakKeyDictionary(),
+            },
         )
 
     @property
@@ -364,7 +321,7 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
     (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks); and
     ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it);
-    ``compress``, each sharded module's switch (its trials, with ``compress="auto"``)."""
+    ``compress``, each switch's state (:func:`switches`; its trials with ``compress="auto"``)."""
     out: dict[str, dict[str, Any]] = {
         "raw": {"fwd": 0, "bwd": 0},
         "wire": {"fwd": 0, "bwd": 0},
@@ -383,9 +340,12 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def switches(model: torch.nn.Module) -> list[CompressionSwitch]:
-    """Each sharded module's switch in ``model`` (:attr:`_CompressedEBC.recsz_switch`), in
-    module order: whether its batches go through the codecs, and its trials' record."""
-    return [m.recsz_switch for m in model.modules() if isinstance(m, _CompressedEBC)]
+    """The switches of ``model``'s sharded modules (:attr:`_CompressedEBC.recsz_switch`; one
+    a sharder and model), in module order: whether batches go through the codecs, and the
+    trials' record."""
+    found = {id(m.recsz_switch): m.recsz_switch for m in model.modules()
+             if isinstance(m, _CompressedEBC)}  # fmt: skip
+    return list(found.values())
 
 
 def sent_plain(model: torch.nn.Module) -> Callable[[], bool] | None:
