@@ -28,6 +28,7 @@ import statistics
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch.multiprocessing as mp
 
@@ -138,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
         raise SystemExit("bench_syncs: set TRITON_INTERPRET=1 before Triton is imported")
-    os.environ.update(RECSZ_DEVICE_PATH_ON_CPU="1", TRITON_INTERPRET="1")
     worlds = [int(w) for w in args.worlds.split(",")]
     cases = [c.strip() for c in args.cases.split(";")]
     if unknown := [c for c in cases if c not in CASES]:
         raise SystemExit(f"bench_syncs: unknown cases {unknown}; known: {list(CASES)}")
-    rows = [count(w, case) for case in cases for w in worlds]
+    # the GPU's path for these counts only: a caller's environment is left as it was
+    with mock.patch.dict(os.environ, RECSZ_DEVICE_PATH_ON_CPU="1", TRITON_INTERPRET="1"):
+        rows = [count(w, case) for case in cases for w in worlds]
     head = "| traffic | " + " | ".join(f"world {w}" for w in worlds) + " |"
     lines = [head, "|---" * (len(worlds) + 1) + "|"]
     for case in cases:

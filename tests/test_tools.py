@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -292,7 +293,9 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
     bench = _bench("bench_syncs")
     out = tmp_path / "syncs.json"
     cases = "none, fixed-size;none, id-aware"
+    before = dict(os.environ)
     assert bench.main(["--worlds", "1", "--cases", cases, "--json-out", str(out)]) == 0
+    assert dict(os.environ) == before  # the GPU's path was the benchmark's alone
     rows = {r["case"]: r for r in json.loads(out.read_text())}
     assert rows["none, fixed-size"]["reads_per_step"] == 0
     assert rows["none, id-aware"]["reads_per_step"] == 1
