@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -14,6 +15,15 @@ if not torch.cuda.is_available():
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    """Each test leaves torch's thread count as it found it (a benchmark's main called here
+    sets one thread, as its ranks run)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
