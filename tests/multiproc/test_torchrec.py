@@ -7,6 +7,7 @@ saw, and the assertions run here.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -425,14 +426,16 @@ def _managed_collision(rank: int) -> dict[str, object]:
 
 
 class _Two(torch.nn.Module):
-    """Two sharded modules in one model: an EBC and a feature-processed one."""
+    """Two sharded modules in one model: an EBC and a feature-processed one; the loss and
+    the outputs of a :class:`_TwoBatch`, as TorchRec's training pipeline takes a model."""
 
     def __init__(self, ebc: torch.nn.Module, fp: torch.nn.Module) -> None:
         super().__init__()
         self.ebc, self.fp = ebc, fp
 
-    def forward(self, a: object, b: object) -> torch.Tensor:
-        return torch.cat([self.ebc(a).values(), self.fp(b).values()], dim=1)
+    def forward(self, batch: _TwoBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.cat([self.ebc(batch.a).values(), self.fp(batch.b).values()], dim=1)
+        return y.square().sum(), y.detach().clone()
 
 
 def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
@@ -452,6 +455,7 @@ def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
         row_wise,
         table_wise,
     )
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.types import ShardingPlan
     from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
@@ -461,8 +465,10 @@ def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
 
     tw = [n for n, (kind, _) in plan_of.items() if kind == "tw"]
     rw = [n for n, (kind, _) in plan_of.items() if kind == "rw"]
+    rw_at, tw_at = ([list(TABLES).index(n) for n in names] for names in (rw, tw))
     out: dict[str, object] = {}
-    for name, sharders in (("stock", get_default_sharders()), ("auto", rt.sharders(**AUTO))):
+    for pipelined, name in itertools.product((False, True), ("stock", "auto")):
+        sharders = rt.sharders(**AUTO) if name == "auto" else get_default_sharders()
         ebc = sgd_ebc({n: TABLES[n] for n in rw}, 0)
         torch.manual_seed(1)
         processors = PositionWeightedModuleCollection({f"f_{n}": 3 for n in tw})
@@ -483,22 +489,45 @@ def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
             _Two(ebc, fp), device=torch.device("cpu"), plan=ShardingPlan(plans), sharders=sharders
         )
         modules = [m for m in model.modules() if isinstance(m, _CompressedEBC)]
+        batches = [_TwoBatch(kjt.permute(rw_at), kjt.permute(tw_at))
+                   for kjt, _ in (_batch(step, rank) for step in range(STEPS))]  # fmt: skip
         outs, ways = [], []
-        for step in range(STEPS):
-            kjt, _ = _batch(step, rank)
-            a = kjt.permute([list(TABLES).index(n) for n in rw])
-            b = kjt.permute([list(TABLES).index(n) for n in tw])
-            y = model(a, b)
-            outs.append(y.detach().clone())
-            y.square().sum().backward()
+        if pipelined:  # the dense hook too: the position weights are DDP's parameters
+            hook = rt.dense_comm(model, "eb", dp_codec="zstd") if name == "auto" else None
+            opt = torch.optim.SGD(processors.parameters(), lr=0.0)
+            pipe, left = TrainPipelineSparseDist(model, opt, torch.device("cpu")), iter(batches)
+            for _ in range(STEPS):
+                outs.append(pipe.progress(left))
+                ways.append([m.recsz_sent_plain for m in modules])
+            if hook is not None:
+                ways.append([hook.plain is not None])
+        for batch in batches if not pipelined else []:
+            loss, y = model(batch)
+            outs.append(y)
+            loss.backward()
             ways.append([m.recsz_sent_plain for m in modules])
-        out[name] = outs
-        # the position weights' gradients, summed over the steps, as DDP reduced them
-        out[f"{name}_weights"] = [p.grad.clone() for p in processors.parameters()]
+        key = f"{name}{'_pipelined' if pipelined else ''}"
+        out[key] = outs
+        # the position weights' gradients (summed over the steps; the pipeline's last step's)
+        out[f"{key}_weights"] = [p.grad.clone() for p in processors.parameters()]
         if name == "auto":
-            out["ways"] = ways
-            out["switches"] = [s.state() for s in rt.switches(model)]
+            out[f"{key}_ways"] = ways
+            out[f"{key}_switches"] = [s.state() for s in rt.switches(model)]
     return out
+
+
+class _TwoBatch(torchrec.streamable.Pipelineable):
+    """The row-wise tables' ids and the table-wise ones', as TorchRec's pipeline takes a
+    batch."""
+
+    def __init__(self, a: object, b: object) -> None:
+        self.a, self.b = a, b
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _TwoBatch:
+        return self
+
+    def record_stream(self, stream: object) -> None:
+        pass
 
 
 def _dense(rank: int, plan_of: dict) -> dict[str, object]:
@@ -784,17 +813,21 @@ def test_a_models_sharded_modules_share_one_switch(ranks: list[dict]) -> None:
     """An EBC and a feature-processed EBC in one model under ``recsz.torchrec.sharders(
     compress="auto")``: one switch, asked once a batch (its trial's 2 + 2 steps), each batch
     one way in both modules (both ways taken), and stock DMP's outputs and position weights'
-    gradients (lossless codecs; DDP reduces those within the backward pass)."""
-    for res in ranks:
+    gradients (lossless codecs; DDP reduces those within the backward pass); the same under
+    TorchRec's pipeline with our dense hook on DDP."""
+    for res, key in itertools.product(ranks, ("auto", "auto_pipelined")):
         got = res["two_modules"]
-        for ours, stock in zip(got["auto_weights"], got["stock_weights"], strict=True):
-            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-6)
-        (switch,) = got["switches"]
-        assert switch["steps"] == {"compressed": 2, "plain": 2}
-        assert [len(set(w)) for w in got["ways"]] == [1] * STEPS
-        assert [w[0] for w in got["ways"]] == [False, True, False, True]
-        for step, (ours, stock) in enumerate(zip(got["auto"], got["stock"], strict=True)):
-            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-5), step
+        stock = key.replace("auto", "stock")
+        for ours, theirs in zip(got[f"{key}_weights"], got[f"{stock}_weights"], strict=True):
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-6), key
+        for step, (ours, theirs) in enumerate(zip(got[key], got[stock], strict=True)):
+            assert torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5), (key, step)
+        (switch,) = got[f"{key}_switches"]
+        assert switch["steps"] == {"compressed": 2, "plain": 2}, key
+        ways = got[f"{key}_ways"][:STEPS]
+        assert [len(set(w)) for w in ways] == [1] * STEPS and len(ways[0]) == 2
+        assert [w[0] for w in ways] == [False, True, False, True]
+    assert got["auto_pipelined_ways"][STEPS] == [True]  # the dense hook asks the switch
 
 
 def test_dense_comm_puts_our_hook_on_dmps_ddp(ranks: list[dict]) -> None:
