@@ -39,44 +39,31 @@ def tie_backward(
     source that needs no gradient (frozen tables, evaluation) leaves ``received`` as it is."""
     if not source.requires_grad:
         return received
-    if not defer:
-        now: torch.Tensor = _Now.apply(source, (received.detach(), start, finish))
-        return now
-    # What ties ``received`` into autograd: not ``source``, so that backward reaches the
-    # source only through the callback. ``received`` is handed over beside the inputs and
-    # detached (the same memory, no view): an input returned as it is, or a view, would be
-    # an output that may not be changed in place, as TorchRec's feature-processed bags do
-    # (their DDP sync adds to it).
-    anchor = received.new_empty(0).requires_grad_()
-    out: torch.Tensor = _Deferred.apply(anchor, (received.detach(), source, start, finish))
+    # What ties ``received`` into autograd where it defers: not ``source``, so that
+    # backward reaches the source only through the callback. ``received`` is handed over
+    # beside the inputs and detached (the same memory, no view): an input returned as it
+    # is, or a view, would be an output that may not be changed in place, as TorchRec's
+    # feature-processed bags do (their DDP sync adds to it).
+    tied = received.new_empty(0).requires_grad_() if defer else source
+    out: torch.Tensor = _Tied.apply(tied, (received.detach(), source, start, finish, defer))
     return out
 
 
-class _Deferred(torch.autograd.Function):
+class _Tied(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, hooks: Any) -> torch.Tensor:
+    def forward(ctx: Any, tied: torch.Tensor, hooks: Any) -> torch.Tensor:
         received, *ctx.hooks = hooks
         return received
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
-        source, start, finish = ctx.hooks
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        source, start, finish, defer = ctx.hooks
         in_flight = start(grad)
+        if not defer:  # ``tied`` is the source
+            return finish(in_flight), None
 
         def done() -> None:
             torch.autograd.backward(source, finish(in_flight))
 
         torch.autograd.Variable._execution_engine.queue_callback(done)
         return None, None
-
-
-class _Now(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, source: torch.Tensor, hooks: Any) -> torch.Tensor:
-        received, *ctx.hooks = hooks
-        return received
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        start, finish = ctx.hooks
-        return finish(start(grad)), None
