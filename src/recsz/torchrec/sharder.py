@@ -211,8 +211,9 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         return super().compute(ctx, dist_input)
 
     def _compressing(self) -> bool:
-        """The switch's way for this batch: a training batch is a step of its clock (one
-        input dist a batch, all ranks alike); another takes the way chosen."""
+        """The switch's way for this batch: the module's training batches are the switch's
+        steps (one ask a batch, all ranks and the model's other modules alike); another
+        batch takes the way chosen."""
         switch = self.recsz_switch
         if not (self.training and torch.is_grad_enabled()):
             switch.pause()
@@ -352,7 +353,7 @@ def sent_plain(model: torch.nn.Module) -> Callable[[], bool] | None:
     """Where ``model``'s sharded modules run ``compress="auto"``: whether the batch whose
     embeddings left last went plain, i.e. the batch whose backward runs next (under
     TorchRec's pipeline not the switch's latest, which is a batch ahead); None otherwise.
-    Every rank alike (their switches agree)."""
+    Every rank and module alike (the ranks agree, the modules share the switch)."""
     auto = [m for m in model.modules() if isinstance(m, _CompressedEBC)]
     auto = [m for m in auto if m.recsz_switch.mode == "auto"]
     return (lambda: auto[0].recsz_sent_plain) if auto else None
