@@ -315,6 +315,25 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
     out["other"] = resumed({**saved, key: json.dumps(other).encode()})
     dcp.save(saved, checkpoint_id=str(dcp_dir))
     out["dcp"] = resumed(None)
+    # a stock DMP's DCP checkpoint taken up by ours (lossless): the tables from it, our state
+    # afresh; DCP refuses a key the checkpoint lacks unless told a partial load is fine
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    stock, stock_dir = _dmp(EmbeddingBagCollectionSharder(), plan_of), str(dcp_dir) + "_stock"
+    _train(stock, rank, 2)
+    dcp.save(stock.state_dict(), checkpoint_id=stock_dir)
+    out["stock_next"] = _train(stock, rank, 2, start=2)
+    ours = _dmp(rt.CompressedEBCSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none"),
+                plan_of)  # fmt: skip
+    saved = ours.state_dict()
+    try:
+        dcp.load(saved, checkpoint_id=stock_dir)
+    except dcp.CheckpointException as e:  # (every rank's)
+        out["strict_load"] = str(e)
+    dcp.load(saved, checkpoint_id=stock_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
+    ours.load_state_dict(saved)
+    out["from_stock"] = _train(ours, rank, 2, start=2)
     return out
 
 
@@ -917,7 +936,8 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
 def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
     """``dmp.state_dict()`` holds the dists' steps and bound policies: 2 + 2 steps through it
     equal 4 at once, bit for bit; without it (a stock checkpoint) the run differs and says
-    so; another rank's restores the steps alone, and says so."""
+    so; another rank's restores the steps alone, and says so. A stock DMP's
+    torch.distributed.checkpoint, loaded partially, continues as stock DMP would."""
     if "resumed" not in ranks[0]:
         pytest.skip("run on the host path (the dists' state is the same on both)")
     for r in ranks:
@@ -937,3 +957,9 @@ def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
         outs, said, steps = r["resumed"]["dcp"]
         assert steps == [2] * len(steps) and len(said) == rank
         assert not rank or "loads rank 0's sharder state" in said[0]
+        # stock DMP's DCP checkpoint: a partial load (as the README says) continues as stock
+        got = r["resumed"]
+        assert "Missing key in checkpoint state_dict" in got["strict_load"]
+        assert "_extra_state" in got["strict_load"]
+        for ours, stock in zip(got["from_stock"], got["stock_next"], strict=True):
+            assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-6)
