@@ -291,11 +291,13 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
         return rt.CompressedEBCSharder(eb_policy="dual", hindex_probe_steps=1, hindex_every=2,
                                        decay_t=4)  # fmt: skip
 
-    def resumed(saved: dict | None) -> tuple[list[torch.Tensor], list[str], list[int]]:
+    def resumed(
+        saved: dict | None, plan: dict = plan_of
+    ) -> tuple[list[torch.Tensor], list[str], list[int]]:
         sharder = make()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model = _dmp(sharder, plan_of)  # (which says nothing of recsz's state)
+            model = _dmp(sharder, plan)  # (which says nothing of recsz's state)
             if saved is None:  # from the DCP checkpoint
                 saved = model.state_dict()
                 dcp.load(saved, checkpoint_id=str(dcp_dir))
@@ -315,6 +317,8 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
     out["other"] = resumed({**saved, key: json.dumps(other).encode()})
     dcp.save(saved, checkpoint_id=str(dcp_dir))
     out["dcp"] = resumed(None)
+    # the same checkpoint under another plan (t0 and t1 trade ranks: DCP reshards them)
+    out["replanned"] = resumed(None, {**plan_of, "t0": ("tw", 1), "t1": ("tw", 0)})
     # a stock DMP's DCP checkpoint taken up by ours (lossless): the tables from it, our state
     # afresh; DCP refuses a key the checkpoint lacks unless told a partial load is fine
     from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -936,8 +940,9 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
 def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
     """``dmp.state_dict()`` holds the dists' steps and bound policies: 2 + 2 steps through it
     equal 4 at once, bit for bit; without it (a stock checkpoint) the run differs and says
-    so; another rank's restores the steps alone, and says so. A stock DMP's
-    torch.distributed.checkpoint, loaded partially, continues as stock DMP would."""
+    so; another rank's restores the steps alone, and says so, as does a checkpoint under
+    another sharding plan. A stock DMP's torch.distributed.checkpoint, loaded partially,
+    continues as stock DMP would."""
     if "resumed" not in ranks[0]:
         pytest.skip("run on the host path (the dists' state is the same on both)")
     for r in ranks:
@@ -957,6 +962,11 @@ def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
         outs, said, steps = r["resumed"]["dcp"]
         assert steps == [2] * len(steps) and len(said) == rank
         assert not rank or "loads rank 0's sharder state" in said[0]
+        # another plan: every rank restores the steps alone (rank 0's own state would give
+        # the classes of tables it no longer holds) and says so
+        outs, said, steps = r["resumed"]["replanned"]
+        assert steps == [2] * len(steps) and len(outs) == 2
+        assert len(said) == 1 and "the sharding plan changed since the checkpoint" in said[0]
         # stock DMP's DCP checkpoint: a partial load (as the README says) continues as stock
         got = r["resumed"]
         assert "Missing key in checkpoint state_dict" in got["strict_load"]

@@ -115,6 +115,9 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: the largest error / bound seen
         self.check_bounds = config.check_bounds
         self.max_err = {"fwd": 0.0, "bwd": 0.0}
+        #: which tables this dist carries, where (the sharder's account of its sharding; a
+        #: checkpoint's state restores only into the same, :mod:`recsz.torchrec.state`)
+        self.layout = ""
         #: the ids this sharding's lookup took in the step, set by the sharder's hook on
         #: the lookup, taken by the next forward
         self.seen: dict[str, Any] = {}

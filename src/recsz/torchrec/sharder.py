@@ -20,6 +20,7 @@ each sharding's lookup hands its dist the ids it looked up (which bags are fille
 
 from __future__ import annotations
 
+import json
 import warnings
 import weakref
 from collections.abc import Callable
@@ -137,6 +138,10 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
         ours = COMPRESSED[kind]
+        layout = json.dumps(
+            [kind, *sorted([i.embedding_config.name, i.param_sharding.ranks, str(
+                i.param_sharding.sharding_spec)] for i in sharding_infos)]
+        )  # fmt: skip
         # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
         # Our dists take merged bags (input_dist)
@@ -146,6 +151,7 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             out = ours(build(device=device), config)
             compressed = _compressed(out)
             assert compressed is not None  # (one of ours)
+            compressed.layout = layout
             made.append(compressed)
             out.seen = seen
             return out

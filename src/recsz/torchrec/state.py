@@ -2,9 +2,12 @@
 write into ``dmp.state_dict()`` (``get_extra_state``) and read back.
 
 Each dist's step count (the bound decay's clock and the probe windows'), its bound
-policies' state (the classes the homogenization index chose, a window's counts) and its
-byte counters; this rank's, marked with it. One JSON blob: a checkpointer that flattens
-nested state (``torch.distributed.checkpoint``) sees one value of one shape on every rank.
+policies' state (the classes the homogenization index chose, a window's counts), its byte
+counters and its layout (which tables it carries, where: the dist's ``layout``); this
+rank's, marked with it. Where the sharding plan changed since (TorchRec reshards tables on a
+``torch.distributed.checkpoint`` load), the step counts alone are restored. One JSON
+blob: a checkpointer that flattens nested state (``torch.distributed.checkpoint``) sees one
+value of one shape on every rank.
 """
 
 from __future__ import annotations
@@ -27,33 +30,41 @@ def dump(dists: list[CompressedPooledEmbeddingDist], rank: int) -> bytes:
 
 def load(dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int) -> None:
     """Restore :func:`dump`'s state into ``dists`` on ``rank``; ValueError naming the rank
-    and what does not fit. Another rank's (a checkpointer that keeps one copy of what is not
-    a tensor, as ``torch.distributed.checkpoint`` does) gives the step counts only (every
-    rank's are the same), with a warning: this rank's policies then probe its tables anew
-    from that step (:meth:`BoundPolicy.probe_again`)."""
+    and what does not fit (another version, a damaged blob). Another rank's (a checkpointer
+    that keeps one copy of what is not a tensor, as ``torch.distributed.checkpoint`` does),
+    or one written under another sharding plan (a dist's layout differs, or their number),
+    gives the step counts only (every dist's are the same), with a warning: the policies
+    then probe their tables anew from that step (:meth:`BoundPolicy.probe_again`)."""
     try:
         state = json.loads(bytes(saved))
     except (TypeError, ValueError) as e:
         raise ValueError(f"recsz: rank {rank}: the checkpoint's sharder state: {e}") from e
-    if (
-        not isinstance(state, dict)
-        or state.get("recsz") != VERSION
-        or len(state.get("dists", ())) != len(dists)
-    ):
-        got = len(state.get("dists", ())) if isinstance(state, dict) else None
+    if not isinstance(state, dict) or state.get("recsz") != VERSION:
         raise ValueError(
-            f"recsz: rank {rank}: the checkpoint's sharder state does not fit this module "
-            f"(version {state.get('recsz') if isinstance(state, dict) else None}, {got} "
-            f"compressed dists for {len(dists)}: another sharding plan?)"
+            f"recsz: rank {rank}: the checkpoint's sharder state is not version {VERSION} "
+            f"(got {state.get('recsz') if isinstance(state, dict) else type(state).__name__})"
         )
-    mine = state["rank"] == rank
-    if not mine:
+    saved_dists = state.get("dists", [])
+    replanned = len(saved_dists) != len(dists) or any(
+        one.get("layout", d.layout) != d.layout for d, one in zip(dists, saved_dists, strict=False)
+    )
+    mine = state["rank"] == rank and not replanned
+    if replanned:
+        warnings.warn(
+            f"recsz: rank {rank}: the sharding plan changed since the checkpoint (its "
+            f"compressed dists carry other tables): the step counts are restored, the "
+            "bound policies probe their tables anew",
+            stacklevel=3,
+        )
+        steps = {int(one["step"]) for one in saved_dists}
+        saved_dists = [{"step": max(steps, default=0)}] * len(dists)
+    elif not mine:
         warnings.warn(
             f"recsz: rank {rank} loads rank {state['rank']}'s sharder state: the step "
             "counts are restored, this rank's bound policies probe its tables anew",
             stacklevel=3,
         )
-    for i, (d, one) in enumerate(zip(dists, state["dists"], strict=True)):
+    for i, (d, one) in enumerate(zip(dists, saved_dists, strict=True)):
         try:
             _load_dist_state(d, one, whole=mine)
         except (ValueError, KeyError, TypeError) as e:
@@ -66,6 +77,7 @@ def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
         "step": d.step,
         "policies": {x.name: x.policy.state_dict() for x in (d.fwd, d.bwd)},
         "counters": {"raw": dict(d.raw), "wire": dict(d.wire), "max_err": dict(d.max_err)},
+        "layout": d.layout,
     }
 
 
