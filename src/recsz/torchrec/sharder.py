@@ -138,10 +138,12 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
             )
         build, config, made = sharding.create_output_dist, cls.recsz_config, cls.recsz_dists
         ours = COMPRESSED[kind]
-        layout = json.dumps(
-            [kind, *sorted([i.embedding_config.name, i.param_sharding.ranks, str(
-                i.param_sharding.sharding_spec)] for i in sharding_infos)]
-        )  # fmt: skip
+        # which tables our dist carries, where (a checkpoint's state restores into the same)
+        tables = sorted(
+            [i.embedding_config.name, i.param_sharding.ranks, str(i.param_sharding.sharding_spec)]
+            for i in sharding_infos
+        )
+        layout = json.dumps([kind, *tables])
         # The ids the lookup took, for the dist's forward, which follows it.
         seen: dict[str, Any] = {}
         # Our dists take merged bags (input_dist)
