@@ -937,6 +937,20 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
     assert layout["rows"][0].tolist() == [0, 0, 2]
 
 
+@pytest.mark.parametrize(
+    "blob",
+    [b"not json", b'{"recsz": 99}', b'{"recsz": 1, "rank": 0}',
+     b'{"recsz": 1, "rank": 0, "dists": [3]}', b'{"recsz": 1, "rank": 0, "dists": [{}]}'],
+)  # fmt: skip
+def test_a_damaged_sharder_state_is_refused_naming_the_rank(blob: bytes) -> None:
+    """What is not the sharder's state (not JSON, another version, no dists, a dist without
+    its step) is a ValueError naming the rank, whatever plan it meets."""
+    from recsz.torchrec import state
+
+    with pytest.raises(ValueError, match=r"recsz: rank 3: the checkpoint's sharder state"):
+        state.load([], blob, 3)
+
+
 def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
     """``dmp.state_dict()`` holds the dists' steps and bound policies: 2 + 2 steps through it
     equal 4 at once, bit for bit; without it (a stock checkpoint) the run differs and says

@@ -44,7 +44,14 @@ def load(dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int) -> N
             f"recsz: rank {rank}: the checkpoint's sharder state is not version {VERSION} "
             f"(got {state.get('recsz') if isinstance(state, dict) else type(state).__name__})"
         )
-    saved_dists = state.get("dists", [])
+    saved_dists = state.get("dists")
+    if not isinstance(saved_dists, list) or not all(
+        isinstance(one, dict) and "step" in one for one in saved_dists
+    ):
+        raise ValueError(
+            f"recsz: rank {rank}: the checkpoint's sharder state holds no list of dists, "
+            "each with its step count (damaged?)"
+        )
     replanned = len(saved_dists) != len(dists) or any(
         one.get("layout", d.layout) != d.layout for d, one in zip(dists, saved_dists, strict=False)
     )
@@ -52,7 +59,7 @@ def load(dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int) -> N
     if replanned:
         warnings.warn(
             f"recsz: rank {rank}: the sharding plan changed since the checkpoint (its "
-            f"compressed dists carry other tables): the step counts are restored, the "
+            "compressed dists carry other tables): the step counts are restored, the "
             "bound policies probe their tables anew",
             stacklevel=3,
         )
