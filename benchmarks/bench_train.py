@@ -183,6 +183,7 @@ DMP_OPTS = (
     "--eval-batch-size",
     "--multi-hot",
     "--emb-lr",
+    "--interaction",
 )
 
 
@@ -412,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         "--multi-hot", default="", help="recsz train's --multi-hot, for every run (DMP's too)"
     )
     ap.add_argument("--emb-lr", help="the tables' learning rate, every run (default: preset's)")
+    ap.add_argument(
+        "--interaction",
+        default="dot",
+        help="recsz train's --interaction, every run (dcn: TorchRec's DLRM_DCN for DMP's)",
+    )
     ap.add_argument("--train-flags", default="", help="more recsz train flags, our runs only")
     ap.add_argument(
         "--host-link",
@@ -465,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         "0",
         *(("--multi-hot", a.multi_hot) if a.multi_hot else ()),
         *(("--emb-lr", a.emb_lr) if a.emb_lr else ()),
+        *(("--interaction", a.interaction) if a.interaction != "dot" else ()),
     ]
     print(
         f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "

@@ -5,7 +5,8 @@ Launched by ``bench_train.py`` (configs ``trdmp-*``) under torchrun, one process
     torchrun --nproc-per-node 2 benchmarks/torchrec_dmp.py --precision bf16 --out DIR
 
 Same model shape as the ``bench`` preset (26 tables of dim 64 hashed to 50k rows, bottom
-13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction), same synthetic
+13-512-256-64, top 512-512-256-1, TorchRec's DLRM with its dot interaction, or its
+``DLRM_DCN`` with ``--interaction dcn``), same synthetic
 data, seed, global batch and steps as our runs; table-wise sharding (planner constrained;
 ``--sharding rw``: row-wise, every table's rows split over the ranks, its output a
 reduce-scatter of partial sums and its backward an all-gather; ``--sharding twrw``:
@@ -72,16 +73,17 @@ def host_groups(link: str, local: int, hosts: int) -> None:
 def torchrec_dlrm(
     mcfg: ModelConfig, sharder: Any, sharding: str = "table_wise", hosts: int = 1
 ) -> Any:
-    """TorchRec's DLRM of ``mcfg``'s shape (its dot interaction; tables ``t{i}`` of features
-    ``f{i}``, sum-pooled), drawn from torch's generator, under DMP on the process group with
-    every table sharded ``sharding`` (TorchRec's name) under ``sharder`` (as on many ranks:
-    fused optimizer); table-row-wise tables dealt to ``hosts`` hosts in turn."""
+    """TorchRec's DLRM of ``mcfg``'s shape (``DLRM_DCN`` for the dcn interaction; tables
+    ``t{i}`` of features ``f{i}``, sum-pooled), drawn from torch's generator, under DMP on
+    the process group with every table sharded ``sharding`` (TorchRec's name) under
+    ``sharder`` (as on many ranks: fused optimizer); table-row-wise tables dealt to
+    ``hosts`` hosts in turn."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ShardingType
-    from torchrec.models.dlrm import DLRM
+    from torchrec.models.dlrm import DLRM, DLRM_DCN
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
     tables = [
@@ -95,12 +97,17 @@ def torchrec_dlrm(
         for i, rows in enumerate(mcfg.table_sizes)
     ]
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    model = DLRM(
-        embedding_bag_collection=ebc,
-        dense_in_features=13,
-        dense_arch_layer_sizes=list(mcfg.bottom_mlp),
-        over_arch_layer_sizes=list(mcfg.top_mlp),
-    )
+    mlps = {
+        "embedding_bag_collection": ebc,
+        "dense_in_features": 13,
+        "dense_arch_layer_sizes": list(mcfg.bottom_mlp),
+        "over_arch_layer_sizes": list(mcfg.top_mlp),
+    }
+    if mcfg.interaction == "dcn":
+        dcn = {"dcn_num_layers": mcfg.dcn_layers, "dcn_low_rank_dim": mcfg.dcn_rank}
+        model = DLRM_DCN(**mlps, **dcn)
+    else:
+        model = DLRM(**mlps)
     world = dist.get_world_size()
     if sharding != "table_wise":  # placed by hand: the planner offers these on GPUs only
         from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -194,6 +201,7 @@ def main() -> None:
     ap.add_argument("--eval-batch-size", type=int, default=4096)
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
     ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: ours)")
+    ap.add_argument("--interaction", default="dot", help="recsz train's: dot or dcn (DLRM_DCN)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -217,7 +225,7 @@ def main() -> None:
             host_groups(link, local, a.hosts)
     torch.manual_seed(a.seed)
     preset = get_preset(a.preset)
-    mcfg = preset.model
+    mcfg = TrainConfig(preset=a.preset, interaction=a.interaction).model()
     n_tables = len(mcfg.table_sizes)
     fused = {
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
@@ -18,11 +18,13 @@ from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.fields import check, opt, parser
 from recsz.model import (
+    INTERACTIONS,
     MLP_INITS,
     PRESETS,
     ROW_OPTIMIZERS,
     TT_INITS,
     FiitedSpec,
+    ModelConfig,
     TTSpec,
     get_preset,
 )
@@ -35,11 +37,11 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 10  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 11  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
-# 10: --compress auto
+# 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank
 
 
 CODECS = tuple(available_codecs())
@@ -70,6 +72,14 @@ class TrainConfig:
         "learned more on each)",
         MLP_INITS,
     )
+    interaction: str = opt(
+        "dot",
+        "how the MLP and the embeddings meet: dot (DLRM's pairwise dot products) or dcn "
+        "(DCNv2's low-rank cross layers, as MLPerf's DLRM-DCNv2)",
+        INTERACTIONS,
+    )
+    dcn_layers: int = opt(3, "dcn: cross layers (MLPerf's: 3)", ge=1)
+    dcn_rank: int = opt(512, "dcn: rank of each cross layer's weights (MLPerf's: 512)", ge=1)
     tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)", ge=0)
     tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables", ge=1)
     tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table", ge=2, le=4)
@@ -202,6 +212,12 @@ class TrainConfig:
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)
 
+    def model(self) -> ModelConfig:
+        """The preset's model with this run's interaction."""
+        m = get_preset(self.preset).model
+        return replace(m, interaction=self.interaction, dcn_layers=self.dcn_layers,
+                       dcn_rank=self.dcn_rank)  # fmt: skip
+
     def tt_spec(self) -> TTSpec | None:
         """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""
         if not self.tt_tables:
@@ -276,7 +292,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check(self)
         self._check_bound_values()
-        model = get_preset(self.preset).model
+        model = self.model()
         n_tables = model.n_tables
         self.failure_at()
         self.switch()

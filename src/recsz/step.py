@@ -38,7 +38,7 @@ from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
 from recsz.data.source import Batch, DataSource
-from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset, tt_parameters
+from recsz.model import DenseArch, RowOptimizer, SparseArch, tt_parameters
 from recsz.model.fiited import HeldMask
 from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
@@ -72,8 +72,7 @@ class Parts:
 
 
 def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
-    preset = get_preset(cfg.preset)
-    mcfg = preset.model
+    mcfg = cfg.model()
     tt = cfg.tt_spec()
     local = tt.replicated if tt is not None else frozenset()
     # A TT table is charged what its cores hold, as rows of the table's width; replicated

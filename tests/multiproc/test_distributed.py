@@ -544,6 +544,17 @@ def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert tables(single)[20].ne(tables(tmp_path / "one")[20]).any()  # the bags do train
 
 
+def test_dcn_interaction_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    """DCNv2's cross layers (--interaction dcn): 2 ranks with a lossless codec train as one
+    process (the cross layers' gradients all-reduced with the MLPs'), and the cross layers
+    are in the checkpoint and learned."""
+    dcn = ("--interaction", "dcn", "--dcn-layers", "2", "--dcn-rank", "32")
+    one_and_two_ranks(tmp_path, *dcn)
+    assert_same_model(tmp_path / "one", tmp_path / "two", 1e-5)
+    got = dense(tmp_path / "two")
+    assert got["cross.W.1"].shape == (27 * 16, 32) and got["cross.b.0"].abs().sum() > 0
+
+
 def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Path) -> None:
     """--compress auto with a lossless codec: two trials (steps 0-7, with the first's
     warm-up, and 10-13 at least) alternate zstd and the plain exchange step by step, every

@@ -1,6 +1,6 @@
 """The DLRM model, split into a sharded sparse part and a replicated dense part."""
 
-from recsz.model.config import PRESETS, ModelConfig, Preset, get_preset
+from recsz.model.config import INTERACTIONS, PRESETS, ModelConfig, Preset, get_preset
 from recsz.model.dlrm import DLRM, MLP_INITS, DenseArch, interact_features
 from recsz.model.fiited import FiitedSpec, FiitedStore
 from recsz.model.rowopt import ROW_OPTIMIZERS, RowOptimizer
@@ -9,6 +9,7 @@ from recsz.model.ttrec import TT_INITS, TTEmbeddingBag, TTSpec, tt_parameters
 
 __all__ = [
     "DLRM",
+    "INTERACTIONS",
     "MLP_INITS",
     "PRESETS",
     "ROW_OPTIMIZERS",

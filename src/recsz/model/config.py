@@ -29,6 +29,11 @@ def table_sizes_for(
     return tuple(min(c * oversize, max_index_range) + 1 for c in counts)
 
 
+#: ``dot``: the pairwise dot products of [x, e_1, ..., e_T] beside x (DLRM); ``dcn``: DCNv2's
+#: low-rank cross layers over their concatenation (MLPerf's DLRM-DCNv2, TorchRec's DLRM_DCN).
+INTERACTIONS = ("dot", "dcn")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """DLRM shape. Units: rows, vector dims and layer widths."""
@@ -38,6 +43,10 @@ class ModelConfig:
     bottom_mlp: tuple[int, ...]  # hidden widths after the 13 dense inputs, last == emb_dim
     top_mlp: tuple[int, ...]  # widths after the interaction, last == 1 (the logit)
     n_dense: int = 13
+    #: how the bottom MLP's output and the embeddings meet (:data:`INTERACTIONS`)
+    interaction: str = "dot"
+    dcn_layers: int = 3  # dcn: cross layers (MLPerf's DLRM-DCNv2: 3)
+    dcn_rank: int = 512  # dcn: rank of each layer's weights (MLPerf's: 512)
 
     def __post_init__(self) -> None:
         if not self.table_sizes or min(self.table_sizes) < 2:
@@ -46,11 +55,17 @@ class ModelConfig:
             raise ValueError(f"emb_dim must be positive, got {self.emb_dim}")
         if not self.bottom_mlp or self.bottom_mlp[-1] != self.emb_dim:
             raise ValueError(
-                f"bottom MLP must end in emb_dim={self.emb_dim} for the dot interaction, "
+                f"bottom MLP must end in emb_dim={self.emb_dim} (it meets the embeddings), "
                 f"got {self.bottom_mlp}"
             )
         if not self.top_mlp or self.top_mlp[-1] != 1:
             raise ValueError(f"top MLP must end in 1 (the logit), got {self.top_mlp}")
+        if self.interaction not in INTERACTIONS:
+            raise ValueError(f"interaction {self.interaction!r} is not one of {INTERACTIONS}")
+        if self.dcn_layers < 1 or self.dcn_rank < 1:
+            raise ValueError(
+                f"DCN needs a layer and rank 1 at least, got {self.dcn_layers}, {self.dcn_rank}"
+            )
 
     @property
     def n_tables(self) -> int:

@@ -4,9 +4,11 @@
                                               ├─► interaction ──► top MLP ──► logit (B,)
     ids (B, T) ──► T embedding bags ──► e (B, T, D)
 
-The interaction concatenates x with the strictly-lower triangle of the pairwise dot
-products of [x, e_1, ..., e_T], as facebookresearch/dlrm does. The model is split into
-:class:`SparseArch` (the tables: model parallel, sharded across ranks) and
+The interaction (``ModelConfig.interaction``) concatenates x with the strictly-lower
+triangle of the pairwise dot products of [x, e_1, ..., e_T], as facebookresearch/dlrm does
+(``dot``), or runs DCNv2's low-rank cross layers over [x, e_1, ..., e_T] flattened, as
+MLPerf's DLRM-DCNv2 and TorchRec's ``DLRM_DCN`` do (``dcn``, :class:`CrossNet`). The model
+is split into :class:`SparseArch` (the tables: model parallel, sharded across ranks) and
 :class:`DenseArch` (MLPs and interaction: data parallel), so the distributed step can put
 an all-to-all between them without the model knowing about communication.
 """
@@ -127,6 +129,32 @@ class _PairDots(torch.autograd.Function):
             return torch.bmm(sym.view(b, n, n), feats)
 
 
+class CrossNet(nn.Module):
+    """DCNv2's low-rank cross layers (Wang et al., arXiv 2008.13535):
+    x_{l+1} = x_0 * (W_l V_l x_l + b_l) + x_l, with W_l (n, rank), V_l (rank, n).
+
+    Started as TorchRec's ``LowRankCrossNet`` (W and V Xavier-normal, b zero), drawn from
+    ``g``; its parameters are in TorchRec's order (every W, every V, every b), so that its
+    weights load as they are."""
+
+    def __init__(self, n: int, layers: int, rank: int, g: torch.Generator) -> None:
+        super().__init__()
+        std = (2.0 / (n + rank)) ** 0.5  # Xavier-normal, either shape
+
+        def normal(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape).normal_(0.0, std, generator=g))
+
+        self.W = nn.ParameterList(normal(n, rank) for _ in range(layers))
+        self.V = nn.ParameterList(normal(rank, n) for _ in range(layers))
+        self.b = nn.ParameterList(nn.Parameter(torch.zeros(n)) for _ in range(layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for w, v, b in zip(self.W, self.V, self.b, strict=True):
+            x = x0 * torch.addmm(b, F.linear(x, v), w.t()) + x
+        return x
+
+
 @torch.compiler.disable
 def _received(pending: Awaitable) -> torch.Tensor:
     """The embeddings of an exchange in flight (never traced by torch.compile: it is
@@ -158,25 +186,36 @@ class DenseArch(nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.bottom = create_mlp(cfg.n_dense, cfg.bottom_mlp, True, g, init)
         n_feat = self.n_features = cfg.n_tables + 1
-        n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
+        self.cross: CrossNet | None = None
+        if cfg.interaction == "dcn":
+            n_int = n_feat * cfg.emb_dim
+            self.cross = CrossNet(n_int, cfg.dcn_layers, cfg.dcn_rank, g)
+        else:
+            n_int = cfg.emb_dim + n_feat * (n_feat - 1) // 2
         self.top = create_mlp(n_int, cfg.top_mlp, False, g, init)
         self.local = local if local is not None and local.tables else None
         at = torch.tensor(self.local.tables if self.local else [], dtype=torch.int64)
         self.register_buffer("local_pos", at, persistent=False)
 
     def mlp_parameters(self) -> list[nn.Parameter]:
-        """The MLPs' parameters (the local tables have optimizers of their own)."""
-        return [*self.bottom.parameters(), *self.top.parameters()]
+        """The MLPs' parameters and the cross layers' (the local tables have optimizers of
+        their own), in TorchRec's DLRM's order."""
+        cross = [] if self.cross is None else list(self.cross.parameters())
+        return [*self.bottom.parameters(), *cross, *self.top.parameters()]
 
     @torch.no_grad()
     def load_torchrec_mlps(self, params: Sequence[torch.Tensor]) -> None:
-        """Start from the MLPs of TorchRec's ``torchrec.models.dlrm.DLRM`` (its dense arch's
-        and over arch's parameters, in their order): the same model as this one, but its
-        interaction lists the pairs i < j row by row (the upper triangle), so the top
-        MLP's first weights are reordered to ours."""
+        """Start from the MLPs of TorchRec's ``torchrec.models.dlrm.DLRM`` or ``DLRM_DCN``
+        (its dense, interaction and over arch's parameters, in their order): the same model
+        as this one, but its dot interaction lists the pairs i < j row by row (the upper
+        triangle), so the top MLP's first weights are reordered to ours."""
         mine = self.mlp_parameters()
         if [p.shape for p in params] != [m.shape for m in mine]:
             raise ValueError("TorchRec's MLPs have other shapes than this model's")
+        if self.cross is not None:  # the same order, nothing to reorder
+            for m, p in zip(mine, params, strict=True):
+                m.copy_(p)
+            return
         first_top = len(list(self.bottom.parameters()))
         n = self.n_features
         d = mine[first_top].shape[1] - n * (n - 1) // 2  # the bottom MLP's output
@@ -203,7 +242,11 @@ class DenseArch(nn.Module):
             assert ids is not None, "local tables need the samples' ids"
             e = e.index_copy(1, self.local_pos, self.local(ids))
         with self._autocast(dense):
-            logits = self.top(interact_features(x, e)).squeeze(1)
+            if self.cross is None:
+                z = interact_features(x, e)
+            else:
+                z = self.cross(torch.cat([x, e.to(x.dtype).flatten(1)], dim=1))
+            logits = self.top(z).squeeze(1)
         return logits.float()
 
     def _autocast(self, like: torch.Tensor) -> torch.autocast:
