@@ -3,6 +3,7 @@
     python benchmarks/bench_accuracy.py [--quick] [--json-out PATH]
     python benchmarks/bench_accuracy.py --hooks [--synthetic] [--sweep] [--json-out PATH]
     python benchmarks/bench_accuracy.py --a2a [--synthetic] [--seeds N] [--json-out PATH]
+    ... [--train-flags '--interaction dcn']   (more flags for every run)
 
 Trains the ``tiny`` DLRM in one process (the codec runs on the same all-to-all path as in
 distributed runs, looping back to itself) with:
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -213,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma list of A:B settings (as --only names them): their paired AUC difference "
         "A - B over the seeds",
     )
+    ap.add_argument(
+        "--train-flags",
+        default="",
+        help="more recsz train flags, every run (e.g. '--interaction dcn')",
+    )
     a = ap.parse_args(argv)
     results: list[Result] = []
     base: dict[tuple[str, int], float] = {}
@@ -232,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in runs:
         with tempfile.TemporaryDirectory() as tmp:
             t = time.perf_counter()
-            train_main([*run.flags, "--no-progress", "--out", tmp])
+            train_main([*run.flags, *shlex.split(a.train_flags), "--no-progress", "--out", tmp])
             secs = time.perf_counter() - t
             s = json.loads((Path(tmp) / "summary.json").read_text())
         if run.policy == "none":

@@ -256,7 +256,8 @@ def main() -> None:
     if a.dp_comm != "allreduce":
         dense_hook = recsz.torchrec.dense_comm(dmp, a.dp_comm)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    opt = torch.optim.SGD(dense_params.values(), lr=preset.lr)
+    adagrad = TrainConfig(preset=a.preset).resolved("dense_optimizer") == "adagrad"
+    opt = (torch.optim.Adagrad if adagrad else torch.optim.SGD)(dense_params.values(), preset.lr)
 
     src = make_source("synthetic", mcfg.table_sizes, a.seed)
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]

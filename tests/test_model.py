@@ -87,6 +87,14 @@ def test_presets_have_published_shapes() -> None:
     t = get_preset("terabyte")
     assert t.model.emb_dim == 64 and t.model.top_mlp == (512, 512, 256, 1)
     assert max(t.model.table_sizes) == 10_000_001 and t.batch_size == 2048
+    m = get_preset("dcnv2")  # MLPerf's DLRM-DCNv2 reference
+    assert m.model.emb_dim == 128 and m.model.bottom_mlp == (512, 256, 128)
+    assert m.model.top_mlp == (1024, 1024, 512, 256, 1) and m.model.interaction == "dcn"
+    assert (m.model.dcn_layers, m.model.dcn_rank, m.batch_size) == (3, 512, 65536)
+    optimizers = (m.lr, m.emb_lr, m.emb_optimizer, m.dense_optimizer)
+    assert optimizers == (0.005, 0.005, "rowwise_adagrad", "adagrad")
+    assert max(m.model.table_sizes) == 40_000_001 and m.model.table_sizes[5] == 4
+    assert {get_preset(p).dense_optimizer for p in ("tiny", "bench")} == {"sgd"}
 
 
 def test_config_validation() -> None:
@@ -105,6 +113,11 @@ def test_config_validation() -> None:
     run = parse_train_args(["--interaction", "dcn", "--dcn-layers", "2"]).model()
     assert (run.interaction, run.dcn_layers, run.dcn_rank) == ("dcn", 2, 512)
     assert run.table_sizes == get_preset("tiny").model.table_sizes
+    mlperf = parse_train_args(["--preset", "dcnv2"])
+    assert mlperf.model().interaction == "dcn" and mlperf.resolved("dense_optimizer") == "adagrad"
+    dot = parse_train_args(["--preset", "dcnv2", "--interaction", "dot"]).model()
+    assert dot.interaction == "dot"
+    assert parse_train_args([]).model() == get_preset("tiny").model
 
 
 def test_out_of_range_id_names_table() -> None:

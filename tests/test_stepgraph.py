@@ -63,6 +63,9 @@ def test_the_flag_names_everything_it_cannot_replay() -> None:
     msg = str(e.value)
     assert "--tt-tables" in msg and "--nproc 2" in msg
     assert "hybrid" not in msg and "fp16" not in msg  # codes on the GPU, no host sync
+    assert "--dense-optimizer" not in msg  # SGD's step captures
+    with pytest.raises(ValueError, match="--dense-optimizer adagrad"):
+        TrainConfig(cuda_graph=True, preset="dcnv2")  # torch's Adagrad is not capturable
     with pytest.raises(ValueError, match="--fwd-codec dct"):
         TrainConfig(cuda_graph=True, fwd_codec="dct", bwd_codec="dct-mask")
 

@@ -18,6 +18,7 @@ from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.fields import check, opt, parser
 from recsz.model import (
+    DENSE_OPTIMIZERS,
     INTERACTIONS,
     MLP_INITS,
     PRESETS,
@@ -41,7 +42,7 @@ CONFIG_VERSION = 11  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm ho
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
-# 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank
+# 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer
 
 
 CODECS = tuple(available_codecs())
@@ -57,7 +58,7 @@ class TrainConfig:
     data: str = opt("synthetic", "synthetic | a raw Criteo TSV | a `recsz preprocess` dir")
     steps: int | None = opt(None, "optimizer steps (default: one epoch, 1000 synthetic)", ge=1)
     batch_size: int | None = opt(None, "global batch, all ranks (default: preset's)", ge=1)
-    lr: float | None = opt(None, "MLP learning rate, SGD (default: preset's)", gt=0)
+    lr: float | None = opt(None, "MLP learning rate (default: preset's)", gt=0)
     emb_lr: float | None = opt(
         None,
         "embedding learning rate (default: preset's; with --multi-hot bags 0.4x it, since "
@@ -72,10 +73,13 @@ class TrainConfig:
         "learned more on each)",
         MLP_INITS,
     )
-    interaction: str = opt(
-        "dot",
+    dense_optimizer: str | None = opt(
+        None, "the MLPs' optimizer (default: preset's; dcnv2: adagrad)", DENSE_OPTIMIZERS
+    )
+    interaction: str | None = opt(
+        None,
         "how the MLP and the embeddings meet: dot (DLRM's pairwise dot products) or dcn "
-        "(DCNv2's low-rank cross layers, as MLPerf's DLRM-DCNv2)",
+        "(DCNv2's low-rank cross layers, MLPerf's DLRM-DCNv2) (default: preset's; dcnv2: dcn)",
         INTERACTIONS,
     )
     dcn_layers: int = opt(3, "dcn: cross layers (MLPerf's: 3)", ge=1)
@@ -215,8 +219,8 @@ class TrainConfig:
     def model(self) -> ModelConfig:
         """The preset's model with this run's interaction."""
         m = get_preset(self.preset).model
-        return replace(m, interaction=self.interaction, dcn_layers=self.dcn_layers,
-                       dcn_rank=self.dcn_rank)  # fmt: skip
+        inter = self.interaction or m.interaction
+        return replace(m, interaction=inter, dcn_layers=self.dcn_layers, dcn_rank=self.dcn_rank)
 
     def tt_spec(self) -> TTSpec | None:
         """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""
@@ -374,13 +378,14 @@ class TrainConfig:
             ("--compress auto", self.compress == "auto"),
             ("--fiited-budget", self.fiited_budget is not None),
             ("--tt-tables", self.tt_tables > 0),
+            ("--dense-optimizer adagrad", self.resolved("dense_optimizer") == "adagrad"),
         ]
         return [f for f, on in flags if on] + host
 
     def resolved(self, name: str) -> Any:
         """A field whose None means a default of its own (``batch_size``, ``lr``, ``emb_lr``,
-        ``emb_optimizer``: the preset's, ``emb_lr`` scaled with bags; ``mlp_init``: the
-        data's): its value or that."""
+        ``emb_optimizer``, ``dense_optimizer``: the preset's, ``emb_lr`` scaled with bags;
+        ``mlp_init``: the data's): its value or that."""
         v = getattr(self, name)
         if v is not None:
             return v

@@ -116,7 +116,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         goes_plain = (lambda: not switch.current) if cfg.compress == "auto" else None
         options = cfg.dp_hook_options()
         dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
-    dense_opt = torch.optim.SGD(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
+    kind = torch.optim.Adagrad if cfg.resolved("dense_optimizer") == "adagrad" else torch.optim.SGD
+    dense_opt = kind(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
     fwd, bwd = (
         Direction(d, cfg.codec(d), make_policy(cfg, d, mcfg.n_tables)) for d in ("fwd", "bwd")
     )

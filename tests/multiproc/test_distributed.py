@@ -544,15 +544,23 @@ def test_multi_hot_bags_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert tables(single)[20].ne(tables(tmp_path / "one")[20]).any()  # the bags do train
 
 
-def test_dcn_interaction_on_two_ranks_matches_one_process(tmp_path: Path) -> None:
-    """DCNv2's cross layers (--interaction dcn): 2 ranks with a lossless codec train as one
-    process (the cross layers' gradients all-reduced with the MLPs'), and the cross layers
-    are in the checkpoint and learned."""
-    dcn = ("--interaction", "dcn", "--dcn-layers", "2", "--dcn-rank", "32")
-    one_and_two_ranks(tmp_path, *dcn)
+def test_dcn_and_dense_adagrad_on_two_ranks_match_one_process_and_resume(tmp_path: Path):
+    """DCNv2's cross layers (--interaction dcn) with Adagrad on the MLPs (MLPerf's
+    DLRM-DCNv2): 2 ranks with a lossless codec train as one process (the cross layers'
+    gradients all-reduced with the MLPs'); the cross layers are in the checkpoint and learn;
+    a run resumed at step 10 (Adagrad's sums restored) equals the straight one."""
+    flags = ("--interaction", "dcn", "--dcn-layers", "2", "--dcn-rank", "32")
+    flags += ("--dense-optimizer", "adagrad", "--lr", "0.01")
+    one_and_two_ranks(tmp_path, *flags)
     assert_same_model(tmp_path / "one", tmp_path / "two", 1e-5)
     got = dense(tmp_path / "two")
     assert got["cross.W.1"].shape == (27 * 16, 32) and got["cross.b.0"].abs().sum() > 0
+    ckpt = tmp_path / "two" / "checkpoints" / f"step-{20:09d}" / "rank-0.pt"
+    assert "sum" in torch.load(ckpt, weights_only=False)["dense_opt"]["state"][0]  # Adagrad's
+    split = tmp_path / "split"
+    run(split, *flags, "--steps", "10", "--checkpoint-every", "10")
+    assert main([*BASE, *flags, "--resume", str(split)]) == 0
+    assert_same_model(tmp_path / "one", split, 1e-6)
 
 
 def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Path) -> None:

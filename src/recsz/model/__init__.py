@@ -1,6 +1,13 @@
 """The DLRM model, split into a sharded sparse part and a replicated dense part."""
 
-from recsz.model.config import INTERACTIONS, PRESETS, ModelConfig, Preset, get_preset
+from recsz.model.config import (
+    DENSE_OPTIMIZERS,
+    INTERACTIONS,
+    PRESETS,
+    ModelConfig,
+    Preset,
+    get_preset,
+)
 from recsz.model.dlrm import DLRM, MLP_INITS, DenseArch, interact_features
 from recsz.model.fiited import FiitedSpec, FiitedStore
 from recsz.model.rowopt import ROW_OPTIMIZERS, RowOptimizer
@@ -8,6 +15,7 @@ from recsz.model.tables import SparseArch
 from recsz.model.ttrec import TT_INITS, TTEmbeddingBag, TTSpec, tt_parameters
 
 __all__ = [
+    "DENSE_OPTIMIZERS",
     "DLRM",
     "INTERACTIONS",
     "MLP_INITS",

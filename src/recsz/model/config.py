@@ -2,7 +2,8 @@
 
 The ``kaggle`` preset is the configuration of the published compression study
 (arXiv 2407.04272, after facebookresearch/dlrm's Kaggle benchmark); ``terabyte`` follows
-the MLPerf DLRM reference; ``tiny`` is small enough for CI and the 2-core demo.
+the MLPerf DLRM reference, ``dcnv2`` MLPerf's DLRM-DCNv2 (its successor); ``tiny`` is small
+enough for CI and the 2-core demo.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ KAGGLE_COUNTS = (
 TERABYTE_COUNTS = (
     39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346,
     10, 2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+)  # fmt: skip
+
+# MLPerf's DLRM-DCNv2 reference: its tables' rows (Criteo 1TB, capped at 40M; its
+# ``--num_embeddings_per_feature``).
+MLPERF_DCNV2_ROWS = (
+    40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+    2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
 )  # fmt: skip
 
 
@@ -78,45 +86,56 @@ class Preset:
 
     model: ModelConfig
     batch_size: int  # global batch, samples per step across all ranks
-    lr: float  # MLP learning rate (SGD)
+    lr: float  # MLP learning rate
     emb_lr: float  # embedding learning rate
     emb_optimizer: str  # a row optimizer (model/rowopt.py): sgd, adagrad, rowwise_adagrad
+    dense_optimizer: str  # the MLPs' (:data:`DENSE_OPTIMIZERS`)
     notes: str = field(default="", compare=False)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-# name: (distinct counts, row cap, oversize, dim, bottom MLP, top MLP), batch (global), lr,
-# emb_lr, emb_optimizer, notes. bench: Terabyte dims on small hashed tables, link-bound
-# rather than memory-bound on CPU.
+#: The MLPs' optimizers: torch's SGD, or its Adagrad (MLPerf's DLRM-DCNv2).
+DENSE_OPTIMIZERS = ("sgd", "adagrad")
+
+# name: (distinct counts, row cap, oversize, dim, bottom MLP, top MLP, interaction), batch
+# (global), lr, emb_lr, emb_optimizer, dense_optimizer, notes. bench: Terabyte dims on small
+# hashed tables, link-bound rather than memory-bound on CPU.
 _PRESETS = {
     "tiny": (
-        (KAGGLE_COUNTS, 20_000, 4, 16, (64, 32, 16), (64, 32, 1)),
-        32, 0.1, 0.05, "adagrad",
+        (KAGGLE_COUNTS, 20_000, 4, 16, (64, 32, 16), (64, 32, 1), "dot"),
+        32, 0.1, 0.05, "adagrad", "sgd",
         "CI and demo size; defaults measured on the real 10k Criteo sample",
     ),
     "kaggle": (
-        (KAGGLE_COUNTS, 10**9, 1, 32, (512, 256, 64, 32), (512, 256, 1)),
-        128, 0.1, 0.1, "sgd", "the published compression study's Kaggle configuration",
+        (KAGGLE_COUNTS, 10**9, 1, 32, (512, 256, 64, 32), (512, 256, 1), "dot"),
+        128, 0.1, 0.1, "sgd", "sgd", "the published compression study's Kaggle configuration",
     ),
     "terabyte": (
-        (TERABYTE_COUNTS, 10_000_000, 1, 64, (512, 256, 64), (512, 512, 256, 1)),
-        2048, 0.1, 0.1, "sgd", "MLPerf-style Terabyte model, max index range 10M",
+        (TERABYTE_COUNTS, 10_000_000, 1, 64, (512, 256, 64), (512, 512, 256, 1), "dot"),
+        2048, 0.1, 0.1, "sgd", "sgd", "MLPerf-style Terabyte model, max index range 10M",
     ),
     "bench": (
-        (TERABYTE_COUNTS, 50_000, 1, 64, (512, 256, 64), (512, 512, 256, 1)),
-        2048, 0.1, 0.05, "rowwise_adagrad",
+        (TERABYTE_COUNTS, 50_000, 1, 64, (512, 256, 64), (512, 512, 256, 1), "dot"),
+        2048, 0.1, 0.05, "rowwise_adagrad", "sgd",
         "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
+    ),
+    "dcnv2": (
+        (MLPERF_DCNV2_ROWS, 40_000_000, 1, 128, (512, 256, 128), (1024, 1024, 512, 256, 1),
+         "dcn"),
+        65536, 0.005, 0.005, "rowwise_adagrad", "adagrad",
+        "MLPerf's DLRM-DCNv2 reference (its shapes, 3 cross layers of rank 512, Adagrad at "
+        "0.005 on both parts, batch 65536); its bags: --multi-hot mlperf",
     ),
 }  # fmt: skip
 PRESETS = tuple(_PRESETS)
 
 
 def get_preset(name: str) -> Preset:
-    """The preset of that name (``tiny``, ``kaggle``, ``terabyte``, ``bench``)."""
+    """The preset of that name (``tiny``, ``kaggle``, ``terabyte``, ``bench``, ``dcnv2``)."""
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    (counts, cap, oversize, dim, bottom, top), batch, lr, emb_lr, emb_opt, notes = _PRESETS[name]
-    model = ModelConfig(table_sizes_for(counts, cap, oversize), dim, bottom, top)
-    return Preset(model, batch, lr, emb_lr, emb_opt, notes)
+    (counts, cap, oversize, dim, bottom, top, inter), *defaults = _PRESETS[name]
+    model = ModelConfig(table_sizes_for(counts, cap, oversize), dim, bottom, top, interaction=inter)
+    return Preset(model, *defaults)  # type: ignore[arg-type]
