@@ -129,6 +129,9 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     ),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
+    # each side's every saving at once: the exchange's, the dense part's hook, autocast
+    "trdmp-bf16+dp-bf16+amp": ("--dmp", "bf16", "--dp-comm", "bf16", "--autocast"),
+    "trdmp-hybrid+dp-eb+amp": ("--dmp", "hybrid", "--dp-comm", "eb", "--autocast"),
     # Row-wise tables (each table's rows over all ranks: a reduce-scatter of partial sums;
     # TorchRec's takes no MX4 or FP8 there, it sends FP16 / BF16 instead).
     **{f"trdmp-{p}+rw": ("--dmp", p, "--sharding", "rw") for p in ("fp32", "bf16", "hybrid")},
