@@ -57,13 +57,16 @@ def test_the_mlps_start_as_learned_more_on_the_data() -> None:
 
 def test_bags_train_the_tables_at_a_lower_default_rate() -> None:
     """With bags the tables' default rate is BAG_EMB_LR of the preset's (a bag's sum moves
-    with all its rows); one-hot data and a given --emb-lr keep theirs."""
+    with all its rows), or the preset's own for bags; one-hot data and a given --emb-lr keep
+    theirs."""
     from recsz.config import BAG_EMB_LR
 
     assert TrainConfig(preset="bench").resolved("emb_lr") == 0.05
     assert TrainConfig(preset="bench", multi_hot="mlperf").resolved("emb_lr") == 0.05 * BAG_EMB_LR
     assert TrainConfig(preset="bench", multi_hot="1").resolved("emb_lr") == 0.05
     assert TrainConfig(multi_hot="3", emb_lr=0.3).resolved("emb_lr") == 0.3
+    # MLPerf's DLRM-DCNv2 rate is its bags' own
+    assert TrainConfig(preset="dcnv2", multi_hot="mlperf").resolved("emb_lr") == 0.005
 
 
 @settings(max_examples=30, deadline=None)

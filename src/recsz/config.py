@@ -384,17 +384,17 @@ class TrainConfig:
 
     def resolved(self, name: str) -> Any:
         """A field whose None means a default of its own (``batch_size``, ``lr``, ``emb_lr``,
-        ``emb_optimizer``, ``dense_optimizer``: the preset's, ``emb_lr`` scaled with bags;
-        ``mlp_init``: the data's): its value or that."""
+        ``emb_optimizer``, ``dense_optimizer``: the preset's, ``emb_lr`` scaled with bags
+        unless the preset has a rate for them; ``mlp_init``: the data's): its value or that."""
         v = getattr(self, name)
         if v is not None:
             return v
         if name == "mlp_init":  # measured: benchmarks/README.md, "Multi-hot bags"
             return "dlrm" if self.hotness() is None else "torch"
-        preset = getattr(get_preset(self.preset), name)
-        if name == "emb_lr" and self.hotness() is not None:
-            return preset * BAG_EMB_LR  # (same section)
-        return preset
+        preset = get_preset(self.preset)
+        if name == "emb_lr" and self.hotness() is not None:  # (same section)
+            return preset.bags_emb_lr or preset.emb_lr * BAG_EMB_LR
+        return getattr(preset, name)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

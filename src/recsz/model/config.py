@@ -9,6 +9,7 @@ enough for CI and the 2-core demo.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # Distinct values of C1..C26 in the full Criteo Kaggle data (facebookresearch/dlrm).
 KAGGLE_COUNTS = (
@@ -91,6 +92,9 @@ class Preset:
     emb_optimizer: str  # a row optimizer (model/rowopt.py): sgd, adagrad, rowwise_adagrad
     dense_optimizer: str  # the MLPs' (:data:`DENSE_OPTIMIZERS`)
     notes: str = field(default="", compare=False)
+    #: the tables' rate with bags of several ids, where the preset was tuned with them
+    #: (None: the trainer scales ``emb_lr``)
+    bags_emb_lr: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -100,9 +104,9 @@ class Preset:
 DENSE_OPTIMIZERS = ("sgd", "adagrad")
 
 # name: (distinct counts, row cap, oversize, dim, bottom MLP, top MLP, interaction), batch
-# (global), lr, emb_lr, emb_optimizer, dense_optimizer, notes. bench: Terabyte dims on small
-# hashed tables, link-bound rather than memory-bound on CPU.
-_PRESETS = {
+# (global), lr, emb_lr, emb_optimizer, dense_optimizer, notes[, bags_emb_lr]. bench: Terabyte
+# dims on small hashed tables, link-bound rather than memory-bound on CPU.
+_PRESETS: dict[str, tuple[Any, ...]] = {
     "tiny": (
         (KAGGLE_COUNTS, 20_000, 4, 16, (64, 32, 16), (64, 32, 1), "dot"),
         32, 0.1, 0.05, "adagrad", "sgd",
@@ -127,6 +131,7 @@ _PRESETS = {
         65536, 0.005, 0.005, "rowwise_adagrad", "adagrad",
         "MLPerf's DLRM-DCNv2 reference (its shapes, 3 cross layers of rank 512, Adagrad at "
         "0.005 on both parts, batch 65536); its bags: --multi-hot mlperf",
+        0.005,  # its rate is the bags' own
     ),
 }  # fmt: skip
 PRESETS = tuple(_PRESETS)
@@ -138,4 +143,4 @@ def get_preset(name: str) -> Preset:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     (counts, cap, oversize, dim, bottom, top, inter), *defaults = _PRESETS[name]
     model = ModelConfig(table_sizes_for(counts, cap, oversize), dim, bottom, top, interaction=inter)
-    return Preset(model, *defaults)  # type: ignore[arg-type]
+    return Preset(model, *defaults)
