@@ -1,13 +1,15 @@
 """Our DLRM against TorchRec's, apart from the luck of the initial draw.
 
-    python benchmarks/bench_draws.py [--multi-hot mlperf] [--draws K] [--json-out PATH]
+    python benchmarks/bench_draws.py [--multi-hot mlperf] [--interaction dcn] [--draws K]
+        [--json-out PATH]
 
 One process, the ``bench`` preset's model (``--preset``), the same synthetic data for every
 run (seed 0), the tables under the same row optimizer (fbgemm's fused kernel for TorchRec, through
 ``DistributedModelParallel`` on one gloo rank; ours fused into the backward), SGD on the
 MLPs, then the AUC on the held-out samples. Runs:
 
-- ``torchrec``: TorchRec's ``torchrec.models.dlrm.DLRM``, drawn with ``torch.manual_seed(k)``;
+- ``torchrec``: TorchRec's ``torchrec.models.dlrm.DLRM`` (``DLRM_DCN`` with ``--interaction
+  dcn``), drawn with ``torch.manual_seed(k)``;
 - ``ours, torchrec's weights``: our model started from that very draw (draw 1 only);
 - ``ours, torch init`` / ``ours, dlrm init``: our model drawn with seed k, the MLPs as
   ``nn.Linear`` (TorchRec's) or as facebookresearch/dlrm (normal), the tables alike.
@@ -44,7 +46,7 @@ class Runs:
     def __init__(self, a: argparse.Namespace) -> None:
         self.a = a
         self.preset = get_preset(a.preset)
-        self.cfg = self.preset.model
+        self.cfg = TrainConfig(preset=a.preset, interaction=a.interaction).model()
         self.n = len(self.cfg.table_sizes)
         self.hot = parse_hotness(a.multi_hot, self.n) or (1,) * self.n
         self.bags = Bags(range(self.n), self.hot, self.cfg.table_sizes, [0] * self.n)
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="bench")
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot ('': one-hot)")
+    ap.add_argument("--interaction", help="recsz train's (dcn: TorchRec's DLRM_DCN)")
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=2048)
