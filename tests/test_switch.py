@@ -177,6 +177,36 @@ def test_a_resume_at_a_later_step_starts_a_trial_there() -> None:
     assert sw.trials[0]["step"] == 300
 
 
+def test_a_switch_restored_from_its_state_goes_on_as_the_saved_one() -> None:
+    """A checkpoint between trials: the restored switch (a fresh clock, as a new process's)
+    answers every later step as the switch that ran on, its trials and the backoff's gap
+    included. Saved inside a trial, it starts that trial again (warm-up first) and ends it
+    with the same choice."""
+
+    def took(s: int, way: bool) -> float:
+        return 1.0 if way == (s < 500) else 2.0  # compression wins until step 500
+
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=1, every=20)
+    run(sw, clock, range(150), took)  # trials at 0, 20, 60: the next at 140, gap 160
+    assert [t["step"] for t in sw.trials] == [0, 20, 60, 140] and not sw.state_dict()["trying"]
+    saved = sw.state_dict()
+    later = run(sw, clock, range(150, 700), took)
+    clock2 = Clock()
+    back = switch(clock2, trial=2, warmup=1, every=20)
+    back.load_state_dict(saved)
+    assert run(back, clock2, range(150, 700), took) == later
+    assert back.trials == sw.trials and back.steps == sw.steps
+
+    clock3 = Clock()
+    mid = switch(clock3, trial=2, warmup=1, every=20)
+    mid.load_state_dict({**saved, "start": 140, "trying": True})  # saved at step 141
+    ways = run(mid, clock3, range(142, 160), took)
+    assert ways[:6] == [True, False] * 3  # the trial again: a warm-up pair, two timed
+    assert mid.trials[-1]["step"] == 142 and mid.trials[-1]["compress"] is True
+    assert ways[6:] == [True] * 12
+
+
 @pytest.mark.parametrize(
     ("kw", "msg"),
     [

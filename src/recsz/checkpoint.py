@@ -94,6 +94,7 @@ def save(
         "dense": parts.dense_module.state_dict(),
         "dense_opt": parts.dense_opt.state_dict(),
         "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
+        "switch": parts.exchange.switch.state_dict(),
         "torch_rng": torch.get_rng_state(),
         "dp": parts.dp.state_dict(),
         "stats": parts.exchange.stats,
@@ -213,6 +214,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     for k, p in parts.exchange.policies.items():
         p.load_state_dict(state["policies"][k])
     parts.exchange.stats = state["stats"]
+    parts.exchange.switch.load_state_dict(state["switch"])
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     parts.dp.load_state_dict(state["dp"])
     return step, state["counters"]

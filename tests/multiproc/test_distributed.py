@@ -582,6 +582,14 @@ def test_compress_auto_switches_ways_and_stays_exact(single: Path, tmp_path: Pat
     assert all(t["compressed_s"] > 0 and t["plain_s"] > 0 for t in switch["trials"])
     steps = switch["steps"]
     assert steps["compressed"] + steps["plain"] == 20 and min(steps.values()) >= 6
+    # resumed from its checkpoint: the switch goes on (its trials, counts and schedule),
+    # rather than opening a trial of its own at the first step
+    flags = ("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--compress", "auto")
+    flags += ("--compress-trial", "2", "--compress-every", "10")
+    assert main([*BASE, *flags, "--steps", "30", "--resume", str(tmp_path), "--nproc", "2"]) == 0
+    again = json.loads((tmp_path / "summary.json").read_text())["compress"]
+    assert again["trials"][:2] == switch["trials"]
+    assert sum(again["steps"].values()) == 30
 
 
 def _conflicting_clocks(rank: int, store: str, out: str) -> None:

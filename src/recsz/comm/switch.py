@@ -186,6 +186,28 @@ class CompressionSwitch:
             }
         )
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the way chosen, the trials, the steps each way and the
+        schedule (the next trial's step, the backoff's gap)."""
+        return {
+            "chosen": self.chosen,
+            "trials": list(self.trials),
+            "steps": dict(self.steps),
+            "start": self._start,
+            "gap": self._gap,
+            "trying": self._trying,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s state: the next trial where the saved run's
+        would have come; a trial under way at the save starts again (warm-up included) at the
+        first step asked, its timings gone with the process that took them."""
+        self.chosen = self.current = bool(saved["chosen"])
+        self.trials, self.steps = list(saved["trials"]), dict(saved["steps"])
+        self._gap, self._trying, self._last = int(saved["gap"]), False, None
+        self._start = None if saved["trying"] else saved["start"]
+        self._ways.clear()
+
     def state(self) -> dict[str, Any]:
         """What a report shows: the mode, the way chosen, the trials so far, the steps each
         way."""
