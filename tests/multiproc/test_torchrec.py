@@ -338,6 +338,25 @@ def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:
     dcp.load(saved, checkpoint_id=stock_dir, planner=DefaultLoadPlanner(allow_partial_load=True))
     ours.load_state_dict(saved)
     out["from_stock"] = _train(ours, rank, 2, start=2)
+
+    # compress="auto": the switch (its batches, way, trials) goes through the checkpoint too
+    def auto() -> rt.CompressedEBCSharder:  # a trial over batches 0-5, the next at 10
+        lossless = {"fwd_codec": "zstd", "bwd_codec": "zstd", "eb_policy": "none"}
+        return rt.CompressedEBCSharder(
+            **lossless, compress="auto", compress_trial=1, compress_every=10
+        )
+
+    first = _dmp(auto(), plan_of)
+    _train(first, rank, 8)
+    again = _dmp(auto(), plan_of)
+    again.load_state_dict(first.state_dict())
+    out["switch"] = [
+        (
+            [m.recsz_batches for m in model.modules() if hasattr(m, "recsz_batches")],
+            rt.switches(model)[0].state(),
+        )
+        for model in (first, again)
+    ]
     return out
 
 
@@ -940,14 +959,16 @@ def test_a_feature_that_also_feeds_another_sharding_keeps_its_bags() -> None:
 @pytest.mark.parametrize(
     "blob",
     [b"not json", b'{"recsz": 99}', b'{"recsz": 1, "rank": 0}',
-     b'{"recsz": 1, "rank": 0, "dists": [3]}', b'{"recsz": 1, "rank": 0, "dists": [{}]}'],
+     b'{"recsz": 1, "rank": 0, "dists": [3]}', b'{"recsz": 1, "rank": 0, "dists": [{}]}',
+     b'{"recsz": 1, "rank": 3, "dists": [], "switch": 3}'],
 )  # fmt: skip
 def test_a_damaged_sharder_state_is_refused_naming_the_rank(blob: bytes) -> None:
     """What is not the sharder's state (not JSON, another version, no dists, a dist without
-    its step) is a ValueError naming the rank, whatever plan it meets."""
+    its step, a switch that is not an object) is a ValueError naming the rank, whatever plan
+    it meets."""
     from recsz.torchrec import state
 
-    with pytest.raises(ValueError, match=r"recsz: rank 3: the checkpoint's sharder state"):
+    with pytest.raises(ValueError, match=r"recsz: rank 3: the checkpoint's (sharder|switch) state"):
         state.load([], blob, 3)
 
 
@@ -956,7 +977,7 @@ def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
     equal 4 at once, bit for bit; without it (a stock checkpoint) the run differs and says
     so; another rank's restores the steps alone, and says so, as does a checkpoint under
     another sharding plan. A stock DMP's torch.distributed.checkpoint, loaded partially,
-    continues as stock DMP would."""
+    continues as stock DMP would. ``compress="auto"``'s switch goes through it too."""
     if "resumed" not in ranks[0]:
         pytest.skip("run on the host path (the dists' state is the same on both)")
     for r in ranks:
@@ -987,3 +1008,8 @@ def test_a_checkpoint_carries_the_sharders_state(ranks: list[dict]) -> None:
         assert "_extra_state" in got["strict_load"]
         for ours, stock in zip(got["from_stock"], got["stock_next"], strict=True):
             assert torch.allclose(ours, stock, rtol=1e-5, atol=1e-6)
+        # compress="auto": a fresh DMP loaded from one that trained 8 batches has its
+        # batches, trials, way and counts (so no trial of its own at its first batch)
+        (batches, state), (batches_again, state_again) = got["switch"]
+        assert batches == batches_again == [8] and state_again == state
+        assert len(state["trials"]) == 1 and sum(state["steps"].values()) == 8

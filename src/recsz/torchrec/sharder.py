@@ -99,13 +99,22 @@ class _CompressedEBC(ShardedEmbeddingBagCollection):
         return [c for d in self._output_dists if (c := _compressed(d)) is not None]
 
     def get_extra_state(self) -> bytes:
-        """What the compressed dists carry from step to step, in ``dmp.state_dict()``
-        (:func:`recsz.torchrec.state.dump`)."""
-        return state.dump(self._ours(), dist.get_rank())
+        """What the compressed dists and the switch carry from step to step, in
+        ``dmp.state_dict()`` (:func:`recsz.torchrec.state.dump`)."""
+        switch = {"batches": self.recsz_batches, **self.recsz_switch.state_dict()}
+        return state.dump(self._ours(), dist.get_rank(), switch)
 
     def set_extra_state(self, saved: Any) -> None:
-        """Restore :meth:`get_extra_state`'s state (:func:`recsz.torchrec.state.load`)."""
-        state.load(self._ours(), saved, dist.get_rank())
+        """Restore :meth:`get_extra_state`'s state (:func:`recsz.torchrec.state.load`); the
+        switch too where the blob has it (the modules sharing it load the same)."""
+        rank = dist.get_rank()
+        switch = state.load(self._ours(), saved, rank)
+        if switch is not None:
+            try:
+                self.recsz_batches = int(switch.pop("batches"))
+                self.recsz_switch.load_state_dict(switch)
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"recsz: rank {rank}: the checkpoint's switch state: {e}") from e
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """TorchRec's, and a checkpoint without our state (written by stock DMP) loads too,

@@ -4,7 +4,8 @@ write into ``dmp.state_dict()`` (``get_extra_state``) and read back.
 Each dist's step count (the bound decay's clock and the probe windows'), its bound
 policies' state (the classes the homogenization index chose, a window's counts), its byte
 counters and its layout (which tables it carries, where: the dist's ``layout``); this
-rank's, marked with it. Where the sharding plan changed since (TorchRec reshards tables on a
+rank's, marked with it; and the module's ``compress="auto"`` switch (its batches, way,
+trials and schedule). Where the sharding plan changed since (TorchRec reshards tables on a
 ``torch.distributed.checkpoint`` load), the step counts alone are restored. One JSON
 blob: a checkpointer that flattens nested state (``torch.distributed.checkpoint``) sees one
 value of one shape on every rank.
@@ -22,14 +23,22 @@ from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 VERSION = 1
 
 
-def dump(dists: list[CompressedPooledEmbeddingDist], rank: int) -> bytes:
-    """``dists``' state (a module's, in its shardings' order) on ``rank``."""
+def dump(
+    dists: list[CompressedPooledEmbeddingDist], rank: int, switch: dict[str, Any] | None = None
+) -> bytes:
+    """``dists``' state (a module's, in its shardings' order) on ``rank``, and its
+    ``--compress auto`` switch's (the same on every rank: the ranks agree on its way)."""
     state = {"recsz": VERSION, "rank": rank, "dists": [_dist_state(d) for d in dists]}
+    if switch is not None:
+        state["switch"] = switch
     return json.dumps(state, default=float).encode()
 
 
-def load(dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int) -> None:
-    """Restore :func:`dump`'s state into ``dists`` on ``rank``; ValueError naming the rank
+def load(
+    dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int
+) -> dict[str, Any] | None:
+    """Restore :func:`dump`'s state into ``dists`` on ``rank``, and give the switch's
+    (None: a blob written without it); ValueError naming the rank
     and what does not fit (another version, a damaged blob). Another rank's (a checkpointer
     that keeps one copy of what is not a tensor, as ``torch.distributed.checkpoint`` does),
     or one written under another sharding plan (a dist's layout differs, or their number),
@@ -76,6 +85,10 @@ def load(dists: list[CompressedPooledEmbeddingDist], saved: Any, rank: int) -> N
             _load_dist_state(d, one, whole=mine)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"recsz: rank {rank}: compressed dist {i}'s state: {e}") from e
+    switch = state.get("switch")
+    if switch is not None and not isinstance(switch, dict):
+        raise ValueError(f"recsz: rank {rank}: the checkpoint's switch state is not an object")
+    return switch
 
 
 def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
