@@ -82,8 +82,10 @@ class TrainConfig:
         "(DCNv2's low-rank cross layers, MLPerf's DLRM-DCNv2) (default: preset's; dcnv2: dcn)",
         INTERACTIONS,
     )
-    dcn_layers: int = opt(3, "dcn: cross layers (MLPerf's: 3)", ge=1)
-    dcn_rank: int = opt(512, "dcn: rank of each cross layer's weights (MLPerf's: 512)", ge=1)
+    dcn_layers: int | None = opt(None, "dcn: cross layers (default: preset's, 3)", ge=1)
+    dcn_rank: int | None = opt(
+        None, "dcn: rank of each cross layer's weights (default: preset's, 512)", ge=1
+    )
     tt_tables: int = opt(0, "TT-Rec: the K largest tables as tensor trains (0: none)", ge=0)
     tt_rank: int = opt(8, "TT-Rec: rank of the tensor-train tables", ge=1)
     tt_cores: int = opt(3, "TT-Rec: cores per tensor-train table", ge=2, le=4)
@@ -217,10 +219,12 @@ class TrainConfig:
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)
 
     def model(self) -> ModelConfig:
-        """The preset's model with this run's interaction."""
+        """The preset's model with this run's interaction (what it leaves None, the
+        preset's)."""
         m = get_preset(self.preset).model
-        inter = self.interaction or m.interaction
-        return replace(m, interaction=inter, dcn_layers=self.dcn_layers, dcn_rank=self.dcn_rank)
+        mine: dict[str, Any] = {"interaction": self.interaction, "dcn_layers": self.dcn_layers,
+                                "dcn_rank": self.dcn_rank}  # fmt: skip
+        return replace(m, **{k: v for k, v in mine.items() if v is not None})
 
     def tt_spec(self) -> TTSpec | None:
         """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""
