@@ -42,7 +42,7 @@ from sklearn.metrics import roc_auc_score
 from recsz.comm.dp_hooks import DP_MODES
 from recsz.config import TrainConfig
 from recsz.data.source import make_source
-from recsz.model.config import ModelConfig, get_preset
+from recsz.model.config import ModelConfig, dense_optimizer
 from recsz.model.multihot import Bags, parse_hotness
 
 # Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
@@ -224,14 +224,13 @@ def main() -> None:
         if link := os.environ.get("RECSZ_HOST_LINK"):
             host_groups(link, local, a.hosts)
     torch.manual_seed(a.seed)
-    preset = get_preset(a.preset)
-    mcfg = TrainConfig(preset=a.preset, interaction=a.interaction).model()
+    # our model and defaults where none is given (the preset's; the tables' rate less with bags)
+    ours = TrainConfig(preset=a.preset, interaction=a.interaction, multi_hot=a.multi_hot)
+    mcfg = ours.model()
     n_tables = len(mcfg.table_sizes)
     fused = {
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-        # our default where none is given (the preset's; less with bags)
-        "learning_rate": a.emb_lr
-        or TrainConfig(preset=a.preset, multi_hot=a.multi_hot).resolved("emb_lr"),
+        "learning_rate": a.emb_lr or ours.resolved("emb_lr"),
     }
     import recsz.torchrec  # (imports TorchRec)
 
@@ -256,8 +255,9 @@ def main() -> None:
     if a.dp_comm != "allreduce":
         dense_hook = recsz.torchrec.dense_comm(dmp, a.dp_comm)
     dense_params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    adagrad = TrainConfig(preset=a.preset).resolved("dense_optimizer") == "adagrad"
-    opt = (torch.optim.Adagrad if adagrad else torch.optim.SGD)(dense_params.values(), preset.lr)
+    opt = dense_optimizer(
+        ours.resolved("dense_optimizer"), dense_params.values(), ours.resolved("lr")
+    )
 
     src = make_source("synthetic", mcfg.table_sizes, a.seed)
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]

@@ -106,6 +106,13 @@ def test_config_validation() -> None:
         get_preset("huge")
     with pytest.raises(ValueError, match="interaction 'fm' is not one of"):
         ModelConfig((10,) * 3, 8, (16, 8), (4, 1), interaction="fm")
+    from recsz.model import dense_optimizer
+
+    w = torch.nn.Parameter(torch.ones(2))
+    assert isinstance(dense_optimizer("adagrad", [w], 0.1), torch.optim.Adagrad)
+    assert isinstance(dense_optimizer("sgd", [w], 0.1), torch.optim.SGD)
+    with pytest.raises(ValueError, match="dense optimizer 'adam' is not one of"):
+        dense_optimizer("adam", [w], 0.1)
     with pytest.raises(ValueError, match="DCN needs a layer and rank 1"):
         ModelConfig((10,) * 3, 8, (16, 8), (4, 1), interaction="dcn", dcn_rank=0)
     from recsz.config import parse_train_args

@@ -38,7 +38,7 @@ from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
 from recsz.data.source import Batch, DataSource
-from recsz.model import DenseArch, RowOptimizer, SparseArch, tt_parameters
+from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
 from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
@@ -116,8 +116,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         goes_plain = (lambda: not switch.current) if cfg.compress == "auto" else None
         options = cfg.dp_hook_options()
         dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
-    kind = torch.optim.Adagrad if cfg.resolved("dense_optimizer") == "adagrad" else torch.optim.SGD
-    dense_opt = kind(dense_arch.mlp_parameters(), lr=cfg.resolved("lr"))
+    params, lr = dense_arch.mlp_parameters(), cfg.resolved("lr")
+    dense_opt = dense_optimizer(cfg.resolved("dense_optimizer"), params, lr)
     fwd, bwd = (
         Direction(d, cfg.codec(d), make_policy(cfg, d, mcfg.n_tables)) for d in ("fwd", "bwd")
     )

@@ -6,6 +6,7 @@ from recsz.model.config import (
     PRESETS,
     ModelConfig,
     Preset,
+    dense_optimizer,
     get_preset,
 )
 from recsz.model.dlrm import DLRM, MLP_INITS, DenseArch, interact_features
@@ -31,6 +32,7 @@ __all__ = [
     "SparseArch",
     "TTEmbeddingBag",
     "TTSpec",
+    "dense_optimizer",
     "get_preset",
     "interact_features",
     "tt_parameters",

@@ -8,8 +8,11 @@ enough for CI and the 2-core demo.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
 
 # Distinct values of C1..C26 in the full Criteo Kaggle data (facebookresearch/dlrm).
 KAGGLE_COUNTS = (
@@ -102,6 +105,17 @@ class Preset:
 
 #: The MLPs' optimizers: torch's SGD, or its Adagrad (MLPerf's DLRM-DCNv2).
 DENSE_OPTIMIZERS = ("sgd", "adagrad")
+
+
+def dense_optimizer(
+    name: str, params: Iterable[torch.nn.Parameter], lr: float
+) -> torch.optim.Optimizer:
+    """The MLPs' optimizer of that name (:data:`DENSE_OPTIMIZERS`) over ``params``."""
+    if name not in DENSE_OPTIMIZERS:
+        raise ValueError(f"dense optimizer {name!r} is not one of {DENSE_OPTIMIZERS}")
+    kind = torch.optim.Adagrad if name == "adagrad" else torch.optim.SGD
+    return kind(params, lr=lr)
+
 
 # name: (distinct counts, row cap, oversize, dim, bottom MLP, top MLP, interaction), batch
 # (global), lr, emb_lr, emb_optimizer, dense_optimizer, notes[, bags_emb_lr]. bench: Terabyte

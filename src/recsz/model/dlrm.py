@@ -212,19 +212,17 @@ class DenseArch(nn.Module):
         mine = self.mlp_parameters()
         if [p.shape for p in params] != [m.shape for m in mine]:
             raise ValueError("TorchRec's MLPs have other shapes than this model's")
-        if self.cross is not None:  # the same order, nothing to reorder
-            for m, p in zip(mine, params, strict=True):
-                m.copy_(p)
+        for m, p in zip(mine, params, strict=True):
+            m.copy_(p)
+        if self.cross is not None:  # DLRM_DCN: the same order throughout
             return
         first_top = len(list(self.bottom.parameters()))
+        top, theirs = mine[first_top], params[first_top]
         n = self.n_features
-        d = mine[first_top].shape[1] - n * (n - 1) // 2  # the bottom MLP's output
+        d = top.shape[1] - n * (n - 1) // 2  # the bottom MLP's output
         iu, ju = torch.triu_indices(n, n, offset=1)
         ours = _pairs(n, torch.device("cpu"))[1][iu * n + ju]  # our pair of each of theirs
-        for i, (m, p) in enumerate(zip(mine, params, strict=True)):
-            m.copy_(p)
-            if i == first_top:
-                m[:, d:].index_copy_(1, ours.to(m.device), p[:, d:])
+        top[:, d:].index_copy_(1, ours.to(top.device), theirs[:, d:])
 
     def forward(
         self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None
