@@ -503,7 +503,7 @@ def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
     import recsz.torchrec as rt
-    from recsz.torchrec.sharder import _CompressedEBC
+    from recsz.torchrec.sharded import CompressedShardedEBC
 
     tw = [n for n, (kind, _) in plan_of.items() if kind == "tw"]
     rw = [n for n, (kind, _) in plan_of.items() if kind == "rw"]
@@ -530,7 +530,7 @@ def _two_modules(rank: int, plan_of: dict) -> dict[str, object]:
         model = DistributedModelParallel(
             _Two(ebc, fp), device=torch.device("cpu"), plan=ShardingPlan(plans), sharders=sharders
         )
-        modules = [m for m in model.modules() if isinstance(m, _CompressedEBC)]
+        modules = [m for m in model.modules() if isinstance(m, CompressedShardedEBC)]
         batches = [_TwoBatch(kjt.permute(rw_at), kjt.permute(tw_at))
                    for kjt, _ in (_batch(step, rank) for step in range(STEPS))]  # fmt: skip
         outs, ways = [], []

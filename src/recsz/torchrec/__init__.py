@@ -15,13 +15,22 @@ from __future__ import annotations
 from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
-from recsz.torchrec.sharder import CompressedEBCSharder, comm_bytes, sharders, switches
+from recsz.torchrec.sequence import CompressedSequenceEmbeddingDist
+from recsz.torchrec.sharder import (
+    CompressedEBCSharder,
+    CompressedECSharder,
+    comm_bytes,
+    sharders,
+    switches,
+)
 from recsz.torchrec.twrw import CompressedTwRwDist
 
 __all__ = [
     "CompressedEBCSharder",
+    "CompressedECSharder",
     "CompressedPooledEmbeddingDist",
     "CompressedReduceScatterDist",
+    "CompressedSequenceEmbeddingDist",
     "CompressedTwRwDist",
     "comm_bytes",
     "dense_comm",

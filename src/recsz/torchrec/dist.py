@@ -94,7 +94,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         super().__init__()
         self.inner = inner
         # TorchRec's private layout fields, read here and in _layout (stable since 0.x).
-        self.pg: dist.ProcessGroup = inner._pg
+        self.pg: dist.ProcessGroup = self._group(inner)
         self.callbacks = list(getattr(inner, "_callbacks", None) or [])
         self.world, self.rank = self.pg.size(), dist.get_rank(self.pg)
         #: who this is in errors: the global rank (``rank`` is this one's in ``pg``)
@@ -125,6 +125,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
 
+    @staticmethod
+    def _group(inner: Any) -> dist.ProcessGroup:
+        """The process group of TorchRec's dist ``inner``."""
+        return inner._pg
+
     def _layout(self, inner: Any) -> tuple[list[tuple[int, ...]], list[list[int]]]:
         """Table-wise: rank r sends its own features ``dims[r]``, keys counted on."""
         dims = [tuple(d) for d in inner._emb_dim_per_rank_per_feature]
@@ -154,18 +159,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         blocks = [(data[at[r] : at[r + 1]], dims, mine) for r in range(self.world)]
         ctx = self._context(data, at, sharding_ctx)
-        share = self.world if self.summed else 1
-        pending = self._send(
-            self.fwd,
-            step,
-            blocks,
-            (data, dims, mine),
-            train,
-            share,
-            ctx.get("mine"),
-            ctx.get("bits"),
-        )
-        awaitable = _Received(local_embs, self, pending, step, per_rank, ctx, defer)
+        share = self.world if self.summed else 1  # the receiver sums that many
+        ebs = self._bounds(self.fwd, step, data, dims, mine, train, share)
+        pending = self._send(self.fwd, step, blocks, ebs, train, ctx.get("mine"), ctx.get("bits"))
+        awaitable = Received(local_embs, self, pending, step, per_rank, ctx, defer)
         awaitable.callbacks.extend(self.callbacks)
         return awaitable
 
@@ -175,21 +172,17 @@ class CompressedPooledEmbeddingDist(nn.Module):
         d: Direction,
         step: int,
         blocks: list[tuple[torch.Tensor, tuple[int, ...], list[int]]],
-        bound_src: tuple[torch.Tensor, tuple[int, ...], list[int]],
+        ebs: torch.Tensor | None,
         train: bool,
-        share: int = 1,
         picks: Sequence[Rows] | None = None,
         extra: list[list[torch.Tensor]] | None = None,
     ) -> PendingBytes:
         """Code ``blocks[r]`` = (rows for rank r, its features' dims, their keys) and start
-        the byte exchange; bounds from ``bound_src`` = (values, dims, keys) of every
-        feature sent, divided by ``share`` (the receiver sums that many). ``picks[r]``:
-        only those rows of block r; ``extra[r]``: bytes framed ahead of its payloads.
-        ``train``: feed the policy and the byte counters."""
-        ebs = self._bounds(d, step, *bound_src, train)
-        if ebs is not None and share > 1:
-            ebs = ebs / share
-        device = bound_src[0].device
+        the byte exchange, under ``ebs`` (a bound by key, :meth:`_bounds`; None: the codec
+        takes none). ``picks[r]``: only those rows of block r; ``extra[r]``: bytes framed
+        ahead of its payloads. ``train``: count the bytes."""
+        like = blocks[0][0]
+        device = like.device
         parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
         for width in sorted({w for _, dims, _ in blocks for w in dims}):
             groups, keys, dest = [], [], []
@@ -215,7 +208,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             for r, p, n in zip(dest, payloads, used, strict=True):
                 parts[r].append((p, n))
         flat = [(p, n) for ps in parts for p, n in ps]
-        if d.sized_by_shapes(bound_src[0]) or not flat:  # the casts: lengths known on the host
+        if d.sized_by_shapes(like) or not flat:  # the casts: lengths known on the host
             lengths = iter([p.numel() for p, _ in flat])
         else:  # one read, the forward's verdicts along
             with riding(self._fwd_checks):
@@ -240,9 +233,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
         dims: tuple[int, ...],
         keys: list[int],
         train: bool,
+        share: int = 1,
     ) -> torch.Tensor | None:
-        """Each feature's bound from its columns of ``x``, as a tensor indexed by key
-        (None for a codec that takes none)."""
+        """Each feature's bound from its columns of ``x`` (every value of it sent), as a
+        tensor indexed by key (None for a codec that takes none), divided by ``share``
+        (the receiver sums that many). ``train``: a training step, which the policy sees."""
         ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
         for width, (fs, cols) in _by_width(dims).items():
             at = [keys[i] for i in fs]
@@ -250,7 +245,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             if got is None:
                 return None
             ebs[self._index(at, x.device)] = got.to(x.device)
-        return ebs
+        return ebs / share if share > 1 else ebs
 
     def _receive(
         self,
@@ -278,7 +273,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
             picks = picks([p[0] for p in parts])
             parts = [p[1:] for p in parts]
         new = torch.empty if picks is None else torch.zeros
-        out = [new(n, sum(ds), device=bufs[0].device) for n, ds in zip(rows, dims, strict=True)]
+        at = bufs[0].device
+        out = [new(n, self._columns(ds), device=at) for n, ds in zip(rows, dims, strict=True)]
         checks = self._fwd_checks if hold else HeldChecks()
         try:
             with checks.holding(f"{self.who}: {d.name} payloads"):
@@ -303,6 +299,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
         if not hold:
             checks.read()
         return out
+
+    def _columns(self, dims: tuple[int, ...]) -> int:
+        """The columns of a block of features ``dims`` wide: side by side here."""
+        return sum(dims)
 
     def _context(self, data: torch.Tensor, at: list[int], sharding_ctx: Any) -> Context:
         """What the step's directions share, where the sample owners merged their bags
@@ -353,7 +353,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
         blocks = [
             (grad[:, at[r] : at[r + 1]], self.dims[r], self.keys[r]) for r in range(self.world)
         ]
-        return self._send(self.bwd, step, blocks, (grad, every, keys), True, 1, ctx.get("theirs"))
+        ebs = self._bounds(self.bwd, step, grad, every, keys, True)
+        return self._send(self.bwd, step, blocks, ebs, True, ctx.get("theirs"))
 
     def _divided(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient as the tables will take it: divided by the world size where
@@ -369,7 +370,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         return torch.cat(self._receive(self.bwd, pending, per_rank, dims, picks=ctx.get("mine")))
 
 
-class _Received(Awaitable[torch.Tensor]):
+class Received(Awaitable[torch.Tensor]):
     """The forward in flight; waiting decodes it into a tensor whose gradient is sent back
     while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`;
     ``defer=False``: within it)."""

@@ -23,7 +23,7 @@ ids of a repeat never travel and the table owner's filled bags are the first one
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -101,8 +101,18 @@ class Merge(NamedTuple):
             at += k
 
 
-#: A selection of rows, either kind.
-Rows = Pick | Merge
+class Rows(Protocol):
+    """A selection of rows: :class:`Pick`, :class:`Merge`, or a sequence dist's segments
+    (:class:`recsz.torchrec.sequence.Segments`)."""
+
+    @property
+    def counts(self) -> list[int]: ...
+
+    def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group: ...
+
+    def place(
+        self, out: torch.Tensor, y: torch.Tensor, fs: list[int], cols: list[int], width: int
+    ) -> None: ...
 
 
 _M32 = 0xFFFFFFFF

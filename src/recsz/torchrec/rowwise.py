@@ -128,7 +128,8 @@ class CompressedReduceScatterDist(CompressedPooledEmbeddingDist):
         if "firsts" in ctx:  # a content's gradients, summed on its first bag
             sent = (torch.zeros_like(grad).scatter_add_(0, ctx["firsts"], grad), *block[1:])
         blocks = [sent] * self.world
-        return self._send(self.bwd, step, blocks, block, True, picks=ctx["theirs"])
+        ebs = self._bounds(self.bwd, step, *block, True)
+        return self._send(self.bwd, step, blocks, ebs, True, picks=ctx["theirs"])
 
     def finish_backward(
         self, pending: PendingBytes, per_rank: list[int], ctx: Context

@@ -1,0 +1,227 @@
+"""An EmbeddingCollection (sequence embeddings: a row an id) under our sharder on two gloo
+ranks against stock DMP: table-wise, column-wise and row-wise tables, lossless and lossy,
+uneven batches, ``compress="auto"``, a checkpoint's state."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.multiproc.spawned import AUTO, spawned
+
+pytestmark = pytest.mark.slow
+torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
+
+WORLD, B, STEPS, EB, DIM = 2, 8, 3, 1e-3, 8
+# name: (rows, plan): two table-wise tables on rank 0 and one on rank 1, one column-wise
+# over both ranks (4 columns each), one row-wise; ids from few rows, so that they repeat
+TABLES = {
+    "a": (12, ("tw", 0)),
+    "b": (30, ("tw", 1)),
+    "c": (9, ("tw", 0)),
+    "d": (20, ("cw", [0, 1])),
+    "e": (40, ("rw", None)),
+}
+FEATURES = [f"f_{n}" for n in TABLES]
+
+
+def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
+    from torchrec import EmbeddingCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        row_wise,
+        table_wise,
+    )
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(seed)
+    ec = EmbeddingCollection(
+        tables=[
+            EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
+            for n, (r, _) in TABLES.items()
+        ]
+    )
+    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.5})
+    make = {"tw": lambda a: table_wise(rank=a), "cw": lambda a: column_wise(ranks=a),
+            "rw": lambda a: row_wise()}  # fmt: skip
+    per_param = {n: make[k](a) for n, (_, (k, a)) in TABLES.items()}
+    plan = construct_module_sharding_plan(
+        ec, per_param, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
+    )
+    return DistributedModelParallel(
+        ec, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
+    )
+
+
+def _batch(step: int, rank: int, uneven: bool = False) -> object:
+    """This rank's batch: 0-4 ids a sample and feature (``uneven``: rank r has B + 3r
+    samples)."""
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    b = B + 3 * rank if uneven else B
+    lengths = torch.randint(0, 5, (len(TABLES) * b,), generator=g)
+    high = torch.tensor([r for r, _ in TABLES.values()]).repeat_interleave(b)
+    values = (torch.rand(int(lengths.sum()), generator=g) * high.repeat_interleave(lengths)).long()
+    return KeyedJaggedTensor.from_lengths_sync(keys=FEATURES, values=values, lengths=lengths.int())
+
+
+def _train(
+    model: torch.nn.Module, rank: int, steps: int = STEPS, start: int = 0, uneven: bool = False
+) -> list[torch.Tensor]:
+    """Each step's rows (every feature's, in order), after which a weighted sum of them is
+    differentiated (the fused update)."""
+    outs = []
+    for step in range(start, start + steps):
+        got = model(_batch(step, rank, uneven))
+        y = torch.cat([got[f].values() for f in FEATURES])
+        outs.append(y.detach().clone())
+        g = torch.Generator().manual_seed(7 + step + 100 * rank)
+        (y * torch.randn(y.shape, generator=g)).sum().backward()
+    return outs
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+
+    import recsz.torchrec as rt
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD)
+    res: dict[str, object] = {"stock": _train(_dmp(EmbeddingCollectionSharder()), rank)}
+    lossless = rt.CompressedECSharder(fwd_codec="none", bwd_codec="zstd", eb_policy="none")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _dmp(lossless)
+    res["warned"] = [str(w.message) for w in caught if "recsz" in str(w.message)]
+    res["lossless"] = _train(model, rank)
+    res["lossless_bytes"] = rt.comm_bytes(model)
+    res["kinds"] = sorted(f"{type(d).__name__} {d.dims}" for d in lossless.dists)
+    res["stock_uneven"] = _train(_dmp(EmbeddingCollectionSharder()), rank, uneven=True)
+    res["lossless_uneven"] = _train(_dmp(lossless), rank, uneven=True)
+    auto = _dmp(rt.CompressedECSharder(**AUTO))  # steps 0 and 2 ours, 1 TorchRec's
+    res["auto"] = _train(auto, rank)
+    res["auto_steps"] = [s["steps"] for s in rt.comm_bytes(auto)["compress"].values()]
+    lossy = rt.CompressedECSharder(fwd_eb=EB, bwd_eb=EB, eb_mode="abs", eb_policy="fixed",
+                                   check_bounds=True)  # fmt: skip
+    model = _dmp(lossy)
+    res["lossy"] = _train(model, rank)
+    res["bytes"] = rt.comm_bytes(model)
+    # the sharders() list shards an EmbeddingCollection with ours
+    listed = [s for s in rt.sharders() if isinstance(s, rt.CompressedECSharder)]
+    res["listed"] = len(listed)
+
+    # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
+    def make() -> torch.nn.Module:
+        return _dmp(rt.CompressedECSharder(hindex_probe_steps=1, hindex_every=2, decay_t=4))
+
+    res["straight"] = _train(make(), rank, 4)
+    half = make()
+    _train(half, rank, 2)
+    again = make()
+    again.load_state_dict(half.state_dict())
+    res["resumed"] = _train(again, rank, 2, start=2)
+    torch.save(res, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[list[dict]]:
+    os.environ.pop("RECSZ_DEVICE_PATH_ON_CPU", None)
+    yield spawned(_worker, WORLD)
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == b.shape and torch.equal(a, b), f"step {step}"
+
+
+def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
+    """Table-wise, column-wise and row-wise sequence tables, 3 steps of fused SGD: each
+    step's rows equal stock DMP's bit for bit (the gradients went back right: the later
+    steps read the updated rows), with uneven batches (rank r: B + 3r samples), and under
+    ``compress="auto"`` (a step TorchRec's between ours). (TorchRec's ``use_index_dedup``
+    does not run on the CPU, stock or ours: its fbgemm op has no CPU kernel.)"""
+    for res in ranks:
+        assert res["kinds"] == [
+            "CompressedSequenceEmbeddingDist [(4,), (4,)]",  # d's columns
+            "CompressedSequenceEmbeddingDist [(8, 8), (8,)]",  # a, c | b
+            "CompressedSequenceEmbeddingDist [(8,), (8,)]",  # e's shards
+        ]
+        _same(res["lossless"], res["stock"])
+        _same(res["lossless_uneven"], res["stock_uneven"])
+        _same(res["auto"], res["stock"])
+        assert res["auto_steps"] == [{"compressed": 2, "plain": 1}]
+        assert res["listed"] == 1
+        assert res["warned"] == []  # (TorchRec's sharded EC loads the unsharded state)
+        sent = res["lossless_bytes"]
+        assert sent["raw"]["fwd"] > 0 and sent["raw"]["bwd"] > 0
+
+
+def test_lossy_rows_within_the_bound_and_fewer_bytes(ranks: list[dict]) -> None:
+    """The default codec (hybrid) under an absolute bound: the first step's rows (same
+    weights) within it of stock's, every payload checked before it left, fewer bytes than
+    the fp32 rows."""
+    for res in ranks:
+        first = (res["lossy"][0] - res["stock"][0]).abs().max()
+        assert 0 < first <= EB
+        assert (res["lossy"][-1] - res["stock"][-1]).abs().max() < 0.05
+        sent = res["bytes"]
+        assert 0.5 < sent["max_err"]["fwd"] <= 1 and 0.5 < sent["max_err"]["bwd"] <= 1
+        assert sent["raw"]["fwd"] > 1.5 * sent["wire"]["fwd"] > 0  # (tiny steps: headers)
+
+
+def test_a_checkpoint_carries_the_sequence_dists_state(ranks: list[dict]) -> None:
+    """The dual policy for 4 steps at once, and 2 + 2 through ``dmp.state_dict()`` into a
+    fresh DMP: the same rows, bit for bit."""
+    for res in ranks:
+        _same(res["resumed"], res["straight"][2:])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=0, max_size=6), st.data())
+def test_segments_take_and_place_rows_back(counts: list[int], data: st.DataObject) -> None:
+    """A block's features one above another: any subset of them taken and placed back
+    lands where it was, the rest untouched."""
+    from recsz.torchrec.sequence import Segments
+
+    x = torch.randn(sum(counts), 3)
+    some = st.sets(st.sampled_from(range(len(counts)))) if counts else st.just(set())
+    fs = sorted(data.draw(some))
+    rows, sizes = Segments(counts).taken(x, fs, [], 3)
+    assert sizes == [counts[f] for f in fs] and rows.shape == (sum(sizes), 3)
+    out = torch.zeros_like(x)
+    Segments(counts).place(out, rows, fs, [], 3)
+    at = [0, *torch.tensor(counts).cumsum(0).tolist()] if counts else [0]
+    for f in range(len(counts)):
+        want = x[at[f] : at[f + 1]] if f in fs else torch.zeros(counts[f], 3)
+        assert torch.equal(out[at[f] : at[f + 1]], want)
+
+
+def test_damaged_row_counts_are_refused_naming_the_rank() -> None:
+    """Counts framed ahead of a payload that are short, negative or do not add up to the
+    rows the source sent: a ValueError naming the source, not rows in the wrong places."""
+    from recsz.torchrec.sequence import counts_part, read_counts
+
+    good = counts_part([2, 3], torch.device("cpu"))
+    assert [s.counts for s in read_counts([good, good], [2, 2], [5, 5])] == [[2, 3], [2, 3]]
+    with pytest.raises(ValueError, match="rank 1: 8 bytes of row counts, expected 16"):
+        read_counts([good, good[:8]], [2, 2], [5, 5])
+    with pytest.raises(ValueError, match=r"rank 0: row counts .* do not add up to its 6 rows"):
+        read_counts([good, good], [2, 2], [6, 5])
+    bad = counts_part([7, -2], torch.device("cpu"))
+    with pytest.raises(ValueError, match="rank 1: row counts"):
+        read_counts([good, bad], [2, 2], [5, 5])
