@@ -11,7 +11,8 @@ a network namespace, as ``bench_train.py``), the same batches for all:
 - ``stock-fp32``: TorchRec's ``EmbeddingCollectionSharder``;
 - ``stock-bf16``: with TorchRec's quantized comms (fbgemm's bf16 both ways);
 - ``recsz``: ``recsz.torchrec.CompressedECSharder()`` (hybrid both ways, dual bounds);
-- ``recsz-auto``: the same with ``compress="auto"`` (plain where that is faster).
+- ``recsz-auto``: the same with ``compress="auto"`` (plain where that is faster);
+- ``recsz-lossless`` (not run by default): our dists, codec ``none`` (stock's losses).
 
 Prints samples/s, bytes on the wire a step (all ranks; stock: the rows that cross ranks at
 4 or 2 bytes a value) and the last 5 steps' mean loss; writes JSON and Markdown::
@@ -98,7 +99,12 @@ def _sharder(config: str) -> object:
         return EmbeddingCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(bf16))
     import recsz.torchrec as rt
 
-    return rt.CompressedECSharder(**({"compress": "auto"} if config == "recsz-auto" else {}))
+    options = {
+        "recsz": {},
+        "recsz-auto": {"compress": "auto"},
+        "recsz-lossless": {"fwd_codec": "none", "bwd_codec": "none", "eb_policy": "none"},
+    }
+    return rt.CompressedECSharder(**options[config])
 
 
 def worker(args: argparse.Namespace) -> None:
