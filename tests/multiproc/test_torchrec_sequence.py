@@ -32,16 +32,9 @@ TABLES = {
 FEATURES = [f"f_{n}" for n in TABLES]
 
 
-def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
+def _ec(seed: int = 0) -> torch.nn.Module:
+    """The test's EmbeddingCollection, drawn from ``seed``, under fused SGD (lr 0.5)."""
     from torchrec import EmbeddingCollection
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import (
-        column_wise,
-        construct_module_sharding_plan,
-        row_wise,
-        table_wise,
-    )
-    from torchrec.distributed.types import ShardingPlan
     from torchrec.modules.embedding_configs import EmbeddingConfig
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -53,15 +46,32 @@ def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
         ]
     )
     apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.5})
+    return ec
+
+
+def _plan(module: torch.nn.Module, per_param: dict, sharder: object) -> object:
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+
+    return construct_module_sharding_plan(
+        module, per_param, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
+    )
+
+
+def _ec_plan(ec: torch.nn.Module, sharder: object) -> object:
+    from torchrec.distributed.sharding_plan import column_wise, row_wise, table_wise
+
     make = {"tw": lambda a: table_wise(rank=a), "cw": lambda a: column_wise(ranks=a),
             "rw": lambda a: row_wise()}  # fmt: skip
-    per_param = {n: make[k](a) for n, (_, (k, a)) in TABLES.items()}
-    plan = construct_module_sharding_plan(
-        ec, per_param, sharder=sharder, local_size=WORLD, world_size=WORLD, device_type="cpu"
-    )
-    return DistributedModelParallel(
-        ec, device=torch.device("cpu"), plan=ShardingPlan({"": plan}), sharders=[sharder]
-    )
+    return _plan(ec, {n: make[k](a) for n, (_, (k, a)) in TABLES.items()}, sharder)
+
+
+def _dmp(sharder: object, seed: int = 0) -> torch.nn.Module:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+
+    ec = _ec(seed)
+    plan = ShardingPlan({"": _ec_plan(ec, sharder)})
+    return DistributedModelParallel(ec, device=torch.device("cpu"), plan=plan, sharders=[sharder])
 
 
 def _batch(step: int, rank: int, uneven: bool = False) -> object:
@@ -92,6 +102,58 @@ def _train(
     return outs
 
 
+class _Both(torch.nn.Module):
+    """An EmbeddingBagCollection (one table, ``p``) and the test's EmbeddingCollection."""
+
+    def __init__(self, ebc: torch.nn.Module, ec: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc, self.ec = ebc, ec
+
+    def forward(self, pooled: object, seq: object) -> tuple[torch.Tensor, dict]:
+        return self.ebc(pooled).values(), self.ec(seq)
+
+
+def _both(listed: list) -> torch.nn.Module:
+    """:class:`_Both` under DMP with ``listed`` sharders: ``p`` table-wise on rank 1."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder as ECSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder as EBCSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    from tests.multiproc.spawned import sgd_ebc
+
+    ebc, ec = sgd_ebc({"p": (20, DIM)}, 3), _ec()
+    of = {c: next(s for s in listed if isinstance(s, c)) for c in (EBCSharder, ECSharder)}
+    plans = {
+        "ebc": _plan(ebc, {"p": table_wise(rank=1)}, of[EBCSharder]),
+        "ec": _ec_plan(ec, of[ECSharder]),
+    }
+    return DistributedModelParallel(
+        _Both(ebc, ec), device=torch.device("cpu"), plan=ShardingPlan(plans), sharders=listed
+    )
+
+
+def _train_both(model: torch.nn.Module, rank: int) -> list[torch.Tensor]:
+    """Each step's pooled rows and sequence rows, flat, after which a weighted sum of both
+    is differentiated."""
+    from torchrec import KeyedJaggedTensor
+
+    outs = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(500 + step + 10 * rank)
+        ids = torch.randint(0, 20, (B,), generator=g)
+        one = torch.ones(B, dtype=torch.int32)
+        pooled = KeyedJaggedTensor.from_lengths_sync(keys=["f_p"], values=ids, lengths=one)
+        y, seq = model(pooled, _batch(step, rank))
+        rows = torch.cat([seq[f].values() for f in FEATURES])
+        outs.append(torch.cat([y.reshape(-1), rows.reshape(-1)]).detach().clone())
+        w = torch.Generator().manual_seed(9 + step)
+        loss = (y * torch.randn(y.shape, generator=w)).sum()
+        (loss + (rows * torch.randn(rows.shape, generator=w)).sum()).backward()
+    return outs
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -118,9 +180,13 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
-    # the sharders() list shards an EmbeddingCollection with ours
-    listed = [s for s in rt.sharders() if isinstance(s, rt.CompressedECSharder)]
-    res["listed"] = len(listed)
+    # an EBC and an EC in one model under sharders(): one switch, lossless = stock
+    from torchrec.distributed.sharding_plan import get_default_sharders
+
+    for name, listed in (("both_stock", get_default_sharders()), ("both", rt.sharders(**AUTO))):
+        model = _both(listed)
+        res[name] = _train_both(model, rank)
+    res["both_switches"] = [s.state()["steps"] for s in rt.switches(model)]
 
     # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
     def make() -> torch.nn.Module:
@@ -165,7 +231,9 @@ def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
         _same(res["lossless_uneven"], res["stock_uneven"])
         _same(res["auto"], res["stock"])
         assert res["auto_steps"] == [{"compressed": 2, "plain": 1}]
-        assert res["listed"] == 1
+        # an EBC and an EC in one model under sharders(): lossless = stock, one switch
+        _same(res["both"], res["both_stock"])
+        assert res["both_switches"] == [{"compressed": 2, "plain": 1}]
         assert res["warned"] == []  # (TorchRec's sharded EC loads the unsharded state)
         sent = res["lossless_bytes"]
         assert sent["raw"]["fwd"] > 0 and sent["raw"]["bwd"] > 0

@@ -31,6 +31,9 @@ class PendingBytes:
         t = time.perf_counter()
         if self.work is not None:
             self.work.wait()  # type: ignore[attr-defined]
+            # Let gloo's work go now: one still held (by an autograd graph's closure) when
+            # the interpreter shuts down can abort the process as its tensors are freed.
+            self.work = None
         self.waited_s += time.perf_counter() - t
         if self.out is None:  # one rank: joined only for a caller that reads the bytes
             assert self.pieces is not None
