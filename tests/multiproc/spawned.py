@@ -72,3 +72,19 @@ def trained(
         outs.append(y.detach().clone())
         (y * w).sum().backward()
     return outs
+
+
+def straight_and_resumed(
+    make: Callable[[], torch.nn.Module],
+    train: Callable[[torch.nn.Module, int, int], list[torch.Tensor]],
+    steps: int = 4,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The outputs of ``steps`` steps of a model from ``make()`` at once, and of its second
+    half from a fresh one loaded with the ``state_dict()`` of one trained the first half
+    (``train(model, steps, start)``)."""
+    straight = train(make(), steps, 0)
+    half = make()
+    train(half, steps // 2, 0)
+    again = make()
+    again.load_state_dict(half.state_dict())
+    return straight[steps // 2 :], train(again, steps - steps // 2, steps // 2)

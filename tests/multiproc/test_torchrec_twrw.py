@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.multiproc.spawned import AUTO, codec_path, sgd_ebc, spawned, trained
+from tests.multiproc.spawned import (
+    AUTO,
+    codec_path,
+    sgd_ebc,
+    spawned,
+    straight_and_resumed,
+    trained,
+)
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -114,12 +121,9 @@ def _worker(rank: int, store: str, out: str) -> None:
         return _dmp(rt.CompressedEBCSharder(eb_policy="dual", hindex_probe_steps=1,
                                             hindex_every=2, decay_t=4))  # fmt: skip
 
-    res["straight"] = _train(make(), rank, 4)
-    half = make()
-    _train(half, rank, 2)
-    again = make()
-    again.load_state_dict(half.state_dict())
-    res["resumed"] = _train(again, rank, 2, start=2)
+    res["straight"], res["resumed"] = straight_and_resumed(
+        make, lambda model, steps, start: _train(model, rank, steps, start)
+    )
     # the ids the lookup took, lost: refused before any byte leaves, on every rank alike
     forward = rt.CompressedTwRwDist.forward
 
@@ -200,7 +204,7 @@ def test_a_checkpoint_carries_the_cross_host_dists_state(ranks: list[dict]) -> N
     steps at once, and 2 + 2 through ``dmp.state_dict()`` into a fresh DMP: the same
     outputs, bit for bit (the table-row-wise dist's state rides with the table-wise one's)."""
     for res in ranks:
-        for a, b in zip(res["resumed"], res["straight"][2:], strict=True):
+        for a, b in zip(res["resumed"], res["straight"], strict=True):
             assert torch.equal(a, b)
 
 
