@@ -13,7 +13,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import fields
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torchrec.distributed.embedding import (
@@ -64,15 +64,15 @@ def _bound(name: str, base: type, config: TrainConfig) -> Any:
     return type(name, (base,), made)
 
 
-class CompressedEBCSharder(EmbeddingBagCollectionSharder):
-    """TorchRec's EBC sharder with the embedding all-to-all compressed both ways.
+class _Ours:
+    """What our sharders add to TorchRec's (a mixin before it): the compression's
+    configuration (:func:`_configured`), our sharded module bound to it (:func:`_bound`),
+    and only the shardings that module carries offered to the planner."""
 
-    Keyword arguments named like :class:`recsz.config.TrainConfig` fields configure the
-    compression (those in :data:`TAKEN`: ``fwd_codec``, ``bwd_codec``, ``eb_policy``,
-    ``fwd_eb``, ``eb_mode``, ``decay_schedule``, ``check_bounds``, ...; the defaults here:
-    ``hybrid`` both ways under the ``dual`` policy; another field is refused by name); the
-    rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's sharder.
-    """
+    #: our sharded module, the name of its bound subclass, the shardings it carries
+    sharded: ClassVar[type[CompressingModule]]
+    named: ClassVar[str]
+    carried: ClassVar[frozenset[str]]
 
     def __init__(
         self,
@@ -82,14 +82,12 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         **kwargs: Any,
     ) -> None:
         self.config = _configured(
-            "CompressedEBCSharder", kwargs, fwd_codec=fwd_codec, bwd_codec=bwd_codec,
+            type(self).__name__, kwargs, fwd_codec=fwd_codec, bwd_codec=bwd_codec,
             eb_policy=eb_policy,
         )  # fmt: skip
         self._order = kwargs.get("sharded_module_order_overwrite")
         super().__init__(**kwargs)
-        self._module_type: type[CompressedShardedEBC] = _bound(
-            "CompressedShardedEmbeddingBagCollection", CompressedShardedEBC, self.config
-        )
+        self._module_type: Any = _bound(self.named, self.sharded, self.config)
 
     @property
     def dists(self) -> list[CompressedPooledEmbeddingDist]:
@@ -97,8 +95,27 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
         return self._module_type.recsz_dists
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        offered = super().sharding_types(compute_device_type)
-        return [t for t in offered if t in COMPRESSED.keys() | UNTOUCHED]
+        offered = super().sharding_types(compute_device_type)  # type: ignore[misc]
+        return [t for t in offered if t in self.carried | UNTOUCHED]
+
+    @property
+    def sharded_module_type(self) -> Any:
+        return self._module_type
+
+
+class CompressedEBCSharder(_Ours, EmbeddingBagCollectionSharder):
+    """TorchRec's EBC sharder with the embedding all-to-all compressed both ways.
+
+    Keyword arguments named like :class:`recsz.config.TrainConfig` fields configure the
+    compression (those in :data:`TAKEN`: ``fwd_codec``, ``bwd_codec``, ``eb_policy``,
+    ``fwd_eb``, ``eb_mode``, ``decay_schedule``, ``check_bounds``, ...; the defaults here:
+    ``hybrid`` both ways under the ``dual`` policy; another field is refused by name); the
+    rest (``fused_params``, ``qcomm_codecs_registry``, ...) go to TorchRec's sharder.
+    """
+
+    sharded = CompressedShardedEBC
+    named = "CompressedShardedEmbeddingBagCollection"
+    carried = frozenset(COMPRESSED)
 
     def shard(
         self,
@@ -119,40 +136,15 @@ class CompressedEBCSharder(EmbeddingBagCollectionSharder):
             sharded_module_order_overwrite=self._order,
         )
 
-    @property
-    def sharded_module_type(self) -> type[ShardedEmbeddingBagCollection]:
-        return self._module_type
 
-
-class CompressedECSharder(EmbeddingCollectionSharder):
+class CompressedECSharder(_Ours, EmbeddingCollectionSharder):
     """TorchRec's EmbeddingCollection sharder (sequence embeddings: a row an id) with the
     all-to-all of the rows compressed both ways; arguments as :class:`CompressedEBCSharder`'s
     (TorchRec's: ``fused_params``, ``qcomm_codecs_registry``, ``use_index_dedup``)."""
 
-    def __init__(
-        self,
-        fwd_codec: str = "hybrid",
-        bwd_codec: str = "hybrid",
-        eb_policy: str = "dual",
-        **kwargs: Any,
-    ) -> None:
-        self.config = _configured(
-            "CompressedECSharder", kwargs, fwd_codec=fwd_codec, bwd_codec=bwd_codec,
-            eb_policy=eb_policy,
-        )  # fmt: skip
-        super().__init__(**kwargs)
-        self._module_type: type[CompressedShardedEC] = _bound(
-            "CompressedShardedEmbeddingCollection", CompressedShardedEC, self.config
-        )
-
-    @property
-    def dists(self) -> list[CompressedPooledEmbeddingDist]:
-        """The compressed dists of every module this sharder sharded."""
-        return self._module_type.recsz_dists
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        offered = super().sharding_types(compute_device_type)
-        return [t for t in offered if t in SEQUENCE | UNTOUCHED]
+    sharded = CompressedShardedEC
+    named = "CompressedShardedEmbeddingCollection"
+    carried = frozenset(SEQUENCE)
 
     def shard(
         self,
@@ -172,10 +164,6 @@ class CompressedECSharder(EmbeddingCollectionSharder):
             use_index_dedup=self._use_index_dedup,
             module_fqn=module_fqn,
         )
-
-    @property
-    def sharded_module_type(self) -> type[ShardedEmbeddingCollection]:
-        return self._module_type
 
 
 def sharders(**kwargs: Any) -> list[ModuleSharder[torch.nn.Module]]:
