@@ -40,8 +40,11 @@ import torch
 CONFIGS = ("stock-fp32", "stock-bf16", "recsz", "recsz-auto")
 
 
-def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple]:
-    """This rank's batches: (KJT, labels), drawn from the step and rank."""
+def _batches(
+    args: argparse.Namespace, rank: int, world: int, steps: range | None = None
+) -> list[tuple]:
+    """This rank's batches of ``steps`` (default: the training steps): (KJT, labels),
+    drawn from the step, rank and seed (the hidden weights: the same task for every seed)."""
     import numpy as np
     from torchrec import KeyedJaggedTensor
 
@@ -49,8 +52,8 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> list[tuple]:
     hidden = np.random.default_rng(0).standard_normal(args.rows).astype(np.float32)
     out = []
     b = args.batch // world
-    for step in range(args.steps):
-        g = np.random.default_rng(1000 * step + rank)
+    for step in range(args.steps) if steps is None else steps:
+        g = np.random.default_rng([args.seed, 1000 * step + rank])
         lengths = g.integers(0, 2 * args.mean_len + 1, size=args.features * b)
         ids = (g.zipf(args.zipf, size=int(lengths.sum())) - 1) % args.rows
         # label: a sample's mean hidden weight over its first feature's ids, thresholded
@@ -127,7 +130,7 @@ def worker(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     tables = [
         EmbeddingConfig(
             name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"s{i}"]
@@ -168,6 +171,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
     secs = time.perf_counter() - t0
     timed = args.steps - args.warmup
+    held_out = _batches(args, rank, world, range(args.steps, args.steps + args.eval_batches))
+    auc, logloss = _evaluated(model, held_out, b)
     if args.config.startswith("recsz"):
         sent = rt.comm_bytes(model)
         # (counted over every step)
@@ -185,12 +190,49 @@ def worker(args: argparse.Namespace) -> None:
             "wire_mb_per_step": float(totals[0]) / timed / 1e6,
             "fp32_mb_per_step": float(totals[2]) / timed / 1e6,
             "loss_last5": float(totals[1]) / world,
+            "seed": args.seed,
+            "eval_auc": auc,
+            "eval_logloss": logloss,
             "switch_steps": steps,
         }
         Path(args.out, "summary.json").write_text(json.dumps(summary))
     del model, net, ec, opt, batches  # freed while the interpreter is whole
     gc.collect()
     dist.destroy_process_group()
+
+
+def _evaluated(model: torch.nn.Module, batches: list[tuple], b: int) -> tuple[float, float]:
+    """AUC and log loss over every rank's held-out ``batches`` (no gradient: the dists'
+    forward only, under their bounds)."""
+    import numpy as np
+    import torch.distributed as dist
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    with torch.no_grad():
+        scores = torch.cat([torch.sigmoid(model(kjt, b)) for kjt, _ in batches])
+    labels = torch.cat([y for _, y in batches])
+    every: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (scores.numpy(), labels.numpy()))
+    p = np.concatenate([s for s, _ in every])  # type: ignore[misc]
+    y = np.concatenate([y for _, y in every])  # type: ignore[misc]
+    return float(roc_auc_score(y, p)), float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7)))
+
+
+def _by_seed(rows: list[dict]) -> str:
+    """Each (rate, config) over the seeds: mean eval AUC and its difference from
+    stock-fp32's on the same seed (mean, min, max)."""
+    import statistics
+
+    table = "| rate | config | seeds | eval AUC (mean) | dAUC vs stock-fp32 (mean, min..max) |\n"
+    table += "|---|---|---|---|---|\n"
+    for rate, config in dict.fromkeys((r["rate"], r["config"]) for r in rows):
+        at = {r["seed"]: r for r in rows if (r["rate"], r["config"]) == (rate, config)}
+        ref = {r["seed"]: r for r in rows if (r["rate"], r["config"]) == (rate, "stock-fp32")}
+        aucs = [r["eval_auc"] for r in at.values()]
+        d = [at[k]["eval_auc"] - ref[k]["eval_auc"] for k in at if k in ref]
+        vs = f"{statistics.mean(d):+.4f} ({min(d):+.4f}..{max(d):+.4f})" if d else "-"
+        table += f"| {rate} | {config} | {len(at)} | {statistics.mean(aucs):.4f} | {vs} |\n"
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,10 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seeds", default="0", help="comma-separated: each run of each config")
+    p.add_argument("--eval-batches", type=int, default=4, help="held-out batches after training")
     p.add_argument("--json", default="benchmarks/results/sequence.json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="recsz", help=argparse.SUPPRESS)
     p.add_argument("--out", default=".", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         worker(args)
@@ -222,16 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     if any(r != "unshaped" for r in rates) and (why := can_shape()):
         raise SystemExit(f"cannot shape the link here: {why}")
     keep = ["--features", "--rows", "--dim", "--mean-len", "--zipf", "--batch", "--steps",
-            "--warmup", "--lr"]  # fmt: skip
+            "--warmup", "--lr", "--eval-batches"]  # fmt: skip
     common = [f for k in keep for f in (k, str(getattr(args, k[2:].replace("-", "_"))))]
     rows = []
     for rate in rates:
         with shaped(None if rate == "unshaped" else rate) as prefix:
-            for config in args.configs.split(","):
+            runs = [(c, int(k)) for k in args.seeds.split(",") for c in args.configs.split(",")]
+            for config, seed in runs:
                 with tempfile.TemporaryDirectory() as tmp:
                     cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", __file__, "--worker", "--config", config,
-                           "--out", tmp, *common]  # fmt: skip
+                           "--out", tmp, "--seed", str(seed), *common]  # fmt: skip
                     env = {**os.environ, "OMP_NUM_THREADS": "1"}
                     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     summary = Path(tmp, "summary.json")
@@ -243,15 +289,18 @@ def main(argv: list[str] | None = None) -> int:
                     row["exit_code"] = done.returncode
                 print(row, flush=True)
                 rows.append(row)
-    table = "| rate | config | samples/s | wire MB/step | loss (last 5) | x stock best |\n"
-    table += "|---|---|---|---|---|---|\n"
-    for rate in rates:
-        at = [r for r in rows if r["rate"] == rate]
+    table = "| rate | seed | config | samples/s | wire MB/step | loss (last 5) | eval AUC "
+    table += "| x stock best |\n|---|---|---|---|---|---|---|---|\n"
+    for rate, seed in dict.fromkeys((r["rate"], r["seed"]) for r in rows):
+        at = [r for r in rows if (r["rate"], r["seed"]) == (rate, seed)]
         best = max((r["samples_per_s"] for r in at if r["config"].startswith("stock")), default=0)
         for r in at:
             vs = f"{r['samples_per_s'] / best:.2f}x" if best else "-"
             speed, wire, loss = r["samples_per_s"], r["wire_mb_per_step"], r["loss_last5"]
-            table += f"| {rate} | {r['config']} | {speed:,.0f} | {wire:.2f} | {loss:.4f} | {vs} |\n"
+            table += f"| {rate} | {seed} | {r['config']} | {speed:,.0f} | {wire:.2f} | "
+            table += f"{loss:.4f} | {r['eval_auc']:.4f} | {vs} |\n"
+    if len(args.seeds.split(",")) > 1:
+        table += "\n" + _by_seed(rows)
     write_results(rows, args.json, table)
     return 0
 

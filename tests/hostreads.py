@@ -111,6 +111,18 @@ class HostReads(TorchDispatchMode):
     def report(self) -> str:
         return "\n".join(f"{n} x {what} at {where}" for (what, where), n in self.reads.items())
 
+    def ours_after_input_dist(self) -> tuple[int, str]:
+        """(reads, where) made in recsz but not in a sharded module's ``input_dist`` (the
+        sharder calls TorchRec's there) since the last take; counting starts again."""
+        ours = {
+            k: n
+            for k, n in self.reads.items()
+            if k[1] and not k[1].split(" <- ")[0].endswith(" input_dist")
+        }
+        got = (sum(ours.values()), self.report())
+        self.take()
+        return got
+
 
 def _sized_by_mask(name: str, args: Any, kwargs: Any) -> bool:
     """Boolean indexing, host indices of device values, repeat_interleave without a size."""

@@ -233,14 +233,7 @@ def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
             mark([kjt.values(), kjt.lengths(), w])
             y = model(kjt).wait().values()
             (y * w).sum().backward()
-            # made in recsz; not TorchRec's input dist, which the sharder's calls
-            ours = {
-                k: n
-                for k, n in c.reads.items()
-                if k[1] and not k[1].split(" <- ")[0].endswith(" input_dist")
-            }
-            got.append((sum(ours.values()), c.report()))
-            c.take()
+            got.append(c.ours_after_input_dist())
     return got[2:]
 
 

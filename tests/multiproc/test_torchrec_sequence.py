@@ -1,6 +1,8 @@
 """An EmbeddingCollection (sequence embeddings: a row an id) under our sharder on two gloo
 ranks against stock DMP: table-wise, column-wise and row-wise tables, lossless and lossy,
-uneven batches, ``compress="auto"``, a checkpoint's state."""
+uneven batches, ``compress="auto"``, ``TrainPipelineSparseDist``, a checkpoint's state; on
+the codecs' host path and on the GPU's (here on the CPU), where the host reads are
+counted."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.multiproc.spawned import AUTO, spawned, straight_and_resumed
+from recsz.devicepath import DEVICE_PATH_ON_CPU
+from tests.multiproc.spawned import AUTO, codec_path, spawned, straight_and_resumed
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -154,6 +157,51 @@ def _train_both(model: torch.nn.Module, rank: int) -> list[torch.Tensor]:
     return outs
 
 
+class _Net(torch.nn.Module):
+    """The EmbeddingCollection with a loss, as TorchRec's pipeline runs a model."""
+
+    def __init__(self, ec: torch.nn.Module) -> None:
+        super().__init__()
+        self.ec = ec
+
+    def forward(self, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self.ec(batch.kjt)
+        y = torch.cat([got[f].values() for f in FEATURES])
+        return (y * torch.randn(y.shape, generator=batch.g)).sum(), y.detach().clone()
+
+
+class _Batch(torchrec.streamable.Pipelineable):
+    """A step's ids and the seed of its loss weights, as TorchRec's pipeline takes a batch."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.kjt = _batch(step, rank)
+        self.g = torch.Generator().manual_seed(7 + step + 100 * rank)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _Batch:
+        return self
+
+    def record_stream(self, stream: object) -> None:
+        pass
+
+
+def _pipelined(sharder: object, rank: int) -> list[torch.Tensor]:
+    """:func:`_train`'s steps under TorchRec's ``TrainPipelineSparseDist`` (the next
+    batch's input dist before this one's lookup and output dist): each step's rows."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingPlan
+
+    ec = _ec()
+    plan = ShardingPlan({"ec": _ec_plan(ec, sharder)})
+    net = DistributedModelParallel(
+        _Net(ec), device=torch.device("cpu"), plan=plan, sharders=[sharder]
+    )
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)  # (the EC's is fused)
+    pipe = TrainPipelineSparseDist(net, opt, torch.device("cpu"))
+    batches = iter([_Batch(step, rank) for step in range(STEPS)])
+    return [pipe.progress(batches) for _ in range(STEPS)]
+
+
 def _worker(rank: int, store: str, out: str) -> None:
     import torch.distributed as dist
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -172,6 +220,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["kinds"] = sorted(f"{type(d).__name__} {d.dims}" for d in lossless.dists)
     res["stock_uneven"] = _train(_dmp(EmbeddingCollectionSharder()), rank, uneven=True)
     res["lossless_uneven"] = _train(_dmp(lossless), rank, uneven=True)
+    res["pipelined"] = _pipelined(lossless, rank)
     auto = _dmp(rt.CompressedECSharder(**AUTO))  # steps 0 and 2 ours, 1 TorchRec's
     res["auto"] = _train(auto, rank)
     res["auto_steps"] = [s["steps"] for s in rt.comm_bytes(auto)["compress"].values()]
@@ -180,6 +229,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
+    if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
+        res["reads"] = _our_host_reads(rank)
+        res["path"] = "device"
     # an EBC and an EC in one model under sharders(): one switch, lossless = stock
     from torchrec.distributed.sharding_plan import get_default_sharders
 
@@ -188,6 +240,10 @@ def _worker(rank: int, store: str, out: str) -> None:
         res[name] = _train_both(model, rank)
     res["both_switches"] = [s.state()["steps"] for s in rt.switches(model)]
 
+    if res.get("path") == "device":  # the same state on both paths
+        _saved(res, out, rank)
+        return
+
     # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
     def make() -> torch.nn.Module:
         return _dmp(rt.CompressedECSharder(hindex_probe_steps=1, hindex_every=2, decay_t=4))
@@ -195,15 +251,45 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["straight"], res["resumed"] = straight_and_resumed(
         make, lambda model, steps, start: _train(model, rank, steps, start)
     )
+    _saved(res, out, rank)
+
+
+def _saved(res: dict, out: str, rank: int) -> None:
+    import torch.distributed as dist
+
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[list[dict]]:
-    os.environ.pop("RECSZ_DEVICE_PATH_ON_CPU", None)
-    yield spawned(_worker, WORLD)
+def _our_host_reads(rank: int) -> list[tuple[int, str]]:
+    """Steps 2-3 of the lossy sharder on the GPU's path: the host reads recsz makes (what a
+    GPU would wait for; TorchRec's own input dist is not counted), and where."""
+    import recsz.torchrec as rt
+    from recsz.policy import base
+    from tests.hostreads import counting, mark
+
+    base._abs_checks["left"] = 0  # the first slices' bound checks (tested elsewhere)
+    sharder = rt.CompressedECSharder(fwd_eb=EB, bwd_eb=EB, eb_mode="abs", eb_policy="fixed")
+    got = []
+    with counting([]) as c:
+        model = _dmp(sharder)
+        for step in range(4):
+            kjt = _batch(step, rank)
+            mark([kjt.values(), kjt.lengths()])
+            got_rows = model(kjt)
+            y = torch.cat([got_rows[f].values() for f in FEATURES])
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(step))
+            (y * w).sum().backward()
+            got.append(c.ours_after_input_dist())
+    return got[2:]
+
+
+@pytest.fixture(scope="module", params=["host", "device"])
+def ranks(request: pytest.FixtureRequest) -> Iterator[list[dict]]:
+    """The workers' results, on the codecs' host and device paths (:func:`codec_path`)."""
+    with codec_path(request.param):
+        yield spawned(_worker, WORLD)
 
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -226,6 +312,7 @@ def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
         ]
         _same(res["lossless"], res["stock"])
         _same(res["lossless_uneven"], res["stock_uneven"])
+        _same(res["pipelined"], res["stock"])  # under TrainPipelineSparseDist
         _same(res["auto"], res["stock"])
         assert res["auto_steps"] == [{"compressed": 2, "plain": 1}]
         # an EBC and an EC in one model under sharders(): lossless = stock, one switch
@@ -252,8 +339,29 @@ def test_lossy_rows_within_the_bound_and_fewer_bytes(ranks: list[dict]) -> None:
 def test_a_checkpoint_carries_the_sequence_dists_state(ranks: list[dict]) -> None:
     """The dual policy for 4 steps at once, and 2 + 2 through ``dmp.state_dict()`` into a
     fresh DMP: the same rows, bit for bit."""
+    if "straight" not in ranks[0]:
+        pytest.skip("the device path: the dists' state is the host path's")
     for res in ranks:
         _same(res["resumed"], res["straight"])
+
+
+def test_on_the_gpu_path_each_dist_reads_the_host_seven_times_a_step(ranks: list[dict]) -> None:
+    """What a GPU would wait for in our sequence dists (counted on the CPU,
+    tests/hostreads.py), per dist and step: how many rows each (feature, destination)
+    has (the lookup's split), the payloads' lengths and the received buffers' tables of
+    lengths each way, the row counts framed ahead of the forward's payloads, and the
+    checks' verdicts (the backward's; the forward's ride on its lengths). Indices are made
+    once: no host values copied to the device."""
+    if "reads" not in ranks[0]:
+        pytest.skip("the host path: host reads cost nothing there")
+    for r in ranks:
+        assert len(r["reads"]) == 2
+        for reads, where in r["reads"]:
+            assert reads == 7 * 3, where  # three dists: table-wise, column-wise, row-wise
+            for site in ("_counts", "read_counts", "read_all"):
+                assert site in where, where
+            assert where.count("read_sizes") == 2 and where.count("unframe_all") == 2, where
+            assert "tensor(host values, device=) at sequence.py" not in where, where
 
 
 @settings(max_examples=50, deadline=None)
