@@ -10,11 +10,14 @@ a network namespace, as ``bench_train.py``), the same batches for all:
 
 - ``stock-fp32``: TorchRec's ``EmbeddingCollectionSharder``;
 - ``stock-bf16``: with TorchRec's quantized comms (fbgemm's bf16 both ways);
-- ``recsz``: ``recsz.torchrec.CompressedECSharder()`` (hybrid both ways, dual bounds);
+- ``recsz``: ``recsz.torchrec.CompressedECSharder()`` (hybrid both ways, dual bounds, its
+  gradients' a tenth of the pooled sharder's);
 - ``recsz-auto``: the same with ``compress="auto"`` (plain where that is faster);
 - not run by default: ``recsz-lossless`` (our dists, codec ``none``: stock's losses),
   ``recsz-tight`` (bounds a tenth of the defaults), ``recsz-fwd`` (the forward alone
-  compressed).
+  compressed), ``recsz-pooled-bounds`` (the gradients under the pooled sharder's
+  bounds, ten times the sequence sharder's default; the twenty-eighth session's results
+  call these ``recsz``, and the default ``recsz-bwd-tight``).
 
 Prints samples/s, bytes on the wire a step (all ranks; stock: the rows that cross ranks at
 4 or 2 bytes a value) and the last 5 steps' mean loss; writes JSON and Markdown::
@@ -104,6 +107,7 @@ def _sharder(config: str) -> object:
         bf16 = QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.BF16)
         return EmbeddingCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(bf16))
     import recsz.torchrec as rt
+    from recsz.config import TrainConfig
 
     options = {
         "recsz": {},
@@ -111,6 +115,7 @@ def _sharder(config: str) -> object:
         "recsz-lossless": {"fwd_codec": "none", "bwd_codec": "none", "eb_policy": "none"},
         "recsz-tight": {f"{d}_class_eb": "0.000333,0.001,0.00167" for d in ("fwd", "bwd")},
         "recsz-fwd": {"bwd_codec": "none"},
+        "recsz-pooled-bounds": {"bwd_class_eb": TrainConfig().bwd_class_eb},
     }
     return rt.CompressedECSharder(**options[config])
 
@@ -219,19 +224,21 @@ def _evaluated(model: torch.nn.Module, batches: list[tuple], b: int) -> tuple[fl
 
 
 def _by_seed(rows: list[dict]) -> str:
-    """Each (rate, config) over the seeds: mean eval AUC and its difference from
-    stock-fp32's on the same seed (mean, min, max)."""
+    """Each (rate, config) over the seeds: mean eval AUC and log loss, and their
+    differences from stock-fp32's on the same seed (mean, min..max)."""
     import statistics
 
-    table = "| rate | config | seeds | eval AUC (mean) | dAUC vs stock-fp32 (mean, min..max) |\n"
-    table += "|---|---|---|---|---|\n"
+    table = "| rate | config | seeds | eval AUC | dAUC vs stock-fp32 | eval log loss "
+    table += "| d log loss vs stock-fp32 |\n|---|---|---|---|---|---|---|\n"
     for rate, config in dict.fromkeys((r["rate"], r["config"]) for r in rows):
         at = {r["seed"]: r for r in rows if (r["rate"], r["config"]) == (rate, config)}
         ref = {r["seed"]: r for r in rows if (r["rate"], r["config"]) == (rate, "stock-fp32")}
-        aucs = [r["eval_auc"] for r in at.values()]
-        d = [at[k]["eval_auc"] - ref[k]["eval_auc"] for k in at if k in ref]
-        vs = f"{statistics.mean(d):+.4f} ({min(d):+.4f}..{max(d):+.4f})" if d else "-"
-        table += f"| {rate} | {config} | {len(at)} | {statistics.mean(aucs):.4f} | {vs} |\n"
+        table += f"| {rate} | {config} | {len(at)} |"
+        for key in ("eval_auc", "eval_logloss"):
+            d = [at[k][key] - ref[k][key] for k in at if k in ref]
+            vs = f"{statistics.mean(d):+.4f} ({min(d):+.4f}..{max(d):+.4f})" if d else "-"
+            table += f" {statistics.mean(r[key] for r in at.values()):.4f} | {vs} |"
+        table += "\n"
     return table
 
 

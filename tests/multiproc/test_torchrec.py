@@ -886,6 +886,13 @@ def test_options_the_sharder_does_not_use_are_refused_by_name() -> None:
         rt.CompressedEBCSharder(id_dedup=True, dp_comm="eb")
     sharder = rt.CompressedEBCSharder(fwd_eb=0.01, decay_t=100, check_bounds=True)
     assert sharder.config.fwd_eb == 0.01 and sharder.config.check_bounds
+    # the sequence sharder's own default (the gradients' bounds), which an argument beats
+    pooled, sequence = rt.CompressedEBCSharder(), rt.CompressedECSharder()
+    assert sequence.config.bwd_class_eb == "0.000333,0.001,0.00167"
+    assert sequence.config.class_eb("bwd")["base"] == pooled.config.class_eb("bwd")["base"] / 10
+    assert sequence.config.fwd_class_eb == pooled.config.fwd_class_eb
+    given = rt.CompressedECSharder(bwd_class_eb="0.01,0.02,0.03", fwd_codec="none")
+    assert given.config.bwd_class_eb == "0.01,0.02,0.03" and given.config.fwd_codec == "none"
     with pytest.raises(
         ValueError, match=re.escape("does not use id_dedup (options of `recsz train`)")
     ):
