@@ -47,19 +47,33 @@ class Segments(NamedTuple):
     def taken(self, x: torch.Tensor, fs: list[int], cols: list[int], width: int) -> Group:
         """Features ``fs``' rows of x, one after another (``cols``: unused, the features
         are one above another)."""
-        at = _offsets(self.counts)
+        at, sizes = _offsets(self.counts), [self.counts[f] for f in fs]
+        if _consecutive(fs):  # (every feature of a block, the usual case): a view
+            return x[at[fs[0]] : at[fs[-1] + 1]], sizes
         rows = [x[at[f] : at[f + 1]] for f in fs]
-        return torch.cat(rows) if rows else x.new_empty(0, width), [self.counts[f] for f in fs]
+        return torch.cat(rows) if rows else x.new_empty(0, width), sizes
 
     def place(
         self, out: torch.Tensor, y: torch.Tensor, fs: list[int], cols: list[int], width: int
     ) -> None:
         """Write :meth:`taken`'s rows ``y`` back into their places in ``out``."""
         at, k = _offsets(self.counts), 0
+        if _consecutive(fs):
+            out[at[fs[0]] : at[fs[-1] + 1]] = y
+            return
         for f in fs:
             n = self.counts[f]
             out[at[f] : at[f] + n] = y[k : k + n]
             k += n
+
+
+def _consecutive(fs: list[int]) -> bool:
+    return bool(fs) and fs == list(range(fs[0], fs[-1] + 1))
+
+
+def _joined(xs: list[torch.Tensor], empty: torch.Tensor) -> torch.Tensor:
+    """``xs`` one above another (one of them: itself, not a copy)."""
+    return xs[0] if len(xs) == 1 else torch.cat(xs) if xs else empty
 
 
 def counts_part(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -138,15 +152,16 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         counts = self._counts(sharding_ctx, local_embs)  # [feature][destination]
         by_feature = torch.split(local_embs, [sum(c) for c in counts])
         ebs = self._feature_bounds(self.fwd, step, list(by_feature), mine, train)
-        # each destination's rows, feature after feature (autograd maps the gradient back)
+        # each destination's rows, feature after feature, in one copy (autograd maps the
+        # gradient back); each destination's block a view of it
         parts = [x.split(c) for x, c in zip(by_feature, counts, strict=True)]
-        sent = [[p[r] for p in parts] for r in range(self.world)]
-        blocks = [(torch.cat(s) if s else local_embs[:0], dims, mine) for s in sent]
         picks = [Segments([c[r] for c in counts]) for r in range(self.world)]
+        order = [p[r] for r in range(self.world) for p in parts]
+        source = _joined(order, local_embs[:0])
+        blocks = [(b, dims, mine) for b in source.split([sum(p.counts) for p in picks])]
         ahead = [[counts_part(p.counts, local_embs.device)] for p in picks]
         data = [(b.detach(), d, k) for b, d, k in blocks]
         pending = self._send(self.fwd, step, data, ebs, train, picks, ahead)
-        source = torch.cat([b for b, _, _ in blocks])
         rows = [int(n) for n in sharding_ctx.input_splits]  # what I sent each, it sends back
         ctx: Context = {"mine": picks, "rows": rows, "sent": [p.shape[0] for p, *_ in blocks]}
         unbucketize = sharding_ctx.unbucketize_permute_tensor if self.row_wise else None
@@ -217,7 +232,7 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         rows, keys = [], []  # each key's rows, every source's
         for key in sorted(set(every)):
             at = [(s, i) for s in range(self.world) for i, k in enumerate(self.keys[s]) if k == key]
-            rows.append(torch.cat([split[s][i] for s, i in at]) if at else grad[:0])
+            rows.append(_joined([split[s][i] for s, i in at], grad[:0]))
             keys.append(key)
         ebs = self._feature_bounds(self.bwd, step, rows, keys, True)
         blocks = [(b, self.dims[s], self.keys[s]) for s, b in enumerate(blocks_of)]
