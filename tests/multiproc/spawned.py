@@ -88,3 +88,33 @@ def straight_and_resumed(
     again = make()
     again.load_state_dict(half.state_dict())
     return straight[steps // 2 :], train(again, steps - steps // 2, steps // 2)
+
+
+def damaged_step(
+    rank: int, forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None]
+) -> tuple[str, str]:
+    """A step (``backward(forward())``) whose forward payloads, every one received on both
+    of two ranks, have a byte flipped: (where the error came: "forward", "backward" or
+    "nowhere", its message)."""
+    from recsz.comm.exchange import PendingBytes
+
+    real = PendingBytes.wait
+
+    def flipped(self: PendingBytes) -> list[torch.Tensor]:
+        bufs = real(self)
+        peer = bufs[1 - rank]
+        peer[len(peer) // 2] ^= 0x5A
+        return bufs
+
+    PendingBytes.wait = flipped  # type: ignore[method-assign]
+    try:
+        y = forward()
+    except ValueError as e:
+        return "forward", str(e)
+    finally:
+        PendingBytes.wait = real  # type: ignore[method-assign]
+    try:
+        backward(y)
+    except ValueError as e:
+        return "backward", str(e)
+    return "nowhere", ""

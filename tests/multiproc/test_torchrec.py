@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from tests.multiproc.spawned import AUTO, codec_path, sgd_ebc, spawned, trained
+from tests.multiproc.spawned import AUTO, codec_path, damaged_step, sgd_ebc, spawned, trained
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -241,33 +241,15 @@ def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
     """Step 1's forward payloads, every one received on both ranks, with a byte flipped:
     (where the error came: "forward" or "backward", its message)."""
     import recsz.torchrec as rt
-    from recsz.comm.exchange import PendingBytes
 
     sharder = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
                                       fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
     model = _dmp(sharder, plan_of)
     _train(model, rank, 1)
-    real = PendingBytes.wait
-
-    def flipped(self: PendingBytes) -> list[torch.Tensor]:
-        bufs = real(self)
-        peer = bufs[1 - rank]
-        peer[len(peer) // 2] ^= 0x5A
-        return bufs
-
     kjt, w = _batch(1, rank)
-    PendingBytes.wait = flipped  # type: ignore[method-assign]
-    try:
-        y = model(kjt).wait().values()
-    except ValueError as e:
-        return "forward", str(e)
-    finally:
-        PendingBytes.wait = real  # type: ignore[method-assign]
-    try:
-        (y * w).sum().backward()
-    except ValueError as e:
-        return "backward", str(e)
-    return "nowhere", ""
+    return damaged_step(
+        rank, lambda: model(kjt).wait().values(), lambda y: (y * w).sum().backward()
+    )
 
 
 def _resumed(rank: int, plan_of: dict, dcp_dir: Path) -> dict[str, object]:

@@ -17,7 +17,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from tests.multiproc.spawned import AUTO, codec_path, spawned, straight_and_resumed
+from tests.multiproc.spawned import (
+    AUTO,
+    codec_path,
+    damaged_step,
+    spawned,
+    straight_and_resumed,
+)
 
 pytestmark = pytest.mark.slow
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
@@ -221,6 +227,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["stock_uneven"] = _train(_dmp(EmbeddingCollectionSharder()), rank, uneven=True)
     res["lossless_uneven"] = _train(_dmp(lossless), rank, uneven=True)
     res["pipelined"] = _pipelined(lossless, rank)
+    res["pipelined_auto"] = _pipelined(rt.CompressedECSharder(**AUTO), rank)
     auto = _dmp(rt.CompressedECSharder(**AUTO))  # steps 0 and 2 ours, 1 TorchRec's
     res["auto"] = _train(auto, rank)
     res["auto_steps"] = [s["steps"] for s in rt.comm_bytes(auto)["compress"].values()]
@@ -229,6 +236,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
+    res["damaged"] = _damaged(model, rank)
     if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
         res["reads"] = _our_host_reads(rank)
         res["path"] = "device"
@@ -260,6 +268,17 @@ def _saved(res: dict, out: str, rank: int) -> None:
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _damaged(model: torch.nn.Module, rank: int) -> tuple[str, str]:
+    """A step of ``model`` whose forward payloads come with a byte flipped (where the
+    error came, its message)."""
+
+    def forward() -> torch.Tensor:
+        got = model(_batch(STEPS, rank))
+        return torch.cat([got[f].values() for f in FEATURES])
+
+    return damaged_step(rank, forward, lambda y: y.sum().backward())
 
 
 def _our_host_reads(rank: int) -> list[tuple[int, str]]:
@@ -313,6 +332,7 @@ def test_lossless_codecs_give_stock_dmp_bit_for_bit(ranks: list[dict]) -> None:
         _same(res["lossless"], res["stock"])
         _same(res["lossless_uneven"], res["stock_uneven"])
         _same(res["pipelined"], res["stock"])  # under TrainPipelineSparseDist
+        _same(res["pipelined_auto"], res["stock"])  # (its switch asked a batch ahead)
         _same(res["auto"], res["stock"])
         assert res["auto_steps"] == [{"compressed": 2, "plain": 1}]
         # an EBC and an EC in one model under sharders(): lossless = stock, one switch
@@ -362,6 +382,19 @@ def test_on_the_gpu_path_each_dist_reads_the_host_seven_times_a_step(ranks: list
                 assert site in where, where
             assert where.count("read_sizes") == 2 and where.count("unframe_all") == 2, where
             assert "tensor(host values, device=) at sequence.py" not in where, where
+
+
+def test_a_damaged_payload_is_named_before_its_gradients_leave(ranks: list[dict]) -> None:
+    """A forward payload with a byte flipped: on the host path the decode names its rank
+    at once; on the GPU's path its checks ride on the backward's read of lengths, which
+    raises before any byte made from it is sent."""
+    for rank, res in enumerate(ranks):
+        where, msg = res["damaged"]
+        assert where == ("backward" if "reads" in res else "forward"), (where, msg)
+        assert f"rank {rank}: fwd payloads" in msg, msg
+        if "reads" not in res:  # (the GPU's checks tell which slice, not which source)
+            assert "from ranks [0, 1]: payload" in msg and "checksum" in msg, msg
+            assert f"payload {1 - rank}" in msg, msg
 
 
 @settings(max_examples=50, deadline=None)

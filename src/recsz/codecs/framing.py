@@ -120,7 +120,13 @@ def decode_groups(
         parts = [p] if codec.joinable else unframe(p, n, f"payload {i}")
         chunks += parts
         counts.append(len(parts))
-    decoded = [codec.decode(c) for c in chunks]
+    decoded = []
+    owners = [i for i, n in enumerate(counts) for _ in range(n)]  # each chunk's payload
+    for i, c in zip(owners, chunks, strict=True):
+        try:
+            decoded.append(codec.decode(c))
+        except PayloadError as e:
+            raise PayloadError(f"payload {i}: {e}") from e
     out, k = [], 0
     for i, n in enumerate(counts):
         mine = decoded[k : k + n]

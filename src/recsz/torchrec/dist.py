@@ -286,7 +286,10 @@ class CompressedPooledEmbeddingDist(nn.Module):
                         for s, (fs, _) in zip(srcs, fcs, strict=True)
                     ]
                     payloads = [parts[s][widths[s].index(width)] for s in srcs]
-                    decoded = d.codec.decode_segments(payloads, sizes, width)
+                    try:  # (payload i: rank srcs[i]'s)
+                        decoded = d.codec.decode_segments(payloads, sizes, width)
+                    except ValueError as e:
+                        raise ValueError(f"from ranks {srcs}: {e}") from e
                     for s, (fs, cols), y in zip(srcs, fcs, decoded, strict=True):
                         if picks is not None:
                             picks[s].place(out[s], y, fs, cols, width)
