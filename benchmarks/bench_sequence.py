@@ -20,10 +20,14 @@ a network namespace, as ``bench_train.py``), the same batches for all:
   call these ``recsz``, and the default ``recsz-bwd-tight``).
 
 Prints samples/s, bytes on the wire a step (all ranks; stock: the rows that cross ranks at
-4 or 2 bytes a value) and the last 5 steps' mean loss; writes JSON and Markdown::
+4 or 2 bytes a value), the last 5 steps' mean loss and the AUC on held-out batches (with
+several ``--seeds``, each configuration's AUC and log loss against stock-fp32's on the same
+seed); writes JSON and Markdown::
 
     python benchmarks/bench_sequence.py --rates unshaped,1gbit,200mbit \\
-        --json benchmarks/results/session27/sequence.json
+        --json benchmarks/results/session28/sequence_rates.json
+    python benchmarks/bench_sequence.py --rates unshaped --seeds 0,1,2,3,4,5 --steps 200 \\
+        --configs stock-fp32,recsz --json benchmarks/results/session28/sequence_seeds.json
 """
 
 from __future__ import annotations
@@ -252,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mean-len", type=int, default=20)
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--batch", type=int, default=1024, help="global batch")
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=15, help="untimed (past the first probes)")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seeds", default="0", help="comma-separated: each run of each config")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches after training")
