@@ -9,7 +9,10 @@ configuration runs under torchrun on 2 gloo ranks, on loopback shaped to each ra
 a network namespace, as ``bench_train.py``), the same batches for all:
 
 - ``stock-fp32``: TorchRec's ``EmbeddingCollectionSharder``;
-- ``stock-bf16``: with TorchRec's quantized comms (fbgemm's bf16 both ways);
+- ``stock-bf16``: with TorchRec's quantized comms (fbgemm's bf16 both ways); not run by
+  default, its others: ``stock-fp16``, ``stock-int8`` (forward; bf16 back), ``stock-mx4``
+  (both ways), ``stock-fp8`` (forward; on the CPU TorchRec 1.8's sequence all-to-all
+  refuses it: "Tensor 'input' must have 2 dimension(s)");
 - ``recsz``: ``recsz.torchrec.CompressedECSharder()`` (hybrid both ways, dual bounds, its
   gradients' a tenth of the pooled sharder's);
 - ``recsz-auto``: the same with ``compress="auto"`` (plain where that is faster);
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
@@ -45,6 +49,10 @@ from pathlib import Path
 import torch
 
 CONFIGS = ("stock-fp32", "stock-bf16", "recsz", "recsz-auto")
+#: TorchRec's quantized comms (fbgemm's codecs), forward and backward precision
+STOCK_COMMS = {"stock-bf16": ("bf16", "bf16"), "stock-fp16": ("fp16", "fp16"),
+               "stock-fp8": ("fp8", "bf16"), "stock-int8": ("int8", "bf16"),
+               "stock-mx4": ("mx4", "mx4")}  # fmt: skip
 
 
 def _batches(
@@ -101,15 +109,16 @@ def _sharder(config: str) -> object:
 
     if config == "stock-fp32":
         return EmbeddingCollectionSharder()
-    if config == "stock-bf16":
+    if config in STOCK_COMMS:
         from torchrec.distributed.fbgemm_qcomm_codec import (
             CommType,
             QCommsConfig,
             get_qcomm_codecs_registry,
         )
 
-        bf16 = QCommsConfig(forward_precision=CommType.BF16, backward_precision=CommType.BF16)
-        return EmbeddingCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(bf16))
+        fwd, bwd = (CommType(p) for p in STOCK_COMMS[config])
+        qcomms = QCommsConfig(forward_precision=fwd, backward_precision=bwd)
+        return EmbeddingCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(qcomms))
     import recsz.torchrec as rt
     from recsz.config import TrainConfig
 
@@ -188,8 +197,9 @@ def worker(args: argparse.Namespace) -> None:
         wire, raw = (sum(sent[k].values()) * timed / args.steps for k in ("wire", "raw"))
         steps = [s["steps"] for s in sent["compress"].values()]
     else:
-        per_value = 2 if args.config == "stock-bf16" else 4
-        wire, raw, steps = 2 * crossing * args.dim * per_value, 2 * crossing * args.dim * 4, []
+        comms = STOCK_COMMS.get(args.config, ("fp32", "fp32"))
+        per_row = sum(_row_bytes(p, args.dim) for p in comms)
+        wire, raw, steps = crossing * per_row, 2 * crossing * args.dim * 4, []
     totals = torch.tensor([float(wire), sum(losses[-5:]) / 5, float(raw)])
     dist.all_reduce(totals)
     if rank == 0:
@@ -208,6 +218,14 @@ def worker(args: argparse.Namespace) -> None:
     del model, net, ec, opt, batches  # freed while the interpreter is whole
     gc.collect()
     dist.destroy_process_group()
+
+
+def _row_bytes(precision: str, dim: int) -> float:
+    """A row's bytes in one of TorchRec's comm precisions (fbgemm's formats: int8 rows
+    carry a float32 scale and bias; MX4 a shared 8-bit exponent every 32 values)."""
+    per_value = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "mx4": 0.5}[precision]
+    extra = {"int8": 8, "mx4": math.ceil(dim / 32)}.get(precision, 0)
+    return dim * per_value + extra
 
 
 def _evaluated(model: torch.nn.Module, batches: list[tuple], b: int) -> tuple[float, float]:
