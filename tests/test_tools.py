@@ -245,6 +245,25 @@ def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
             assert cfg.fwd_codec == "hybrid" and cfg.bwd_codec == "none"
 
 
+def test_bench_sequence_pairs_seeds_and_counts_torchrecs_bytes() -> None:
+    """bench_sequence's summary over seeds: each config against stock-fp32 on the same seed
+    (a seed stock lacks is left out); a row's bytes in TorchRec's comm precisions."""
+    bench = _bench("bench_sequence")
+
+    def row(config: str, seed: int, auc: float, loss: float) -> dict:
+        return {"rate": "unshaped", "config": config, "seed": seed, "eval_auc": auc,
+                "eval_logloss": loss}  # fmt: skip
+
+    rows = [row("stock-fp32", 0, 0.90, 0.30), row("stock-fp32", 1, 0.80, 0.40),
+            row("recsz", 0, 0.91, 0.32), row("recsz", 1, 0.78, 0.40),
+            row("recsz", 2, 0.50, 0.90)]  # fmt: skip
+    table = bench._by_seed(rows)
+    assert "| unshaped | recsz | 3 | 0.7300 | -0.0050 (-0.0200..+0.0100) | 0.5400 " in table
+    assert "| +0.0100 (+0.0000..+0.0200) |" in table
+    assert "| unshaped | stock-fp32 | 2 | 0.8500 | +0.0000 (+0.0000..+0.0000) |" in table
+    assert [bench._row_bytes(p, 64) for p in ("fp32", "bf16", "int8", "mx4")] == [256, 128, 72, 34]
+
+
 def test_bench_accuracy_pairs_runs_by_seed(capsys: pytest.CaptureFixture[str]) -> None:
     """The summary's differences are per seed (paired), against the uncompressed run of the
     same seed and, for --versus, between two settings; seeds one side lacks are left out."""
