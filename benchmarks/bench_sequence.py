@@ -20,7 +20,8 @@ a network namespace, as ``bench_train.py``), the same batches for all:
   ``recsz-tight`` (bounds a tenth of the defaults), ``recsz-fwd`` (the forward alone
   compressed), ``recsz-pooled-bounds`` (the gradients under the pooled sharder's
   bounds, ten times the sequence sharder's default; the twenty-eighth session's results
-  call these ``recsz``, and the default ``recsz-bwd-tight``).
+  call these ``recsz``, and the default ``recsz-bwd-tight``), ``recsz-auto-int8``
+  (``compress="auto"`` whose plain batches take TorchRec's int8 comms).
 
 Prints samples/s, bytes on the wire a step (all ranks; stock: the rows that cross ranks at
 4 or 2 bytes a value), the last 5 steps' mean loss and the AUC on held-out batches (with
@@ -104,21 +105,26 @@ class _Net(torch.nn.Module):
         return self.mlp(torch.cat(pooled, 1)).squeeze(1)
 
 
+def _qcomms(config: str) -> dict:
+    """TorchRec's codecs registry for ``config``'s comm precisions (:data:`STOCK_COMMS`)."""
+    from torchrec.distributed.fbgemm_qcomm_codec import (
+        CommType,
+        QCommsConfig,
+        get_qcomm_codecs_registry,
+    )
+
+    fwd, bwd = (CommType(p) for p in STOCK_COMMS[config])
+    qcomms = QCommsConfig(forward_precision=fwd, backward_precision=bwd)
+    return get_qcomm_codecs_registry(qcomms)  # type: ignore[return-value]
+
+
 def _sharder(config: str) -> object:
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
 
     if config == "stock-fp32":
         return EmbeddingCollectionSharder()
     if config in STOCK_COMMS:
-        from torchrec.distributed.fbgemm_qcomm_codec import (
-            CommType,
-            QCommsConfig,
-            get_qcomm_codecs_registry,
-        )
-
-        fwd, bwd = (CommType(p) for p in STOCK_COMMS[config])
-        qcomms = QCommsConfig(forward_precision=fwd, backward_precision=bwd)
-        return EmbeddingCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(qcomms))
+        return EmbeddingCollectionSharder(qcomm_codecs_registry=_qcomms(config))
     import recsz.torchrec as rt
     from recsz.config import TrainConfig
 
@@ -129,6 +135,8 @@ def _sharder(config: str) -> object:
         "recsz-tight": {f"{d}_class_eb": "0.000333,0.001,0.00167" for d in ("fwd", "bwd")},
         "recsz-fwd": {"bwd_codec": "none"},
         "recsz-pooled-bounds": {"bwd_class_eb": TrainConfig().bwd_class_eb},
+        # plain batches through TorchRec's dist with its int8 comms
+        "recsz-auto-int8": {"compress": "auto", "qcomm_codecs_registry": _qcomms("stock-int8")},
     }
     return rt.CompressedECSharder(**options[config])
 

@@ -78,6 +78,34 @@ def test_warmup_steps_are_not_timed() -> None:
     assert sw.chosen is True
 
 
+def test_the_first_trial_waits_for_the_lead() -> None:
+    """``lead`` steps go compressed, untimed (the probe window, whose steps cost more),
+    then the first trial; a switch restored before any trial leads again, one restored
+    after it does not."""
+    clock = Clock()
+    sw = switch(clock, trial=2, warmup=1, every=0, lead=5)
+    # compressed steps cost 3 s during the lead, 1 s after; plain ones 2 s
+    ways = run(sw, clock, range(20), lambda s, way: (3.0 if s < 5 else 1.0) if way else 2.0)
+    assert ways[:5] == [True] * 5 and ways[5:11] == [True, False] * 3
+    assert [t["step"] for t in sw.trials] == [5] and sw.chosen is True
+    assert ways[11:] == [True] * 9
+    again = switch(clock, trial=2, warmup=1, every=0, lead=5)
+    again.load_state_dict(sw.state_dict())
+    assert all(again.compress(s) for s in range(20, 30)) and len(again.trials) == 1
+    fresh = switch(clock, trial=2, warmup=1, every=0, lead=5)
+    fresh.load_state_dict(switch(clock, lead=5).state_dict())
+    assert [fresh.compress(s) for s in range(30, 37)] == [True] * 6 + [False]
+
+
+def test_the_dual_policy_leads_with_its_probe_window() -> None:
+    from recsz.config import TrainConfig
+
+    dual = {"compress": "auto", "eb_policy": "dual", "hindex_probe_steps": 7}
+    assert TrainConfig(**dual, fwd_codec="hybrid").switch().lead == 7  # type: ignore[arg-type]
+    assert TrainConfig(**dual).switch().lead == 0  # type: ignore[arg-type]  # (no bounds)
+    assert TrainConfig(compress="auto", fwd_codec="hybrid").switch().lead == 0  # fixed
+
+
 def test_ties_go_plain() -> None:
     clock = Clock()
     sw = switch(clock, trial=2, warmup=0, every=0)

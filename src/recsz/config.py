@@ -269,8 +269,14 @@ class TrainConfig:
         return parse_class_eb(getattr(self, f"{direction}_class_eb"), f"--{direction}-class-eb")
 
     def switch(self, **kw: Any) -> CompressionSwitch:
-        """``--compress``'s switch (``kw``: its ``agree``, ``sync``)."""
-        return CompressionSwitch(self.compress, self.compress_trial, self.compress_every, **kw)
+        """``--compress``'s switch (``kw``: its ``agree``, ``sync``); its first trial after
+        the table / dual policies' first probe window, where a bounded codec has one."""
+        bounded = any(self.codec(d).error_bounded for d in ("fwd", "bwd"))
+        probes = bounded and self.eb_policy in ("table", "dual")
+        lead = self.hindex_probe_steps if probes else 0
+        return CompressionSwitch(
+            self.compress, self.compress_trial, self.compress_every, lead=lead, **kw
+        )
 
     @classmethod
     def taking(cls, who: str, taken: set[str], **options: Any) -> TrainConfig:

@@ -13,7 +13,11 @@ step costs several compressed ones), and one that changes it brings the gap back
 compilation, caches). A trial ends after ``trial`` timed steps each way,
 or from the second on as soon as the ways stand clearly apart (every step of one at least
 ``CLEAR`` times every step of the other): on a slow link a plain step can cost several
-compressed ones, so a trial there costs two of them, not ``trial``.
+compressed ones, so a trial there costs two of them, not ``trial``. The first trial waits
+for ``lead`` compressed steps: the bound policies' first probe window, whose steps cost the
+codecs' side more than later ones (on the CPU its sorts took 2x a step of 4 sequence
+features), would otherwise be timed against the plain way and bias the choice (measured:
+TorchRec's int8 comms chosen over our codecs at 1 Gbit/s, 0.69x the speed).
 
 Every rank decides alike: at each point where a trial may end (fixed steps, the same on
 every rank) the ranks' figures are combined by ``agree`` (their maximum: a step lasts as
@@ -60,6 +64,7 @@ class CompressionSwitch:
         every: steps from one trial's first step to the next's (0: one trial); doubled
             while trials keep the way, up to ``BACKOFF`` times.
         warmup: untimed steps of each way opening the first trial.
+        lead: compressed steps before the first trial (the probe window's).
         agree: the ranks' element-wise maximum of a small float64 tensor (None: one rank).
         sync: waits for the device's queued work before each timing (a GPU, whose host
             runs ahead of it where no size is read).
@@ -70,6 +75,7 @@ class CompressionSwitch:
     trial: int = 6
     every: int = 500
     warmup: int = 2
+    lead: int = 0
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None
     sync: Callable[[], None] | None = None
     clock: Callable[[], float] = time.perf_counter
@@ -89,13 +95,16 @@ class CompressionSwitch:
     _gap: int = 0  # steps from the current (or last) trial's first to the next's
     _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     _ways: dict[int, bool] = field(default_factory=dict)  # the latest steps' ways
+    _led: int | None = None  # the lead's first step (None: none seen yet)
+    _leading: bool = True  # no trial has begun: the lead's steps go compressed
 
     def __post_init__(self) -> None:
         if self.mode not in COMPRESS_MODES:
             raise ValueError(f"compress mode {self.mode!r}: one of {', '.join(COMPRESS_MODES)}")
-        if self.trial < 1 or self.warmup < 0:
+        if self.trial < 1 or self.warmup < 0 or self.lead < 0:
             raise ValueError(
-                f"a trial needs trial >= 1, warmup >= 0 (got {self.trial}, {self.warmup})"
+                f"a trial needs trial >= 1, warmup >= 0, lead >= 0 (got {self.trial}, "
+                f"{self.warmup}, {self.lead})"
             )
         self._gap = self.every
         if self.every and self.every < self.length:
@@ -123,6 +132,11 @@ class CompressionSwitch:
 
     def _ask(self, step: int) -> bool:
         """The trials' way for a step asked the first time (times the step before)."""
+        if self._leading and self.lead:  # compressed, until the lead is over
+            self._led = step if self._led is None or step < self._led else self._led
+            if step - self._led < self.lead:
+                return True
+        self._leading = False
         if self._start is None or step < self._start:  # the first step seen, or a rewind
             self._begin(step, self.warmup if self._start is None else 0)
         assert self._start is not None
@@ -206,6 +220,7 @@ class CompressionSwitch:
         self.trials, self.steps = list(saved["trials"]), dict(saved["steps"])
         self._gap, self._trying, self._last = int(saved["gap"]), False, None
         self._start = None if saved["trying"] else saved["start"]
+        self._leading = saved["start"] is None  # (no trial yet: the lead again)
         self._ways.clear()
 
     def state(self) -> dict[str, Any]:
