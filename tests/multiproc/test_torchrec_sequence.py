@@ -237,9 +237,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
     res["damaged"] = _damaged(model, rank)
-    if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
+    device = os.environ.get(DEVICE_PATH_ON_CPU) == "1"
+    if device:
         res["reads"] = _our_host_reads(rank)
-        res["path"] = "device"
     # an EBC and an EC in one model under sharders(): one switch, lossless = stock
     from torchrec.distributed.sharding_plan import get_default_sharders
 
@@ -248,23 +248,14 @@ def _worker(rank: int, store: str, out: str) -> None:
         res[name] = _train_both(model, rank)
     res["both_switches"] = [s.state()["steps"] for s in rt.switches(model)]
 
-    if res.get("path") == "device":  # the same state on both paths
-        _saved(res, out, rank)
-        return
+    if not device:  # (the same state on both paths)
+        # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
+        def make() -> torch.nn.Module:
+            return _dmp(rt.CompressedECSharder(hindex_probe_steps=1, hindex_every=2, decay_t=4))
 
-    # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
-    def make() -> torch.nn.Module:
-        return _dmp(rt.CompressedECSharder(hindex_probe_steps=1, hindex_every=2, decay_t=4))
-
-    res["straight"], res["resumed"] = straight_and_resumed(
-        make, lambda model, steps, start: _train(model, rank, steps, start)
-    )
-    _saved(res, out, rank)
-
-
-def _saved(res: dict, out: str, rank: int) -> None:
-    import torch.distributed as dist
-
+        res["straight"], res["resumed"] = straight_and_resumed(
+            make, lambda model, steps, start: _train(model, rank, steps, start)
+        )
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -95,8 +95,7 @@ class CompressionSwitch:
     _gap: int = 0  # steps from the current (or last) trial's first to the next's
     _times: dict[bool, list[float]] = field(default_factory=lambda: {True: [], False: []})
     _ways: dict[int, bool] = field(default_factory=dict)  # the latest steps' ways
-    _led: int | None = None  # the lead's first step (None: none seen yet)
-    _leading: bool = True  # no trial has begun: the lead's steps go compressed
+    _lead_left: int = 0  # the lead's steps still to go (compressed, untimed)
 
     def __post_init__(self) -> None:
         if self.mode not in COMPRESS_MODES:
@@ -106,7 +105,7 @@ class CompressionSwitch:
                 f"a trial needs trial >= 1, warmup >= 0, lead >= 0 (got {self.trial}, "
                 f"{self.warmup}, {self.lead})"
             )
-        self._gap = self.every
+        self._gap, self._lead_left = self.every, self.lead
         if self.every and self.every < self.length:
             raise ValueError(
                 f"trials every {self.every} steps cannot hold a trial of {self.length} steps"
@@ -132,11 +131,9 @@ class CompressionSwitch:
 
     def _ask(self, step: int) -> bool:
         """The trials' way for a step asked the first time (times the step before)."""
-        if self._leading and self.lead:  # compressed, until the lead is over
-            self._led = step if self._led is None or step < self._led else self._led
-            if step - self._led < self.lead:
-                return True
-        self._leading = False
+        if self._lead_left:  # compressed, until the lead is over
+            self._lead_left -= 1
+            return True
         if self._start is None or step < self._start:  # the first step seen, or a rewind
             self._begin(step, self.warmup if self._start is None else 0)
         assert self._start is not None
@@ -220,7 +217,7 @@ class CompressionSwitch:
         self.trials, self.steps = list(saved["trials"]), dict(saved["steps"])
         self._gap, self._trying, self._last = int(saved["gap"]), False, None
         self._start = None if saved["trying"] else saved["start"]
-        self._leading = saved["start"] is None  # (no trial yet: the lead again)
+        self._lead_left = self.lead if saved["start"] is None else 0  # (no trial yet)
         self._ways.clear()
 
     def state(self) -> dict[str, Any]:
