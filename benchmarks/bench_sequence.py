@@ -32,6 +32,14 @@ seed); writes JSON and Markdown::
         --json benchmarks/results/session28/sequence_rates.json
     python benchmarks/bench_sequence.py --rates unshaped --seeds 0,1,2,3,4,5 --steps 200 \\
         --configs stock-fp32,recsz --json benchmarks/results/session28/sequence_seeds.json
+
+``--count``: no timing; the GPU's code path on the CPU (``RECSZ_DEVICE_PATH_ON_CPU=1``,
+Triton's interpreter), each rank's host reads and launches a step counted
+(:mod:`tests.hostreads`), unshaped::
+
+    python benchmarks/bench_sequence.py --count --rates unshaped --configs stock-fp32,recsz \
+        --features 16 --batch 256 --steps 16 --warmup 13 \
+        --json benchmarks/results/session29/sequence_counts.json
 """
 
 from __future__ import annotations
@@ -177,6 +185,15 @@ def worker(args: argparse.Namespace) -> None:
     opt = torch.optim.Adagrad([p for n, p in model.named_parameters() if "mlp" in n], lr=args.lr)
     batches = _batches(args, rank, world)
     b = args.batch // world
+    if args.count:
+        counts = _counted(model, opt, batches, b, args.warmup)
+        every: list[object] = [None] * world
+        dist.all_gather_object(every, counts)
+        if rank == 0:
+            summary = {"config": args.config, "seed": args.seed, "per_rank": every}
+            Path(args.out, "summary.json").write_text(json.dumps(summary))
+        dist.destroy_process_group()
+        return
     # stock's bytes: the rows of my samples' ids in tables on other ranks, both ways
     crossing = sum(
         int(kjt.lengths()[i * b : (i + 1) * b].sum())
@@ -228,6 +245,36 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _counted(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list, b: int, warm: int
+) -> dict[str, float]:
+    """Training steps on the GPU's path (``--count``: ``RECSZ_DEVICE_PATH_ON_CPU=1``, Triton's
+    interpreter) with :mod:`tests.hostreads` counting, per step after ``warm``: the host
+    reads recsz makes outside the sharder's input dist (each a GPU's wait), every host read
+    (TorchRec's input dist's and the benchmark model's too) and every launch; the last
+    step's launches by operation (``last``)."""
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.hostreads import counting, mark
+
+    got: dict[str, list[int]] = {"ours": [], "reads": [], "launches": []}
+    with counting(list(model.parameters())) as c:
+        for step, (kjt, labels) in enumerate(batches):
+            mark([kjt.values(), kjt.lengths(), labels])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(kjt, b), labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            reads, launches = c.total(), sum(c.launches.values())
+            kinds = c.launches.most_common()
+            ours, _ = c.ours_after_input_dist()  # (counting starts again)
+            if step >= warm:
+                for k, n in zip(got, (ours, reads, launches), strict=True):
+                    got[k].append(n)
+    return {**{f"{k}_per_step": statistics.mean(v) for k, v in got.items()}, "last": kinds}
+
+
 def _row_bytes(precision: str, dim: int) -> float:
     """A row's bytes in one of TorchRec's comm precisions (fbgemm's formats: int8 rows
     carry a float32 scale and bias; MX4 a shared 8-bit exponent every 32 values)."""
@@ -251,6 +298,17 @@ def _evaluated(model: torch.nn.Module, batches: list[tuple], b: int) -> tuple[fl
     p = np.concatenate([s for s, _ in every])  # type: ignore[misc]
     y = np.concatenate([y for _, y in every])  # type: ignore[misc]
     return float(roc_auc_score(y, p)), float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7)))
+
+
+def _counts_table(rows: list[dict]) -> str:
+    """``--count``'s rows: each rank's reads and launches a step."""
+    table = "| config | rank | recsz's host reads / step | all host reads / step "
+    table += "| launches / step |\n|---|---|---|---|---|\n"
+    for r in rows:
+        for rank, c in enumerate(r["per_rank"]):
+            table += f"| {r['config']} | {rank} | {c['ours_per_step']:.1f} | "
+            table += f"{c['reads_per_step']:.1f} | {c['launches_per_step']:.1f} |\n"
+    return table
 
 
 def _by_seed(rows: list[dict]) -> str:
@@ -288,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0", help="comma-separated: each run of each config")
     p.add_argument("--eval-batches", type=int, default=4, help="held-out batches after training")
     p.add_argument("--json", default="benchmarks/results/sequence.json")
+    p.add_argument(
+        "--count",
+        action="store_true",
+        help="count host reads and launches a step on the GPU's path (on the CPU) instead",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="recsz", help=argparse.SUPPRESS)
     p.add_argument("--out", default=".", help=argparse.SUPPRESS)
@@ -306,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     keep = ["--features", "--rows", "--dim", "--mean-len", "--zipf", "--batch", "--steps",
             "--warmup", "--lr", "--eval-batches"]  # fmt: skip
     common = [f for k in keep for f in (k, str(getattr(args, k[2:].replace("-", "_"))))]
+    common += ["--count"] * args.count
+    device_path = {"RECSZ_DEVICE_PATH_ON_CPU": "1", "TRITON_INTERPRET": "1"} if args.count else {}
     rows = []
     for rate in rates:
         with shaped(None if rate == "unshaped" else rate) as prefix:
@@ -315,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
                     cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", __file__, "--worker", "--config", config,
                            "--out", tmp, "--seed", str(seed), *common]  # fmt: skip
-                    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                    env = {**os.environ, "OMP_NUM_THREADS": "1", **device_path}
                     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
                     summary = Path(tmp, "summary.json")
                     # (gloo or TorchRec at interpreter exit, stock's runs too, now and then:
@@ -326,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["exit_code"] = done.returncode
                 print(row, flush=True)
                 rows.append(row)
+    if args.count:
+        write_results(rows, args.json, _counts_table(rows))
+        return 0
     table = "| rate | seed | config | samples/s | wire MB/step | loss (last 5) | eval AUC "
     table += "| x stock best |\n|---|---|---|---|---|---|---|---|\n"
     for rate, seed in dict.fromkeys((r["rate"], r["seed"]) for r in rows):

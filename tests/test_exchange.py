@@ -49,6 +49,26 @@ def test_unframe_names_the_sender_of_bad_buffers() -> None:
         unframe(buf[:2], 2, "rank 3")
 
 
+@given(st.lists(st.lists(st.binary(max_size=20), min_size=1, max_size=4), max_size=3))
+def test_unframe_all_reads_each_first_part_with_the_tables(bufs: list[list[bytes]]) -> None:
+    """Told each buffer's first part's size, :func:`unframe_all` gives that part on the
+    host (what a GPU would read with the tables of lengths), the rest as unframe does."""
+    from recsz.codecs.framing import unframe_all
+
+    framed = [frame([torch.tensor(list(p), dtype=torch.uint8) for p in ps]) for ps in bufs]
+    names = [f"rank {i}" for i in range(len(bufs))]
+    got = unframe_all(framed, [len(ps) for ps in bufs], names, [len(ps[0]) for ps in bufs])
+    assert [[bytes(t.numpy()) for t in ts] for ts in got] == bufs
+    for i, ps in enumerate(bufs):  # a first part of another size: named
+        sizes = [len(p[0]) for p in bufs]
+        sizes[i] += 1
+        with pytest.raises(ValueError, match=f"rank {i}: its first part is {len(ps[0])} bytes"):
+            unframe_all(framed, [len(p) for p in bufs], names, sizes)
+    for b in framed:
+        b.zero_()  # the first parts are copies (the rest are views of the buffers)
+    assert [bytes(ts[0].numpy()) for ts in got] == [ps[0] for ps in bufs]
+
+
 # ---- distinct ids ---------------------------------------------------------------------
 @given(st.lists(st.integers(0, 20), max_size=60))
 def test_unique_first_matches_a_plain_reference(ids: list[int]) -> None:

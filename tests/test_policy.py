@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -278,3 +280,79 @@ def test_cuda_bounds_equal_the_cpu_ones() -> None:
     f = [0.01 * (j + 1) for j in range(26)]
     got = absolute_bounds(f, "rel", x.cuda())
     assert got.is_cuda and torch.equal(got.cpu(), absolute_bounds(f, "rel", x))
+
+
+def _policies() -> list[object]:
+    from recsz.policy.dct import DCTThreshold
+
+    return [
+        FixedBound(0.01, "rel"),
+        FixedBound(1e-9, "abs"),
+        DualBound(n_tables=6, class_eb=CLS, probe_steps=2, every=0),
+        DCTThreshold(0.3, 1),
+    ]
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 9), max_size=3), min_size=1, max_size=6),
+    st.integers(0, 2**32 - 1),
+    st.booleans(),
+)
+def test_padded_tables_give_every_policy_what_each_table_alone_gives(
+    path: str, runs: list[list[int]], seed: int, specials: bool
+) -> None:
+    """Tables of several lengths padded into a few tensors (runs of rows anywhere in x, NaN
+    after them) give each policy the bounds, and the dual policy the classes, that one
+    call a table gives: the padding takes no part. On the codecs' host path and on the
+    GPU's (the range kernel, the probe's torch counts)."""
+    from recsz.devicepath import DEVICE_PATH_ON_CPU
+
+    with mock.patch.dict(os.environ, {DEVICE_PATH_ON_CPU: str(int(path == "device"))}):
+        _padded_tables_checked(runs, seed, specials)
+
+
+def _padded_tables_checked(runs: list[list[int]], seed: int, specials: bool) -> None:
+    from recsz.policy.base import padded_tables
+
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(sum(r) for r in runs)  # (and 3 rows no table holds)
+    x = torch.randn(rows + 3, 5, generator=g) * torch.rand(rows + 3, 1, generator=g) * 4
+    if specials:
+        x[torch.rand(x.shape, generator=g) < 0.1] = float("inf")
+    # each table's runs at shuffled places in x (as a row's gradient, source after source)
+    pieces = [(j, n) for j, r in enumerate(runs) for n in r]
+    spans: list[list[tuple[int, int]]] = [[] for _ in runs]
+    start = 0
+    for i in torch.randperm(len(pieces), generator=g).tolist():
+        j, n = pieces[i]
+        spans[j].append((start, n))
+        start += n
+    groups = padded_tables(x, spans)
+    got_rows = {j: t[k] for fs, t in groups for k, j in enumerate(fs)}
+    for j, r in enumerate(spans):
+        want = torch.cat([x[a : a + n] for a, n in r]) if r else x[:0]
+        if not len(want):
+            assert j not in got_rows
+            continue
+        pad = got_rows[j][len(want) :]
+        assert torch.equal(got_rows[j][: len(want)], want) and bool(pad.isnan().all())
+        assert got_rows[j].shape[0] < 2 * len(want)  # at most twice a table's rows
+    for apart, together in zip(_policies(), _policies(), strict=True):
+        for step in (0, 1, 2):  # the dual policy: a probe window, then its classes
+            for fs, t in groups:
+                together.observe(fs, step, t)
+            for j in got_rows:
+                r = spans[j]
+                apart.observe([j], step, torch.cat([x[a : a + n] for a, n in r])[None])
+            alone = {
+                j: float(apart.bounds([j], step, torch.cat([x[a : a + n] for a, n in r])[None])[0])
+                for j, r in enumerate(spans)
+                if j in got_rows
+            }
+            joint = {}
+            for fs, t in groups:
+                joint.update(zip(fs, together.bounds(fs, step, t).tolist(), strict=True))
+            assert joint == alone, (step, type(apart).__name__)
+        assert together.describe() == apart.describe()

@@ -356,23 +356,23 @@ def test_a_checkpoint_carries_the_sequence_dists_state(ranks: list[dict]) -> Non
         _same(res["resumed"], res["straight"])
 
 
-def test_on_the_gpu_path_each_dist_reads_the_host_seven_times_a_step(ranks: list[dict]) -> None:
+def test_on_the_gpu_path_each_dist_reads_the_host_six_times_a_step(ranks: list[dict]) -> None:
     """What a GPU would wait for in our sequence dists (counted on the CPU,
     tests/hostreads.py), per dist and step: how many rows each (feature, destination)
     has (the lookup's split), the payloads' lengths and the received buffers' tables of
-    lengths each way, the row counts framed ahead of the forward's payloads, and the
-    checks' verdicts (the backward's; the forward's ride on its lengths). Indices are made
-    once: no host values copied to the device."""
+    lengths each way (the forward's with the row counts framed ahead of its payloads),
+    and the checks' verdicts (the backward's; the forward's ride on its lengths). Indices
+    are made once or uploaded: no host values copied to the device."""
     if "reads" not in ranks[0]:
         pytest.skip("the host path: host reads cost nothing there")
     for r in ranks:
         assert len(r["reads"]) == 2
         for reads, where in r["reads"]:
-            assert reads == 7 * 3, where  # three dists: table-wise, column-wise, row-wise
-            for site in ("_counts", "read_counts", "read_all"):
+            assert reads == 6 * 3, where  # three dists: table-wise, column-wise, row-wise
+            for site in ("_counts", "read_all"):
                 assert site in where, where
             assert where.count("read_sizes") == 2 and where.count("unframe_all") == 2, where
-            assert "tensor(host values, device=) at sequence.py" not in where, where
+            assert "read_counts" not in where and "device=) at sequence.py" not in where, where
 
 
 def test_a_damaged_payload_is_named_before_its_gradients_leave(ranks: list[dict]) -> None:

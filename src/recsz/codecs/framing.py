@@ -44,16 +44,32 @@ def unframe(buf: torch.Tensor, expected: int | None, source: str) -> list[torch.
 
 
 def unframe_all(
-    bufs: list[torch.Tensor], expected: list[int], sources: list[str]
+    bufs: list[torch.Tensor],
+    expected: list[int],
+    sources: list[str],
+    first: list[int] | None = None,
 ) -> list[list[torch.Tensor]]:
     """:func:`unframe` of each buffer (``expected[i]`` parts, from ``sources[i]``), their
-    tables of lengths read to the host at once (on a GPU: one wait, not one a buffer)."""
-    spans = [min(b.numel(), _COUNT.size + 8 * n) for b, n in zip(bufs, expected, strict=True)]
+    tables of lengths read to the host at once (on a GPU: one wait, not one a buffer).
+    ``first[i]``: buffer i's first part is that many bytes, read along and given on the
+    host (a PayloadError where its table says otherwise)."""
+    lead = first or [0] * len(bufs)
+    spans = [
+        min(b.numel(), _COUNT.size + 8 * n + f)
+        for b, n, f in zip(bufs, expected, lead, strict=True)
+    ]
     heads = [b[:s] for b, s in zip(bufs, spans, strict=True)]
     raw = torch.cat(heads).cpu().numpy() if heads else np.empty(0, np.uint8)
     out, at = [], 0
-    for b, s, n, src in zip(bufs, spans, expected, sources, strict=True):
-        out.append(_split(b, raw[at : at + s], n, src))
+    for b, s, n, f, src in zip(bufs, spans, expected, lead, sources, strict=True):
+        table = _COUNT.size + 8 * n
+        parts = _split(b, raw[at : at + min(s, table)], n, src)
+        if first is not None:
+            if not parts or parts[0].numel() != f:
+                got = parts[0].numel() if parts else "no"
+                raise PayloadError(f"{src}: its first part is {got} bytes, expected {f}")
+            parts[0] = torch.from_numpy(raw[at + table : at + s].copy())
+        out.append(parts)
         at += s
     return out
 

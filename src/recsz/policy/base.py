@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from recsz.codecs.base import EB_MAX
-from recsz.codecs.payload import constant
+from recsz.codecs.payload import constant, upload
 from recsz.devicepath import device_path
 
 #: Smallest absolute bound handed out (a constant slice has range 0).
@@ -90,8 +90,41 @@ def to_absolute(eb: float, mode: str, x: torch.Tensor) -> float:
     return float(absolute_bounds([eb], mode, x.unsqueeze(0))[0])
 
 
+def padded_tables(
+    x: torch.Tensor, spans: list[list[tuple[int, int]]]
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Tables' rows of x (table j's: its ``spans[j]``, (first row, rows) runs) as
+    (tables, longest, width) tensors for one policy call each, each table's rows followed
+    by rows of NaN, which no policy sees (:class:`BoundPolicy`); tables of lengths within
+    a factor of two of each other in one tensor (at most twice their rows), given with
+    their positions j. Tables without rows are left out. Two launches a tensor
+    and two for all (on a GPU: an asynchronous upload of the indices, no host read)."""
+    lengths = [sum(n for _, n in runs) for runs in spans]
+    by_size: dict[int, list[int]] = {}
+    for j, n in enumerate(lengths):
+        if n:
+            by_size.setdefault(n.bit_length(), []).append(j)
+    if not by_size:
+        return []
+    nan_row = x.shape[0]  # the row of NaN appended to x
+    ext = torch.cat([x, x.new_full((1, x.shape[1]), float("nan"))])
+    out = []
+    for _, fs in sorted(by_size.items()):
+        longest = max(lengths[j] for j in fs)
+        index = np.full((len(fs), longest), nan_row, np.int64)
+        for row, j in zip(index, fs, strict=True):
+            row[: lengths[j]] = np.concatenate([np.arange(a, a + n) for a, n in spans[j]])
+        rows = ext.index_select(0, upload(index.reshape(-1), torch.int64, x.device))
+        out.append((fs, rows.view(len(fs), longest, x.shape[1])))
+    return out
+
+
 class BoundPolicy:
-    """Base: no bound (lossless or casting codecs)."""
+    """Base: no bound (lossless or casting codecs).
+
+    Values that are not finite take no part in any policy's bounds or observations (a
+    table's rows padded with rows of NaN give what its rows alone give: callers pad
+    tables of several lengths into one tensor)."""
 
     name = "none"
 

@@ -268,7 +268,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
             bufs,
             [len(w) + ahead for w in widths],
             [f"rank {s} ({d.name})" for s in range(self.world)],
-        )  # every source's table of lengths in one host read
+            self._framed_ahead() if ahead else None,
+        )  # every source's table of lengths in one host read (and what it framed ahead)
         if callable(picks):
             picks = picks([p[0] for p in parts])
             parts = [p[1:] for p in parts]
@@ -302,6 +303,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
         if not hold:
             checks.read()
         return out
+
+    def _framed_ahead(self) -> list[int] | None:
+        """The bytes each source frames ahead of its payloads, where it frames a part of
+        known size there (read on the host with the tables of lengths); None: unknown."""
+        return None
 
     def _columns(self, dims: tuple[int, ...]) -> int:
         """The columns of a block of features ``dims`` wide: side by side here."""

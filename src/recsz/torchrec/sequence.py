@@ -30,6 +30,7 @@ from recsz.codecs.payload import upload
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes
 from recsz.config import TrainConfig
+from recsz.policy.base import padded_tables
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context, Received
 from recsz.torchrec.handover import theirs
 from recsz.torchrec.rows import Group
@@ -83,8 +84,9 @@ def counts_part(counts: list[int], device: torch.device) -> torch.Tensor:
 
 def read_counts(parts: list[torch.Tensor], features: list[int], rows: list[int]) -> list[Segments]:
     """:func:`counts_part`'s bytes of each source s back (``features[s]`` counts, which add
-    up to ``rows[s]``, the rows it sent), in one host read; a ValueError naming the source
-    where they do not."""
+    up to ``rows[s]``, the rows it sent), in one host read (none where they are on the
+    host: read with the tables of lengths); a ValueError naming the source where they do
+    not add up."""
     raw = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy() if parts else b""
     got, at = [], 0
     for s, (f, n, p) in enumerate(zip(features, rows, parts, strict=True)):
@@ -133,6 +135,9 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         starts = _offsets(self.features)
         return dims, [list(range(starts[r], starts[r + 1])) for r in range(len(self.features))]
 
+    def _framed_ahead(self) -> list[int]:
+        return [8 * f for f in self.features]  # the forward's row counts (counts_part)
+
     def _columns(self, dims: tuple[int, ...]) -> int:
         return self.width  # the features one above another
 
@@ -150,8 +155,10 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         self.step += int(train)
         mine, dims = self.keys[self.rank], self.dims[self.rank]
         counts = self._counts(sharding_ctx, local_embs)  # [feature][destination]
-        by_feature = torch.split(local_embs, [sum(c) for c in counts])
-        ebs = self._feature_bounds(self.fwd, step, list(by_feature), mine, train)
+        sums = [sum(c) for c in counts]
+        by_feature = torch.split(local_embs, sums)
+        spans = [[(a, n)] for a, n in zip(_offsets(sums)[:-1], sums, strict=True)]
+        ebs = self._feature_bounds(self.fwd, step, local_embs, spans, mine, train)
         # each destination's rows, feature after feature, in one copy (autograd maps the
         # gradient back); each destination's block a view of it
         parts = [x.split(c) for x, c in zip(by_feature, counts, strict=True)]
@@ -191,20 +198,27 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         return got
 
     def _feature_bounds(
-        self, d: Direction, step: int, rows: list[torch.Tensor], keys: list[int], train: bool
+        self,
+        d: Direction,
+        step: int,
+        x: torch.Tensor,
+        spans: list[list[tuple[int, int]]],
+        keys: list[int],
+        train: bool,
     ) -> torch.Tensor | None:
-        """Each feature's bound from its rows sent (``rows[j]``: all of feature ``keys[j]``,
-        every destination's), by key; None for a codec that takes none."""
-        if not rows:
+        """Each feature's bound from its rows sent (``spans[j]``: the (first row, rows)
+        runs of x holding all of feature ``keys[j]``, every destination's), by key; None
+        for a codec that takes none. Features of about one length go through the policy
+        together (:func:`padded_tables`): a few calls a step, not one a feature."""
+        if not keys:
             return None
-        ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=rows[0].device)
-        for key, x in zip(keys, rows, strict=True):
-            if x.shape[0] == 0:
-                continue  # nothing of it travels
-            got = d.bounds(step, [key], x.detach().unsqueeze(0), observe=train)
+        ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
+        for at, padded in padded_tables(x.detach(), spans):
+            ks = [keys[j] for j in at]  # (which, changes with the lengths: uploaded)
+            got = d.bounds(step, ks, padded, observe=train)
             if got is None:
                 return None
-            ebs[key] = got.to(ebs.device)[0]
+            ebs[upload(ks, torch.int64, x.device)] = got.to(x.device)
         return ebs
 
     def finish_forward(
@@ -227,14 +241,13 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         grad = self._divided(grad)
         blocks_of = torch.split(grad, ctx["rows"])
         theirs: list[Segments] = ctx["theirs"]
-        split = [b.split(s.counts) for b, s in zip(blocks_of, theirs, strict=True)]
-        every = [k for ks in self.keys for k in ks]
-        rows, keys = [], []  # each key's rows, every source's
-        for key in sorted(set(every)):
-            at = [(s, i) for s in range(self.world) for i, k in enumerate(self.keys[s]) if k == key]
-            rows.append(_joined([split[s][i] for s, i in at], grad[:0]))
-            keys.append(key)
-        ebs = self._feature_bounds(self.bwd, step, rows, keys, True)
+        spans: dict[int, list[tuple[int, int]]] = {}  # each key's rows, every source's
+        for s, (start, seg) in enumerate(zip(_offsets(ctx["rows"])[:-1], theirs, strict=True)):
+            at = _offsets(seg.counts)[:-1]
+            for key, a, n in zip(self.keys[s], at, seg.counts, strict=True):
+                spans.setdefault(key, []).append((start + a, n))
+        keys = sorted(spans)
+        ebs = self._feature_bounds(self.bwd, step, grad, [spans[k] for k in keys], keys, True)
         blocks = [(b, self.dims[s], self.keys[s]) for s, b in enumerate(blocks_of)]
         return self._send(self.bwd, step, blocks, ebs, True, theirs)
 
