@@ -44,11 +44,10 @@ from recsz.codecs.checks import HeldChecks, read_sizes, riding
 from recsz.codecs.framing import frame, unframe_all
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
-from recsz.comm.overlap import tie_backward
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
-from recsz.torchrec.handover import lookup_lengths, missing_ids, theirs, weights_learn
+from recsz.torchrec.handover import Received, lookup_lengths, missing_ids, theirs, weights_learn
 from recsz.torchrec.rows import Merge, Pick, Rows
 
 
@@ -377,34 +376,3 @@ class CompressedPooledEmbeddingDist(nn.Module):
         """What :meth:`start_backward` sent -> (global batch, my dims) on the table owner."""
         dims = [self.dims[self.rank]] * self.world
         return torch.cat(self._receive(self.bwd, pending, per_rank, dims, picks=ctx.get("mine")))
-
-
-class Received(Awaitable[torch.Tensor]):
-    """The forward in flight; waiting decodes it into a tensor whose gradient is sent back
-    while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`;
-    ``defer=False``: within it)."""
-
-    def __init__(
-        self,
-        local_embs: torch.Tensor,
-        owner: CompressedPooledEmbeddingDist,
-        pending: PendingBytes,
-        step: int,
-        per_rank: list[int],
-        ctx: Context,
-        defer: bool,
-    ) -> None:
-        super().__init__()
-        self.args = (local_embs, owner, pending, step, per_rank, ctx, defer)
-
-    def _wait_impl(self) -> torch.Tensor:
-        local_embs, owner, pending, step, per_rank, ctx, defer = self.args
-        hold = local_embs.requires_grad and torch.is_grad_enabled()  # a backward follows
-        received = owner.finish_forward(pending, per_rank, hold, ctx).to(local_embs.dtype)
-        return tie_backward(
-            received,
-            local_embs,
-            lambda grad: owner.start_backward(grad, step, ctx),
-            lambda sent: owner.finish_backward(sent, per_rank, ctx).to(local_embs.dtype),
-            defer,
-        )

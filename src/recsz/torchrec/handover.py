@@ -2,15 +2,22 @@
 module (``sharder.py``): the ids its sharding's lookup took (``seen["lookup"]``, put there by
 a hook on the lookup), and in TorchRec's per-batch sharding context how the sample owners
 merged their bags (``recsz_merge``, ``rows.py``) and whether the step is TorchRec's
-(``recsz_plain``: ``compress="auto"``'s switch sent it plain)."""
+(``recsz_plain``: ``compress="auto"``'s switch sent it plain); and what it hands back to
+TorchRec: the awaitable of the rows it received (:class:`Received`)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchrec.distributed.types import Awaitable
+
+from recsz.comm.overlap import tie_backward
+
+if TYPE_CHECKING:
+    from recsz.comm.exchange import PendingBytes
+    from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
 
 
 def lookup_lengths(seen: dict[str, Any], f: int, n: int) -> torch.Tensor | None:
@@ -57,3 +64,34 @@ def theirs(owner: Any, local_embs: torch.Tensor, ctx: Any) -> Awaitable | None:
         warnings.warn(msg, stacklevel=3)
         owner.warned_variable_batch = True
     return owner.inner(local_embs, ctx)
+
+
+class Received(Awaitable[torch.Tensor]):
+    """The forward in flight; waiting decodes it into a tensor whose gradient is sent back
+    while the rest of the backward pass runs (:func:`recsz.comm.overlap.tie_backward`;
+    ``defer=False``: within it)."""
+
+    def __init__(
+        self,
+        local_embs: torch.Tensor,
+        owner: CompressedPooledEmbeddingDist,
+        pending: PendingBytes,
+        step: int,
+        per_rank: list[int],
+        ctx: Context,
+        defer: bool,
+    ) -> None:
+        super().__init__()
+        self.args = (local_embs, owner, pending, step, per_rank, ctx, defer)
+
+    def _wait_impl(self) -> torch.Tensor:
+        local_embs, owner, pending, step, per_rank, ctx, defer = self.args
+        hold = local_embs.requires_grad and torch.is_grad_enabled()  # a backward follows
+        received = owner.finish_forward(pending, per_rank, hold, ctx).to(local_embs.dtype)
+        return tie_backward(
+            received,
+            local_embs,
+            lambda grad: owner.start_backward(grad, step, ctx),
+            lambda sent: owner.finish_backward(sent, per_rank, ctx).to(local_embs.dtype),
+            defer,
+        )

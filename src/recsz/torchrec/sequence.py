@@ -31,8 +31,8 @@ from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes
 from recsz.config import TrainConfig
 from recsz.policy.base import padded_tables
-from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context, Received
-from recsz.torchrec.handover import theirs
+from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
+from recsz.torchrec.handover import Received, theirs
 from recsz.torchrec.rows import Group
 
 
