@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
-from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
+from recsz.configcheck import refused
 from recsz.fields import check, opt, parser
 from recsz.model import (
     DENSE_OPTIMIZERS,
@@ -304,93 +304,10 @@ class TrainConfig:
         }
 
     def __post_init__(self) -> None:
-        check(self)
-        self._check_bound_values()
-        model = self.model()
-        n_tables = model.n_tables
-        self.failure_at()
-        self.switch()
-        spec = self.fiited_spec()
-        if spec is not None:
-            spec.chunks_of(model.emb_dim)  # before any rank starts
-        if (bsz := self.resolved("batch_size")) % self.nproc:  # once, before the launch
-            raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {self.nproc}")
-        if self.tt_tables > n_tables:
-            raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
-        bags = self.hotness() is not None  # and --multi-hot parses, before any rank starts
-        if bags and self.tt_tables:
-            raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
-        if bags and self.fiited_mask_backward:
-            raise ValueError(
-                "--multi-hot with --fiited-mask-backward: a bag's rows hold other chunks than "
-                "its id's row, whose count the mask reads"
-            )
-        if self.tt_placement == "replicated" and self.tt_cache_rows:
-            raise ValueError(
-                "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
-                "rows would train apart on each rank)"
-            )
-        fwd, bwd = self.codec("fwd"), self.codec("bwd")
-        if bwd.forward_mask and not fwd.threshold:
-            raise ValueError(
-                f"--bwd-codec {self.bwd_codec} sends the forward's kept entries; it needs a "
-                "thresholding forward codec (--fwd-codec dct)"
-            )
-        if self.cuda_graph and (clash := self._graph_clashes(fwd, bwd)):
-            raise ValueError(
-                "--cuda-graph replays one fixed-size step on one GPU; it cannot run with "
-                + ", ".join(clash)
-            )
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("--device cuda, but torch sees no CUDA device here")
-            if self.dense_dtype == "bf16" and not torch.cuda.is_bf16_supported():
-                raise ValueError("--dense-dtype bf16, but this GPU has no bfloat16 arithmetic")
+        check(self)  # each field's own limits
+        refused(self)  # what the fields allow together
         if self.log_every == 0:
             self.log_every = 1
-
-    def _check_bound_values(self) -> None:
-        """The class bounds parse; an absolute bound is one a codec accepts."""
-        for d in ("fwd", "bwd"):
-            classes = self.class_eb(d)
-            if self.eb_mode != "abs":
-                continue
-            for flag, eb in (
-                (f"--{d}-eb", getattr(self, f"{d}_eb")),
-                *((f"--{d}-class-eb {c}", v) for c, v in classes.items()),
-            ):
-                if not EB_MIN <= eb <= EB_MAX:
-                    raise ValueError(
-                        f"{flag} {eb:g} (--eb-mode abs) is outside the codecs' bounds "
-                        f"[{EB_MIN:.7g}, {EB_MAX:g}]"
-                    )
-
-    def _graph_clashes(self, fwd: Codec, bwd: Codec) -> list[str]:
-        """What ``--cuda-graph`` cannot replay: more than one process, traffic whose sizes
-        change every step, host work inside the step (host-coded codecs, DCT thresholds,
-        bound checks, FIITED's pruning, TT-Rec's caches and replicated cores)."""
-        import torch
-
-        gpu = torch.device("cuda")
-        host = [
-            f"--{d}-codec {c.codec_id} (coded on the host)"
-            for d, c in (("fwd", fwd), ("bwd", bwd))
-            if not (c.identity or c.segments_on(gpu)) or c.threshold or c.forward_mask
-        ]
-        flags = [
-            ("--device cpu", self.device != "cuda"),
-            (f"--nproc {self.nproc}", self.nproc > 1),
-            ("--id-dedup", self.id_dedup),
-            ("--bwd-coalesce", self.bwd_coalesce),
-            ("--check-bounds", self.check_bounds),
-            ("--compress auto", self.compress == "auto"),
-            ("--fiited-budget", self.fiited_budget is not None),
-            ("--tt-tables", self.tt_tables > 0),
-            ("--dense-optimizer adagrad", self.resolved("dense_optimizer") == "adagrad"),
-        ]
-        return [f for f, on in flags if on] + host
 
     def resolved(self, name: str) -> Any:
         """A field whose None means a default of its own (``batch_size``, ``lr``, ``emb_lr``,

@@ -1,0 +1,104 @@
+"""Which combinations of `recsz train`'s options no run can take: refused by name when a
+:class:`recsz.config.TrainConfig` is made, before any rank starts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from recsz.codecs.base import EB_MAX, EB_MIN
+
+if TYPE_CHECKING:
+    from recsz.codecs import Codec
+    from recsz.config import TrainConfig
+
+
+def refused(cfg: TrainConfig) -> None:
+    """A ValueError naming the flags of the first combination of ``cfg``'s options that no
+    run can take (each field's own limits are :func:`recsz.fields.check`'s), before any
+    rank starts."""
+    _check_bound_values(cfg)
+    model = cfg.model()
+    n_tables = model.n_tables
+    cfg.failure_at()
+    cfg.switch()
+    spec = cfg.fiited_spec()
+    if spec is not None:
+        spec.chunks_of(model.emb_dim)  # before any rank starts
+    if (bsz := cfg.resolved("batch_size")) % cfg.nproc:  # once, before the launch
+        raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {cfg.nproc}")
+    if cfg.tt_tables > n_tables:
+        raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
+    bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
+    if bags and cfg.tt_tables:
+        raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
+    if bags and cfg.fiited_mask_backward:
+        raise ValueError(
+            "--multi-hot with --fiited-mask-backward: a bag's rows hold other chunks than "
+            "its id's row, whose count the mask reads"
+        )
+    if cfg.tt_placement == "replicated" and cfg.tt_cache_rows:
+        raise ValueError(
+            "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
+            "rows would train apart on each rank)"
+        )
+    fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
+    if bwd.forward_mask and not fwd.threshold:
+        raise ValueError(
+            f"--bwd-codec {cfg.bwd_codec} sends the forward's kept entries; it needs a "
+            "thresholding forward codec (--fwd-codec dct)"
+        )
+    if cfg.cuda_graph and (clash := _graph_clashes(cfg, fwd, bwd)):
+        raise ValueError(
+            "--cuda-graph replays one fixed-size step on one GPU; it cannot run with "
+            + ", ".join(clash)
+        )
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device here")
+        if cfg.dense_dtype == "bf16" and not torch.cuda.is_bf16_supported():
+            raise ValueError("--dense-dtype bf16, but this GPU has no bfloat16 arithmetic")
+
+
+def _check_bound_values(cfg: TrainConfig) -> None:
+    """The class bounds parse; an absolute bound is one a codec accepts."""
+    for d in ("fwd", "bwd"):
+        classes = cfg.class_eb(d)
+        if cfg.eb_mode != "abs":
+            continue
+        for flag, eb in (
+            (f"--{d}-eb", getattr(cfg, f"{d}_eb")),
+            *((f"--{d}-class-eb {c}", v) for c, v in classes.items()),
+        ):
+            if not EB_MIN <= eb <= EB_MAX:
+                raise ValueError(
+                    f"{flag} {eb:g} (--eb-mode abs) is outside the codecs' bounds "
+                    f"[{EB_MIN:.7g}, {EB_MAX:g}]"
+                )
+
+
+def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:
+    """What ``--cuda-graph`` cannot replay: more than one process, traffic whose sizes
+    change every step, host work inside the step (host-coded codecs, DCT thresholds,
+    bound checks, FIITED's pruning, TT-Rec's caches and replicated cores)."""
+    import torch
+
+    gpu = torch.device("cuda")
+    host = [
+        f"--{d}-codec {c.codec_id} (coded on the host)"
+        for d, c in (("fwd", fwd), ("bwd", bwd))
+        if not (c.identity or c.segments_on(gpu)) or c.threshold or c.forward_mask
+    ]
+    flags = [
+        ("--device cpu", cfg.device != "cuda"),
+        (f"--nproc {cfg.nproc}", cfg.nproc > 1),
+        ("--id-dedup", cfg.id_dedup),
+        ("--bwd-coalesce", cfg.bwd_coalesce),
+        ("--check-bounds", cfg.check_bounds),
+        ("--compress auto", cfg.compress == "auto"),
+        ("--fiited-budget", cfg.fiited_budget is not None),
+        ("--tt-tables", cfg.tt_tables > 0),
+        ("--dense-optimizer adagrad", cfg.resolved("dense_optimizer") == "adagrad"),
+    ]
+    return [f for f, on in flags if on] + host
