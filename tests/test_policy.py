@@ -305,8 +305,8 @@ def test_padded_tables_give_every_policy_what_each_table_alone_gives(
 ) -> None:
     """Tables of several lengths padded into a few tensors (runs of rows anywhere in x, NaN
     after them) give each policy the bounds, and the dual policy the classes, that one
-    call a table gives: the padding takes no part. On the codecs' host path and on the
-    GPU's (the range kernel, the probe's torch counts)."""
+    call a table gives: the padding takes no part. On the GPU's path (the range kernel,
+    the probe's torch counts; padded) and on the host path (each table alone, unpadded)."""
     from recsz.devicepath import DEVICE_PATH_ON_CPU
 
     with mock.patch.dict(os.environ, {DEVICE_PATH_ON_CPU: str(int(path == "device"))}):

@@ -98,8 +98,17 @@ def padded_tables(
     by rows of NaN, which no policy sees (:class:`BoundPolicy`); tables of lengths within
     a factor of two of each other in one tensor (at most twice their rows), given with
     their positions j. Tables without rows are left out. Two launches a tensor
-    and two for all (on a GPU: an asynchronous upload of the indices, no host read)."""
+    and two for all (on a GPU: an asynchronous upload of the indices, no host read). Off
+    the GPU's path, where launches cost nothing and copies do, each table alone, unpadded
+    (a view of x where its rows are one run)."""
     lengths = [sum(n for _, n in runs) for runs in spans]
+    if not device_path(x.device):
+        runs_of = [[x[a : a + n] for a, n in runs if n] for runs in spans]
+        return [
+            ([j], (rs[0] if len(rs) == 1 else torch.cat(rs)).unsqueeze(0))
+            for j, rs in enumerate(runs_of)
+            if rs
+        ]
     by_size: dict[int, list[int]] = {}
     for j, n in enumerate(lengths):
         if n:
