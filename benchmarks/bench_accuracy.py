@@ -164,9 +164,14 @@ def plan_hooks(synthetic: bool, sweep: bool = False, seeds: int = 3) -> list[Run
     return runs
 
 
-def _classes(scale: float) -> tuple[str, ...]:
-    eb = ",".join(f"{scale * b:.3g}" for b in (0.01, 0.03, 0.05))
-    return ("--fwd-class-eb", eb, "--bwd-class-eb", eb)
+def _classes(scale: float, bwd: float | None = None) -> tuple[str, ...]:
+    """The class bounds: the published ones times ``scale`` (the backward's times ``bwd``
+    where given)."""
+
+    def eb(k: float) -> str:
+        return ",".join(f"{k * b:.3g}" for b in (0.01, 0.03, 0.05))
+
+    return ("--fwd-class-eb", eb(scale), "--bwd-class-eb", eb(scale if bwd is None else bwd))
 
 
 #: --a2a: the all-to-all's settings: policy "dual" at the published method's class bounds
@@ -176,6 +181,8 @@ A2A = {
     "dual": (*_DUAL_BOTH, *_classes(1)),
     "dual/3": (*_DUAL_BOTH, *_classes(1 / 3)),
     "dual/10": (*_DUAL_BOTH, *_classes(1 / 10)),
+    # the default forward, the gradients a tenth of it (the sequence sharder's default)
+    "dual/3,bwd/30": (*_DUAL_BOTH, *_classes(1 / 3, 1 / 30)),
     "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual", *_classes(1)[:2]),
     # the fastest configuration on slow links: the defaults with the MLPs in bfloat16
     "dual/3+amp": (*_DUAL_BOTH, *_classes(1 / 3), "--dense-dtype", "bf16"),
@@ -276,9 +283,11 @@ def print_paired(results: list[Result], versus: list[tuple[str, ...]]) -> None:
     """Per setting, the AUC difference against the uncompressed run of the same seed
     (mean, sd, standard error); per ``versus`` pair of settings (A, B), the same of A - B."""
     auc: dict[tuple[str, str], dict[int, float]] = {}  # (data, setting) -> seed -> AUC
+    loss: dict[tuple[str, str], dict[int, float]] = {}  # ... -> log loss
     for r in results:
         setting = "none" if r.policy == "none" else f"{r.policy} {r.direction}"
         auc.setdefault((r.data, setting), {})[r.seed] = r.auc
+        loss.setdefault((r.data, setting), {})[r.seed] = r.logloss
 
     def named(data: str, x: str) -> str:  # x: a direction (--hooks) or a policy (--a2a)
         return next((k for d, k in auc if d == data and x in k.split(" ", 1)), "")
@@ -286,17 +295,21 @@ def print_paired(results: list[Result], versus: list[tuple[str, ...]]) -> None:
     pairs = [(data, k, "none") for data, k in auc if k != "none"]
     datasets = sorted({d for d, _ in auc})
     pairs += [(d, named(d, x), named(d, y)) for x, y in versus for d in datasets]
-    print("| setting | data | seeds | paired ΔAUC mean | sd | standard error |")
-    print("|---|---|---|---|---|---|")
+    print("| setting | data | seeds | paired ΔAUC mean | sd | standard error "
+          "| paired Δ log loss mean | sd |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for data, x, y in pairs:
         a, b = auc.get((data, x), {}), auc.get((data, y), {})
         diff = [a[seed] - b[seed] for seed in sorted(a) if seed in b]
         if len(diff) < 2:
             continue
+        la, lb = loss[(data, x)], loss[(data, y)]
+        dl = [la[seed] - lb[seed] for seed in sorted(la) if seed in lb]
         sd = statistics.stdev(diff)
         name = x if y == "none" else f"{x} - {y}"
         print(f"| {name} | {data} | {len(diff)} | {statistics.fmean(diff):+.4f} | {sd:.4f} | "
-              f"{sd / len(diff) ** 0.5:.4f} |")  # fmt: skip
+              f"{sd / len(diff) ** 0.5:.4f} | {statistics.fmean(dl):+.4f} | "
+              f"{statistics.stdev(dl):.4f} |")  # fmt: skip
 
 
 def _num(x: float) -> float | None:
