@@ -182,7 +182,7 @@ A2A = {
     "dual/3": (*_DUAL_BOTH, *_classes(1 / 3)),
     "dual/10": (*_DUAL_BOTH, *_classes(1 / 10)),
     # the default forward, the gradients a tenth of it (the sequence sharder's default)
-    "dual/3,bwd/30": (*_DUAL_BOTH, *_classes(1 / 3, 1 / 30)),
+    "dual/3+bwd/10": (*_DUAL_BOTH, *_classes(1 / 3, 1 / 30)),
     "dual-fwd": ("--fwd-codec", "hybrid", "--eb-policy", "dual", *_classes(1)[:2]),
     # the fastest configuration on slow links: the defaults with the MLPs in bfloat16
     "dual/3+amp": (*_DUAL_BOTH, *_classes(1 / 3), "--dense-dtype", "bf16"),

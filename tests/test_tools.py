@@ -243,7 +243,7 @@ def test_bench_accuracy_a2a_plans_each_setting_with_eb() -> None:
             assert cfg.bwd_class_eb == default.bwd_class_eb
         if r.policy == "dual-fwd":
             assert cfg.fwd_codec == "hybrid" and cfg.bwd_codec == "none"
-        if r.policy == "dual/3,bwd/30":  # (the sequence sharder's gradients' default)
+        if r.policy == "dual/3+bwd/10":  # (the sequence sharder's gradients' default)
             assert cfg.fwd_class_eb == TrainConfig().fwd_class_eb
             assert cfg.bwd_class_eb == "0.000333,0.001,0.00167"
 
