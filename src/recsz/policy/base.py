@@ -101,7 +101,6 @@ def padded_tables(
     and two for all (on a GPU: an asynchronous upload of the indices, no host read). Off
     the GPU's path, where launches cost nothing and copies do, each table alone, unpadded
     (a view of x where its rows are one run)."""
-    lengths = [sum(n for _, n in runs) for runs in spans]
     if not device_path(x.device):
         runs_of = [[x[a : a + n] for a, n in runs if n] for runs in spans]
         return [
@@ -109,6 +108,7 @@ def padded_tables(
             for j, rs in enumerate(runs_of)
             if rs
         ]
+    lengths = [sum(n for _, n in runs) for runs in spans]
     by_size: dict[int, list[int]] = {}
     for j, n in enumerate(lengths):
         if n:
