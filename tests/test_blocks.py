@@ -6,9 +6,11 @@ are rejected, and the exchange codes a step through it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,13 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.codecs import PayloadError, get_codec
+from recsz.codecs import PayloadError, blockcoder, get_codec
 from recsz.codecs import blockformat as bf
 from recsz.codecs.blocks import decode_segments, encode_segments
 from recsz.comm import EmbeddingExchange
 from recsz.comm.direction import Direction
 from recsz.comm.stats import ShardPlan
-from recsz.policy import FixedBound
+from recsz.policy import FixedBound, rangekernel
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds, to_absolute
 from tests.common import bound_violation, extreme_case, run_without_host_sync
@@ -30,12 +32,30 @@ from tests.reference import one_bound
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
+#: The kernels' work per program (and the range kernel's rows): the GPU's, the
+#: interpreter's, and one so small that these tests' chunks cross many programs.
+LAUNCHES = {
+    "gpu": (blockcoder.GPU, rangekernel.GPU_ROWS),
+    "wide": (blockcoder.WIDE, rangekernel.WIDE_ROWS),
+    "tiny": (blockcoder.Launch(elems=64, blocks=2, rows=4, rows_b=8), 4),
+}
+
+
+@contextlib.contextmanager
+def launched(name: str) -> Iterator[None]:
+    """The kernels launched with ``LAUNCHES[name]`` (plans made afresh, before and after)."""
+    saved = blockcoder.LAUNCH, rangekernel.ROWS
+    blockcoder.LAUNCH, rangekernel.ROWS = LAUNCHES[name]
+    blockcoder.clear_plans()
+    try:
+        yield
+    finally:
+        blockcoder.LAUNCH, rangekernel.ROWS = saved
+        blockcoder.clear_plans()
 
 
 def kernels(lays, xs, ebs, device):
     """Payloads by the Triton kernels (trimmed to their used length)."""
-    from recsz.codecs import blockcoder
-
     xt = [torch.from_numpy(x).to(device) for x in xs]
     buf, base, used = blockcoder.encode(lays, xt, torch.from_numpy(ebs).to(device))
     return [buf[b : b + int(n)] for b, n in zip(base, used.tolist(), strict=True)]
@@ -65,11 +85,20 @@ def check_within(x: np.ndarray, y: np.ndarray, eb_row: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dim", [1, 7, 16, 31, 32, 33, 64])
+@pytest.mark.parametrize(
+    ("launch", "dim"),
+    [(launch, dim) for launch in ("gpu", "wide") for dim in (1, 7, 16, 31, 32, 33, 64)]
+    + [("tiny", 7), ("tiny", 33)],  # many programs a chunk: slow under the interpreter
+)
 @pytest.mark.parametrize("dedup", [True, False])
 def test_kernels_write_the_reference_bytes_on_adversarial_groups(
-    device: str, dim: int, dedup: bool
+    device: str, dim: int, dedup: bool, launch: str
 ) -> None:
+    with launched(launch):
+        adversarial_groups(device, dim, dedup)
+
+
+def adversarial_groups(device: str, dim: int, dedup: bool) -> None:
     rng = np.random.default_rng(dim * 2 + dedup)
     seg_sets = [[9, 0, 23], [0], [1], [40]]  # empty groups and tables, one row, more
     lays, xs, ebl = [], [], []
@@ -85,8 +114,6 @@ def test_kernels_write_the_reference_bytes_on_adversarial_groups(
         assert p.cpu().numpy().tobytes() == ref
         _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
         check_within(x, y, np.repeat(ebs, lay.seg_rows))
-    from recsz.codecs import blockcoder
-
     rows, _, ok = blockcoder.decode(got, lays)
     assert ok.all()
     for p, r in zip(got, rows, strict=True):
@@ -103,7 +130,8 @@ def test_kernels_match_the_reference_on_random_extreme_chunks(seed: int) -> None
     eb = min(max(eb, bf_eb_min()), 1e38)
     lay = bf.Layout("hybrid", 0, x.shape[1], (x.shape[0],), bool(rng.integers(2)))
     ebs = np.array([eb])
-    (p,) = kernels([lay], [x], ebs, "cpu")
+    with launched("tiny"):
+        (p,) = kernels([lay], [x], ebs, "cpu")
     ref = bf.encode_group(lay, x, ebs)
     assert p.numpy().tobytes() == ref
     _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
@@ -128,8 +156,6 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
     assert (np.abs(y - x) <= 1e-3).all() and (y[:256] == y[0]).all()
     (got,) = kernels([lay], [x], ebs, "cpu")
     assert got.numpy().tobytes() == p
-    from recsz.codecs import blockcoder
-
     (rows,), _, ok = blockcoder.decode([got], [lay])
     assert bool(ok.all()) and np.array_equal(rows.numpy(), y)
 
@@ -138,8 +164,8 @@ def test_decoding_another_buffer_of_the_same_layouts_uploads_nothing(monkeypatch
     """Each payload buffer has its own decode plan (a graph reads one buffer), all sharing
     one upload of the layouts' indices: a new buffer (a CUDA graph's, under --cuda-graph)
     needs no host copy, which a capture could not hold."""
-    from recsz.codecs import blockcoder, payload
     from recsz.codecs import blockplan as bp
+    from recsz.codecs import payload
 
     blockcoder.clear_plans()
     x = np.tile(np.linspace(-1, 1, 8, dtype=np.float32), (40, 1))
@@ -225,8 +251,6 @@ def test_damaged_payloads_are_rejected(device: str) -> None:
 
 def kernel_flags(t: torch.Tensor, lay: bf.Layout) -> bool:
     """The kernels' verdict: False when a check flags the payload or it is refused."""
-    from recsz.codecs import blockcoder
-
     try:
         _, _, ok = blockcoder.decode([t], [lay])
     except PayloadError:
@@ -286,7 +310,8 @@ def test_device_bounds_equal_the_host_ones(seed: int, mode: str) -> None:
     if not x.numel():
         return
     t = torch.stack([x, x * 2, torch.full_like(x, 3.0)])
-    got = absolute_bounds([0.01, 0.02, 0.5], mode, t).tolist()
+    with launched("tiny"):
+        got = absolute_bounds([0.01, 0.02, 0.5], mode, t).tolist()
 
     def plain(f: float, v: torch.Tensor) -> float:  # the rule, in float64 on the host
         if mode == "abs":

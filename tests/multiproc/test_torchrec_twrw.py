@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from recsz.devicepath import DEVICE_PATH_ON_CPU
 from tests.multiproc.spawned import (
     AUTO,
     codec_path,
@@ -121,9 +122,10 @@ def _worker(rank: int, store: str, out: str) -> None:
         return _dmp(rt.CompressedEBCSharder(eb_policy="dual", hindex_probe_steps=1,
                                             hindex_every=2, decay_t=4))  # fmt: skip
 
-    res["straight"], res["resumed"] = straight_and_resumed(
-        make, lambda model, steps, start: _train(model, rank, steps, start)
-    )
+    if os.environ.get(DEVICE_PATH_ON_CPU) != "1":  # the same state on both paths
+        res["straight"], res["resumed"] = straight_and_resumed(
+            make, lambda model, steps, start: _train(model, rank, steps, start)
+        )
     # the ids the lookup took, lost: refused before any byte leaves, on every rank alike
     forward = rt.CompressedTwRwDist.forward
 
@@ -203,6 +205,8 @@ def test_a_checkpoint_carries_the_cross_host_dists_state(ranks: list[dict]) -> N
     """The dual policy (a probe window at step 2, the bound decaying over 4 steps) for 4
     steps at once, and 2 + 2 through ``dmp.state_dict()`` into a fresh DMP: the same
     outputs, bit for bit (the table-row-wise dist's state rides with the table-wise one's)."""
+    if "resumed" not in ranks[0]:
+        pytest.skip("run on the host path (the dists' state is the same on both)")
     for res in ranks:
         for a, b in zip(res["resumed"], res["straight"], strict=True):
             assert torch.equal(a, b)

@@ -26,6 +26,7 @@ arguments (no recompilation), and a plan's indices are derived on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from typing import Any
@@ -40,12 +41,27 @@ from recsz.codecs import blockplan as bp
 from recsz.codecs import blockunpack as u
 from recsz.codecs.checks import verdict
 from recsz.codecs.payload import PayloadError
+from recsz.interpreter import interpreted
 
-ELEMS = 2048  # elements per quantize program
-BLOCKS = 128  # blocks per pack / unpack program (the H100 sweep's best of 16-256)
-ROWS = 32  # rows per program of the row-comparing kernels (dedup, row gather)
-DB = 32  # dims per step of their loops
-ROWS_B = 256  # rows per program of the per-row kernels
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """Work per program of the kernels. No byte depends on it: CI checks the GPU's
+    on chunks that cross every program boundary (``tests/test_blocks.py``)."""
+
+    elems: int  # elements per quantize program
+    blocks: int  # blocks per pack / unpack program
+    rows: int  # rows per program of the row-comparing kernels (dedup, row gather)
+    rows_b: int  # rows per program of the per-row kernels
+
+
+#: On a GPU (blocks: the H100 sweep's best of 16-256).
+GPU = Launch(elems=2048, blocks=128, rows=32, rows_b=256)
+#: Under Triton's interpreter a program costs about its operations' count whatever their
+#: width: fewer, wider programs (the device path's step tests take half the time).
+WIDE = Launch(elems=16384, blocks=1024, rows=256, rows_b=2048)
+LAUNCH = WIDE if interpreted() else GPU
+DB = 32  # dims per step of the row-comparing kernels' loops
 _PLANS: OrderedDict[tuple, bp.Plan] = OrderedDict()
 _MAX_PLANS = 16
 
@@ -142,9 +158,9 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
         n_lit = ws[2 * slots : 2 * slots + p.g]
         if nr:
             dup, lit, cz = _duplicates(p, x.view(torch.int32), ws[: 2 * slots], row_map)
-            k.encode_rows_kernel[(triton.cdiv(nr, ROWS_B),)](
+            k.encode_rows_kernel[(triton.cdiv(nr, LAUNCH.rows_b),)](
                 dup, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["row0"], t["npad"],
-                row_map, refs, n_lit, nr, B=ROWS_B,
+                row_map, refs, n_lit, nr, B=LAUNCH.rows_b,
             )  # fmt: skip
     else:
         row_map, n_lit = t["arange"], t["npad"]
@@ -153,21 +169,21 @@ def _encode(p: bp.Plan, x: torch.Tensor, ebs: torch.Tensor) -> tuple[torch.Tenso
     w = torch.empty(nb, dtype=torch.uint8, device=dev)
     size = torch.empty(nb, dtype=torch.int64, device=dev)
     if n:
-        k.quantize_kernel[(triton.cdiv(n, ELEMS),)](
+        k.quantize_kernel[(triton.cdiv(n, LAUNCH.elems),)](
             x, row_map, t["rseg"], ebs, zz, w, size, t["rgroup"], t["bs"], t["nrb"],
-            t["row0"], n, bf.QMAX, DIM=dim, BLOCK=ELEMS,
+            t["row0"], n, bf.QMAX, DIM=dim, BLOCK=LAUNCH.elems,
         )  # fmt: skip
     if p.ref_blocks:
-        k.ref_widths_kernel[(triton.cdiv(p.ref_blocks, BLOCKS),)](
-            refs, t["refg"], t["rb0"], t["bs"], w, size, p.ref_blocks, B=BLOCKS
+        k.ref_widths_kernel[(triton.cdiv(p.ref_blocks, LAUNCH.blocks),)](
+            refs, t["refg"], t["rb0"], t["bs"], w, size, p.ref_blocks, B=LAUNCH.blocks
         )
     cs = torch.cumsum(size, 0)
     out = torch.empty(p.size, dtype=torch.uint8, device=dev)
     if nb:
-        k.pack_kernel[(triton.cdiv(nb, BLOCKS),)](
+        k.pack_kernel[(triton.cdiv(nb, LAUNCH.blocks),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             w, size, cs, zz, refs, x.view(torch.int32), row_map, out, out.view(torch.int32),
-            ck, nb, DIM=dim, B=BLOCKS,
+            ck, nb, DIM=dim, B=LAUNCH.blocks,
         )  # fmt: skip
     out[t["ipos"]] = t["ival"]
     used = torch.empty(p.g, dtype=torch.int64, device=dev)
@@ -197,7 +213,8 @@ def _duplicates(
     key = torch.empty(n, dtype=torch.int64, device=p.dev)
     dup = torch.empty(n, dtype=torch.int64, device=p.dev)
     lit = torch.empty(n, dtype=torch.int32, device=p.dev)
-    grid, cfg = (triton.cdiv(n, ROWS),), {"DIM": p.dim, "ROWS": ROWS, "DB": DB}
+    rows = LAUNCH.rows
+    grid, cfg = (triton.cdiv(n, rows),), {"DIM": p.dim, "ROWS": rows, "DB": DB}
     k.row_insert_kernel[grid](
         bits, p.t["mult"], p.t["rseg"], tab, key, row_map, n, slots - 1, **cfg
     )
@@ -284,11 +301,11 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )  # fmt: skip
     w = torch.empty(nb, dtype=torch.uint8, device=dev)
     size = torch.empty(nb, dtype=torch.int64, device=dev)
-    grid = (triton.cdiv(nb, BLOCKS),)
+    grid = (triton.cdiv(nb, LAUNCH.blocks),)
     if nb:
         u.read_widths_kernel[grid](
             buf, buf.numel(), t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, w,
-            size, ck, nb, DIM=dim, B=BLOCKS,
+            size, ck, nb, DIM=dim, B=LAUNCH.blocks,
         )  # fmt: skip
     cs = torch.cumsum(size, 0)
     y = torch.empty(nr * dim, dtype=torch.float32, device=dev)  # every literal slot written
@@ -297,10 +314,10 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
     def unpack(seg: torch.Tensor, refs_pass: bool) -> None:
         n = p.ref_blocks if refs_pass else nb  # the reference blocks, or all of them
-        u.unpack_kernel[(triton.cdiv(n, BLOCKS),)](
+        u.unpack_kernel[(triton.cdiv(n, LAUNCH.blocks),)](
             t["bgid"], t["bs"], t["base"], t["wat"], t["nrb"], n_lit, t["rb0"], t["row0"],
             t["refg"], w, size, cs, words, words.numel(), seg, ebs_f, y, refs, ck, n,
-            DIM=dim, B=BLOCKS, REFS=refs_pass,
+            DIM=dim, B=LAUNCH.blocks, REFS=refs_pass,
         )  # fmt: skip
 
     out = y.view(nr, dim)
@@ -308,19 +325,20 @@ def _decode(p: bp.Plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if p.ref_blocks:
             unpack(t["rseg"], True)
         lit = torch.empty(nr, dtype=torch.int32, device=dev)
-        rgrid = (triton.cdiv(nr, ROWS_B),)
-        u.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=ROWS_B)
+        rgrid = (triton.cdiv(nr, LAUNCH.rows_b),)
+        u.literal_kernel[rgrid](refs, t["rslot"], lit, nr, B=LAUNCH.rows_b)
         cz = torch.cumsum(lit, 0, dtype=torch.int32)
         src = torch.empty(nr, dtype=torch.int64, device=dev)
         slot_seg = torch.full((nr,), -1, dtype=torch.int32, device=dev)
         u.decode_rows_kernel[rgrid](
             refs, lit, cz, t["rgroup"], t["rfirst"], t["rslot"], t["rseg"], t["row0"],
-            t["npad"], n_lit, src, slot_seg, bad, nr, B=ROWS_B,
+            t["npad"], n_lit, src, slot_seg, bad, nr, B=LAUNCH.rows_b,
         )  # fmt: skip
         if nb:
             unpack(slot_seg, False)
         out = torch.empty(nr, dim, dtype=torch.float32, device=dev)
-        u.gather_rows_kernel[(triton.cdiv(nr, ROWS),)](y, src, out, nr, DIM=dim, ROWS=ROWS,
+        rows = LAUNCH.rows
+        u.gather_rows_kernel[(triton.cdiv(nr, rows),)](y, src, out, nr, DIM=dim, ROWS=rows,
                                                        DB=DB)  # fmt: skip
     elif nb:
         unpack(t["rseg"], False)

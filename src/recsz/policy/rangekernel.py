@@ -12,8 +12,12 @@ import triton.language as tl
 
 from recsz.codecs.payload import constant
 from recsz.devicepath import device_path
+from recsz.interpreter import interpreted
 
-ROWS = 64  # rows of one table per program
+#: Rows of one table per program: on a GPU, and under Triton's interpreter (fewer, wider
+#: programs: there a program costs about its operations' count whatever their width).
+GPU_ROWS, WIDE_ROWS = 64, 1024
+ROWS = WIDE_ROWS if interpreted() else GPU_ROWS
 
 
 @triton.jit(do_not_specialize=["s_t", "s_b", "n_b", "n_chunks"])

@@ -1,0 +1,55 @@
+"""recsz.interpreter: Triton's interpreter patches its language once a launch, not once a
+device-function call, and kernels give what they gave before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from recsz.interpreter import interpreted
+
+pytestmark = pytest.mark.skipif(not interpreted(), reason="Triton's interpreter is off (a GPU)")
+
+
+@triton.jit
+def _row_max(v):
+    return tl.max(v, axis=1)
+
+
+@triton.jit
+def max_of_rows_kernel(x_ptr, out_ptr, CALLS: tl.constexpr, W: tl.constexpr):
+    """out[p] = CALLS x the largest of row p (device functions called CALLS times)."""
+    p = tl.program_id(0)
+    v = tl.load(x_ptr + p * W + tl.arange(0, W))[None, :]
+    acc = tl.zeros([1], dtype=tl.int32)
+    for _ in tl.static_range(CALLS):
+        acc += _row_max(v)
+    tl.store(out_ptr + p + tl.arange(0, 1), acc)
+
+
+def patches(monkeypatch: pytest.MonkeyPatch, calls: int, x: torch.Tensor) -> tuple[int, list]:
+    """How many times the interpreter patched a module of Triton's language in one launch of
+    the kernel above, and what the kernel wrote."""
+    from triton.runtime import interpreter as ti
+
+    seen = []
+    real = ti._patch_builtin
+    monkeypatch.setattr(ti, "_patch_builtin", lambda *a: seen.append(a[0]) or real(*a))
+    out = torch.zeros(x.shape[0], dtype=torch.int32)
+    max_of_rows_kernel[(x.shape[0],)](x, out, CALLS=calls, W=x.shape[1])
+    monkeypatch.undo()
+    return len(seen), out.tolist()
+
+
+def test_device_function_calls_patch_the_language_once_a_launch(monkeypatch) -> None:
+    x = torch.tensor(np.random.default_rng(0).integers(-50, 50, (3, 8)), dtype=torch.int32)
+    patches(monkeypatch, 1, x)  # the first launch makes some first-time calls of its own
+    once, got1 = patches(monkeypatch, 1, x)
+    many, got9 = patches(monkeypatch, 9, x)
+    again, _ = patches(monkeypatch, 9, x)  # a later launch patches as the one before did
+    top = x.amax(1)
+    assert got1 == top.tolist() and got9 == (9 * top).tolist()
+    assert 0 < once == many == again
