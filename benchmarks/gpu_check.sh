@@ -59,7 +59,8 @@ fixed="--no-id-dedup --no-bwd-coalesce"
 mh="--multi-hot mlperf --emb-lr 0.01"  # MLPerf's bags, 214 ids a sample
 for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
     "hybrid $fixed --cuda-graph" none hybrid "hybrid --compile" "none --dense-dtype bf16" \
-    "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh"; do
+    "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh" "none --interaction dcn" \
+    "hybrid --interaction dcn" "hybrid --compress auto"; do
     c=${run%% *}
     steps=40
     case "$run" in *"$fixed"*) steps=100 ;; esac
