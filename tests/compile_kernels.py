@@ -72,6 +72,9 @@ TYPES = {
             "src_ptr",
             "end_ptr",
             "out_ptr",
+            "pfirst_ptr",
+            "pseg_ptr",
+            "arange_ptr",
         ],
         "*i64",
     ),
@@ -88,7 +91,8 @@ TYPES = {
     "y_ptr": "*fp32",
     "ebs_ptr": "*fp64",
     "ok_ptr": "*i8",
-    **dict.fromkeys(["n_rows", "shift", "qmax", "n_ref", "nb"], "i32"),
+    **dict.fromkeys(["n_rows", "shift", "qmax", "n_ref", "nb", "rows", "n_pieces", "g"], "i32"),
+    **dict.fromkeys(["n_blocks", "p_steps", "g_steps"], "i32"),
     **dict.fromkeys(["hash_mask", "n", "n_bytes", "n_words", "mask"], "i64"),
 }
 PER_KERNEL = {

@@ -139,6 +139,35 @@ def test_kernels_match_the_reference_on_random_extreme_chunks(seed: int) -> None
     check_within(x, y, np.full(x.shape[0], eb))
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(0, 70), max_size=4), min_size=1, max_size=5),
+    st.sampled_from([1, 7, 32, 33]),
+    st.booleans(),
+    st.sampled_from([16, 1024]),
+)
+def test_the_plan_kernel_derives_what_torch_does(
+    groups: list[list[int]], dim: int, dedup: bool, per_program: int
+) -> None:
+    """One launch writes a plan's row, block and reference-block indices as the torch
+    operations did (empty groups and segments, pad rows, programs' edges: 16 indices a
+    program crosses many)."""
+    from recsz.codecs import blockplan as bp
+
+    lays = [bf.Layout("hybrid", 0, dim, tuple(segs), dedup) for segs in groups]
+    base = np.cumsum([0] + [lay.capacity for lay in lays])[:-1].tolist()
+    ends = [b + lay.capacity for b, lay in zip(base, lays, strict=True)]
+    saved = bp.PLAN_ROWS
+    bp.PLAN_ROWS = per_program
+    try:
+        p = bp.build(lays, base, ends, torch.device("cpu"))
+    finally:
+        bp.PLAN_ROWS = saved
+    for name, want in bp._derive_torch(p).items():
+        got = p.t[name]
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
 def bf_eb_min() -> float:
     return float(torch.finfo(torch.float32).tiny)
 

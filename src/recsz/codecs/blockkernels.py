@@ -286,6 +286,50 @@ def head_kernel(
     tl.store(used_ptr + g, data_at + dlen)
 
 
+# ---- plans ---------------------------------------------------------------------------------
+@triton.jit
+def _last_at_most(starts_ptr, n, x, steps, mask):
+    """Per lane, the last j < n with starts[j] <= x (starts ascending, starts[0] <= x):
+    ``steps`` >= n.bit_length() halvings."""
+    lo = tl.zeros(x.shape, dtype=tl.int64)
+    hi = tl.zeros(x.shape, dtype=tl.int64) + n
+    k = steps * 0
+    while k < steps:
+        mid = (lo + hi) // 2
+        take = tl.load(starts_ptr + mid, mask=mask, other=0) <= x
+        lo = tl.where(take, mid, lo)
+        hi = tl.where(take, hi, mid)
+        k += 1
+    return lo
+
+
+@triton.jit(do_not_specialize=["rows", "n_pieces", "g", "n_blocks", "n_ref", "p_steps", "g_steps"])
+def plan_kernel(
+    pfirst_ptr, pseg_ptr, row0_ptr, rb0_ptr, bs_ptr, arange_ptr, rgroup_ptr, rseg_ptr,
+    rfirst_ptr, rslot_ptr, bgid_ptr, refg_ptr, rows, n_pieces, g, n_blocks, n_ref, p_steps,
+    g_steps, B: tl.constexpr,
+):  # fmt: skip
+    """A plan's indices (:func:`recsz.codecs.blockplan.build`) from its pieces' and groups'
+    first rows and blocks, for index i of each space: row i's own index, group, segment
+    (-1: pad), its piece's first row and its reference slot; block i's group; reference
+    block i's group. Pieces and groups tile their spaces in order, so each is found by a
+    binary search of the firsts (an empty one shares its successor's first)."""
+    i = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    mr = i < rows
+    p = _last_at_most(pfirst_ptr, n_pieces, i, p_steps, mr)
+    gr = _last_at_most(row0_ptr, g, i, g_steps, mr)
+    tl.store(arange_ptr + i, i, mask=mr)
+    tl.store(rgroup_ptr + i, gr.to(tl.int32), mask=mr)
+    tl.store(rseg_ptr + i, tl.load(pseg_ptr + p, mask=mr, other=0).to(tl.int32), mask=mr)
+    tl.store(rfirst_ptr + i, tl.load(pfirst_ptr + p, mask=mr, other=0), mask=mr)
+    first = tl.load(row0_ptr + gr, mask=mr, other=0)
+    tl.store(rslot_ptr + i, tl.load(rb0_ptr + gr, mask=mr, other=0) * LANES + i - first, mask=mr)
+    mb = i < n_blocks
+    tl.store(bgid_ptr + i, _last_at_most(bs_ptr, g, i, g_steps, mb).to(tl.int32), mask=mb)
+    mf = i < n_ref
+    tl.store(refg_ptr + i, _last_at_most(rb0_ptr, g, i, g_steps, mf).to(tl.int32), mask=mf)
+
+
 # ---- format 4 -----------------------------------------------------------------------------
 @triton.jit
 def word_sum_kernel(words_ptr, first_ptr, len_ptr, out_ptr, CHUNK: tl.constexpr):

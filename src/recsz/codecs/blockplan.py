@@ -113,18 +113,45 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
 
 
 def _derive(p: Plan) -> None:
-    """Per row: group, segment (-1: pad), first row of its piece, reference slot; per
-    block and per reference block: group (torch on the device, no host sync)."""
+    """Per row: its index, group, segment (-1: pad), first row of its piece, reference
+    slot; per block and per reference block: group. One Triton launch (no host sync);
+    :func:`_derive_torch` is the same in torch operations (the tests' reference)."""
+    import triton
+
+    from recsz.codecs.blockkernels import plan_kernel
+
+    t, rows, dev = p.t, p.rows, p.dev
+    i64 = torch.empty(3 * rows, dtype=torch.int64, device=dev)
+    i32 = torch.empty(2 * rows + p.blocks + p.ref_blocks, dtype=torch.int32, device=dev)
+    t["arange"], t["rfirst"], t["rslot"] = i64.split([rows] * 3)
+    t["rgroup"], t["rseg"], t["bgid"], t["refg"] = i32.split([rows, rows, p.blocks, p.ref_blocks])
+    n, pieces = max(rows, p.blocks, p.ref_blocks), t["pfirst"].numel()
+    if n:
+        plan_kernel[(triton.cdiv(n, PLAN_ROWS),)](
+            t["pfirst"], t["pseg"], t["row0"], t["rb0"], t["bs"], t["arange"], t["rgroup"],
+            t["rseg"], t["rfirst"], t["rslot"], t["bgid"], t["refg"], rows, pieces, p.g,
+            p.blocks, p.ref_blocks, pieces.bit_length(), p.g.bit_length(), B=PLAN_ROWS,
+        )  # fmt: skip
+
+
+PLAN_ROWS = 1024  # indices per program of plan_kernel
+
+
+def _derive_torch(p: Plan) -> dict[str, torch.Tensor]:
+    """What :func:`_derive` writes, by torch operations (about twenty launches)."""
     t, rows = p.t, p.rows
-    t["arange"] = r = torch.arange(rows, device=p.dev)
+    r = torch.arange(rows, device=p.dev)
     groups = torch.arange(p.g, device=p.dev)
     rgroup = group_of(t["npad"], rows)
-    t["rgroup"] = rgroup.to(torch.int32)
-    t["rseg"] = torch.repeat_interleave(t["pseg"], t["counts"], output_size=rows).to(torch.int32)
-    t["rfirst"] = torch.repeat_interleave(t["pfirst"], t["counts"], output_size=rows)
-    t["rslot"] = t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup]
-    t["bgid"] = torch.repeat_interleave(groups, t["nb"], output_size=p.blocks).to(torch.int32)
-    t["refg"] = torch.repeat_interleave(groups, t["nrb"], output_size=p.ref_blocks).to(torch.int32)
+    return {
+        "arange": r,
+        "rgroup": rgroup.to(torch.int32),
+        "rseg": torch.repeat_interleave(t["pseg"], t["counts"], output_size=rows).to(torch.int32),
+        "rfirst": torch.repeat_interleave(t["pfirst"], t["counts"], output_size=rows),
+        "rslot": t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup],
+        "bgid": torch.repeat_interleave(groups, t["nb"], output_size=p.blocks).to(torch.int32),
+        "refg": torch.repeat_interleave(groups, t["nrb"], output_size=p.ref_blocks).to(torch.int32),
+    }
 
 
 def _image(lays: list[bf.Layout], base: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
