@@ -101,13 +101,16 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
               "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
               "mult": bf.HASH_MULT[: lays[0].dim]}  # fmt: skip
     flat = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays.values()])
-    dev_flat = upload(flat, torch.int64, dev)
+    # the header bytes ride in the same upload, as the int64 words after the indices
+    tail = np.zeros(-(-ival.size // 8) * 8, np.uint8)
+    tail[: ival.size] = ival
+    dev_flat = upload(np.concatenate([flat, tail.view(np.int64)]), torch.int64, dev)
     at = 0
     for name, a in arrays.items():
         n = np.asarray(a).size
         p.t[name] = dev_flat[at : at + n]
         at += n
-    p.t["ival"] = upload(ival, torch.uint8, dev)
+    p.t["ival"] = dev_flat[at:].view(torch.uint8)[: ival.size]
     _derive(p)
     return p
 
