@@ -14,7 +14,9 @@ be). Rows: the trainer's default id-aware traffic and fixed-size traffic (``--no
 --no-bwd-coalesce``), each with the hybrid codec and with ``none``; id-aware traffic
 with its distinct ids found slice by slice (how the exchange did it before one pass did
 every slice); and hybrid with the MLP gradients' eb hook (``--dp-comm eb``, world > 1).
-Counts are exact and machine-independent; no time is measured.
+And the format-3 coder's plans made a step (each host work, an upload and a launch: made
+where the shapes or, decoding, the layouts change). Counts are exact and
+machine-independent; no time is measured.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ CASES = {  # name -> (argv, distinct ids slice by slice)
 
 
 def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
-    """One rank's counts, put on ``out``: (rank, reads a step, uploads a step, where)."""
+    """One rank's counts, put on ``out``: (rank, reads a step, uploads a step, where,
+    launches a step, the most frequent launches, plans made a step)."""
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -72,7 +75,8 @@ def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
         ids.distinct_slices = at_once
 
 
-def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float]]:
+def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float], float]:
+    from recsz.codecs import blockplan
     from recsz.config import parse_train_args
     from recsz.data.source import make_source
     from recsz.model import get_preset
@@ -86,13 +90,17 @@ def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float
     src = make_source("synthetic", get_preset("tiny").model.table_sizes, 0)
     state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
-    reads, uploads, where, launches = [], [], "", []
+    reads, uploads, where, launches, plans = [], [], "", [], []
     kinds: collections.Counter[str] = collections.Counter()
     first = cfg.hindex_probe_steps + 1  # after the probe window and its classification
+    built = [0]  # the format-3 coder's plans made (host work, an upload, a launch each)
+    build = blockplan.build
+    blockplan.build = lambda *a, **kw: built.__setitem__(0, built[0] + 1) or build(*a, **kw)
     with counting(state) as c:
         for k in range(first + WARM + STEPS):
             b = src.train_batch(k, 64)
             mark([b.dense, b.ids, b.labels])
+            built[0] = 0
             train_step(parts, b, k, ranks)
             made = collections.Counter(c.launches)
             n, up, at = c.take()
@@ -102,9 +110,12 @@ def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float
                 where = at
                 launches.append(sum(made.values()))
                 kinds.update(made)
+                plans.append(built[0])
+    blockplan.build = build
     ranks.close(True)
     top = {name: n / STEPS for name, n in kinds.most_common(12)}
-    return statistics.mean(reads), statistics.mean(uploads), where, statistics.mean(launches), top
+    mean = statistics.mean
+    return mean(reads), mean(uploads), where, mean(launches), top, mean(plans)
 
 
 def count(world: int, case: str) -> dict:
@@ -128,6 +139,7 @@ def count(world: int, case: str) -> dict:
         "where_rank0": per_rank[0][3],
         "launches_per_step": max(p[4] for p in per_rank),
         "top_launches_rank0": per_rank[0][5],
+        "plans_per_step": max(p[6] for p in per_rank),
     }
 
 
@@ -150,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     lines = [head, "|---" * (len(worlds) + 1) + "|"]
     for case in cases:
         got = {r["world"]: r for r in rows if r["case"] == case}
-        cells = [f"{got[w]['reads_per_step']:g} / {got[w]['launches_per_step']:g}" for w in worlds]
+        cells = [
+            f"{got[w]['reads_per_step']:g} / {got[w]['launches_per_step']:g} / "
+            f"{got[w]['plans_per_step']:g}"
+            for w in worlds
+        ]
         lines.append(f"| {case} | " + " | ".join(cells) + " |")
     table = (
         "Host reads / launches (torch operations that launch GPU work, Triton kernels, "
-        "uploads) per step and rank (the most of any rank), GPU path on the CPU\n\n"
+        "uploads) / format-3 plans made (host work and an upload each) per step and rank "
+        "(the most of any rank), GPU path on the CPU\n\n"
     )
     write_results(rows, args.json_out, table + "\n".join(lines) + "\n")
     return 0

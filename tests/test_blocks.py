@@ -193,7 +193,8 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
 def test_decoding_another_buffer_of_the_same_layouts_uploads_nothing(monkeypatch) -> None:
     """Each payload buffer has its own decode plan (a graph reads one buffer), all sharing
     one upload of the layouts' indices: a new buffer (a CUDA graph's, under --cuda-graph)
-    needs no host copy, which a capture could not hold."""
+    needs no host copy, which a capture could not hold; payloads at other places in a
+    buffer need their places alone."""
     from recsz.codecs import blockplan as bp
     from recsz.codecs import payload
 
@@ -203,10 +204,19 @@ def test_decoding_another_buffer_of_the_same_layouts_uploads_nothing(monkeypatch
     (got,) = kernels([lay], [x], np.array([1e-3, 1e-2]), "cpu")
     builds = []
     real = bp.build
-    monkeypatch.setattr(bp, "build", lambda *a: builds.append(a) or real(*a))
+    monkeypatch.setattr(bp, "build", lambda *a, **kw: builds.append(a) or real(*a, **kw))
     first = blockcoder.decode([got], [lay])[0][0].clone()
     again = blockcoder.decode([got.clone()], [lay])[0][0]
     assert len(builds) == 1 and torch.equal(first, again)
+    # elsewhere in a buffer (as received payloads sit anew each step): no plan made again
+    room = torch.zeros(12 + len(got) + -len(got) % 4, dtype=torch.uint8)
+    moved = room[12 : 12 + len(got)]
+    moved.copy_(got)
+    assert blockcoder.common_buffer([moved])[1] == [12]
+    (rows,), _, ok = blockcoder.decode([moved], [lay])
+    assert torch.equal(rows, first) and bool(ok.all()) and len(builds) == 1
+    moved[len(moved) // 2] ^= 1  # and its checks read it where it now is
+    assert not bool(blockcoder.decode([moved], [lay])[2].all())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
         payload.upload([1, 2], torch.int64, torch.device("cuda"))

@@ -40,7 +40,7 @@ from recsz.codecs import blockkernels as k
 from recsz.codecs import blockplan as bp
 from recsz.codecs import blockunpack as u
 from recsz.codecs.checks import verdict
-from recsz.codecs.payload import PayloadError
+from recsz.codecs.payload import PayloadError, constant
 from recsz.interpreter import interpreted
 
 
@@ -275,11 +275,23 @@ def decode(
     ends = [b + q.numel() for b, q in zip(base, payloads, strict=True)]
     dev = buf.device
     # A plan per buffer (its graph reads that buffer), its indices shared by every buffer
-    # of the same layouts: uploaded once (not inside a caller's capture, --cuda-graph).
-    places = (tuple(lays), tuple(base), tuple(ends), dev)
-    key = ("dec", *places, buf.data_ptr(), buf.numel())
-    shared = functools.partial(_plan, ("idx", *places), lambda: bp.build(lays, base, ends, dev))
-    p = _plan(key, lambda: bp.Plan(lays, base, dev, t=dict(shared().t)))
+    # of the same layouts wherever their payloads sit (positions relative to a payload's
+    # first byte), its places uploaded once per places: none inside a caller's capture
+    # (--cuda-graph) for places seen before. Received buffers place payloads anew every step.
+    key = ("dec", tuple(lays), tuple(base), tuple(ends), dev, buf.data_ptr(), buf.numel())
+    shared = functools.partial(
+        _plan, ("idx", tuple(lays), dev), lambda: bp.build(lays, base, ends, dev, relative=True)
+    )
+
+    def placed() -> bp.Plan:
+        first = shared()
+        t = dict(first.t)
+        if (first.base, first.ends) != (base, ends):  # not the places it was made with
+            at = constant(np.asarray([*base, *ends], np.int64), torch.int64, dev)
+            t["base"], t["end"] = at[: len(lays)], at[len(lays) :]
+        return bp.Plan(lays, base, dev, t=t)
+
+    p = _plan(key, placed)
     p.t["buf"] = buf
     y, ebs, ok = _replay(p, lambda: _decode(p)) if _graphed(p, static) else _decode(p)
     rows = [y[r0 : r0 + lay.rows] for r0, lay in zip(_row_starts(lays), lays, strict=True)]

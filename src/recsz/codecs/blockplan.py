@@ -35,6 +35,7 @@ class Plan:
     base: list[int]
     dev: torch.device
     t: dict[str, torch.Tensor] = field(default_factory=dict)
+    ends: list[int] = field(default_factory=list)
     graph: tuple[Any, Any] | None = None  # a captured CUDA graph and its outputs
     calls: int = 0
 
@@ -71,12 +72,20 @@ class Plan:
         return self.base[-1] + self.lays[-1].capacity if self.lays else 0
 
 
-def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.device) -> Plan:
+def build(
+    lays: list[bf.Layout],
+    base: list[int],
+    ends: list[int],
+    dev: torch.device,
+    relative: bool = False,
+) -> Plan:
     """The plan of payloads ``lays`` at bytes ``base`` (each ending by ``ends``): per group
     and per piece (a segment's rows, or a group's pad rows) numbers from the host, in one
     upload; the per-row and per-block indices derived from them on the device (sizes
-    change every step under id-aware traffic, so plans are made often)."""
-    p = Plan(lays, base, dev)
+    change every step under id-aware traffic, so plans are made often). ``relative``: the
+    header image's positions from each payload's first byte (a decoder's, whose payloads
+    may sit elsewhere in the next buffer: only ``t["base"]`` and ``t["end"]`` then change)."""
+    p = Plan(lays, list(base), dev, ends=list(ends))
     cols: dict[str, list[int]] = {k: [] for k in _GROUP}
     counts, pseg, pfirst = [], [], []
     row0 = rb0 = bs = seg0 = 0
@@ -95,7 +104,7 @@ def build(lays: list[bf.Layout], base: list[int], ends: list[int], dev: torch.de
         rb0 += lay.ref_blocks
         bs += lay.max_blocks
         seg0 += k
-    ipos, ival, ig = _image(lays, base)
+    ipos, ival, ig = _image(lays, [0] * len(lays) if relative else base)
     arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "counts": counts,
               "pseg": pseg, "pfirst": pfirst, "ipos": ipos,
               "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),

@@ -27,7 +27,7 @@ def read_head_kernel(
     while at < stop:
         i = at + tl.arange(0, 64)
         m = i < stop
-        pos = tl.load(ipos_ptr + i, mask=m, other=0)
+        pos = base + tl.load(ipos_ptr + i, mask=m, other=0)  # (the decoder's: relative)
         got = tl.load(buf_ptr + pos, mask=m & (pos < n_bytes), other=0)
         want = tl.load(ival_ptr + i, mask=m, other=0)
         wrong += (m & ((got != want) | (pos >= n_bytes))).to(tl.int32)
