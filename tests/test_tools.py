@@ -311,7 +311,7 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
     traffic once a step (the counts tests/test_host_syncs.py asserts, as the table), and
     launches more. Two
     ranks, hybrid both ways: the payloads' sizes once a direction, the checks' verdicts
-    riding on those reads."""
+    riding on those reads, and no format-3 plan made once the shapes are known."""
     bench = _bench("bench_syncs")
     out = tmp_path / "syncs.json"
     cases = "none, fixed-size;none, id-aware"
@@ -325,13 +325,14 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
     fixed, ids = rows["none, fixed-size"], rows["none, id-aware"]
     assert 0 < fixed["launches_per_step"] < ids["launches_per_step"]
     assert (
-        f"| none, id-aware | 1 / {ids['launches_per_step']:g} |"
+        f"| none, id-aware | 1 / {ids['launches_per_step']:g} / 0 |"
         in out.with_suffix(".md").read_text()
     )
     argv = ["--worlds", "2", "--cases", "hybrid, fixed-size", "--json-out", str(out)]
     assert bench.main(argv) == 0
     (row,) = json.loads(out.read_text())
     assert row["reads_per_step"] == 2, row["where_rank0"]
+    assert row["plans_per_step"] == 0  # received buffers' places change, their layouts not
     assert row["where_rank0"].count("read_sizes") == 1  # 2 x, at one site
 
 
