@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from recsz.codecs import blockformat as bf
+from recsz.codecs import blockplan as bp
 from recsz.codecs import kernels
 from recsz.policy import BoundPolicy
 
@@ -71,3 +73,26 @@ def one_bound(policy: BoundPolicy, table: int, step: int, x: torch.Tensor) -> fl
     """One table's bound as a float: the policy's ``bounds`` of that table alone."""
     b = policy.bounds([table], step, x.unsqueeze(0))
     return None if b is None else float(b[0])
+
+
+def plan_indices(p: bp.Plan) -> dict[str, torch.Tensor]:
+    """The per-row and per-block indices ``blockplan.build`` derives for plan ``p``, in
+    torch operations: each row's index, group, segment (-1: pad), its piece's first row and
+    reference slot; each block's and each reference block's group."""
+    t, rows = p.t, p.rows
+    r = torch.arange(rows, device=p.dev)
+    groups = torch.arange(p.g, device=p.dev)
+    rgroup = bp.group_of(t["npad"], rows)
+
+    def spread(v: torch.Tensor, n: torch.Tensor, total: int) -> torch.Tensor:
+        return torch.repeat_interleave(v, n, output_size=total)
+
+    return {
+        "arange": r,
+        "rgroup": rgroup.to(torch.int32),
+        "rseg": spread(t["pseg"], t["counts"], rows).to(torch.int32),
+        "rfirst": spread(t["pfirst"], t["counts"], rows),
+        "rslot": t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup],
+        "bgid": spread(groups, t["nb"], p.blocks).to(torch.int32),
+        "refg": spread(groups, t["nrb"], p.ref_blocks).to(torch.int32),
+    }

@@ -28,7 +28,7 @@ from recsz.policy import FixedBound, rangekernel
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds, to_absolute
 from tests.common import bound_violation, extreme_case, run_without_host_sync
-from tests.reference import one_bound
+from tests.reference import one_bound, plan_indices
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
@@ -163,7 +163,7 @@ def test_the_plan_kernel_derives_what_torch_does(
         p = bp.build(lays, base, ends, torch.device("cpu"))
     finally:
         bp.PLAN_ROWS = saved
-    for name, want in bp._derive_torch(p).items():
+    for name, want in plan_indices(p).items():
         got = p.t[name]
         assert got.dtype == want.dtype and torch.equal(got, want), name
 

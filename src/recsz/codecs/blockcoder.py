@@ -58,7 +58,7 @@ class Launch:
 #: On a GPU (blocks: the H100 sweep's best of 16-256).
 GPU = Launch(elems=2048, blocks=128, rows=32, rows_b=256)
 #: Under Triton's interpreter a program costs about its operations' count whatever their
-#: width: fewer, wider programs (the device path's step tests take half the time).
+#: width: fewer, wider programs.
 WIDE = Launch(elems=16384, blocks=1024, rows=256, rows_b=2048)
 LAUNCH = WIDE if interpreted() else GPU
 DB = 32  # dims per step of the row-comparing kernels' loops

@@ -126,8 +126,8 @@ def build(
 
 def _derive(p: Plan) -> None:
     """Per row: its index, group, segment (-1: pad), first row of its piece, reference
-    slot; per block and per reference block: group. One Triton launch (no host sync);
-    :func:`_derive_torch` is the same in torch operations (the tests' reference)."""
+    slot; per block and per reference block: group. One Triton launch (no host sync;
+    ``tests/reference.py`` has them in torch operations)."""
     import triton
 
     from recsz.codecs.blockkernels import plan_kernel
@@ -147,23 +147,6 @@ def _derive(p: Plan) -> None:
 
 
 PLAN_ROWS = 1024  # indices per program of plan_kernel
-
-
-def _derive_torch(p: Plan) -> dict[str, torch.Tensor]:
-    """What :func:`_derive` writes, by torch operations (about twenty launches)."""
-    t, rows = p.t, p.rows
-    r = torch.arange(rows, device=p.dev)
-    groups = torch.arange(p.g, device=p.dev)
-    rgroup = group_of(t["npad"], rows)
-    return {
-        "arange": r,
-        "rgroup": rgroup.to(torch.int32),
-        "rseg": torch.repeat_interleave(t["pseg"], t["counts"], output_size=rows).to(torch.int32),
-        "rfirst": torch.repeat_interleave(t["pfirst"], t["counts"], output_size=rows),
-        "rslot": t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup],
-        "bgid": torch.repeat_interleave(groups, t["nb"], output_size=p.blocks).to(torch.int32),
-        "refg": torch.repeat_interleave(groups, t["nrb"], output_size=p.ref_blocks).to(torch.int32),
-    }
 
 
 def _image(lays: list[bf.Layout], base: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
