@@ -83,6 +83,7 @@ def plan_indices(p: bp.Plan) -> dict[str, torch.Tensor]:
     r = torch.arange(rows, device=p.dev)
     groups = torch.arange(p.g, device=p.dev)
     rgroup = bp.group_of(t["npad"], rows)
+    counts = torch.diff(t["pfirst"], append=t["pfirst"].new_tensor([rows]))  # rows a piece
 
     def spread(v: torch.Tensor, n: torch.Tensor, total: int) -> torch.Tensor:
         return torch.repeat_interleave(v, n, output_size=total)
@@ -90,8 +91,8 @@ def plan_indices(p: bp.Plan) -> dict[str, torch.Tensor]:
     return {
         "arange": r,
         "rgroup": rgroup.to(torch.int32),
-        "rseg": spread(t["pseg"], t["counts"], rows).to(torch.int32),
-        "rfirst": spread(t["pfirst"], t["counts"], rows),
+        "rseg": spread(t["pseg"], counts, rows).to(torch.int32),
+        "rfirst": spread(t["pfirst"], counts, rows),
         "rslot": t["rb0"][rgroup] * bf.LANES + r - t["row0"][rgroup],
         "bgid": spread(groups, t["nb"], p.blocks).to(torch.int32),
         "refg": spread(groups, t["nrb"], p.ref_blocks).to(torch.int32),

@@ -87,7 +87,7 @@ def build(
     may sit elsewhere in the next buffer: only ``t["base"]`` and ``t["end"]`` then change)."""
     p = Plan(lays, list(base), dev, ends=list(ends))
     cols: dict[str, list[int]] = {k: [] for k in _GROUP}
-    counts, pseg, pfirst = [], [], []
+    pseg, pfirst = [], []
     row0 = rb0 = bs = seg0 = 0
     for lay, b, e in zip(lays, base, ends, strict=True):
         k, npad = len(lay.seg_rows), lay.padded
@@ -97,7 +97,6 @@ def build(
         for name, v in zip(_GROUP, vals, strict=True):
             cols[name].append(v)
         c = [*lay.seg_rows, npad - lay.rows]
-        counts += c
         pseg += [*range(seg0, seg0 + k), -1]
         pfirst += (row0 + np.cumsum(c) - c).tolist()
         row0 += npad
@@ -105,8 +104,8 @@ def build(
         bs += lay.max_blocks
         seg0 += k
     ipos, ival, ig = _image(lays, [0] * len(lays) if relative else base)
-    arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "counts": counts,
-              "pseg": pseg, "pfirst": pfirst, "ipos": ipos,
+    arrays = {**{k: np.asarray(v, np.int64) for k, v in cols.items()}, "pseg": pseg,
+              "pfirst": pfirst, "ipos": ipos,
               "ibounds": np.searchsorted(ig, np.arange(len(lays) + 1)),
               "mult": bf.HASH_MULT[: lays[0].dim]}  # fmt: skip
     flat = np.concatenate([np.asarray(a, np.int64).reshape(-1) for a in arrays.values()])
