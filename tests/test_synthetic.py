@@ -125,3 +125,16 @@ def test_prefetch_raises_the_threads_error_and_stops_early() -> None:
     next(early)
     early.close()
     assert not any(t.name == "recsz-prefetch" for t in threading.enumerate())
+
+
+def test_the_teachers_kept_values_are_the_hashed_ones() -> None:
+    """Once a table's values are kept (after as many ids as it has rows), the teacher's
+    logits are the very numbers hashing each id gives (every batch, bit for bit)."""
+    kept = SyntheticCriteo(SIZES, seed=5)
+    hashed = SyntheticCriteo(SIZES, seed=5, cached_rows=0)  # hash every id, keep nothing
+    for i in range(8):
+        a, b = kept.block(0, i, 6000), hashed.block(0, i, 6000)
+        np.testing.assert_array_equal(kept.logits(a.dense, a.cats), hashed.logits(b.dense, b.cats))
+        np.testing.assert_array_equal(a.labels, b.labels)
+    in_pairs = {t for pair in kept.pairs for t in pair}
+    assert len(kept._tables) == 26 + 4 * len(in_pairs) and not hashed._tables

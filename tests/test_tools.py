@@ -120,6 +120,20 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
             assert r["max_err_over_eb"] <= 1.0 and r["ratio"] > 5
 
 
+def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
+    bench_data = _bench("bench_data")
+    out = tmp_path / "data.json"
+    argv = ["--batches", "256", "--steps", "3", "--train-steps", "2", "--json-out", str(out)]
+    assert bench_data.main(argv) == 0
+    rows = json.loads(out.read_text())
+    made = {(r["part"], r["source"], r["way"]) for r in rows}
+    assert ("making", "synthetic, kept", "thread") in made
+    assert ("making", "synthetic, hashed", "loop") in made
+    trained = [r for r in rows if r["part"] == "trainer"]
+    assert len(trained) == 2 and trained[0]["auc"] == trained[1]["auc"]  # the same batches
+    assert all(r["samples_per_s"] > 0 for r in rows)
+
+
 def test_bench_accuracy_hook_sweep_plans_every_setting() -> None:
     """--hooks --sweep: each swept hook once per setting, with its flag and value, every
     other hook at its default, and the uncompressed run first for each seed; every run's

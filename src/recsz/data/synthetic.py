@@ -43,6 +43,11 @@ def _hash_normal(key: np.ndarray) -> np.ndarray:
     return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
+#: Tables of at most this many rows may keep their teacher's values (8 bytes a row and
+#: value: 8 MiB); larger ones hash each id asked.
+CACHED_ROWS = 1 << 20
+
+
 class SyntheticCriteo:
     """Criteo-shaped samples with a learnable hidden teacher; deterministic per seed.
 
@@ -52,6 +57,8 @@ class SyntheticCriteo:
         alpha: Zipf exponent of id frequencies (about 1.05-1.2 on real click logs).
         shuffle_labels: draw labels independently of the features (a control whose AUC
             must stay at 0.5).
+        cached_rows: tables up to this size keep their teacher's values (0: none;
+            default :data:`CACHED_ROWS`).
     """
 
     n_pairs = 8  # pairwise factor interactions in the teacher
@@ -63,6 +70,7 @@ class SyntheticCriteo:
         seed: int = 0,
         alpha: float = 1.1,
         shuffle_labels: bool = False,
+        cached_rows: int | None = None,
     ) -> None:
         if len(table_sizes) != N_CAT:
             raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
@@ -80,6 +88,9 @@ class SyntheticCriteo:
         # Per-table weight scale: small tables (frequent ids) carry more signal, as in
         # real logs where e.g. the device type matters and rare ids barely do.
         self.table_scale = np.array([0.6 if n < 2000 else 0.35 for n in self.table_sizes])
+        self._tables: dict[tuple[int, int], np.ndarray] = {}  # (table, value): all rows'
+        self._asked: dict[tuple[int, int], int] = {}  # ids hashed so far
+        self.cached_rows = CACHED_ROWS if cached_rows is None else cached_rows
         self.bias = self._calibrate_bias()
 
     # ---- ids ------------------------------------------------------------------------
@@ -102,19 +113,31 @@ class SyntheticCriteo:
         base = (self.seed * 1_000_003 + t * 131 + k) & 0xFFFFFFFF
         return ids.astype(np.uint64) * np.uint64(0x100000001B3) ^ np.uint64(base << 20)
 
+    def _value(self, t: int, ids: np.ndarray, k: int) -> np.ndarray:
+        """The teacher's value ``k`` of table ``t`` at ``ids``: hashed for each id, or, once
+        a table of at most ``cached_rows`` rows has had as many ids asked as it has rows,
+        read from all its rows' values, hashed then (the same numbers: a value is a
+        function of its key alone; benchmarks/README.md, "Making the batches")."""
+        size = self.table_sizes[t]
+        table = self._tables.get((t, k))
+        if table is None and size <= self.cached_rows:
+            asked = self._asked[(t, k)] = self._asked.get((t, k), 0) + len(ids)
+            if asked >= size:  # filling costs no more than the hashing done so far
+                table = _hash_normal(self._table_key(t, np.arange(size), k))
+                self._tables[(t, k)] = table
+        if table is None:
+            return _hash_normal(self._table_key(t, ids, k))
+        return table[ids]
+
     def logits(self, dense: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The teacher's logit for each sample (without the label noise)."""
         z = np.full(ids.shape[0], self.bias)
         z += (dense.astype(np.float64) - 0.7) @ self.dense_w
         for t in range(N_CAT):
-            z += self.table_scale[t] * _hash_normal(self._table_key(t, ids[:, t], 0))
+            z += self.table_scale[t] * self._value(t, ids[:, t], 0)
         for a, b in self.pairs:
-            fa = np.stack(
-                [_hash_normal(self._table_key(a, ids[:, a], 1 + k)) for k in range(self.factor_dim)]
-            )
-            fb = np.stack(
-                [_hash_normal(self._table_key(b, ids[:, b], 1 + k)) for k in range(self.factor_dim)]
-            )
+            fa = np.stack([self._value(a, ids[:, a], 1 + k) for k in range(self.factor_dim)])
+            fb = np.stack([self._value(b, ids[:, b], 1 + k) for k in range(self.factor_dim)])
             z += 0.35 * (fa * fb).sum(0) / np.sqrt(self.factor_dim)
         return z
 

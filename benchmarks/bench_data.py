@@ -1,0 +1,131 @@
+"""Making the batches: how fast the sources feed the trainer, and the trainer with them.
+
+    python benchmarks/bench_data.py [--batches 2048,8192] [--steps 40] [--train-steps 30]
+        [--json-out PATH]
+
+Every rank makes the global batch each step (the table owners need every sample's ids), so
+on a GPU the host's batch making competes with a step of a few milliseconds (an H100 ran
+the bench preset's steps of 8192 in 12 ms and waited 35 ms a step for the generator's
+batches: results/issue13/session7/run2). Two parts, side by side in one run:
+
+1. **Making alone**: samples/s of ``prefetch`` over ``--steps`` batches (the first left
+   out), in the loop (``--prefetch 0``) and by the thread (``--prefetch 2``); sources: the
+   built-in generator (bench preset tables) keeping its teacher's values of tables up to
+   ``CACHED_ROWS`` rows (``kept``, the default) and hashing every id as before the
+   thirty-first session (``hashed``); and, where ``../shared/data`` is here, the real 10k
+   sample preprocessed into the same tables (its ~8k training rows over epochs).
+2. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
+   GPU's is), the largest batch: samples/s of the whole loop, batch waits included
+   (steps x batch / (train_s + data_s)), with each generator.
+
+Prints a table, writes JSON rows ``part, source, batch, way, samples_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from recsz.config import parse_train_args
+from recsz.data import criteo, synthetic
+from recsz.data.source import SyntheticSource, make_source, prefetch
+from recsz.model import get_preset
+from recsz.train import run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_io import write_results
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+CPU = torch.device("cpu")
+
+
+WAYS = (("loop", 0), ("thread", 2))
+
+
+def making(source, name: str, batch: int, steps: int) -> list[dict]:
+    rows = []
+    for way, depth in WAYS:
+        it = prefetch(source, range(steps), batch, CPU, depth)
+        next(it)
+        t = time.perf_counter()
+        n = sum(1 for _ in it)
+        rate = n * batch / (time.perf_counter() - t)
+        rows.append({"part": "making", "source": name, "batch": batch, "way": way,
+                     "samples_per_s": rate})  # fmt: skip
+        print(f"  {name:18s} batch {batch:5d} {way:7s} {rate:12,.0f} samples/s", flush=True)
+    return rows
+
+
+def trainer(batch: int, steps: int) -> list[dict]:
+    rows = []
+    for name, cached in (("synthetic, kept", synthetic.CACHED_ROWS), ("synthetic, hashed", 0)):
+        argv = ["--preset", "tiny", "--batch-size", str(batch), "--steps", str(steps),
+                "--no-progress", "--log-every", "0"]  # fmt: skip
+        default, synthetic.CACHED_ROWS = synthetic.CACHED_ROWS, cached
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                s = run(parse_train_args(argv))
+        finally:
+            synthetic.CACHED_ROWS = default
+        rate = steps * batch / (s["train_s"] + s["data_s"])
+        rows.append({"part": "trainer", "source": name, "batch": batch, "way": "thread",
+                     "samples_per_s": rate, "train_s": s["train_s"], "data_s": s["data_s"],
+                     "auc": s["auc"]})  # fmt: skip
+        print(f"  trainer {name:18s} batch {batch:5d} {rate:12,.0f} samples/s (waits "
+              f"{s['data_s']:.2f} s of {s['train_s'] + s['data_s']:.2f} s, AUC {s['auc']:.4f})",
+              flush=True)  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="2048,8192")
+    ap.add_argument("--steps", type=int, default=40, help="batches made per way")
+    ap.add_argument("--train-steps", type=int, default=30, help="trainer steps per generator")
+    ap.add_argument("--json-out", default="bench_out/data.json")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"machine: {os.cpu_count()} cores")
+    sizes = get_preset("bench").model.table_sizes
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = [
+            ("synthetic, kept", SyntheticSource(sizes, 0)),
+            ("synthetic, hashed", SyntheticSource(sizes, 0, cached_rows=0)),
+        ]
+        real = SHARED / "criteo_kaggle_head10k.tsv"
+        if real.exists():
+            criteo.preprocess(real, Path(tmp) / "real", sizes, progress=False)
+            sources.append(("real 10k", make_source(str(Path(tmp) / "real"), sizes, 0)))
+        else:
+            print(f"({real} not here: the generator only)")
+        for name, source in sources:
+            for b in batches:
+                if b <= (source.steps_per_epoch(1) or b):
+                    rows += making(source, name, b, args.steps)
+    rows += trainer(max(batches), args.train_steps)
+    lines = ["| part | source | batch | way | samples/s | vs hashed |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = [
+            x["samples_per_s"]
+            for x in rows
+            if x["source"] == "synthetic, hashed"
+            and (x["part"], x["batch"], x["way"]) == (r["part"], r["batch"], r["way"])
+        ]
+        vs = f"{r['samples_per_s'] / base[0]:.2f}x" if base else ""
+        lines.append(f"| {r['part']} | {r['source']} | {r['batch']} | {r['way']} | "
+                     f"{r['samples_per_s']:,.0f} | {vs} |")  # fmt: skip
+    write_results(rows, args.json_out, "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
