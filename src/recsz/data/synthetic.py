@@ -44,8 +44,8 @@ def _hash_normal(key: np.ndarray) -> np.ndarray:
 
 
 #: Tables of at most this many rows may keep their teacher's values (8 bytes a row and
-#: value: 8 MiB); larger ones hash each id asked.
-CACHED_ROWS = 1 << 20
+#: value: 2 MiB, at most 90 values a generator); larger ones hash each id asked.
+CACHED_ROWS = 1 << 18
 
 
 class SyntheticCriteo:
