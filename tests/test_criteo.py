@@ -235,3 +235,78 @@ def test_skipped_lines_reach_the_summary(tmp_path: Path, criteo_ragged: Path) ->
     assert json.loads((out / "summary.json").read_text())["skipped_lines"] == 1
     with pytest.raises(ValueError, match="--eval-batch-size must be >= 1"):
         TrainConfig(eval_batch_size=0)
+
+
+def test_eval_data_holds_out_another_file_and_all_of_data_trains(
+    tmp_path: Path, criteo_10k: Path, criteo_ragged: Path
+) -> None:
+    """--eval-data: every row of --data trains (in the permutation an epoch draws) and the
+    other file's rows evaluate, in order; --eval-fraction moves the split of one file."""
+    import torch
+
+    from recsz.data.source import make_source
+
+    binned = tmp_path / "eval_bin"
+    criteo.preprocess(criteo_ragged, binned, SIZES, progress=False)
+    for held in (str(criteo_ragged), str(binned)):  # a raw file or a preprocessed directory
+        src = make_source(str(criteo_10k), SIZES, seed=2, eval_data=held)
+        assert src.n_train == 9_999
+        rows = torch.cat([src.train_batch(k, 99).labels for k in range(101)])
+        assert len(rows) == 9_999  # one epoch: every row once
+        want = criteo.read(criteo_ragged, SIZES)
+        got = list(src.eval_batches(300))
+        assert [len(b) for b in got] == [300, 300, 300, 100]
+        np.testing.assert_array_equal(torch.cat([b.ids for b in got]).numpy(), want.cats)
+        np.testing.assert_array_equal(torch.cat([b.labels for b in got]).numpy(), want.labels)
+    split = make_source(str(criteo_10k), SIZES, seed=2, eval_frac=0.05)
+    assert split.n_train == 9_499 and sum(len(b) for b in split.eval_batches(4096)) == 500
+    with pytest.raises(FileNotFoundError, match=r"--eval-data .*nowhere\.tsv: no such file"):
+        make_source(str(criteo_10k), SIZES, seed=2, eval_data=str(tmp_path / "nowhere.tsv"))
+    with pytest.raises(ValueError, match="--eval-data needs --data from a file"):
+        make_source("synthetic", SIZES, seed=2, eval_data=str(criteo_ragged))
+
+
+def test_a_damaged_held_out_row_is_named_in_its_own_file(
+    tmp_path: Path, criteo_10k: Path, criteo_ragged: Path
+) -> None:
+    from recsz.data.source import make_source
+
+    out = tmp_path / "held"
+    criteo.preprocess(criteo_ragged, out, SIZES, progress=False)
+    arr = np.frombuffer((out / "labels.f32").read_bytes(), "<f4").copy()
+    arr[417] = 3.0
+    (out / "labels.f32").write_bytes(arr.tobytes())
+    src = make_source(str(criteo_10k), SIZES, seed=0, eval_data=str(out))
+    with pytest.raises(CriteoFormatError, match=r"held: row 417: label .*3\.0.* is not 0 or 1"):
+        list(src.eval_batches(256))
+    # In one file, a held-out row is named by its line in that file.
+    tail = tmp_path / "tail"
+    criteo.preprocess(criteo_ragged, tail, SIZES, progress=False)
+    arr = np.frombuffer((tail / "labels.f32").read_bytes(), "<f4").copy()
+    arr[950] = 3.0
+    (tail / "labels.f32").write_bytes(arr.tobytes())
+    with pytest.raises(CriteoFormatError, match=r"tail: row 950: label .*3\.0"):
+        list(make_source(str(tail), SIZES, seed=0).eval_batches(64))
+
+
+def test_eval_fraction_and_eval_data_together_are_refused() -> None:
+    from recsz.config import TrainConfig
+
+    with pytest.raises(ValueError, match="--eval-fraction splits --data; with --eval-data"):
+        TrainConfig(data="a.tsv", eval_data="b.tsv", eval_fraction=0.1)
+    with pytest.raises(ValueError, match=r"--eval-fraction must be > 0 and <= 0.99, got 1.0"):
+        TrainConfig(eval_fraction=1.0)
+
+
+def test_a_run_evaluates_on_eval_data(
+    tmp_path: Path, criteo_10k: Path, criteo_ragged: Path
+) -> None:
+    import json
+
+    from recsz.train import main
+
+    out = tmp_path / "run"
+    argv = ["--data", str(criteo_10k), "--eval-data", str(criteo_ragged), "--steps", "3"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_samples"] == 1000 and summary["config"]["eval_data"] == str(criteo_ragged)

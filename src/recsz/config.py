@@ -16,6 +16,7 @@ from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.configcheck import refused
+from recsz.data.source import EVAL_FRACTION
 from recsz.fields import check, opt, parser
 from recsz.model import (
     DENSE_OPTIMIZERS,
@@ -38,11 +39,12 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 11  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 12  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
-# 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer
+# 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
+# 12: --eval-fraction, --eval-data
 
 
 CODECS = tuple(available_codecs())
@@ -123,6 +125,18 @@ class TrainConfig:
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
     synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set", ge=1)
+    eval_fraction: float | None = opt(
+        None,
+        f"the share of --data's rows held out for evaluation, its last rows (default: "
+        f"{EVAL_FRACTION})",
+        gt=0,
+        le=0.99,
+    )
+    eval_data: str | None = opt(
+        None,
+        "a raw Criteo TSV or a `recsz preprocess` dir to evaluate on (e.g. Terabyte's "
+        "day_23); all of --data trains then",
+    )
     log_every: int = opt(20, "steps between metrics.jsonl rows", ge=0)
     out: str | None = opt(None, "run directory: config.json, metrics.jsonl, summary.json")
     skip_bad_lines: bool = opt(False, "count and report malformed data lines instead of failing")

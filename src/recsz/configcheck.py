@@ -21,6 +21,11 @@ def refused(cfg: TrainConfig) -> None:
     n_tables = model.n_tables
     cfg.failure_at()
     cfg.switch()
+    if cfg.eval_data is not None and cfg.eval_fraction is not None:
+        raise ValueError(
+            "--eval-fraction splits --data; with --eval-data all of --data trains and "
+            "--eval-data evaluates"
+        )
     spec = cfg.fiited_spec()
     if spec is not None:
         spec.chunks_of(model.emb_dim)  # before any rank starts

@@ -20,6 +20,9 @@ import torch
 from recsz.data import criteo
 from recsz.data.synthetic import SyntheticCriteo
 
+#: The share of a file's rows held out for evaluation by default (its last rows).
+EVAL_FRACTION = 0.2
+
 
 @dataclass
 class Batch:
@@ -93,7 +96,9 @@ class SyntheticSource(DataSource):
 
 
 class ArraySource(DataSource):
-    """Rows of a file: the first (1 - eval_frac) train, the rest evaluate.
+    """Rows of a file: the first (1 - eval_frac) train, the rest evaluate; or, with
+    ``held_out`` (the rows of another file, named ``held_out_name``), all train and those
+    evaluate.
 
     Training order is a fresh permutation each epoch, drawn from (seed, epoch); the
     remainder of an epoch that does not fill a batch is dropped.
@@ -103,18 +108,27 @@ class ArraySource(DataSource):
         self,
         arrays: criteo.Arrays,
         seed: int,
-        eval_frac: float = 0.2,
+        eval_frac: float = EVAL_FRACTION,
         name: str = "file",
         table_sizes: Sequence[int] = (),
         skipped_lines: int = 0,
+        held_out: criteo.Arrays | None = None,
+        held_out_name: str = "eval file",
     ) -> None:
-        if not 0.0 < eval_frac < 1.0:
-            raise ValueError(f"eval_frac must be in (0, 1), got {eval_frac}")
         n = len(arrays)
-        n_eval = max(1, round(n * eval_frac))
-        if n - n_eval < 1:
-            raise ValueError(f"{name}: {n} rows are too few to split into train and eval")
+        if held_out is None:
+            if not 0.0 < eval_frac < 1.0:
+                raise ValueError(f"--eval-fraction must be in (0, 1), got {eval_frac}")
+            n_eval = max(1, round(n * eval_frac))
+            if n - n_eval < 1:
+                raise ValueError(f"{name}: {n} rows are too few to split into train and eval")
+            k = self._first_held_out = n - n_eval  # its rows are named as in the file
+            held_out = criteo.Arrays(arrays.dense[k:], arrays.cats[k:], arrays.labels[k:])
+            held_out_name = name
+        else:
+            n_eval, self._first_held_out = 0, 0
         self.arrays = arrays
+        self.held_out, self.held_out_name = held_out, held_out_name
         self.seed = seed
         self.name = name
         self.table_sizes = list(table_sizes) or [2**62] * arrays.cats.shape[1]
@@ -123,8 +137,10 @@ class ArraySource(DataSource):
         self._perm_epoch = -1
         self._perm = np.arange(0)
 
-    def _rows(self, idx: np.ndarray) -> Batch:
-        a = self.arrays
+    def _rows(self, idx: np.ndarray, held_out: bool = False) -> Batch:
+        a = self.held_out if held_out else self.arrays
+        name = self.held_out_name if held_out else self.name
+        first = self._first_held_out if held_out else 0
         idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
         blk = criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
         # Arrays may come from files edited or damaged after preprocessing: refuse values
@@ -142,7 +158,7 @@ class ArraySource(DataSource):
                 if bad_dense[i]
                 else "a categorical id is outside its table"
             )
-            raise criteo.CriteoFormatError(f"{self.name}: row {int(idx[i])}: {what}")
+            raise criteo.CriteoFormatError(f"{name}: row {first + int(idx[i])}: {what}")
         return _to_batch(blk)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
@@ -159,10 +175,9 @@ class ArraySource(DataSource):
         return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size])
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        assert self.n_train is not None
-        n = len(self.arrays)
-        for start in range(self.n_train, n, batch_size):
-            yield self._rows(np.arange(start, min(n, start + batch_size)))
+        n = len(self.held_out)
+        for start in range(0, n, batch_size):
+            yield self._rows(np.arange(start, min(n, start + batch_size)), held_out=True)
 
 
 def make_source(
@@ -171,24 +186,42 @@ def make_source(
     seed: int,
     skip_bad_lines: bool = False,
     synthetic_eval: int = 20_000,
-    eval_frac: float = 0.2,
+    eval_frac: float | None = None,
+    eval_data: str | None = None,
 ) -> DataSource:
-    """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file (the last
-    ``eval_frac`` held out), or a directory made by ``recsz preprocess``."""
+    """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file or a
+    directory made by ``recsz preprocess``: its last ``eval_frac`` held out, or, with
+    ``eval_data`` (another such file or directory, e.g. Terabyte's day_23), all of it
+    trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`."""
     if data == "synthetic":
+        if eval_data is not None:
+            raise ValueError("--eval-data needs --data from a file: the generator's samples "
+                             "are not the held-out file's")  # fmt: skip
         return SyntheticSource(table_sizes, seed, synthetic_eval)
+    arrays, skipped = _read(data, "--data", table_sizes, skip_bad_lines)
+    held_out = None if eval_data is None else _read(eval_data, "--eval-data", table_sizes,
+                                                    skip_bad_lines)[0]  # fmt: skip
+    frac = EVAL_FRACTION if eval_frac is None else eval_frac
+    return ArraySource(arrays, seed, frac, str(data), table_sizes, skipped, held_out,
+                       str(eval_data))  # fmt: skip
+
+
+def _read(
+    data: str, flag: str, table_sizes: Sequence[int], skip_bad_lines: bool
+) -> tuple[criteo.Arrays, int]:
+    """The rows of a raw Criteo file or a preprocessed directory, and the lines skipped."""
     p = Path(data)
     if p.is_dir():
         arrays = criteo.load(p, table_sizes)
         skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))
-        return ArraySource(arrays, seed, eval_frac, str(p), table_sizes, skipped)
+        return arrays, skipped
     if not p.exists():
-        raise FileNotFoundError(f"--data {data}: no such file or directory")
+        raise FileNotFoundError(f"{flag} {data}: no such file or directory")
     stats = criteo.ParseStats()
     arrays = criteo.read(p, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats)
     if stats.skipped:
         print(f"{p}: skipped {stats.skipped} bad lines (first: {stats.first_error})")
-    return ArraySource(arrays, seed, eval_frac, str(p), table_sizes, stats.skipped)
+    return arrays, stats.skipped
 
 
 def prefetch(
