@@ -310,3 +310,37 @@ def test_a_run_evaluates_on_eval_data(
     assert main([*argv, "--no-progress", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_samples"] == 1000 and summary["config"]["eval_data"] == str(criteo_ragged)
+
+
+def test_preprocess_reads_several_files_in_order_gzipped_or_not(
+    tmp_path: Path, criteo_10k: Path, criteo_ragged: Path
+) -> None:
+    """Terabyte's days into one set: the rows of each file in order, .gz read as the text,
+    a bad line named by its own file and line."""
+    import gzip
+    import json
+
+    from recsz.cli import main as cli
+
+    zipped = tmp_path / "day_1.gz"
+    zipped.write_bytes(gzip.compress(criteo_ragged.read_bytes()))
+    out = tmp_path / "days"
+    assert cli(["preprocess", str(criteo_10k), str(zipped), str(out), "--preset", "tiny"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["rows"] == 10_999 and meta["rows_per_source"] == [9_999, 1_000]
+    assert meta["source"] == [str(criteo_10k), str(zipped)]
+    got, first, second = (
+        criteo.load(out),
+        criteo.read(criteo_10k, SIZES),
+        criteo.read(zipped, SIZES),
+    )
+    np.testing.assert_array_equal(got.cats, np.concatenate([first.cats, second.cats]))
+    np.testing.assert_array_equal(got.dense, np.concatenate([first.dense, second.dense]))
+    np.testing.assert_array_equal(got.labels, np.concatenate([first.labels, second.labels]))
+    lines = criteo_ragged.read_text().splitlines()
+    lines[41] = "x" + lines[41][1:]
+    bad = tmp_path / "day_2.gz"
+    bad.write_bytes(gzip.compress("\n".join(lines).encode()))
+    with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
+        criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, progress=False)
+    assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"

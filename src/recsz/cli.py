@@ -13,7 +13,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "usage: recsz {train,preprocess,plot} ...\n\n"
             "  train       train DLRM (recsz train --help)\n"
-            "  preprocess  convert a raw Criteo TSV to memory-mappable arrays\n"
+            "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
             "  plot        plot a run directory's metrics to PNG files"
         )
         return 0 if argv else 2
@@ -51,7 +51,12 @@ def _preprocess(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="recsz preprocess", description="Raw Criteo TSV -> binary arrays (memory-mapped)."
     )
-    p.add_argument("raw", help="raw Criteo file (Kaggle train.txt or a Terabyte day_N)")
+    p.add_argument(
+        "raw",
+        nargs="+",
+        help="raw Criteo file(s), plain or .gz, read in order into one set (Kaggle "
+        "train.txt, or Terabyte's day_0 .. day_22)",
+    )
     p.add_argument("out_dir")
     p.add_argument(
         "--preset",

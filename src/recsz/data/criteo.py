@@ -20,6 +20,7 @@ The binary form written by :func:`preprocess` is three raw little-endian arrays
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -172,7 +173,8 @@ def iter_blocks(
         cats.clear()
         return blk
 
-    with open(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
+    opener = gzip.open if str(path).endswith(".gz") else open  # Terabyte's days: day_N.gz
+    with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
         for lineno, raw in enumerate(f, start=1):
             stats.bytes += len(raw)
             if raw in (b"\n", b"\r\n"):
@@ -228,19 +230,23 @@ def read(
 
 
 def preprocess(
-    raw: str | os.PathLike[str],
+    raw: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     out_dir: str | os.PathLike[str],
     table_sizes: Sequence[int],
     skip_bad_lines: bool = False,
     progress: bool = True,
 ) -> ParseStats:
-    """Convert a raw file to the memory-mappable binary form, streaming block by block."""
+    """Convert a raw file, or several in order (Terabyte's ``day_0`` .. ``day_22``, plain or
+    gzipped), to one memory-mappable binary form, streaming block by block."""
     from tqdm import tqdm
 
+    raws = [raw] if isinstance(raw, (str, os.PathLike)) else list(raw)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stats = ParseStats()
-    total = os.path.getsize(raw)
+    gzipped = any(str(r).endswith(".gz") for r in raws)  # its bytes read are not its size
+    total = None if gzipped else sum(os.path.getsize(r) for r in raws)
+    rows_each: list[int] = []
     tmp = {k: out / f"{k}.tmp" for k in ("dense", "cats", "labels")}
     try:
         with (
@@ -251,13 +257,18 @@ def preprocess(
                 total=total, unit="B", unit_scale=True, disable=not progress, desc="preprocess"
             ) as bar,
         ):
-            for blk in iter_blocks(raw, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
-                fd.write(blk.dense.astype("<f4").tobytes())
-                fc.write(blk.cats.astype("<i4").tobytes())
-                fl.write(blk.labels.astype("<f4").tobytes())
-                bar.update(stats.bytes - bar.n)
+            for one in raws:
+                before = stats.lines
+                for blk in iter_blocks(one, table_sizes, skip_bad_lines=skip_bad_lines,
+                                       stats=stats):  # fmt: skip
+                    fd.write(blk.dense.astype("<f4").tobytes())
+                    fc.write(blk.cats.astype("<i4").tobytes())
+                    fl.write(blk.labels.astype("<f4").tobytes())
+                    bar.update(stats.bytes - bar.n)
+                rows_each.append(stats.lines - before)
         if stats.lines == 0:
-            raise CriteoFormatError(f"{raw}: no samples" + _skipped_note(stats))
+            named = ", ".join(str(r) for r in raws)
+            raise CriteoFormatError(f"{named}: no samples" + _skipped_note(stats))
     except BaseException:
         for t in tmp.values():  # no partial output survives a failure
             t.unlink(missing_ok=True)
@@ -271,7 +282,8 @@ def preprocess(
         "table_sizes": list(table_sizes),
         "skipped_lines": stats.skipped,
         "padded_lines": stats.padded,
-        "source": str(raw),
+        "source": str(raws[0]) if len(raws) == 1 else [str(r) for r in raws],
+        "rows_per_source": rows_each,
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return stats
