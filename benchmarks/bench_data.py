@@ -1,12 +1,12 @@
 """Making the batches: how fast the sources feed the trainer, and the trainer with them.
 
     python benchmarks/bench_data.py [--batches 2048,8192] [--steps 40] [--train-steps 30]
-        [--json-out PATH]
+        [--order-rows N] [--json-out PATH]
 
 Every rank makes the global batch each step (the table owners need every sample's ids), so
 on a GPU the host's batch making competes with a step of a few milliseconds (an H100 ran
 the bench preset's steps of 8192 in 12 ms and waited 35 ms a step for the generator's
-batches: results/issue13/session7/run2). Two parts, side by side in one run:
+batches: results/issue13/session7/run2). Three parts, side by side in one run:
 
 1. **Making alone**: samples/s of ``prefetch`` over ``--steps`` batches (the first left
    out), in the loop (``--prefetch 0``) and by the thread (``--prefetch 2``); sources: the
@@ -14,7 +14,10 @@ batches: results/issue13/session7/run2). Two parts, side by side in one run:
    ``CACHED_ROWS`` rows (``kept``, the default) and hashing every id as before the
    thirty-first session (``hashed``); and, where ``../shared/data`` is here, the real 10k
    sample preprocessed into the same tables (its ~8k training rows over epochs).
-2. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
+2. **A file's training order** (``--data-order``): a preprocessed file of ``--order-rows``
+   rows (written from the generator), read in the rows' permutation and in the batches'
+   (the file in the page cache: what the order costs beyond the disk).
+3. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
    GPU's is), the largest batch: samples/s of the whole loop, batch waits included
    (steps x batch / (train_s + data_s)), with each generator.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 import os
 import sys
 import tempfile
@@ -64,6 +68,45 @@ def making(source, name: str, batch: int, steps: int) -> list[dict]:
     return rows
 
 
+def synthetic_dir(out: Path, sizes: list[int], rows: int) -> Path:
+    """``rows`` of the generator in `recsz preprocess`'s form (as a preprocessed file)."""
+    gen, block = SyntheticSource(sizes, 1).gen, 1 << 16
+    out.mkdir(parents=True)
+    files = [(out / f).open("wb") for f in ("dense.f32", "cats.i32", "labels.f32")]
+    for i, start in enumerate(range(0, rows, block)):
+        a = gen.block(0, i, min(block, rows - start))
+        for f, x, kind in zip(
+            files, (a.dense, a.cats, a.labels), ("<f4", "<i4", "<f4"), strict=True
+        ):
+            f.write(x.astype(kind).tobytes())
+    for f in files:
+        f.close()
+    meta = {"format_version": criteo.FORMAT_VERSION, "rows": rows, "table_sizes": sizes}
+    (out / "meta.json").write_text(json.dumps(meta))
+    return out
+
+
+def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
+    """A file's training order: the rows' permutation against its batches'."""
+    rows = []
+    for order in ("rows", "batches"):
+        src = make_source(str(data), sizes, 0, order=order)
+        t = time.perf_counter()
+        src.train_batch(0, batch)  # the epoch's permutation
+        first = time.perf_counter() - t
+        it = prefetch(src, range(1, steps + 1), batch, CPU, 0)
+        t = time.perf_counter()
+        n = sum(1 for _ in it)
+        rate = n * batch / (time.perf_counter() - t)
+        perm_mb = src._perm.nbytes / 2**20
+        rows.append({"part": "order", "source": f"{src.n_train:,} rows", "batch": batch,
+                     "way": order, "samples_per_s": rate, "permutation_MiB": perm_mb,
+                     "first_batch_s": first})  # fmt: skip
+        print(f"  order {order:8s} batch {batch:5d} {rate:12,.0f} samples/s, permutation "
+              f"{perm_mb:,.1f} MiB, first batch {first:.2f} s", flush=True)  # fmt: skip
+    return rows
+
+
 def trainer(batch: int, steps: int) -> list[dict]:
     rows = []
     for name, cached in (("synthetic, kept", synthetic.CACHED_ROWS), ("synthetic, hashed", 0)):
@@ -90,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="2048,8192")
     ap.add_argument("--steps", type=int, default=40, help="batches made per way")
     ap.add_argument("--train-steps", type=int, default=30, help="trainer steps per generator")
+    ap.add_argument(
+        "--order-rows", type=int, default=8_000_000, help="rows of the file the orders read"
+    )
     ap.add_argument("--json-out", default="bench_out/data.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -111,14 +157,20 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 if b <= (source.steps_per_epoch(1) or b):
                     rows += making(source, name, b, args.steps)
+        if args.order_rows:
+            big = synthetic_dir(Path(tmp) / "big", list(sizes), args.order_rows)
+            rows += orders(big, list(sizes), max(batches), args.steps)
     rows += trainer(max(batches), args.train_steps)
-    lines = ["| part | source | batch | way | samples/s | vs hashed |", "|---|---|---|---|---|---|"]
-    for r in rows:
+    lines = ["| part | source | batch | way | samples/s | vs base |", "|---|---|---|---|---|---|"]
+    for r in rows:  # base: the generator hashing every id; for the orders, the rows'
         base = [
             x["samples_per_s"]
             for x in rows
-            if x["source"] == "synthetic, hashed"
-            and (x["part"], x["batch"], x["way"]) == (r["part"], r["batch"], r["way"])
+            if (
+                (x["part"], x["batch"], x["way"]) == (r["part"], r["batch"], r["way"])
+                and x["source"] == "synthetic, hashed"
+            )
+            or (r["part"] == "order" == x["part"] and x["way"] == "rows")
         ]
         vs = f"{r['samples_per_s'] / base[0]:.2f}x" if base else ""
         lines.append(f"| {r['part']} | {r['source']} | {r['batch']} | {r['way']} | "

@@ -344,3 +344,48 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
         criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, progress=False)
     assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
+
+
+def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
+    tmp_path: Path, criteo_10k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--data-order batches: an epoch is a permutation of its batches of contiguous rows
+    (every full batch once, a new order each epoch, the same for the same seed); auto keeps
+    the rows' permutation up to ROWS_ORDER_MAX training rows and takes batches above."""
+    import torch
+
+    import recsz.data.source as source
+
+    out = tmp_path / "bin"
+    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
+    arrays = criteo.load(out, SIZES)
+    src = source.make_source(str(out), SIZES, seed=4, order="batches")
+    spe = src.steps_per_epoch(500)
+    assert src.order == "batches" and spe == 15
+    for epoch in range(2):
+        starts = []
+        for k in range(epoch * spe, (epoch + 1) * spe):
+            b = src.train_batch(k, 500)
+            start = next(
+                s for s in range(0, src.n_train - 499, 500)
+                if np.array_equal(b.ids.numpy(), arrays.cats[s : s + 500])
+            )  # fmt: skip
+            np.testing.assert_array_equal(b.dense.numpy(), arrays.dense[start : start + 500])
+            starts.append(start)
+        assert sorted(starts) == list(range(0, spe * 500, 500))
+        if epoch == 0:
+            first = starts
+    assert starts != first and starts != sorted(starts)
+    again = source.make_source(str(out), SIZES, seed=4, order="batches")
+    assert torch.equal(again.train_batch(3, 500).ids, src.train_batch(3, 500).ids)
+    rows = source.make_source(str(out), SIZES, seed=4, order="rows")
+    auto = source.make_source(str(out), SIZES, seed=4)
+    assert auto.order == "rows" and torch.equal(
+        auto.train_batch(5, 64).ids, rows.train_batch(5, 64).ids
+    )
+    monkeypatch.setattr(source, "ROWS_ORDER_MAX", 1000)
+    assert source.make_source(str(out), SIZES, seed=4).order == "batches"
+    with pytest.raises(
+        ValueError, match="--data-order 'blocks' is not one of: auto, rows, batches"
+    ):
+        source.make_source(str(out), SIZES, seed=4, order="blocks")

@@ -123,7 +123,18 @@ def test_bench_codecs_quick(tmp_path: Path) -> None:
 def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
     bench_data = _bench("bench_data")
     out = tmp_path / "data.json"
-    argv = ["--batches", "256", "--steps", "3", "--train-steps", "2", "--json-out", str(out)]
+    argv = [
+        "--batches",
+        "256",
+        "--steps",
+        "3",
+        "--train-steps",
+        "2",
+        "--order-rows",
+        "3000",
+        "--json-out",
+        str(out),
+    ]
     assert bench_data.main(argv) == 0
     rows = json.loads(out.read_text())
     made = {(r["part"], r["source"], r["way"]) for r in rows}

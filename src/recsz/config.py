@@ -16,7 +16,7 @@ from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.configcheck import refused
-from recsz.data.source import EVAL_FRACTION
+from recsz.data.source import DATA_ORDERS, EVAL_FRACTION
 from recsz.fields import check, opt, parser
 from recsz.model import (
     DENSE_OPTIMIZERS,
@@ -44,7 +44,7 @@ CONFIG_VERSION = 12  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm ho
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
-# 12: --eval-fraction, --eval-data
+# 12: --eval-fraction, --eval-data, --data-order
 
 
 CODECS = tuple(available_codecs())
@@ -131,6 +131,13 @@ class TrainConfig:
         f"{EVAL_FRACTION})",
         gt=0,
         le=0.99,
+    )
+    data_order: str = opt(
+        "auto",
+        "a file's training rows each epoch: rows (a permutation of all, 8 bytes a row), "
+        "batches (a permutation of its batches of contiguous rows: data preprocessed "
+        "shuffled, or too large for rows) or auto (rows up to 2^27 training rows)",
+        DATA_ORDERS,
     )
     eval_data: str | None = opt(
         None,

@@ -47,7 +47,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             )
         tables = get_preset(cfg.preset).model.table_sizes
         source = make_source(cfg.data, tables, cfg.seed, cfg.skip_bad_lines, cfg.synthetic_eval,
-                             cfg.eval_fraction, cfg.eval_data)  # fmt: skip
+                             cfg.eval_fraction, cfg.eval_data, cfg.data_order)  # fmt: skip
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None

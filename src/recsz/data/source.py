@@ -23,6 +23,14 @@ from recsz.data.synthetic import SyntheticCriteo
 #: The share of a file's rows held out for evaluation by default (its last rows).
 EVAL_FRACTION = 0.2
 
+#: The orders of a file's training rows in an epoch: ``rows``, a permutation of them all
+#: (8 bytes a row, and each batch read from rows anywhere in the file); ``batches``, a
+#: permutation of the epoch's batches of contiguous rows (8 bytes a batch, each batch read
+#: in one sweep: for data preprocessed shuffled, as MLPerf's Terabyte is, or too large for
+#: the first); ``auto``: rows up to :data:`ROWS_ORDER_MAX` training rows, batches above.
+DATA_ORDERS = ("auto", "rows", "batches")
+ROWS_ORDER_MAX = 1 << 27  # a permutation of 1 GiB
+
 
 @dataclass
 class Batch:
@@ -114,6 +122,7 @@ class ArraySource(DataSource):
         skipped_lines: int = 0,
         held_out: criteo.Arrays | None = None,
         held_out_name: str = "eval file",
+        order: str = "auto",
     ) -> None:
         n = len(arrays)
         if held_out is None:
@@ -134,15 +143,25 @@ class ArraySource(DataSource):
         self.table_sizes = list(table_sizes) or [2**62] * arrays.cats.shape[1]
         self.skipped_lines = skipped_lines
         self.n_train = n - n_eval
+        if order not in DATA_ORDERS:
+            raise ValueError(f"--data-order {order!r} is not one of: {', '.join(DATA_ORDERS)}")
+        if order == "auto":
+            order = "rows" if self.n_train <= ROWS_ORDER_MAX else "batches"
+        self.order = order
         self._perm_epoch = -1
         self._perm = np.arange(0)
 
-    def _rows(self, idx: np.ndarray, held_out: bool = False) -> Batch:
+    def _rows(self, idx: np.ndarray | slice, held_out: bool = False) -> Batch:
+        """The rows ``idx`` (indices, or a slice: contiguous, read in one sweep)."""
         a = self.held_out if held_out else self.arrays
         name = self.held_out_name if held_out else self.name
         first = self._first_held_out if held_out else 0
-        idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
-        blk = criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
+        if isinstance(idx, slice):  # a copy: a batch never shares the source's memory
+            first += idx.start
+            blk = criteo.Arrays(*(np.array(x[idx]) for x in (a.dense, a.cats, a.labels)))
+        else:
+            idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
+            blk = criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
         # Arrays may come from files edited or damaged after preprocessing: refuse values
         # no Criteo line can produce, naming the row, before they reach a model.
         bad_label = (blk.labels != 0) & (blk.labels != 1)
@@ -158,7 +177,8 @@ class ArraySource(DataSource):
                 if bad_dense[i]
                 else "a categorical id is outside its table"
             )
-            raise criteo.CriteoFormatError(f"{name}: row {first + int(idx[i])}: {what}")
+            row = first + (i if isinstance(idx, slice) else int(idx[i]))
+            raise criteo.CriteoFormatError(f"{name}: row {row}: {what}")
         return _to_batch(blk)
 
     def train_batch(self, step: int, batch_size: int) -> Batch:
@@ -169,15 +189,20 @@ class ArraySource(DataSource):
             )
         spe = self.n_train // batch_size
         epoch, pos = divmod(step, spe)
+        whole = self.order == "batches"  # permute the epoch's batches, not its rows
         if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, 3, epoch]).permutation(self.n_train)
+            rng = np.random.default_rng([self.seed, 3, epoch])
+            self._perm = rng.permutation(spe if whole else self.n_train)
             self._perm_epoch = epoch
+        if whole:
+            start = int(self._perm[pos]) * batch_size
+            return self._rows(slice(start, start + batch_size))
         return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size])
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         n = len(self.held_out)
         for start in range(0, n, batch_size):
-            yield self._rows(np.arange(start, min(n, start + batch_size)), held_out=True)
+            yield self._rows(slice(start, min(n, start + batch_size)), held_out=True)
 
 
 def make_source(
@@ -188,11 +213,13 @@ def make_source(
     synthetic_eval: int = 20_000,
     eval_frac: float | None = None,
     eval_data: str | None = None,
+    order: str = "auto",
 ) -> DataSource:
     """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file or a
     directory made by ``recsz preprocess``: its last ``eval_frac`` held out, or, with
     ``eval_data`` (another such file or directory, e.g. Terabyte's day_23), all of it
-    trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`."""
+    trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`; ``order``: a
+    file's training order (:data:`DATA_ORDERS`)."""
     if data == "synthetic":
         if eval_data is not None:
             raise ValueError("--eval-data needs --data from a file: the generator's samples "
@@ -203,7 +230,7 @@ def make_source(
                                                     skip_bad_lines)[0]  # fmt: skip
     frac = EVAL_FRACTION if eval_frac is None else eval_frac
     return ArraySource(arrays, seed, frac, str(data), table_sizes, skipped, held_out,
-                       str(eval_data))  # fmt: skip
+                       str(eval_data), order)  # fmt: skip
 
 
 def _read(
