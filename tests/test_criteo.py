@@ -296,6 +296,10 @@ def test_eval_fraction_and_eval_data_together_are_refused() -> None:
         TrainConfig(data="a.tsv", eval_data="b.tsv", eval_fraction=0.1)
     with pytest.raises(ValueError, match=r"--eval-fraction must be > 0 and <= 0.99, got 1.0"):
         TrainConfig(eval_fraction=1.0)
+    with pytest.raises(ValueError, match="--eval-fraction, --data-order: for --data from a file"):
+        TrainConfig(eval_fraction=0.1, data_order="batches")  # --data synthetic
+    with pytest.raises(ValueError, match="--data-order 'blocks' is not one of"):
+        TrainConfig(data="a.tsv", data_order="blocks")
 
 
 def test_a_run_evaluates_on_eval_data(

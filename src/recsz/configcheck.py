@@ -26,6 +26,11 @@ def refused(cfg: TrainConfig) -> None:
             "--eval-fraction splits --data; with --eval-data all of --data trains and "
             "--eval-data evaluates"
         )
+    filed = {"--eval-data": cfg.eval_data is not None, "--eval-fraction": cfg.eval_fraction
+             is not None, "--data-order": cfg.data_order != "auto"}  # fmt: skip
+    if cfg.data == "synthetic" and (asked := [f for f, on in filed.items() if on]):
+        raise ValueError(f"{', '.join(asked)}: for --data from a file (the generator has no "
+                         "rows to hold out or order)")  # fmt: skip
     spec = cfg.fiited_spec()
     if spec is not None:
         spec.chunks_of(model.emb_dim)  # before any rank starts

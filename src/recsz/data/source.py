@@ -108,8 +108,9 @@ class ArraySource(DataSource):
     ``held_out`` (the rows of another file, named ``held_out_name``), all train and those
     evaluate.
 
-    Training order is a fresh permutation each epoch, drawn from (seed, epoch); the
-    remainder of an epoch that does not fill a batch is dropped.
+    Training order is a fresh permutation each epoch (of the rows or of the batches:
+    ``order``, :data:`DATA_ORDERS`), drawn from (seed, epoch); the remainder of an epoch
+    that does not fill a batch is dropped.
     """
 
     def __init__(
