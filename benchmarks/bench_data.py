@@ -1,12 +1,12 @@
 """Making the batches: how fast the sources feed the trainer, and the trainer with them.
 
     python benchmarks/bench_data.py [--batches 2048,8192] [--steps 40] [--train-steps 30]
-        [--order-rows N] [--json-out PATH]
+        [--order-rows N] [--parse-copies N] [--json-out PATH]
 
 Every rank makes the global batch each step (the table owners need every sample's ids), so
 on a GPU the host's batch making competes with a step of a few milliseconds (an H100 ran
 the bench preset's steps of 8192 in 12 ms and waited 35 ms a step for the generator's
-batches: results/issue13/session7/run2). Three parts, side by side in one run:
+batches: results/issue13/session7/run2). Four parts, side by side in one run:
 
 1. **Making alone**: samples/s of ``prefetch`` over ``--steps`` batches (the first left
    out), in the loop (``--prefetch 0``) and by the thread (``--prefetch 2``); sources: the
@@ -17,7 +17,10 @@ batches: results/issue13/session7/run2). Three parts, side by side in one run:
 2. **A file's training order** (``--data-order``): a preprocessed file of ``--order-rows``
    rows (written from the generator), read in the rows' permutation and in the batches'
    (the file in the page cache: what the order costs beyond the disk).
-3. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
+3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
+   ``--parse-copies`` copies of the real sample, compiled, and with every line through
+   ``parse_line`` (as the reader was before the thirty-first session).
+4. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
    GPU's is), the largest batch: samples/s of the whole loop, batch waits included
    (steps x batch / (train_s + data_s)), with each generator.
 
@@ -107,6 +110,37 @@ def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
     return rows
 
 
+def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
+    """Lines a second of the raw reader (`recsz preprocess`, --data FILE): the compiled
+    path, and every line through parse_line (the reader before the thirty-first session)."""
+    big = tmp / "copies.tsv"
+    with big.open("wb") as f:
+        for _ in range(copies):
+            f.write(raw.read_bytes())
+    compiled = criteo.parse_lines
+
+    def none_compiled(buf, table_sizes):  # every line left to parse_line
+        labels, dense, ids, ok, starts = compiled(buf, table_sizes)
+        ok[:] = False
+        return labels, dense, ids, ok, starts
+
+    rows = []
+    criteo.read(raw, sizes)  # the kernels compiled (or loaded from numba's cache)
+    for way, fn in (("compiled", compiled), ("parse_line", none_compiled)):
+        criteo.parse_lines = fn
+        try:
+            t = time.perf_counter()
+            n = len(criteo.read(big, sizes))
+            rate = n / (time.perf_counter() - t)
+        finally:
+            criteo.parse_lines = compiled
+        mb = big.stat().st_size / 2**20 * rate / n
+        rows.append({"part": "parse", "source": f"{n:,} real lines", "batch": 0, "way": way,
+                     "samples_per_s": rate, "MiB_per_s": mb})  # fmt: skip
+        print(f"  parse {way:10s} {rate:12,.0f} lines/s ({mb:.1f} MiB/s)", flush=True)
+    return rows
+
+
 def trainer(batch: int, steps: int) -> list[dict]:
     rows = []
     for name, cached in (("synthetic, kept", synthetic.CACHED_ROWS), ("synthetic, hashed", 0)):
@@ -136,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--order-rows", type=int, default=8_000_000, help="rows of the file the orders read"
     )
+    ap.add_argument("--parse-copies", type=int, default=10, help="copies of the real sample parsed")
     ap.add_argument("--json-out", default="bench_out/data.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -157,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 if b <= (source.steps_per_epoch(1) or b):
                     rows += making(source, name, b, args.steps)
+        if real.exists() and args.parse_copies:
+            rows += parsing(real, args.parse_copies, Path(tmp), list(sizes))
         if args.order_rows:
             big = synthetic_dir(Path(tmp) / "big", list(sizes), args.order_rows)
             rows += orders(big, list(sizes), max(batches), args.steps)
@@ -171,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 and x["source"] == "synthetic, hashed"
             )
             or (r["part"] == "order" == x["part"] and x["way"] == "rows")
+            or (r["part"] == "parse" == x["part"] and x["way"] == "parse_line")
         ]
         vs = f"{r['samples_per_s'] / base[0]:.2f}x" if base else ""
         lines.append(f"| {r['part']} | {r['source']} | {r['batch']} | {r['way']} | "

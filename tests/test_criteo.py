@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recsz.data import criteo
 from recsz.data.criteo import CriteoFormatError, hash_category
@@ -393,3 +395,98 @@ def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
         ValueError, match="--data-order 'blocks' is not one of: auto, rows, batches"
     ):
         source.make_source(str(out), SIZES, seed=4, order="blocks")
+
+
+# ---- the compiled parser against parse_line ---------------------------------------------
+def _by_parse_line(data: bytes, sizes: list[int]) -> tuple[list, list[str]]:
+    """Every line of ``data`` through parse_line alone (the definition): the samples of the
+    lines it takes, and the errors of the others, in order."""
+    rows, errors = [], []
+    for n, raw in enumerate(data.split(b"\n")[: data.count(b"\n") + (not data.endswith(b"\n"))]):
+        if raw in (b"", b"\r"):
+            continue
+        try:
+            y, d, c, _ = criteo.parse_line(raw.decode("ascii"), sizes, f"f:{n + 1}")
+        except (CriteoFormatError, UnicodeDecodeError) as e:
+            errors.append(type(e).__name__)
+            continue
+        rows.append((y, np.float32(d).tolist(), c))
+    return rows, errors
+
+
+def _by_iter_blocks(tmp_path: Path, data: bytes, sizes: list[int], chunk: int) -> list:
+    p = tmp_path / "f.tsv"
+    p.write_bytes(data)
+    stats = criteo.ParseStats()
+    blocks = criteo.iter_blocks(p, sizes, 7, True, stats, chunk_bytes=chunk)
+    return [
+        (float(y), d.tolist(), c.tolist())
+        for b in blocks
+        for y, d, c in zip(b.labels, b.dense, b.cats, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("name", ["criteo_kaggle_head10k.tsv", "criteo_kaggle_200.tsv",
+                                  "criteo_kaggle_head1k_ragged.tsv"])  # fmt: skip
+def test_the_compiled_parser_reads_the_real_samples_as_parse_line(
+    criteo_10k: Path, name: str, tmp_path: Path
+) -> None:
+    path = criteo_10k.parent / name
+    if not path.exists():
+        pytest.skip(f"{path} is not here")
+    data = path.read_bytes()
+    want, errors = _by_parse_line(data, SIZES)
+    assert not errors
+    assert _by_iter_blocks(tmp_path, data, SIZES, 1 << 16) == want
+
+
+ODD = ["", "-", "+3", " 4", "1" * 19, "1" * 18, "-" + "9" * 18, "-" + "9" * 19, "0x1f", "1_0",
+       "123456789", "12345678", "g1", "\r", "-0", "00", "5 ", ":", "/", "@", "`", "G", "g",
+       "\xe9", "2", "01", "1-", "--1", "ffffffff", "FFFFFFFF0"]  # fmt: skip
+_ODD = st.one_of(st.sampled_from(ODD), st.text("0123456789abcdefABCDEF-:/g@`G+ ", max_size=10))
+
+
+def test_the_compiled_parser_takes_each_odd_field_as_parse_line(tmp_path: Path) -> None:
+    """Each odd field in the label, in counts and in categories (first, middle, last) of
+    an otherwise well-formed line: the samples are parse_line's (None where it refuses)."""
+    base = ["1", *("7" for _ in range(13)), *("a3f" for _ in range(26))]
+    lines = []
+    for odd in ODD:
+        for at in (0, 1, 7, 13, 14, 30, 39):
+            fields = list(base)
+            fields[at] = odd
+            lines.append("\t".join(fields) + "\n")
+    data = "".join(lines).encode("latin-1")
+    want, _ = _by_parse_line(data, SIZES)
+    assert _by_iter_blocks(tmp_path, data, SIZES, 1 << 16) == want
+
+
+_COUNT = st.one_of(st.just(""), st.from_regex(r"-?[0-9]{1,18}", fullmatch=True))
+_CATEGORY = st.one_of(st.just(""), st.from_regex(r"[0-9a-fA-F]{1,8}", fullmatch=True))
+
+
+@st.composite
+def _line(draw: st.DrawFn) -> str:
+    """A well-formed line, or one with a field made odd, fields dropped or one added."""
+    fields = [draw(st.sampled_from(["0", "1"]))]
+    fields += [draw(_COUNT) for _ in range(13)] + [draw(_CATEGORY) for _ in range(26)]
+    change = draw(st.sampled_from(["none", "none", "odd", "drop", "add"]))
+    if change == "odd":
+        fields[draw(st.integers(0, 39))] = draw(_ODD)
+    elif change == "drop":
+        fields = fields[: draw(st.integers(1, 39))]
+    elif change == "add":
+        fields.append(draw(_CATEGORY))
+    return "\t".join(fields) + draw(st.sampled_from(["\n", "\n", "\r\n", "\r\r\n", "\n\n"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lines=st.lists(_line(), min_size=1, max_size=10), chunk=st.sampled_from([8, 300, 1 << 16]))
+def test_the_compiled_parser_takes_what_parse_line_takes(lines, chunk, tmp_path_factory) -> None:
+    """Generated lines, well-formed or not (signs, spaces, prefixes, long fields, stripped or
+    extra fields, carriage returns, blank lines), in chunks that cut lines anywhere: the
+    samples are parse_line's, and a line it refuses is skipped (--skip-bad-lines)."""
+    data = "".join(lines).encode()
+    want, _ = _by_parse_line(data, SIZES)
+    got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk)
+    assert got == want

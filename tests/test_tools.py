@@ -130,6 +130,8 @@ def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
         "3",
         "--train-steps",
         "2",
+        "--parse-copies",
+        "1",
         "--order-rows",
         "3000",
         "--json-out",
@@ -140,6 +142,9 @@ def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
     made = {(r["part"], r["source"], r["way"]) for r in rows}
     assert ("making", "synthetic, kept", "thread") in made
     assert ("making", "synthetic, hashed", "loop") in made
+    assert {("order", "rows"), ("order", "batches")} <= {(p, w) for p, _, w in made}
+    if (ROOT.parent / "shared" / "data").exists():
+        assert {("parse", "compiled"), ("parse", "parse_line")} <= {(p, w) for p, _, w in made}
     trained = [r for r in rows if r["part"] == "trainer"]
     assert len(trained) == 2 and trained[0]["auc"] == trained[1]["auc"]  # the same batches
     assert all(r["samples_per_s"] > 0 for r in rows)

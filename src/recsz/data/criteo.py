@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from recsz.data.fastparse import parse_lines
+
 N_DENSE = 13
 N_CAT = 26
 N_FIELDS = 1 + N_DENSE + N_CAT
@@ -150,59 +152,93 @@ def iter_blocks(
     block_rows: int = 65536,
     skip_bad_lines: bool = False,
     stats: ParseStats | None = None,
+    chunk_bytes: int = 1 << 24,
 ) -> Iterator[Arrays]:
-    """Stream a raw Criteo file as blocks of at most ``block_rows`` samples.
+    """Stream a raw Criteo file as blocks of ``block_rows`` samples (the last: the rest).
 
-    Only one block is held at a time, so any file size streams in bounded memory.
+    Reads ``chunk_bytes`` at a time, so any file size streams in bounded memory. The
+    lines of the usual form are parsed in compiled code (:mod:`recsz.data.fastparse`), the
+    others by :func:`parse_line`, which pads them or names what is wrong.
     """
     if len(table_sizes) != N_CAT:
         raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
     stats = stats if stats is not None else ParseStats()
-    labels: list[float] = []
-    dense: list[list[float]] = []
-    cats: list[list[int]] = []
-
-    def flush() -> Arrays:
-        blk = Arrays(
-            np.asarray(dense, dtype=np.float32).reshape(-1, N_DENSE),
-            np.asarray(cats, dtype=np.int64).reshape(-1, N_CAT),
-            np.asarray(labels, dtype=np.float32),
-        )
-        labels.clear()
-        dense.clear()
-        cats.clear()
-        return blk
-
+    sizes = np.asarray(table_sizes, dtype=np.int64)
+    pending: list[Arrays] = []  # parsed, not yet yielded
+    held = 0
+    lineno = 0
     opener = gzip.open if str(path).endswith(".gz") else open  # Terabyte's days: day_N.gz
     with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
-        for lineno, raw in enumerate(f, start=1):
-            stats.bytes += len(raw)
-            if raw in (b"\n", b"\r\n"):
-                continue  # blank line (e.g. at the end): nothing to read
+        rest = b""
+        while True:
+            chunk = f.read(chunk_bytes)
+            data = rest + chunk
+            cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines; at the end all
+            data, rest = data[:cut], data[cut:]
+            if not data:
+                if chunk:
+                    continue  # a line longer than a chunk: read on
+                break
+            stats.bytes += len(data)
+            blk = _parse_chunk(data, path, lineno, sizes, table_sizes, skip_bad_lines, stats)
+            lineno += data.count(b"\n") + int(not data.endswith(b"\n"))
+            pending.append(blk)
+            held += len(blk)
+            while held >= block_rows:
+                out, pending, held = _take(pending, block_rows)
+                yield out
+    if held:
+        yield _take(pending, held)[0]
+
+
+def _parse_chunk(
+    data: bytes,
+    path: str | os.PathLike[str],
+    first_line: int,
+    sizes: np.ndarray,
+    table_sizes: Sequence[int],
+    skip_bad_lines: bool,
+    stats: ParseStats,
+) -> Arrays:
+    """The samples of the whole lines ``data`` (line ``first_line + 1`` first)."""
+    labels, dense, ids, ok, starts = parse_lines(np.frombuffer(data, np.uint8), sizes)
+    keep = ok.copy()
+    for i in np.flatnonzero(~ok):  # the lines the compiled path left to parse_line
+        raw = data[starts[i] : starts[i + 1]]
+        if raw in (b"\n", b"\r\n"):
+            continue  # blank line (e.g. at the end): nothing to read
+        where = f"{path}:{first_line + i + 1}"
+        try:
             try:
-                try:
-                    line = raw.decode("ascii")
-                except UnicodeDecodeError as e:
-                    raise CriteoFormatError(
-                        f"{path}:{lineno}: byte 0x{raw[e.start]:02x} at column {e.start + 1} "
-                        "is not ASCII"
-                    ) from None
-                y, d, c, padded = parse_line(line, table_sizes, f"{path}:{lineno}")
-            except CriteoFormatError as e:
-                if not skip_bad_lines:
-                    raise
-                stats.skipped += 1
-                stats.first_error = stats.first_error or str(e)
-                continue
-            stats.lines += 1
-            stats.padded += int(padded)
-            labels.append(y)
-            dense.append(d)
-            cats.append(c)
-            if len(labels) >= block_rows:
-                yield flush()
-    if labels:
-        yield flush()
+                line = raw.decode("ascii")
+            except UnicodeDecodeError as e:
+                raise CriteoFormatError(
+                    f"{where}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not ASCII"
+                ) from None
+            y, d, c, padded = parse_line(line, table_sizes, where)
+        except CriteoFormatError as e:
+            if not skip_bad_lines:
+                raise
+            stats.skipped += 1
+            stats.first_error = stats.first_error or str(e)
+            continue
+        stats.padded += int(padded)
+        labels[i], dense[i], ids[i], keep[i] = y, d, c, True
+    stats.lines += int(keep.sum())
+    if keep.all():
+        return Arrays(dense, ids, labels)
+    return Arrays(dense[keep], ids[keep], labels[keep])
+
+
+def _take(pending: list[Arrays], rows: int) -> tuple[Arrays, list[Arrays], int]:
+    """The first ``rows`` samples of ``pending``, what is left of it, and its rows."""
+    whole = Arrays(*(np.concatenate([getattr(b, f) for b in pending]) for f in _FIELDS))
+    head = Arrays(*(getattr(whole, f)[:rows] for f in _FIELDS))
+    tail = Arrays(*(getattr(whole, f)[rows:] for f in _FIELDS))
+    return head, ([tail] if len(tail) else []), len(tail)
+
+
+_FIELDS = ("dense", "cats", "labels")
 
 
 def _skipped_note(stats: ParseStats) -> str:
