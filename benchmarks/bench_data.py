@@ -19,7 +19,8 @@ batches: results/issue13/session7/run2). Four parts, side by side in one run:
    (the file in the page cache: what the order costs beyond the disk).
 3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
    ``--parse-copies`` copies of the real sample, compiled, and with every line through
-   ``parse_line`` (as the reader was before the thirty-first session).
+   ``parse_line`` (as the reader was before the thirty-first session); and `recsz
+   preprocess` of two such files, one at a time and at once (``--jobs 2``).
 4. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
    GPU's is), the largest batch: samples/s of the whole loop, batch waits included
    (steps x batch / (train_s + data_s)), with each generator.
@@ -138,6 +139,13 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
         rows.append({"part": "parse", "source": f"{n:,} real lines", "batch": 0, "way": way,
                      "samples_per_s": rate, "MiB_per_s": mb})  # fmt: skip
         print(f"  parse {way:10s} {rate:12,.0f} lines/s ({mb:.1f} MiB/s)", flush=True)
+    for jobs in (1, 2):  # two such files into one set, one at a time and at once
+        t = time.perf_counter()
+        criteo.preprocess([big, big], tmp / f"jobs{jobs}", sizes, progress=False, jobs=jobs)
+        rate = 2 * n / (time.perf_counter() - t)
+        rows.append({"part": "preprocess", "source": f"2 x {n:,} real lines", "batch": 0,
+                     "way": f"jobs {jobs}", "samples_per_s": rate})  # fmt: skip
+        print(f"  preprocess --jobs {jobs} {rate:12,.0f} lines/s", flush=True)
     return rows
 
 
@@ -209,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             or (r["part"] == "order" == x["part"] and x["way"] == "rows")
             or (r["part"] == "parse" == x["part"] and x["way"] == "parse_line")
+            or (r["part"] == "preprocess" == x["part"] and x["way"] == "jobs 1")
         ]
         vs = f"{r['samples_per_s'] / base[0]:.2f}x" if base else ""
         lines.append(f"| {r['part']} | {r['source']} | {r['batch']} | {r['way']} | "

@@ -350,6 +350,16 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
         criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, progress=False)
     assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
+    # Several files at once (processes): the same bytes, the same failure, nothing left.
+    jobs = tmp_path / "jobs"
+    assert cli(["preprocess", str(criteo_10k), str(zipped), str(jobs), "--jobs", "2"]) == 0
+    for name in ("dense.f32", "cats.i32", "labels.f32", "meta.json"):
+        assert (jobs / name).read_bytes() == (out / name).read_bytes(), name
+    assert sorted(p.name for p in jobs.iterdir()) == ["cats.i32", "dense.f32", "labels.f32",
+                                                       "meta.json"]  # fmt: skip
+    with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
+        criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, False, False, jobs=2)
+    assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
 
 
 def test_batches_order_reads_contiguous_batches_each_once_an_epoch(

@@ -65,10 +65,14 @@ def _preprocess(argv: list[str]) -> int:
         help="hash categories into this preset's table sizes",
     )
     p.add_argument("--skip-bad-lines", action="store_true")
-    a = p.parse_args(argv)
-    stats = criteo.preprocess(
-        a.raw, a.out_dir, get_preset(a.preset).model.table_sizes, skip_bad_lines=a.skip_bad_lines
+    p.add_argument(
+        "--jobs", type=int, default=1, help="files parsed at once (processes), then joined in order"
     )
+    a = p.parse_args(argv)
+    if a.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {a.jobs}")
+    sizes = get_preset(a.preset).model.table_sizes
+    stats = criteo.preprocess(a.raw, a.out_dir, sizes, skip_bad_lines=a.skip_bad_lines, jobs=a.jobs)
     print(
         f"{a.out_dir}: {stats.lines} rows ({stats.padded} padded, {stats.skipped} skipped"
         + (f"; first bad line: {stats.first_error}" if stats.skipped else "")
