@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--order-rows", type=int, default=8_000_000, help="rows of the file the orders read"
     )
-    ap.add_argument("--parse-copies", type=int, default=10, help="copies of the real sample parsed")
+    ap.add_argument("--parse-copies", type=int, default=50, help="copies of the real sample parsed")
     ap.add_argument("--json-out", default="bench_out/data.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
