@@ -165,8 +165,7 @@ def iter_blocks(
         raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
     stats = stats if stats is not None else ParseStats()
     sizes = np.asarray(table_sizes, dtype=np.int64)
-    pending: list[Arrays] = []  # parsed, not yet yielded
-    held = 0
+    pending: Arrays | None = None  # parsed, not yet yielded
     lineno = 0
     opener = gzip.open if str(path).endswith(".gz") else open  # Terabyte's days: day_N.gz
     with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
@@ -183,13 +182,17 @@ def iter_blocks(
             stats.bytes += len(data)
             blk = _parse_chunk(data, path, lineno, sizes, table_sizes, skip_bad_lines, stats)
             lineno += data.count(b"\n") + int(not data.endswith(b"\n"))
-            pending.append(blk)
-            held += len(blk)
-            while held >= block_rows:
-                out, pending, held = _take(pending, block_rows)
-                yield out
-    if held:
-        yield _take(pending, held)[0]
+            if pending is not None:
+                blk = Arrays(
+                    *(np.concatenate([getattr(pending, f), getattr(blk, f)]) for f in _FILES)
+                )
+            start = 0
+            while len(blk) - start >= block_rows:
+                yield _rows(blk, start, start + block_rows)
+                start += block_rows
+            pending = _rows(blk, start, len(blk)) if start < len(blk) else None
+    if pending is not None:
+        yield pending
 
 
 def _parse_chunk(
@@ -231,15 +234,8 @@ def _parse_chunk(
     return Arrays(dense[keep], ids[keep], labels[keep])
 
 
-def _take(pending: list[Arrays], rows: int) -> tuple[Arrays, list[Arrays], int]:
-    """The first ``rows`` samples of ``pending``, what is left of it, and its rows."""
-    whole = Arrays(*(np.concatenate([getattr(b, f) for b in pending]) for f in _FIELDS))
-    head = Arrays(*(getattr(whole, f)[:rows] for f in _FIELDS))
-    tail = Arrays(*(getattr(whole, f)[rows:] for f in _FIELDS))
-    return head, ([tail] if len(tail) else []), len(tail)
-
-
-_FIELDS = ("dense", "cats", "labels")
+def _rows(a: Arrays, start: int, stop: int) -> Arrays:
+    return Arrays(a.dense[start:stop], a.cats[start:stop], a.labels[start:stop])
 
 
 def _skipped_note(stats: ParseStats) -> str:
@@ -325,6 +321,7 @@ def preprocess(
     return stats
 
 
+#: The fields of :class:`Arrays` and the files that hold them.
 _FILES = {"dense": "dense.f32", "cats": "cats.i32", "labels": "labels.f32"}
 _COUNTS = ("lines", "padded", "skipped", "bytes")
 
