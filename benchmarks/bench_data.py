@@ -102,7 +102,8 @@ def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
         t = time.perf_counter()
         n = sum(1 for _ in it)
         rate = n * batch / (time.perf_counter() - t)
-        perm_mb = src._perm.nbytes / 2**20
+        drawn = src.n_train if order == "rows" else src.steps_per_epoch(batch)
+        perm_mb = 8 * drawn / 2**20  # an epoch's permutation: int64 of rows or of batches
         rows.append({"part": "order", "source": f"{src.n_train:,} rows", "batch": batch,
                      "way": order, "samples_per_s": rate, "permutation_MiB": perm_mb,
                      "first_batch_s": first})  # fmt: skip
