@@ -500,3 +500,15 @@ def test_the_compiled_parser_takes_what_parse_line_takes(lines, chunk, tmp_path_
     want, _ = _by_parse_line(data, SIZES)
     got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk)
     assert got == want
+
+
+@pytest.mark.parametrize("chunk", [100, 1000, 1 << 24])
+def test_a_bad_line_is_named_by_its_line_whatever_the_chunks(
+    tmp_path: Path, criteo_ragged: Path, chunk: int
+) -> None:
+    lines = criteo_ragged.read_text().splitlines()
+    lines[41] = "x" + lines[41][1:]
+    bad = tmp_path / "b.tsv"
+    bad.write_text("\n".join(lines))
+    with pytest.raises(CriteoFormatError, match=r"b\.tsv:42: field 1 \(label\)"):
+        list(criteo.iter_blocks(bad, SIZES, chunk_bytes=chunk))

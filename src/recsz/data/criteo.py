@@ -180,8 +180,8 @@ def iter_blocks(
                     continue  # a line longer than a chunk: read on
                 break
             stats.bytes += len(data)
-            blk = _parse_chunk(data, path, lineno, sizes, table_sizes, skip_bad_lines, stats)
-            lineno += data.count(b"\n") + int(not data.endswith(b"\n"))
+            blk, lines = _parse_chunk(data, path, lineno, sizes, table_sizes, skip_bad_lines, stats)
+            lineno += lines
             if pending is not None:
                 blk = Arrays(
                     *(np.concatenate([getattr(pending, f), getattr(blk, f)]) for f in _FILES)
@@ -203,8 +203,9 @@ def _parse_chunk(
     table_sizes: Sequence[int],
     skip_bad_lines: bool,
     stats: ParseStats,
-) -> Arrays:
-    """The samples of the whole lines ``data`` (line ``first_line + 1`` first)."""
+) -> tuple[Arrays, int]:
+    """The samples of the whole lines ``data`` (line ``first_line + 1`` first), and its
+    lines' count."""
     labels, dense, ids, ok, starts = parse_lines(np.frombuffer(data, np.uint8), sizes)
     keep = ok.copy()
     for i in np.flatnonzero(~ok):  # the lines the compiled path left to parse_line
@@ -230,8 +231,8 @@ def _parse_chunk(
         labels[i], dense[i], ids[i], keep[i] = y, d, c, True
     stats.lines += int(keep.sum())
     if keep.all():
-        return Arrays(dense, ids, labels)
-    return Arrays(dense[keep], ids[keep], labels[keep])
+        return Arrays(dense, ids, labels), len(ok)
+    return Arrays(dense[keep], ids[keep], labels[keep]), len(ok)
 
 
 def _rows(a: Arrays, start: int, stop: int) -> Arrays:
@@ -294,7 +295,7 @@ def preprocess(
                         with open(part[k], "rb") as src:
                             shutil.copyfileobj(src, f, 1 << 24)
                         part[k].unlink()
-            stats = ParseStats(*(sum(getattr(st, f) for st, _ in done) for f in _COUNTS))
+            stats = ParseStats(**{f: sum(getattr(st, f) for st, _ in done) for f in _COUNTS})
             stats.first_error = next((st.first_error for st, _ in done if st.first_error), "")
             rows_each = [rows for _, (rows,) in done]
         else:
@@ -333,7 +334,7 @@ def _write(
     skip_bad_lines: bool,
     progress: bool = False,
 ) -> tuple[ParseStats, list[int]]:
-    """The rows of ``raws``, in order, appended to ``files``; the counts, the rows of each."""
+    """The rows of ``raws``, in order, written to ``files``; the counts, the rows of each."""
     from tqdm import tqdm
 
     gzipped = any(str(r).endswith(".gz") for r in raws)  # its bytes read are not its size
