@@ -1,12 +1,13 @@
 """Making the batches: how fast the sources feed the trainer, and the trainer with them.
 
     python benchmarks/bench_data.py [--batches 2048,8192] [--steps 40] [--train-steps 30]
-        [--order-rows N] [--parse-copies N] [--json-out PATH]
+        [--order-rows N] [--parse-copies N] [--worlds 1,2,4,8] [--only PART,...]
+        [--json-out PATH]
 
-Every rank makes the global batch each step (the table owners need every sample's ids), so
+Every rank reads the global batch each step (the table owners need every sample's ids), so
 on a GPU the host's batch making competes with a step of a few milliseconds (an H100 ran
 the bench preset's steps of 8192 in 12 ms and waited 35 ms a step for the generator's
-batches: results/issue13/session7/run2). Four parts, side by side in one run:
+batches: results/issue13/session7/run2). Five parts, side by side in one run:
 
 1. **Making alone**: samples/s of ``prefetch`` over ``--steps`` batches (the first left
    out), in the loop (``--prefetch 0``) and by the thread (``--prefetch 2``); sources: the
@@ -21,7 +22,12 @@ batches: results/issue13/session7/run2). Four parts, side by side in one run:
    ``--parse-copies`` copies of the real sample, compiled, and with every line through
    ``parse_line`` (as the reader was before the thirty-first session); and `recsz
    preprocess` of two such files, one at a time and at once (``--jobs 2``).
-4. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
+4. **A rank's part** (``ranks``): for W in ``--worlds`` ranks of a local batch b each, the
+   time the prefetch thread takes to make the whole global batch of W x b (as every rank did
+   before the thirty-second session) and to make one rank's part of it (its b samples, and
+   its tables' ids of all W x b: the rank of the bench preset's plan with the most tables),
+   given as the rank's b samples a second.
+5. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
    GPU's is), the largest batch: samples/s of the whole loop, batch waits included
    (steps x batch / (train_s + data_s)), with each generator.
 
@@ -44,8 +50,9 @@ import torch
 
 from recsz.config import parse_train_args
 from recsz.data import criteo, synthetic
-from recsz.data.source import SyntheticSource, make_source, prefetch
+from recsz.data.source import Part, SyntheticSource, make_source, prefetch
 from recsz.model import get_preset
+from recsz.model.sharding import plan_tables
 from recsz.train import run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,6 +63,7 @@ CPU = torch.device("cpu")
 
 
 WAYS = (("loop", 0), ("thread", 2))
+PARTS = ("making", "parse", "order", "ranks", "trainer")
 
 
 def making(source, name: str, batch: int, steps: int) -> list[dict]:
@@ -150,6 +158,26 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
     return rows
 
 
+def rank_parts(sizes: list[int], batch: int, worlds: list[int], steps: int) -> list[dict]:
+    rows = []
+    source = SyntheticSource(sizes, 0)
+    for w in worlds:
+        owners = plan_tables(sizes, get_preset("bench").model.emb_dim, w)
+        rank = max(range(w), key=owners.count)
+        part = Part(rank, w, tuple(t for t, r in enumerate(owners) if r == rank))
+        for way, p in (("whole", None), ("part", part)):
+            it = prefetch(source, range(steps), w * batch, CPU, 2, p)
+            next(it)
+            t = time.perf_counter()
+            n = sum(1 for _ in it)
+            rate = n * batch / (time.perf_counter() - t)
+            rows.append({"part": "ranks", "source": f"synthetic, {w} ranks", "batch": batch,
+                         "way": way, "samples_per_s": rate, "tables": len(part.tables)})  # fmt: skip
+            print(f"  {w} ranks ({len(part.tables):2d} tables) batch {batch:5d} a rank {way:5s} "
+                  f"{rate:12,.0f} samples/s", flush=True)  # fmt: skip
+    return rows
+
+
 def trainer(batch: int, steps: int) -> list[dict]:
     rows = []
     for name, cached in (("synthetic, kept", synthetic.CACHED_ROWS), ("synthetic, hashed", 0)):
@@ -180,9 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         "--order-rows", type=int, default=8_000_000, help="rows of the file the orders read"
     )
     ap.add_argument("--parse-copies", type=int, default=50, help="copies of the real sample parsed")
+    ap.add_argument("--worlds", default="1,2,4,8", help="ranks of the rank-part rows")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"parts to run, of {PARTS}")
     ap.add_argument("--json-out", default="bench_out/data.json")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
+    only = set(args.only.split(","))
+    if only - set(PARTS):
+        ap.error(f"--only: unknown parts {sorted(only - set(PARTS))}; known: {PARTS}")
     print(f"machine: {os.cpu_count()} cores")
     sizes = get_preset("bench").model.table_sizes
     rows: list[dict] = []
@@ -197,16 +230,21 @@ def main(argv: list[str] | None = None) -> int:
             sources.append(("real 10k", make_source(str(Path(tmp) / "real"), sizes, 0)))
         else:
             print(f"({real} not here: the generator only)")
-        for name, source in sources:
+        for name, source in sources if "making" in only else ():
             for b in batches:
                 if b <= (source.steps_per_epoch(1) or b):
                     rows += making(source, name, b, args.steps)
-        if real.exists() and args.parse_copies:
+        if real.exists() and args.parse_copies and "parse" in only:
             rows += parsing(real, args.parse_copies, Path(tmp), list(sizes))
-        if args.order_rows:
+        if args.order_rows and "order" in only:
             big = synthetic_dir(Path(tmp) / "big", list(sizes), args.order_rows)
             rows += orders(big, list(sizes), max(batches), args.steps)
-    rows += trainer(max(batches), args.train_steps)
+    if "ranks" in only:
+        worlds = [int(w) for w in args.worlds.split(",")]
+        for b in batches:
+            rows += rank_parts(list(sizes), b, worlds, args.steps)
+    if "trainer" in only:
+        rows += trainer(max(batches), args.train_steps)
     lines = ["| part | source | batch | way | samples/s | vs base |", "|---|---|---|---|---|---|"]
     for r in rows:  # base: the generator hashing every id; for the orders, the rows'
         base = [
@@ -219,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             or (r["part"] == "order" == x["part"] and x["way"] == "rows")
             or (r["part"] == "parse" == x["part"] and x["way"] == "parse_line")
             or (r["part"] == "preprocess" == x["part"] and x["way"] == "jobs 1")
+            or (
+                r["part"] == "ranks" == x["part"]
+                and (x["source"], x["batch"], x["way"]) == (r["source"], r["batch"], "whole")
+            )
         ]
         vs = f"{r['samples_per_s'] / base[0]:.2f}x" if base else ""
         lines.append(f"| {r['part']} | {r['source']} | {r['batch']} | {r['way']} | "

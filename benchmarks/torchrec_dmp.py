@@ -41,7 +41,7 @@ from sklearn.metrics import roc_auc_score
 
 from recsz.comm.dp_hooks import DP_MODES
 from recsz.config import TrainConfig
-from recsz.data.source import make_source
+from recsz.data.source import Part, make_source
 from recsz.model.config import ModelConfig, dense_optimizer
 from recsz.model.multihot import Bags, parse_hotness
 
@@ -268,7 +268,8 @@ def main() -> None:
     loss_fn = torch.nn.BCEWithLogitsLoss()
     train_s = 0.0
     for step in range(a.steps):
-        batch = src.train_batch(step, a.batch_size)
+        # its own samples only: TorchRec's input dist sends the table owners their ids
+        batch = src.train_batch(step, a.batch_size, Part(rank, world, ()))
         mine = batch.slice(rank * b, (rank + 1) * b)
         t0 = time.perf_counter()
         with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):

@@ -7,8 +7,10 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from recsz.data.source import Batch, SyntheticSource, make_source, prefetch
+from recsz.data.source import Batch, Part, SyntheticSource, make_source, prefetch
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import get_preset
 from recsz.train import main
@@ -38,6 +40,47 @@ def test_ids_follow_a_power_law() -> None:
     _, counts = np.unique(col, return_counts=True)
     top = np.sort(counts)[::-1]
     assert top[0] > 50 * np.median(counts)  # a few hot ids dominate
+
+
+def test_counts_are_geometric() -> None:
+    """The dense features are log(1 + count), count geometric: its mean is (1 - p) / p."""
+    gen = SyntheticCriteo(SIZES, seed=0)
+    counts = np.expm1(gen.block(0, 0, 50_000).dense.astype(np.float64))
+    np.testing.assert_allclose(counts, np.round(counts), rtol=1e-6)  # float32's log1p
+    want = (1 - gen.dense_p) / gen.dense_p
+    np.testing.assert_allclose(counts.mean(0), want, rtol=0.05)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_per=st.integers(1, 40),
+    world=st.integers(1, 5),
+    data=st.data(),
+)
+def test_a_part_of_a_block_is_the_block_where_it_says(n_per: int, world: int, data) -> None:
+    """A rank's part of a global batch: its samples in full and its tables' ids of every
+    sample, each the very value the whole batch holds; every other entry 0."""
+    n = n_per * world
+    rank = data.draw(st.integers(0, world - 1))
+    tables = tuple(data.draw(st.sets(st.integers(0, 25), max_size=26)))
+    part = Part(rank, world, tables)
+    src = SyntheticSource(SIZES, seed=9)
+    step = data.draw(st.integers(0, 1000))
+    whole, got = src.train_batch(step, n), src.train_batch(step, n, part)
+    mine = np.zeros(n, bool)
+    mine[part.rows(n)] = True
+    named = mine[:, None] | np.isin(np.arange(26), tables)[None, :]
+    ids, want = got.ids.numpy(), whole.ids.numpy()
+    np.testing.assert_array_equal(ids[named], want[named])
+    assert not ids[~named].any()
+    for a, b in ((got.dense, whole.dense), (got.labels, whole.labels)):
+        assert torch.equal(a[mine], b[mine]) and not a[~mine].any()
+
+
+def test_a_part_of_rows_that_are_no_run_is_refused() -> None:
+    gen = SyntheticCriteo(SIZES, seed=0)
+    with pytest.raises(ValueError, match="not a run"):
+        gen.block(0, 0, 10, rows=slice(0, 10, 2))
 
 
 def _auc(tmp, extra: list[str]) -> float:
@@ -106,10 +149,10 @@ def test_cuda_prefetched_batches_stay_intact_while_the_gpu_lags() -> None:
 
 
 class Failing(SyntheticSource):
-    def train_batch(self, step: int, batch_size: int) -> Batch:
+    def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
         if step == 2:
             raise ValueError("bad line 7 of data.tsv")
-        return super().train_batch(step, batch_size)
+        return super().train_batch(step, batch_size, part)
 
 
 def test_prefetch_raises_the_threads_error_and_stops_early() -> None:

@@ -1,7 +1,8 @@
 """The model parts of one rank and what they do in one step: build them, train on a
 global batch, evaluate.
 
-    every rank reads the global batch (B samples) and keeps its slice of b = B / W
+    every rank reads its part of the global batch (B samples): its slice of b = B / W
+    samples, and its tables' ids of all B (data.source.Part; what else a source may leave 0)
     table owner:  pooled = lookup(own tables, all B ids)           # (B, |T_r|, D)
                   start forward all-to-all (one payload per destination)
     sample owner: x = bottom MLP(own dense)                        # overlaps the a2a

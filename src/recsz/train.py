@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from recsz import checkpoint, report
 from recsz.config import TrainConfig, parse_train_args
-from recsz.data.source import Batch, make_source, prefetch
+from recsz.data.source import Batch, Part, make_source, prefetch
 from recsz.model import get_preset
 from recsz.ranks import Ranks, keep_freed_memory, launch, watch_parent
 from recsz.step import build_parts, evaluate, share_chunk_counts, train_step
@@ -104,7 +104,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             return train_step(parts, batch, k, ranks)
 
         run_step = graphed(one_step, parts.exchange, ranks.world) if cfg.cuda_graph else one_step
-        batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch)
+        part = Part(ranks.rank, ranks.world, tuple(parts.sparse.tables))  # what the step reads
+        batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch, part)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")

@@ -552,7 +552,10 @@ def test_dcn_and_dense_adagrad_on_two_ranks_match_one_process_and_resume(tmp_pat
     flags = ("--interaction", "dcn", "--dcn-layers", "2", "--dcn-rank", "32")
     flags += ("--dense-optimizer", "adagrad", "--lr", "0.01")
     one_and_two_ranks(tmp_path, *flags)
-    assert_same_model(tmp_path / "one", tmp_path / "two", 1e-5)
+    # Adagrad divides each gradient by the root of its squares' sum: where those are tiny,
+    # the all-reduce's other order of sums moves an update by up to ~lr/100 (one element
+    # in 10^4 here), not only by float32's rounding as SGD does.
+    assert_same_model(tmp_path / "one", tmp_path / "two", 1e-4)
     got = dense(tmp_path / "two")
     assert got["cross.W.1"].shape == (27 * 16, 32) and got["cross.b.0"].abs().sum() > 0
     ckpt = tmp_path / "two" / "checkpoints" / f"step-{20:09d}" / "rank-0.pt"

@@ -2,7 +2,9 @@
 
 Every batch is a pure function of (seed, step), so each rank of a distributed job can read
 the same global batch (the table owners need every sample's ids) and a resumed run sees
-exactly the batches it would have seen.
+exactly the batches it would have seen. A rank asks for its :class:`Part` of it: a source
+may leave what the rank never reads as 0 (the generator does; W ranks make about 1/W of
+it each instead of all of it).
 """
 
 from __future__ import annotations
@@ -57,6 +59,22 @@ class Batch:
         return Batch(self.dense.pin_memory(), self.ids.pin_memory(), self.labels.pin_memory())
 
 
+@dataclass(frozen=True)
+class Part:
+    """What one rank reads of a global batch: every value of its samples (the ``rank``-th
+    of ``world`` equal slices) and, of every sample, the ids of ``tables`` (those it looks
+    up for the whole batch)."""
+
+    rank: int
+    world: int
+    tables: tuple[int, ...]
+
+    def rows(self, n: int) -> slice:
+        """The rank's samples of a global batch of ``n``."""
+        b = n // self.world
+        return slice(self.rank * b, (self.rank + 1) * b)
+
+
 def _to_batch(a: criteo.Arrays) -> Batch:
     return Batch(
         torch.from_numpy(np.ascontiguousarray(a.dense, dtype=np.float32)),
@@ -72,7 +90,9 @@ class DataSource:
     n_train: int | None  # None: an endless stream
     skipped_lines: int = 0  # malformed input lines left out (--skip-bad-lines)
 
-    def train_batch(self, step: int, batch_size: int) -> Batch:
+    def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
+        """The global batch of ``step``; with ``part``, its values that ``part`` names
+        (any other may be 0)."""
         raise NotImplementedError
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
@@ -95,8 +115,10 @@ class SyntheticSource(DataSource):
         self.n_train = None
         self.n_eval = n_eval
 
-    def train_batch(self, step: int, batch_size: int) -> Batch:
-        return _to_batch(self.gen.block(0, step, batch_size))
+    def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
+        if part is None:
+            return _to_batch(self.gen.block(0, step, batch_size))
+        return _to_batch(self.gen.block(0, step, batch_size, part.rows(batch_size), part.tables))
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         for i, start in enumerate(range(0, self.n_eval, batch_size)):
@@ -182,7 +204,7 @@ class ArraySource(DataSource):
             raise criteo.CriteoFormatError(f"{name}: row {row}: {what}")
         return _to_batch(blk)
 
-    def train_batch(self, step: int, batch_size: int) -> Batch:
+    def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
         assert self.n_train is not None
         if batch_size > self.n_train:
             raise ValueError(
@@ -253,10 +275,15 @@ def _read(
 
 
 def prefetch(
-    source: DataSource, steps: range, batch_size: int, device: torch.device, depth: int = 2
+    source: DataSource,
+    steps: range,
+    batch_size: int,
+    device: torch.device,
+    depth: int = 2,
+    part: Part | None = None,
 ) -> Iterator[Batch]:
-    """The training batches of ``steps``, made ``depth`` ahead by a background thread, so
-    that reading and parsing overlap training. For a CUDA device each batch is pinned and
+    """The training batches of ``steps`` (``part`` of each), made ``depth`` ahead by a
+    background thread, so that reading and parsing overlap training. For a CUDA device each batch is pinned and
     copied on a side stream, and handed over after that copy is ordered before the
     consumer's work (and its memory marked as used by the consumer's stream: the host may
     run steps ahead of the GPU, and the thread's next copies must not land in it early).
@@ -264,7 +291,7 @@ def prefetch(
     thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
     if depth == 0:
         for step in steps:
-            yield source.train_batch(step, batch_size).to(device)
+            yield source.train_batch(step, batch_size, part).to(device)
         return
     q: queue.Queue[tuple[Batch | None, BaseException | None]] = queue.Queue(depth)
     stop = threading.Event()
@@ -283,7 +310,7 @@ def prefetch(
         stream = torch.cuda.Stream(device) if cuda else None
         try:
             for step in steps:
-                batch = source.train_batch(step, batch_size)
+                batch = source.train_batch(step, batch_size, part)
                 if stream is not None:
                     with torch.cuda.stream(stream):
                         batch = batch.pin_memory().to(device)

@@ -10,7 +10,9 @@ interaction can represent), with a bias giving Criteo's click rate of about 0.25
 The teacher's parameters are derived by hashing (seed, table, id), never stored, so a
 table of ten million ids costs nothing. Every batch is a pure function of
 (seed, step), which makes every rank of a distributed job read the same global batch
-and makes resumed runs see the data they would have seen.
+and makes resumed runs see the data they would have seen; and every value of a batch is
+drawn at its own place in a counter-based stream, so a rank makes only the part of the
+global batch it reads (its samples, and its tables' ids of the others).
 """
 
 from __future__ import annotations
@@ -94,19 +96,15 @@ class SyntheticCriteo:
         self.bias = self._calibrate_bias()
 
     # ---- ids ------------------------------------------------------------------------
-    def _draw_ids(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        """(n, 26) int64 ids in [1, size) with power-law frequencies."""
-        out = np.empty((n, N_CAT), dtype=np.int64)
+    def _ids(self, t: int, u: np.ndarray) -> np.ndarray:
+        """Table ``t``'s ids in [1, size) with power-law frequencies, from uniforms ``u``."""
+        m = self.table_sizes[t] - 1  # distinct ids available
         a = self.alpha
-        for t, size in enumerate(self.table_sizes):
-            m = size - 1  # distinct ids available
-            u = rng.random(n)
-            # Inverse CDF of the continuous power law on [1, m + 1), floored to a rank.
-            k = ((((m + 1.0) ** (1.0 - a) - 1.0) * u + 1.0) ** (1.0 / (1.0 - a))).astype(np.int64)
-            k = np.clip(k, 1, m)
-            # Scatter popular ranks over the table so hot rows are not all at the top.
-            out[:, t] = 1 + ((k - 1) * 2654435761 + t * 97) % m
-        return out
+        # Inverse CDF of the continuous power law on [1, m + 1), floored to a rank.
+        k = ((((m + 1.0) ** (1.0 - a) - 1.0) * u + 1.0) ** (1.0 / (1.0 - a))).astype(np.int64)
+        k = np.clip(k, 1, m)
+        # Scatter popular ranks over the table so hot rows are not all at the top.
+        return 1 + ((k - 1) * 2654435761 + t * 97) % m
 
     # ---- teacher --------------------------------------------------------------------
     def _table_key(self, t: int, ids: np.ndarray, k: int) -> np.ndarray:
@@ -144,9 +142,8 @@ class SyntheticCriteo:
     def _calibrate_bias(self) -> float:
         """Pick the bias so that about a quarter of the samples are clicks (as in Criteo)."""
         self.bias = 0.0
-        rng = np.random.default_rng([self.seed, 11])
-        dense, ids = self._draw_features(rng, 4096)
-        z = self.logits(dense, ids)
+        blk = self.block(_CALIBRATION, 0, 4096)
+        z = self.logits(blk.dense, blk.cats)
         lo, hi = -10.0, 10.0
         for _ in range(40):
             mid = (lo + hi) / 2
@@ -154,19 +151,60 @@ class SyntheticCriteo:
             lo, hi = (mid, hi) if p.mean() < 0.25 else (lo, mid)
         return (lo + hi) / 2
 
-    def _draw_features(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
-        counts = rng.geometric(self.dense_p, size=(n, N_DENSE)) - 1
-        dense = np.log1p(counts).astype(np.float32)
-        return dense, self._draw_ids(rng, n)
-
     # ---- public ---------------------------------------------------------------------
-    def block(self, stream: int, index: int, n: int) -> Arrays:
-        """Samples of block ``index`` of ``stream`` (0 = train, 1 = eval); pure function."""
-        rng = np.random.default_rng([self.seed, stream, index])
-        dense, ids = self._draw_features(rng, n)
+    def block(
+        self, stream: int, index: int, n: int, rows: slice | None = None, tables: Sequence[int] = ()
+    ) -> Arrays:
+        """Samples of block ``index`` of ``stream`` (0 = train, 1 = eval); pure function.
+
+        With ``rows`` (a slice of the ``n`` samples), only those samples are made in full
+        and, of the others, only the ids of ``tables``; every other entry is 0 (one rank's
+        part of a global batch: :class:`recsz.data.source.Part`). Each value is the same
+        whatever part it is made in: it is drawn at its own place in the block's
+        counter-based stream (table t's ids at t * n + sample, then the counts row by row,
+        then the labels' draws), which a part enters where its values start.
+        """
+        a, b, step = (rows or slice(0, n)).indices(n)
+        if step != 1 or b < a:
+            raise ValueError(f"rows {rows} is not a run of the block's {n} samples")
+        draws = _Draws(self.seed, stream, index)
+        ids = np.zeros((n, N_CAT), dtype=np.int64)
+        dense = np.zeros((n, N_DENSE), dtype=np.float32)
+        labels = np.zeros(n, dtype=np.float32)
+        at_dense, at_labels = N_CAT * n, (N_CAT + N_DENSE) * n
+        whole = (a, b) == (0, n)
+        u_all = draws.uniform(0, at_labels + n) if whole else None  # the block in one draw
+        for t in range(N_CAT):
+            lo, hi = (0, n) if whole or t in tables else (a, b)
+            u = draws.uniform(t * n + lo, t * n + hi, u_all)
+            ids[lo:hi, t] = self._ids(t, u)
+        u = draws.uniform(at_dense + a * N_DENSE, at_dense + b * N_DENSE, u_all)
+        counts = np.floor(np.log1p(-u.reshape(-1, N_DENSE)) / np.log1p(-self.dense_p))
+        dense[a:b] = np.log1p(counts)  # geometric counts, by inversion
         if self.shuffle_labels:
-            p = np.full(n, 0.25)
+            p = np.full(b - a, 0.25)
         else:
-            p = 1.0 / (1.0 + np.exp(-self.logits(dense, ids)))
-        labels = (rng.random(n) < p).astype(np.float32)
+            p = 1.0 / (1.0 + np.exp(-self.logits(dense[a:b], ids[a:b])))
+        labels[a:b] = draws.uniform(at_labels + a, at_labels + b, u_all) < p
         return Arrays(dense, ids, labels)
+
+
+_CALIBRATION = 2  # the stream the teacher's bias is calibrated on (0 train, 1 eval)
+
+
+class _Draws:
+    """The uniforms of one block: a PCG64 stream keyed by (seed, stream, block), entered
+    anywhere in O(log n) (``advance``), so a part of a block draws only its own values."""
+
+    def __init__(self, seed: int, stream: int, index: int) -> None:
+        self._bits = np.random.PCG64([seed, stream, index])
+        self._start = self._bits.state
+
+    def uniform(self, lo: int, hi: int, drawn: np.ndarray | None = None) -> np.ndarray:
+        """Draws [lo, hi) of the stream: uniforms in [0, 1) (a view of ``drawn``, the
+        stream's first draws, where given)."""
+        if drawn is not None:
+            return drawn[lo:hi]
+        self._bits.state = self._start
+        self._bits.advance(lo)
+        return np.random.Generator(self._bits).random(hi - lo)
