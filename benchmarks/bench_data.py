@@ -172,7 +172,8 @@ def rank_parts(sizes: list[int], batch: int, worlds: list[int], steps: int) -> l
             n = sum(1 for _ in it)
             rate = n * batch / (time.perf_counter() - t)
             rows.append({"part": "ranks", "source": f"synthetic, {w} ranks", "batch": batch,
-                         "way": way, "samples_per_s": rate, "tables": len(part.tables)})  # fmt: skip
+                         "way": way, "samples_per_s": rate,
+                         "tables": len(part.tables)})  # fmt: skip
             print(f"  {w} ranks ({len(part.tables):2d} tables) batch {batch:5d} a rank {way:5s} "
                   f"{rate:12,.0f} samples/s", flush=True)  # fmt: skip
     return rows

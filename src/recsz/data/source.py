@@ -283,10 +283,11 @@ def prefetch(
     part: Part | None = None,
 ) -> Iterator[Batch]:
     """The training batches of ``steps`` (``part`` of each), made ``depth`` ahead by a
-    background thread, so that reading and parsing overlap training. For a CUDA device each batch is pinned and
-    copied on a side stream, and handed over after that copy is ordered before the
-    consumer's work (and its memory marked as used by the consumer's stream: the host may
-    run steps ahead of the GPU, and the thread's next copies must not land in it early).
+    background thread, so that reading and parsing overlap training. For a CUDA device
+    each batch is pinned and copied on a side stream, and handed over after that copy is
+    ordered before the consumer's work (and its memory marked as used by the consumer's
+    stream: the host may run steps ahead of the GPU, and the thread's next copies must not
+    land in it early).
     An error in the thread is raised to the consumer; leaving the loop early stops the
     thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
     if depth == 0:
