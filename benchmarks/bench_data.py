@@ -26,7 +26,8 @@ batches: results/issue13/session7/run2). Five parts, side by side in one run:
    time the prefetch thread takes to make the whole global batch of W x b (as every rank did
    before the thirty-second session) and to make one rank's part of it (its b samples, and
    its tables' ids of all W x b: the rank of the bench preset's plan with the most tables),
-   given as the rank's b samples a second.
+   given as the rank's b samples a second (median of 3 alternating runs); for the generator
+   and for the ``--order-rows`` file read in its rows' order.
 5. **The trainer**: one process, tiny preset (a step far cheaper than its batch, as a
    GPU's is), the largest batch: samples/s of the whole loop, batch waits included
    (steps x batch / (train_s + data_s)), with each generator.
@@ -50,7 +51,7 @@ import torch
 
 from recsz.config import parse_train_args
 from recsz.data import criteo, synthetic
-from recsz.data.source import Part, SyntheticSource, make_source, prefetch
+from recsz.data.source import DataSource, Part, SyntheticSource, make_source, prefetch
 from recsz.model import get_preset
 from recsz.model.sharding import plan_tables
 from recsz.train import run
@@ -158,23 +159,42 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
     return rows
 
 
-def rank_parts(sizes: list[int], batch: int, worlds: list[int], steps: int) -> list[dict]:
+def rank_parts(
+    sources: list[tuple[str, DataSource]], batch: int, worlds: list[int], steps: int
+) -> list[dict]:
+    """Median of 3 alternating runs of each way, after the teacher's values are kept."""
     rows = []
-    source = SyntheticSource(sizes, 0)
+    for name, source in sources:
+        fit = [w for w in worlds if w * batch <= (source.n_train or w * batch)]
+        for k in range(4 if fit else 0):  # past the teacher's filling
+            source.train_batch(k, max(fit) * batch)
+        rows += _rank_parts(name, source, batch, fit, steps)
+    return rows
+
+
+def _rank_parts(
+    name: str, source: DataSource, batch: int, worlds: list[int], steps: int
+) -> list[dict]:
+    rows = []
+    model = get_preset("bench").model
     for w in worlds:
-        owners = plan_tables(sizes, get_preset("bench").model.emb_dim, w)
+        owners = plan_tables(model.table_sizes, model.emb_dim, w)
         rank = max(range(w), key=owners.count)
         part = Part(rank, w, tuple(t for t, r in enumerate(owners) if r == rank))
-        for way, p in (("whole", None), ("part", part)):
-            it = prefetch(source, range(steps), w * batch, CPU, 2, p)
-            next(it)
-            t = time.perf_counter()
-            n = sum(1 for _ in it)
-            rate = n * batch / (time.perf_counter() - t)
-            rows.append({"part": "ranks", "source": f"synthetic, {w} ranks", "batch": batch,
+        ways = {"whole": (None, []), "part": (part, [])}
+        for _ in range(3):
+            for p, rates in ways.values():
+                it = prefetch(source, range(steps), w * batch, CPU, 2, p)
+                next(it)
+                t = time.perf_counter()
+                n = sum(1 for _ in it)
+                rates.append(n * batch / (time.perf_counter() - t))
+        for way, (_, rates) in ways.items():
+            rate = sorted(rates)[1]
+            rows.append({"part": "ranks", "source": f"{name}, {w} ranks", "batch": batch,
                          "way": way, "samples_per_s": rate,
                          "tables": len(part.tables)})  # fmt: skip
-            print(f"  {w} ranks ({len(part.tables):2d} tables) batch {batch:5d} a rank {way:5s} "
+            print(f"  {name} {w} ranks ({len(part.tables):2d} tables) batch {batch:5d} {way:5s} "
                   f"{rate:12,.0f} samples/s", flush=True)  # fmt: skip
     return rows
 
@@ -237,13 +257,18 @@ def main(argv: list[str] | None = None) -> int:
                     rows += making(source, name, b, args.steps)
         if real.exists() and args.parse_copies and "parse" in only:
             rows += parsing(real, args.parse_copies, Path(tmp), list(sizes))
-        if args.order_rows and "order" in only:
+        big = None
+        if args.order_rows and only & {"order", "ranks"}:
             big = synthetic_dir(Path(tmp) / "big", list(sizes), args.order_rows)
+        if big and "order" in only:
             rows += orders(big, list(sizes), max(batches), args.steps)
-    if "ranks" in only:
-        worlds = [int(w) for w in args.worlds.split(",")]
-        for b in batches:
-            rows += rank_parts(list(sizes), b, worlds, args.steps)
+        if "ranks" in only:
+            worlds = [int(w) for w in args.worlds.split(",")]
+            parted: list[tuple[str, DataSource]] = [("synthetic", SyntheticSource(sizes, 0))]
+            if big:
+                parted.append(("file, rows", make_source(str(big), sizes, 0, order="rows")))
+            for b in batches:
+                rows += rank_parts(parted, b, worlds, args.steps)
     if "trainer" in only:
         rows += trainer(max(batches), args.train_steps)
     lines = ["| part | source | batch | way | samples/s | vs base |", "|---|---|---|---|---|---|"]

@@ -190,3 +190,19 @@ def trainer_parts(
     cfg = parse_train_args(argv)
     ranks = Ranks.from_env(60.0, device)
     return build_parts(cfg, ranks)[0], ranks
+
+
+def check_part(source: Any, step: int, n: int, part: Any) -> None:
+    """A rank's part of a source's global batch (:class:`recsz.data.source.Part`) holds
+    the batch's own values wherever the part names them: every value of its samples, its
+    tables' ids of every sample; a source may leave the rest 0, and nothing else."""
+    whole, got = source.train_batch(step, n), source.train_batch(step, n, part)
+    mine = np.zeros(n, bool)
+    mine[part.rows(n)] = True
+    named = mine[:, None] | np.isin(np.arange(whole.ids.shape[1]), part.tables)[None, :]
+    ids, want = got.ids.numpy(), whole.ids.numpy()
+    np.testing.assert_array_equal(ids[named], want[named])
+    assert ((ids == want) | (ids == 0))[~named].all()
+    for a, b in ((got.dense, whole.dense), (got.labels, whole.labels)):
+        assert torch.equal(a[mine], b[mine])
+        assert ((a == b) | (a == 0))[~mine].all()

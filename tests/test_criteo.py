@@ -407,6 +407,24 @@ def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
         source.make_source(str(out), SIZES, seed=4, order="blocks")
 
 
+@pytest.mark.parametrize("order", ["rows", "batches"])
+def test_a_ranks_part_of_a_files_batch_is_the_batch_where_it_says(
+    tmp_path: Path, criteo_10k: Path, order: str
+) -> None:
+    """Read from the raw file (in memory) or preprocessed (memory-mapped), in either order."""
+    from recsz.data.source import Part, make_source
+    from tests.common import check_part
+
+    out = tmp_path / "bin"
+    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
+    for data in (str(criteo_10k), str(out)):
+        src = make_source(data, SIZES, seed=2, order=order)
+        for step, (rank, world, tables) in enumerate(
+            [(0, 1, ()), (1, 2, (0, 3)), (3, 4, tuple(range(26))), (2, 8, (25,))]
+        ):
+            check_part(src, step, 512, Part(rank, world, tables))
+
+
 # ---- the compiled parser against parse_line ---------------------------------------------
 def _by_parse_line(data: bytes, sizes: list[int]) -> tuple[list, list[str]]:
     """Every line of ``data`` through parse_line alone (the definition): the samples of the

@@ -145,7 +145,8 @@ def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
     assert ("making", "synthetic, kept", "thread") in made
     assert ("making", "synthetic, hashed", "loop") in made
     assert {("order", "rows"), ("order", "batches")} <= {(p, w) for p, _, w in made}
-    assert {("ranks", "synthetic, 4 ranks", w) for w in ("whole", "part")} <= made
+    for src in ("synthetic", "file, rows"):
+        assert {("ranks", f"{src}, 4 ranks", w) for w in ("whole", "part")} <= made
     if (ROOT.parent / "shared" / "data").exists():
         assert {("parse", "compiled"), ("parse", "parse_line")} <= {(p, w) for p, _, w in made}
     trained = [r for r in rows if r["part"] == "trainer"]

@@ -174,8 +174,11 @@ class ArraySource(DataSource):
         self._perm_epoch = -1
         self._perm = np.arange(0)
 
-    def _rows(self, idx: np.ndarray | slice, held_out: bool = False) -> Batch:
-        """The rows ``idx`` (indices, or a slice: contiguous, read in one sweep)."""
+    def _rows(
+        self, idx: np.ndarray | slice, held_out: bool = False, part: Part | None = None
+    ) -> Batch:
+        """The rows ``idx`` (indices, or a slice: contiguous, read in one sweep); of rows
+        read one by one, only ``part``'s values (those of a slice cost little more)."""
         a = self.held_out if held_out else self.arrays
         name = self.held_out_name if held_out else self.name
         first = self._first_held_out if held_out else 0
@@ -184,7 +187,7 @@ class ArraySource(DataSource):
             blk = criteo.Arrays(*(np.array(x[idx]) for x in (a.dense, a.cats, a.labels)))
         else:
             idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
-            blk = criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
+            blk = _gather(a, idx, part)
         # Arrays may come from files edited or damaged after preprocessing: refuse values
         # no Criteo line can produce, naming the row, before they reach a model.
         bad_label = (blk.labels != 0) & (blk.labels != 1)
@@ -220,12 +223,29 @@ class ArraySource(DataSource):
         if whole:
             start = int(self._perm[pos]) * batch_size
             return self._rows(slice(start, start + batch_size))
-        return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size])
+        return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size], part=part)
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch]:
         n = len(self.held_out)
         for start in range(0, n, batch_size):
             yield self._rows(slice(start, min(n, start + batch_size)), held_out=True)
+
+
+def _gather(a: criteo.Arrays, idx: np.ndarray, part: Part | None) -> criteo.Arrays:
+    """Rows ``idx`` of ``a``; with ``part``, only its values (the rest 0)."""
+    if part is None:
+        return criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
+    mine = idx[part.rows(len(idx))]
+    out = criteo.Arrays(
+        np.zeros((len(idx), a.dense.shape[1]), a.dense.dtype),
+        np.zeros((len(idx), a.cats.shape[1]), a.cats.dtype),
+        np.zeros(len(idx), a.labels.dtype),
+    )
+    for t in part.tables:  # a column of the rows: no other column's values copied
+        out.cats[:, t] = a.cats[idx, t]
+    for x, got in zip((a.dense, a.cats, a.labels), (out.dense, out.cats, out.labels), strict=True):
+        got[part.rows(len(idx))] = x[mine]
+    return out
 
 
 def make_source(
