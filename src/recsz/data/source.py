@@ -232,8 +232,11 @@ class ArraySource(DataSource):
 
 
 def _gather(a: criteo.Arrays, idx: np.ndarray, part: Part | None) -> criteo.Arrays:
-    """Rows ``idx`` of ``a``; with ``part``, only its values (the rest 0)."""
-    if part is None:
+    """Rows ``idx`` of ``a``; with ``part``, only its values (the rest 0), where that reads
+    less: a column is gathered value by value, a row at once, and a part of more than a
+    third of the tables took longer than the whole rows (benchmarks/README.md, "A rank's
+    part of the batch")."""
+    if part is None or 3 * len(part.tables) > a.cats.shape[1]:
         return criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
     mine = idx[part.rows(len(idx))]
     out = criteo.Arrays(
