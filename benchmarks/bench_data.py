@@ -21,7 +21,8 @@ batches: results/issue13/session7/run2). Five parts, side by side in one run:
 3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
    ``--parse-copies`` copies of the real sample, compiled, and with every line through
    ``parse_line`` (as the reader was before the thirty-first session); and `recsz
-   preprocess` of two such files, one at a time and at once (``--jobs 2``).
+   preprocess` of four such files, one at a time and two at once (``--jobs 2``), with the
+   most bytes its output directory held at once over the output's.
 4. **A rank's part** (``ranks``): for W in ``--worlds`` ranks of a local batch b each, the
    time the prefetch thread takes to make the whole global batch of W x b (as every rank did
    before the thirty-second session) and to make one rank's part of it (its b samples, and
@@ -42,9 +43,12 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -149,14 +153,39 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
         rows.append({"part": "parse", "source": f"{n:,} real lines", "batch": 0, "way": way,
                      "samples_per_s": rate, "MiB_per_s": mb})  # fmt: skip
         print(f"  parse {way:10s} {rate:12,.0f} lines/s ({mb:.1f} MiB/s)", flush=True)
-    for jobs in (1, 2):  # two such files into one set, one at a time and at once
-        t = time.perf_counter()
-        criteo.preprocess([big, big], tmp / f"jobs{jobs}", sizes, progress=False, jobs=jobs)
-        rate = 2 * n / (time.perf_counter() - t)
-        rows.append({"part": "preprocess", "source": f"2 x {n:,} real lines", "batch": 0,
-                     "way": f"jobs {jobs}", "samples_per_s": rate})  # fmt: skip
-        print(f"  preprocess --jobs {jobs} {rate:12,.0f} lines/s", flush=True)
+    for jobs in (1, 2):  # four such files into one set, one at a time and two at once
+        out = tmp / f"jobs{jobs}"
+        with peak_bytes(out) as peak:
+            t = time.perf_counter()
+            criteo.preprocess([big] * 4, out, sizes, progress=False, jobs=jobs)
+            rate = 4 * n / (time.perf_counter() - t)
+        size = sum(f.stat().st_size for f in out.iterdir())
+        rows.append({"part": "preprocess", "source": f"4 x {n:,} real lines", "batch": 0,
+                     "way": f"jobs {jobs}", "samples_per_s": rate,
+                     "peak_over_output": peak[0] / size})  # fmt: skip
+        print(f"  preprocess --jobs {jobs} {rate:12,.0f} lines/s, the disk's peak "
+              f"{peak[0] / size:.2f}x the output", flush=True)  # fmt: skip
+        shutil.rmtree(out)
     return rows
+
+
+@contextlib.contextmanager
+def peak_bytes(d: Path) -> Iterator[list[int]]:
+    """The most bytes ``d``'s files held at once while the block ran (polled every 5 ms)."""
+    peak, stop = [0], threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(0.005):
+            with contextlib.suppress(FileNotFoundError):
+                peak[0] = max(peak[0], sum(f.stat().st_size for f in d.iterdir()))
+
+    t = threading.Thread(target=poll, daemon=True)
+    t.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        t.join()
 
 
 def rank_parts(

@@ -362,6 +362,38 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
 
 
+def test_parallel_preprocess_holds_at_most_jobs_parts_on_the_disk(
+    tmp_path: Path, criteo_ragged: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More files than jobs: the same bytes as one file at a time, each file's part joined
+    and deleted as soon as it and those before it are done, while the next are parsed (at
+    most ``jobs`` parts on the disk at once)."""
+    import shutil
+
+    days = []
+    for i in range(5):
+        day = tmp_path / f"day_{i}"
+        lines = criteo_ragged.read_text().splitlines()
+        day.write_text("\n".join(lines[i * 100 :]) + "\n")  # each its own rows
+        days.append(day)
+    one = tmp_path / "one"
+    criteo.preprocess(days, one, SIZES, progress=False)
+    seen: list[int] = []
+    copy = shutil.copyfileobj
+
+    def counting(src, dst, length=0):  # type: ignore[no-untyped-def]
+        seen.append(len({p.suffix for p in (tmp_path / "jobs").glob("*.part*")}))
+        return copy(src, dst, length)
+
+    monkeypatch.setattr(shutil, "copyfileobj", counting)
+    criteo.preprocess(days, tmp_path / "jobs", SIZES, progress=False, jobs=2)
+    for name in ("dense.f32", "cats.i32", "labels.f32", "meta.json"):
+        assert (tmp_path / "jobs" / name).read_bytes() == (one / name).read_bytes(), name
+    assert len(seen) == 3 * 4  # three files a part, the first part renamed
+    assert max(seen) <= 2, seen
+    assert not list((tmp_path / "jobs").glob("*.part*"))
+
+
 def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
     tmp_path: Path, criteo_10k: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

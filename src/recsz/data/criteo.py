@@ -273,8 +273,8 @@ def preprocess(
 ) -> ParseStats:
     """Convert a raw file, or several in order (Terabyte's ``day_0`` .. ``day_22``, plain or
     gzipped), to one memory-mappable binary form, streaming block by block; ``jobs`` > 1
-    parses up to that many files at once (processes), then joins their rows in order."""
-    from tqdm import tqdm
+    parses up to that many files at once (processes), their rows joined in order as they
+    come (:func:`_write_parallel`)."""
 
     raws = [raw] if isinstance(raw, (str, os.PathLike)) else list(raw)
     out = Path(out_dir)
@@ -283,18 +283,7 @@ def preprocess(
     parts = [{k: out / f"{k}.part{i}" for k in _FILES} for i in range(len(raws))]
     try:
         if jobs > 1 and len(raws) > 1:
-            from concurrent.futures import ProcessPoolExecutor
-
-            with ProcessPoolExecutor(min(jobs, len(raws))) as pool:
-                each = pool.map(_write, [[r] for r in raws], parts, [table_sizes] * len(raws),
-                                [skip_bad_lines] * len(raws))  # fmt: skip
-                done = list(tqdm(each, total=len(raws), unit="file", disable=not progress))
-            for k, path in tmp.items():
-                with open(path, "wb") as f:
-                    for part in parts:
-                        with open(part[k], "rb") as src:
-                            shutil.copyfileobj(src, f, 1 << 24)
-                        part[k].unlink()
+            done = _write_parallel(raws, parts, tmp, table_sizes, skip_bad_lines, jobs, progress)
             stats = ParseStats(**{f: sum(getattr(st, f) for st, _ in done) for f in _COUNTS})
             stats.first_error = next((st.first_error for st, _ in done if st.first_error), "")
             rows_each = [rows for _, (rows,) in done]
@@ -325,6 +314,54 @@ def preprocess(
 #: The fields of :class:`Arrays` and the files that hold them.
 _FILES = {"dense": "dense.f32", "cats": "cats.i32", "labels": "labels.f32"}
 _COUNTS = ("lines", "padded", "skipped", "bytes")
+
+
+def _write_parallel(
+    raws: Sequence[str | os.PathLike[str]],
+    parts: list[dict[str, Path]],
+    files: dict[str, Path],
+    table_sizes: Sequence[int],
+    skip_bad_lines: bool,
+    jobs: int,
+    progress: bool,
+) -> list[tuple[ParseStats, list[int]]]:
+    """Each of ``raws`` parsed by a process into its ``parts``, at most ``jobs`` at once;
+    each part, once it and those before it are done, appended to ``files`` (the first one
+    renamed) and deleted while the next files are parsed, so no serial pass over the whole
+    output follows the last file (Terabyte: ~700 GB), and at most ``jobs`` parts wait."""
+    from collections import deque
+    from concurrent.futures import Future, ProcessPoolExecutor
+
+    from tqdm import tqdm
+
+    done: list[tuple[ParseStats, list[int]]] = []
+    with (
+        ProcessPoolExecutor(min(jobs, len(raws))) as pool,
+        tqdm(total=len(raws), unit="file", disable=not progress) as bar,
+    ):
+        ahead: deque[Future] = deque()
+        waiting = iter(range(len(raws)))
+
+        def submit() -> None:
+            i = next(waiting, None)
+            if i is not None:
+                ahead.append(pool.submit(_write, [raws[i]], parts[i], table_sizes, skip_bad_lines))
+
+        for _ in range(jobs):
+            submit()
+        while ahead:
+            done.append(ahead.popleft().result())
+            part = parts[len(done) - 1]
+            for k, path in files.items():
+                if len(done) == 1:
+                    os.replace(part[k], path)
+                    continue
+                with open(path, "ab") as f, open(part[k], "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 24)
+                part[k].unlink()
+            submit()  # after the part is gone: never more than ``jobs`` on the disk
+            bar.update(1)
+    return done
 
 
 def _write(
