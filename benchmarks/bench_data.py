@@ -55,7 +55,8 @@ import torch
 
 from recsz.config import parse_train_args
 from recsz.data import criteo, synthetic
-from recsz.data.source import DataSource, Part, SyntheticSource, make_source, prefetch
+from recsz.data.prefetch import prefetch
+from recsz.data.source import DataSource, Part, SyntheticSource, make_source
 from recsz.model import get_preset
 from recsz.model.sharding import plan_tables
 from recsz.train import run

@@ -394,6 +394,38 @@ def test_parallel_preprocess_holds_at_most_jobs_parts_on_the_disk(
     assert not list((tmp_path / "jobs").glob("*.part*"))
 
 
+def test_a_raw_file_too_large_for_the_hosts_memory_is_refused_before_it_is_read(
+    tmp_path: Path, criteo_10k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each local rank reads a raw file into its own arrays: where they would not fit, the
+    error names the file, the memory and the way out (preprocess), before any parsing; a
+    preprocessed directory (memory-mapped) is not refused."""
+    import gzip
+
+    import recsz.data.source as source
+
+    out = tmp_path / "bin"
+    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
+    zipped = tmp_path / "day_0.gz"
+    zipped.write_bytes(gzip.compress(criteo_10k.read_bytes()))
+    size = criteo_10k.stat().st_size
+    need = source.RAW_READ_BYTES_PER_BYTE * size
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * need) + 1)
+    assert len(source.make_source(str(criteo_10k), SIZES, seed=0).arrays) == 9_999
+    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * need) - 1)
+    parsed = []
+    monkeypatch.setattr(criteo, "read", lambda *a, **k: parsed.append(a))
+    with pytest.raises(MemoryError, match=r"--data .*head10k\.tsv: .* 4 rank\(s\).*preprocess"):
+        source.make_source(str(criteo_10k), SIZES, seed=0)
+    gz_need = source.RAW_READ_BYTES_PER_BYTE * source.GZIP_TEXT_PER_BYTE * zipped.stat().st_size
+    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * gz_need) - 1)
+    with pytest.raises(MemoryError, match=r"--eval-data .*day_0\.gz"):  # its text: 4x the file
+        source.make_source(str(out), SIZES, seed=0, eval_data=str(zipped))
+    assert not parsed
+    assert len(source.make_source(str(out), SIZES, seed=0).arrays) == 9_999
+
+
 def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
     tmp_path: Path, criteo_10k: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.data.source import Batch, Part, SyntheticSource, make_source, prefetch
+from recsz.data.prefetch import prefetch
+from recsz.data.source import Batch, Part, SyntheticSource, make_source
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import get_preset
 from recsz.train import main

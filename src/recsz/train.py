@@ -19,7 +19,8 @@ from tqdm import tqdm
 
 from recsz import checkpoint, report
 from recsz.config import TrainConfig, parse_train_args
-from recsz.data.source import Batch, Part, make_source, prefetch
+from recsz.data.prefetch import prefetch
+from recsz.data.source import Batch, Part, make_source
 from recsz.model import get_preset
 from recsz.ranks import Ranks, keep_freed_memory, launch, watch_parent
 from recsz.step import build_parts, evaluate, share_chunk_counts, train_step
