@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from recsz.config import parse_train_args
-from recsz.data import criteo, synthetic
+from recsz.data import criteo, preprocessed, synthetic
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, SyntheticSource, make_source
 from recsz.model import get_preset
@@ -99,7 +99,7 @@ def synthetic_dir(out: Path, sizes: list[int], rows: int) -> Path:
             f.write(x.astype(kind).tobytes())
     for f in files:
         f.close()
-    meta = {"format_version": criteo.FORMAT_VERSION, "rows": rows, "table_sizes": sizes}
+    meta = {"format_version": preprocessed.FORMAT_VERSION, "rows": rows, "table_sizes": sizes}
     (out / "meta.json").write_text(json.dumps(meta))
     return out
 
@@ -158,7 +158,7 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
         out = tmp / f"jobs{jobs}"
         with peak_bytes(out) as peak:
             t = time.perf_counter()
-            criteo.preprocess([big] * 4, out, sizes, progress=False, jobs=jobs)
+            preprocessed.preprocess([big] * 4, out, sizes, progress=False, jobs=jobs)
             rate = 4 * n / (time.perf_counter() - t)
         size = sum(f.stat().st_size for f in out.iterdir())
         rows.append({"part": "preprocess", "source": f"4 x {n:,} real lines", "batch": 0,
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         real = SHARED / "criteo_kaggle_head10k.tsv"
         if real.exists():
-            criteo.preprocess(real, Path(tmp) / "real", sizes, progress=False)
+            preprocessed.preprocess(real, Path(tmp) / "real", sizes, progress=False)
             sources.append(("real 10k", make_source(str(Path(tmp) / "real"), sizes, 0)))
         else:
             print(f"({real} not here: the generator only)")

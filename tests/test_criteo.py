@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.data import criteo
+from recsz.data import criteo, preprocessed
 from recsz.data.criteo import CriteoFormatError, hash_category
 from recsz.model import get_preset
 
@@ -132,14 +132,14 @@ def test_negative_counts_clamp_and_missing_ids(tmp_path: Path) -> None:
 
 def test_preprocess_then_load_matches_read(tmp_path: Path, criteo_ragged: Path) -> None:
     out = tmp_path / "bin"
-    stats = criteo.preprocess(criteo_ragged, out, SIZES, progress=False)
+    stats = preprocessed.preprocess(criteo_ragged, out, SIZES, progress=False)
     assert stats.lines == 1000
-    m = criteo.load(out, SIZES)
+    m = preprocessed.load(out, SIZES)
     a = criteo.read(criteo_ragged, SIZES)
     np.testing.assert_array_equal(np.asarray(m.cats), a.cats)
     np.testing.assert_array_equal(np.asarray(m.dense), a.dense)
     with pytest.raises(ValueError, match="hashed into table sizes"):
-        criteo.load(out, get_preset("kaggle").model.table_sizes)
+        preprocessed.load(out, get_preset("kaggle").model.table_sizes)
 
 
 def test_iter_blocks_streams_in_bounded_blocks(criteo_10k: Path) -> None:
@@ -184,10 +184,10 @@ def test_preprocess_refuses_empty_input_and_leaves_nothing(tmp_path: Path) -> No
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
     with pytest.raises(CriteoFormatError, match=r"empty\.tsv: no samples"):
-        criteo.preprocess(empty, tmp_path / "out", SIZES, progress=False)
+        preprocessed.preprocess(empty, tmp_path / "out", SIZES, progress=False)
     bad = _write(tmp_path, [GOOD, "2" + GOOD[1:]])
     with pytest.raises(CriteoFormatError, match=r"bad\.tsv:2"):
-        criteo.preprocess(bad, tmp_path / "out", SIZES, progress=False)
+        preprocessed.preprocess(bad, tmp_path / "out", SIZES, progress=False)
     assert not list((tmp_path / "out").glob("*")), "no partial output after a failure"
 
 
@@ -195,12 +195,12 @@ def test_damaged_preprocessed_arrays_are_named(tmp_path: Path, criteo_ragged: Pa
     from recsz.data.source import make_source
 
     out = tmp_path / "bin"
-    criteo.preprocess(criteo_ragged, out, SIZES, progress=False)
+    preprocessed.preprocess(criteo_ragged, out, SIZES, progress=False)
     labels = out / "labels.f32"
     good = labels.read_bytes()
     labels.write_bytes(good[:-4])  # one row short
     with pytest.raises(ValueError, match=r"labels\.f32: 3996 bytes, expected 4000"):
-        criteo.load(out, SIZES)
+        preprocessed.load(out, SIZES)
     for value in (7.0, float("nan")):  # a label no Criteo line can have
         arr = np.frombuffer(good, "<f4").copy()
         arr[5] = value
@@ -249,7 +249,7 @@ def test_eval_data_holds_out_another_file_and_all_of_data_trains(
     from recsz.data.source import make_source
 
     binned = tmp_path / "eval_bin"
-    criteo.preprocess(criteo_ragged, binned, SIZES, progress=False)
+    preprocessed.preprocess(criteo_ragged, binned, SIZES, progress=False)
     for held in (str(criteo_ragged), str(binned)):  # a raw file or a preprocessed directory
         src = make_source(str(criteo_10k), SIZES, seed=2, eval_data=held)
         assert src.n_train == 9_999
@@ -274,7 +274,7 @@ def test_a_damaged_held_out_row_is_named_in_its_own_file(
     from recsz.data.source import make_source
 
     out = tmp_path / "held"
-    criteo.preprocess(criteo_ragged, out, SIZES, progress=False)
+    preprocessed.preprocess(criteo_ragged, out, SIZES, progress=False)
     arr = np.frombuffer((out / "labels.f32").read_bytes(), "<f4").copy()
     arr[417] = 3.0
     (out / "labels.f32").write_bytes(arr.tobytes())
@@ -283,7 +283,7 @@ def test_a_damaged_held_out_row_is_named_in_its_own_file(
         list(src.eval_batches(256))
     # In one file, a held-out row is named by its line in that file.
     tail = tmp_path / "tail"
-    criteo.preprocess(criteo_ragged, tail, SIZES, progress=False)
+    preprocessed.preprocess(criteo_ragged, tail, SIZES, progress=False)
     arr = np.frombuffer((tail / "labels.f32").read_bytes(), "<f4").copy()
     arr[950] = 3.0
     (tail / "labels.f32").write_bytes(arr.tobytes())
@@ -336,7 +336,7 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     assert meta["rows"] == 10_999 and meta["rows_per_source"] == [9_999, 1_000]
     assert meta["source"] == [str(criteo_10k), str(zipped)]
     got, first, second = (
-        criteo.load(out),
+        preprocessed.load(out),
         criteo.read(criteo_10k, SIZES),
         criteo.read(zipped, SIZES),
     )
@@ -348,7 +348,7 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     bad = tmp_path / "day_2.gz"
     bad.write_bytes(gzip.compress("\n".join(lines).encode()))
     with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
-        criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, progress=False)
+        preprocessed.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, progress=False)
     assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
     # Several files at once (processes): the same bytes, the same failure, nothing left.
     jobs = tmp_path / "jobs"
@@ -358,7 +358,7 @@ def test_preprocess_reads_several_files_in_order_gzipped_or_not(
     assert sorted(p.name for p in jobs.iterdir()) == ["cats.i32", "dense.f32", "labels.f32",
                                                        "meta.json"]  # fmt: skip
     with pytest.raises(CriteoFormatError, match=r"day_2\.gz:42"):
-        criteo.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, False, False, jobs=2)
+        preprocessed.preprocess([criteo_ragged, bad], tmp_path / "bad", SIZES, False, False, jobs=2)
     assert not list((tmp_path / "bad").glob("*")), "no partial output after a failure"
 
 
@@ -377,7 +377,7 @@ def test_parallel_preprocess_holds_at_most_jobs_parts_on_the_disk(
         day.write_text("\n".join(lines[i * 100 :]) + "\n")  # each its own rows
         days.append(day)
     one = tmp_path / "one"
-    criteo.preprocess(days, one, SIZES, progress=False)
+    preprocessed.preprocess(days, one, SIZES, progress=False)
     seen: list[int] = []
     copy = shutil.copyfileobj
 
@@ -386,7 +386,7 @@ def test_parallel_preprocess_holds_at_most_jobs_parts_on_the_disk(
         return copy(src, dst, length)
 
     monkeypatch.setattr(shutil, "copyfileobj", counting)
-    criteo.preprocess(days, tmp_path / "jobs", SIZES, progress=False, jobs=2)
+    preprocessed.preprocess(days, tmp_path / "jobs", SIZES, progress=False, jobs=2)
     for name in ("dense.f32", "cats.i32", "labels.f32", "meta.json"):
         assert (tmp_path / "jobs" / name).read_bytes() == (one / name).read_bytes(), name
     assert len(seen) == 3 * 4  # three files a part, the first part renamed
@@ -405,7 +405,7 @@ def test_a_raw_file_too_large_for_the_hosts_memory_is_refused_before_it_is_read(
     import recsz.data.source as source
 
     out = tmp_path / "bin"
-    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
+    preprocessed.preprocess(criteo_10k, out, SIZES, progress=False)
     zipped = tmp_path / "day_0.gz"
     zipped.write_bytes(gzip.compress(criteo_10k.read_bytes()))
     size = criteo_10k.stat().st_size
@@ -437,8 +437,8 @@ def test_batches_order_reads_contiguous_batches_each_once_an_epoch(
     import recsz.data.source as source
 
     out = tmp_path / "bin"
-    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
-    arrays = criteo.load(out, SIZES)
+    preprocessed.preprocess(criteo_10k, out, SIZES, progress=False)
+    arrays = preprocessed.load(out, SIZES)
     src = source.make_source(str(out), SIZES, seed=4, order="batches")
     spe = src.steps_per_epoch(500)
     assert src.order == "batches" and spe == 15
@@ -480,7 +480,7 @@ def test_a_ranks_part_of_a_files_batch_is_the_batch_where_it_says(
     from tests.common import check_part
 
     out = tmp_path / "bin"
-    criteo.preprocess(criteo_10k, out, SIZES, progress=False)
+    preprocessed.preprocess(criteo_10k, out, SIZES, progress=False)
     for data in (str(criteo_10k), str(out)):
         src = make_source(data, SIZES, seed=2, order=order)
         for step, (rank, world, tables) in enumerate(

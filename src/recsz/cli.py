@@ -45,7 +45,7 @@ def _run(cmd: str, rest: list[str]) -> int:
 
 
 def _preprocess(argv: list[str]) -> int:
-    from recsz.data import criteo
+    from recsz.data import preprocessed
     from recsz.model import PRESETS, get_preset
 
     p = argparse.ArgumentParser(
@@ -72,7 +72,9 @@ def _preprocess(argv: list[str]) -> int:
     if a.jobs < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
     sizes = get_preset(a.preset).model.table_sizes
-    stats = criteo.preprocess(a.raw, a.out_dir, sizes, skip_bad_lines=a.skip_bad_lines, jobs=a.jobs)
+    stats = preprocessed.preprocess(
+        a.raw, a.out_dir, sizes, skip_bad_lines=a.skip_bad_lines, jobs=a.jobs
+    )
     print(
         f"{a.out_dir}: {stats.lines} rows ({stats.padded} padded, {stats.skipped} skipped"
         + (f"; first bad line: {stats.first_error}" if stats.skipped else "")

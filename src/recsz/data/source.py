@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recsz.data import criteo
+from recsz.data import criteo, preprocessed
 from recsz.data.synthetic import SyntheticCriteo
 
 #: The share of a file's rows held out for evaluation by default (its last rows).
@@ -284,7 +284,7 @@ def _read(
     """The rows of a raw Criteo file or a preprocessed directory, and the lines skipped."""
     p = Path(data)
     if p.is_dir():
-        arrays = criteo.load(p, table_sizes)
+        arrays = preprocessed.load(p, table_sizes)
         skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))
         return arrays, skipped
     if not p.exists():
