@@ -41,7 +41,6 @@ def preprocess(
     gzipped), to one memory-mappable binary form, streaming block by block; ``jobs`` > 1
     parses up to that many files at once (processes), their rows joined in order as they
     come (:func:`_write_parallel`)."""
-
     raws = [raw] if isinstance(raw, (str, os.PathLike)) else list(raw)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
