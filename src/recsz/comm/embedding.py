@@ -10,7 +10,8 @@ Each direction starts (codes and sends) and finishes (waits, decodes, places) ap
 its bytes fly while the model computes: forward while the bottom MLP runs, backward while
 the rest of the backward pass does (:mod:`recsz.comm.overlap`).
 
-Id-aware traffic (every rank reads the global batch, so both ends know the ids): forward,
+Id-aware traffic (every rank reads its own samples' ids and its own tables' ids of all
+samples, so both ends of a slice know its ids: ``data.source.Part``): forward,
 ``id_dedup`` sends one row per distinct id of a destination's slice, which the receiver
 expands; backward, ``coalesce`` sends one summed gradient per distinct id, which the owner
 puts on the id's first sample (the table's gradient is unchanged).
