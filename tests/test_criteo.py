@@ -422,6 +422,10 @@ def test_a_raw_file_too_large_for_the_hosts_memory_is_refused_before_it_is_read(
     monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * gz_need) - 1)
     with pytest.raises(MemoryError, match=r"--eval-data .*day_0\.gz"):  # its text: 4x the file
         source.make_source(str(out), SIZES, seed=0, eval_data=str(zipped))
+    both = need + gz_need  # each fits alone on the 4 ranks, not the two together
+    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * both) - 1)
+    with pytest.raises(MemoryError, match=r"--data .*head10k\.tsv, --eval-data .*day_0\.gz"):
+        source.make_source(str(criteo_10k), SIZES, seed=0, eval_data=str(zipped))
     assert not parsed
     assert len(source.make_source(str(out), SIZES, seed=0).arrays) == 9_999
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from recsz.data import criteo, preprocessed
+from recsz.data.criteo import FIELDS
 from recsz.data.synthetic import SyntheticCriteo
 
 #: The share of a file's rows held out for evaluation by default (its last rows).
@@ -237,16 +238,13 @@ def _gather(a: criteo.Arrays, idx: np.ndarray, part: Part | None) -> criteo.Arra
     part of the batch")."""
     if part is None or 3 * len(part.tables) > a.cats.shape[1]:
         return criteo.Arrays(a.dense[idx], a.cats[idx], a.labels[idx])
-    mine = idx[part.rows(len(idx))]
-    out = criteo.Arrays(
-        np.zeros((len(idx), a.dense.shape[1]), a.dense.dtype),
-        np.zeros((len(idx), a.cats.shape[1]), a.cats.dtype),
-        np.zeros(len(idx), a.labels.dtype),
-    )
+    rows = part.rows(len(idx))
+    whole = [getattr(a, f) for f in FIELDS]
+    out = criteo.Arrays(*(np.zeros((len(idx), *x.shape[1:]), x.dtype) for x in whole))
     for t in part.tables:  # a column of the rows: no other column's values copied
         out.cats[:, t] = a.cats[idx, t]
-    for x, got in zip((a.dense, a.cats, a.labels), (out.dense, out.cats, out.labels), strict=True):
-        got[part.rows(len(idx))] = x[mine]
+    for x, f in zip(whole, FIELDS, strict=True):
+        getattr(out, f)[rows] = x[idx[rows]]
     return out
 
 
@@ -270,6 +268,8 @@ def make_source(
             raise ValueError("--eval-data needs --data from a file: the generator's samples "
                              "are not the held-out file's")  # fmt: skip
         return SyntheticSource(table_sizes, seed, synthetic_eval)
+    named = {"--data": data, "--eval-data": eval_data}
+    _check_room([(f, Path(d)) for f, d in named.items() if d is not None and Path(d).is_file()])
     arrays, skipped = _read(data, "--data", table_sizes, skip_bad_lines)
     held_out = None if eval_data is None else _read(eval_data, "--eval-data", table_sizes,
                                                     skip_bad_lines)[0]  # fmt: skip
@@ -289,7 +289,6 @@ def _read(
         return arrays, skipped
     if not p.exists():
         raise FileNotFoundError(f"{flag} {data}: no such file or directory")
-    _check_room(p, flag)
     stats = criteo.ParseStats()
     arrays = criteo.read(p, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats)
     if stats.skipped:
@@ -304,23 +303,25 @@ RAW_READ_BYTES_PER_BYTE = 2.2
 GZIP_TEXT_PER_BYTE = 4
 
 
-def _check_room(path: Path, flag: str) -> None:
-    """Refuse, before reading it, a raw file whose arrays would not fit in this host's
-    available memory on every local rank (each reads its own copy): an out-of-memory kill
-    in the middle of a run names nothing; a preprocessed directory is memory-mapped once."""
-    available = _available_bytes()
+def _check_room(raws: list[tuple[str, Path]]) -> None:
+    """Refuse, before reading them, raw files (flag, path) whose arrays would not fit
+    together in this host's available memory on every local rank (each reads its own
+    copy): an out-of-memory kill in the middle of a run names nothing; a preprocessed
+    directory is memory-mapped once."""
+    available = _available_bytes() if raws else None
     if available is None:
         return
-    text = path.stat().st_size * (GZIP_TEXT_PER_BYTE if path.suffix == ".gz" else 1)
+    text = sum(p.stat().st_size * (GZIP_TEXT_PER_BYTE if p.suffix == ".gz" else 1)
+               for _, p in raws)  # fmt: skip
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     need = RAW_READ_BYTES_PER_BYTE * text * ranks
     if need > available:
-        gib = 2.0**30
+        gib, named = 2.0**30, ", ".join(f"{flag} {p}" for flag, p in raws)
         raise MemoryError(
-            f"{flag} {path}: reading this raw file takes about {need / ranks / gib:.1f} GiB "
+            f"{named}: reading these raw files takes about {need / ranks / gib:.1f} GiB "
             f"of memory on each of this host's {ranks} rank(s), {need / gib:.1f} GiB in all, "
-            f"more than the {available / gib:.1f} GiB available; preprocess it once "
-            f"(`recsz preprocess {path} DIR`) and give DIR instead (memory-mapped, shared "
+            f"more than the {available / gib:.1f} GiB available; preprocess them once "
+            f"(`recsz preprocess FILE DIR`) and give DIR instead (memory-mapped, shared "
             "by the ranks)"
         )
 
