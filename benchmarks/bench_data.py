@@ -75,7 +75,7 @@ PARTS = ("making", "parse", "order", "ranks", "trainer")
 def making(source, name: str, batch: int, steps: int) -> list[dict]:
     rows = []
     for way, depth in WAYS:
-        it = prefetch(source, range(steps), batch, CPU, depth)
+        it = prefetch(source.train_batches(range(steps), batch), CPU, depth)
         next(it)
         t = time.perf_counter()
         n = sum(1 for _ in it)
@@ -112,7 +112,7 @@ def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
         t = time.perf_counter()
         src.train_batch(0, batch)  # the epoch's permutation
         first = time.perf_counter() - t
-        it = prefetch(src, range(1, steps + 1), batch, CPU, 0)
+        it = prefetch(src.train_batches(range(1, steps + 1), batch), CPU, 0)
         t = time.perf_counter()
         n = sum(1 for _ in it)
         rate = n * batch / (time.perf_counter() - t)
@@ -214,7 +214,7 @@ def _rank_parts(
         ways = {"whole": (None, []), "part": (part, [])}
         for _ in range(3):
             for p, rates in ways.values():
-                it = prefetch(source, range(steps), w * batch, CPU, 2, p)
+                it = prefetch(source.train_batches(range(steps), w * batch, p), CPU, 2)
                 next(it)
                 t = time.perf_counter()
                 n = sum(1 for _ in it)

@@ -147,6 +147,43 @@ def test_id_aware_traffic_reads_the_host_once_a_step(monkeypatch: pytest.MonkeyP
         assert reads == 1, f"step {k + 3}: {where}"
 
 
+@pytest.mark.parametrize(("ids", "per_batch"), [(False, 0), (True, 1)])
+def test_an_evaluation_reads_the_host_once_not_once_a_batch(
+    ids: bool, per_batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The predictions and labels stay on the device until the three numbers: an
+    evaluation of 8 batches reads the host as often as one of 2, but for the id-aware
+    forward's one read a batch (it read two more a batch, copying both to the host)."""
+    from types import SimpleNamespace
+
+    from recsz.data import source as source_module
+    from recsz.step import evaluate
+
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    parts, ranks = trainer_parts("hybrid", "cpu", ids=ids)
+    state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
+    state += [*parts.sparse.parameters(), *parts.dense.parameters()]
+    to = source_module.Batch.to
+
+    def moved(batch: source_module.Batch, device: torch.device) -> source_module.Batch:
+        mark([batch.dense, batch.ids, batch.labels])  # the batch on the device
+        return to(batch, device)
+
+    monkeypatch.setattr(source_module.Batch, "to", moved)
+    cfg = SimpleNamespace(eval_batch_size=64, prefetch=0)
+    sizes = get_preset("tiny").model.table_sizes
+    reads = {}
+    with counting(state) as c:
+        for n_eval in (128, 128, 512):  # the first builds kernels and uploads constants
+            src = make_source("synthetic", sizes, 0, synthetic_eval=n_eval)
+            got = evaluate(parts, src, cfg, 0, ranks)  # type: ignore[arg-type]
+            reads[n_eval] = c.take()
+            assert got["eval_samples"] == n_eval
+    (two, _, where), (eight, _, _) = reads[128], reads[512]
+    assert eight - two == 6 * per_batch, where
+    assert two <= 2 + 2 * per_batch, where
+
+
 @pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
 def test_multi_hot_bags_add_no_host_read(
     ids: bool, expected: int, monkeypatch: pytest.MonkeyPatch

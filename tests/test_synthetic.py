@@ -77,6 +77,35 @@ def test_a_part_of_a_block_is_the_block_where_it_says(n_per: int, world: int, da
     assert not got.dense.numpy()[unnamed.all(1)].any()
 
 
+@settings(max_examples=30, deadline=None)
+@given(n_eval=st.integers(1, 120), size=st.integers(1, 50), world=st.integers(1, 4), data=st.data())
+def test_the_evaluation_set_is_one_set_whatever_its_batches(
+    n_eval: int, size: int, world: int, data
+) -> None:
+    """The held-out set's batches of any size are runs of one set (so runs of other
+    batch sizes or ranks evaluate the same samples); a rank's part of each (a last batch
+    that does not divide leaves the last ranks fewer samples) holds the batch's values
+    where it names them."""
+    src = SyntheticSource(SIZES, seed=2, n_eval=n_eval)
+    (whole,) = src.eval_batches(n_eval)
+    batches = list(src.eval_batches(size))
+    for field in ("dense", "ids", "labels"):
+        joined = torch.cat([getattr(b, field) for b in batches])
+        assert torch.equal(joined, getattr(whole, field)), field
+    rank = data.draw(st.integers(0, world - 1))
+    part = Part(rank, world, tuple(data.draw(st.sets(st.integers(0, 25), max_size=26))))
+    for mine, full in zip(src.eval_batches(size, part), batches, strict=True):
+        n = len(full)
+        rows = part.rows(n)
+        runs = [Part(q, world, ()).rows(n) for q in range(world)]  # the ranks' samples:
+        assert [r.start for r in runs[1:]] == [r.stop for r in runs[:-1]]  # one after another,
+        assert (runs[0].start, runs[-1].stop) == (0, n)  # all of them, none twice
+        assert torch.equal(mine.dense[rows], full.dense[rows])
+        assert torch.equal(mine.labels[rows], full.labels[rows])
+        assert torch.equal(mine.ids[rows], full.ids[rows])
+        assert torch.equal(mine.ids[:, list(part.tables)], full.ids[:, list(part.tables)])
+
+
 def test_a_part_of_rows_that_are_no_run_is_refused() -> None:
     gen = SyntheticCriteo(SIZES, seed=0)
     with pytest.raises(ValueError, match="not a run"):
@@ -125,7 +154,7 @@ def test_learnable_versus_shuffled_labels(tmp_path) -> None:
 # ---- prefetching -------------------------------------------------------------------------
 def test_prefetch_gives_the_batches_train_batch_gives() -> None:
     src = make_source("synthetic", SIZES, seed=3)
-    got = list(prefetch(src, range(4, 9), 16, torch.device("cpu")))
+    got = list(prefetch(src.train_batches(range(4, 9), 16), torch.device("cpu")))
     assert len(got) == 5
     for step, b in zip(range(4, 9), got, strict=True):
         want = src.train_batch(step, 16)
@@ -140,7 +169,7 @@ def test_cuda_prefetched_batches_stay_intact_while_the_gpu_lags() -> None:
     its memory (each kernel here waits ~20 ms before reading its batch)."""
     src = make_source("synthetic", SIZES, seed=3)
     sums = []
-    for b in prefetch(src, range(12), 4096, torch.device("cuda"), depth=2):
+    for b in prefetch(src.train_batches(range(12), 4096), torch.device("cuda"), depth=2):
         torch.cuda._sleep(40_000_000)
         sums.append(b.ids.sum())
         del b
@@ -157,14 +186,14 @@ class Failing(SyntheticSource):
 
 def test_prefetch_raises_the_threads_error_and_stops_early() -> None:
     src = Failing(SIZES, seed=0)
-    it = prefetch(src, range(5), 8, torch.device("cpu"))
+    it = prefetch(src.train_batches(range(5), 8), torch.device("cpu"))
     assert len(next(it)) == 8
     next(it)
     with pytest.raises(ValueError, match="bad line 7"):
         next(it)
     # Leaving a loop early stops the thread (no thread left waiting on a full queue).
     cpu = torch.device("cpu")
-    early = prefetch(make_source("synthetic", SIZES, seed=0), range(100), 8, cpu)
+    early = prefetch(make_source("synthetic", SIZES, seed=0).train_batches(range(100), 8), cpu)
     next(early)
     early.close()
     assert not any(t.name == "recsz-prefetch" for t in threading.enumerate())

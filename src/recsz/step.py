@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import inspect
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from sklearn.metrics import log_loss, roc_auc_score
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,7 +37,9 @@ from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
-from recsz.data.source import Batch, DataSource
+from recsz.data.prefetch import prefetch
+from recsz.data.source import Batch, DataSource, Part
+from recsz.metrics import binary_metrics
 from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
 from recsz.model.sharding import plan_tables
@@ -192,32 +193,54 @@ def evaluate(
 def _evaluate(
     parts: Parts, source: DataSource, cfg: TrainConfig, step: int, ranks: Ranks
 ) -> dict[str, float]:
-    w = ranks.world
-    eb = math.ceil(cfg.eval_batch_size / w) * w
-    preds, labels = [], []
-    for batch in source.eval_batches(eb):
+    """Each rank makes its part of every evaluation batch (``--prefetch`` ahead, as in
+    training), predicts its samples and keeps the predictions where they are; rank 0
+    gathers them all once at the end and computes the numbers there, which every rank
+    then receives (no host read a batch, and one rank's memory holds the whole set)."""
+    t0 = time.perf_counter()
+    w, rank = ranks.world, ranks.rank
+    size = math.ceil(cfg.eval_batch_size / w) * w
+    part = Part(rank, w, tuple(parts.sparse.tables))
+    preds, counts = [], [0] * w  # counts: each rank's samples, known to every rank
+    for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
         n = len(batch)
-        pad = (-n) % w
-        if pad:  # repeat the last row so every rank gets the same number of samples
-            idx = torch.cat([torch.arange(n), torch.full((pad,), n - 1)])
-            batch = type(batch)(batch.dense[idx], batch.ids[idx], batch.labels[idx])
-        batch = batch.to(ranks.device)
-        b = len(batch) // w
-        mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
-        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step))
-        if w > 1:
-            gathered = [torch.empty_like(p) for _ in range(w)]
-            dist.all_gather(gathered, p)
-            p = torch.cat(gathered)
-        preds.append(p[:n].double().cpu().numpy())
-        labels.append(batch.labels[:n].double().cpu().numpy())
-    y, p_all = np.concatenate(labels), np.concatenate(preds)
-    # AUC is undefined with one class: say so (NaN) rather than invent a number.
-    auc = float(roc_auc_score(y, p_all)) if len(np.unique(y)) == 2 else float("nan")
-    p_clip = np.clip(p_all, 1e-7, 1 - 1e-7)
+        b = -(-n // w)
+        batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
+        mine = batch.slice(rank * b, (rank + 1) * b)
+        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
+        for q in range(w):  # the padding's predictions are left out
+            counts[q] += len(range(n)[Part(q, w, ()).rows(n)])
+        keep = len(range(n)[part.rows(n)])
+        preds.append(torch.stack([p[:keep], mine.labels[:keep]]))
+    if sum(counts) == 0:
+        raise ValueError(f"{source.name}: the evaluation set is empty")
+    both = _gathered(torch.cat(preds, 1), counts, ranks)
+    numbers = torch.zeros(3, dtype=torch.float64)
+    if both is not None:
+        got = binary_metrics(both[0], both[1])
+        numbers = torch.tensor([got["auc"], got["logloss"], got["accuracy"]], dtype=torch.float64)
+    if w > 1:
+        dist.broadcast(numbers, src=0)
+    auc, logloss, accuracy = numbers.tolist()
     return {
         "auc": auc,
-        "logloss": float(log_loss(y, p_clip, labels=[0.0, 1.0])),
-        "accuracy": float(((p_all > 0.5) == (y > 0.5)).mean()),
-        "eval_samples": int(y.size),
+        "logloss": logloss,
+        "accuracy": accuracy,
+        "eval_samples": sum(counts),
+        "eval_s": time.perf_counter() - t0,
     }
+
+
+def _gathered(mine: torch.Tensor, counts: list[int], ranks: Ranks) -> torch.Tensor | None:
+    """Every rank's (2, counts[rank]) predictions and labels, side by side on rank 0 (one
+    gather, each rank's padded to the largest count); None on the other ranks."""
+    if ranks.world == 1:
+        return mine
+    longest = max(counts)
+    padded = mine.new_zeros((2, longest))
+    padded[:, : mine.shape[1]] = mine
+    into = [torch.empty_like(padded) for _ in counts] if ranks.rank == 0 else None
+    dist.gather(padded, into, dst=0)
+    if into is None:
+        return None
+    return torch.cat([g[:, :c] for g, c in zip(into, counts, strict=True)], 1)

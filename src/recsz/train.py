@@ -106,7 +106,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         run_step = graphed(one_step, parts.exchange, ranks.world) if cfg.cuda_graph else one_step
         part = Part(ranks.rank, ranks.world, tuple(parts.sparse.tables))  # what the step reads
-        batches = prefetch(source, range(start, steps), bsz, ranks.device, cfg.prefetch, part)
+        made = source.train_batches(range(start, steps), bsz, part)
+        batches = prefetch(made, ranks.device, cfg.prefetch)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
@@ -140,7 +141,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 row = {"step": done, **report.summarize(recs, done, bsz)}
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
-                row = {"step": done, **row, **{f"eval_{k}": v for k, v in ev.items()}}
+                row = {"step": done, **row, **_eval_row(ev)}
             if row:
                 log.metrics(row)
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
@@ -171,7 +172,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         }
         if out and ranks.rank == 0:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            log.metrics({"step": steps, **{f"eval_{k}": v for k, v in ev.items()}})
+            log.metrics({"step": steps, **_eval_row(ev)})
         if ranks.rank == 0:
             tqdm.write(report.format_summary(summary))
         ok = True
@@ -181,6 +182,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 
 #: Fields that may differ between ranks of one job.
+def _eval_row(ev: dict[str, float]) -> dict[str, float]:
+    """An evaluation's numbers as a metrics row names them (``eval_auc``, ``eval_s``)."""
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in ev.items()}
+
+
 _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 
 

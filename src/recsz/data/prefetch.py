@@ -5,32 +5,25 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
-from recsz.data.source import Batch, DataSource, Part
+from recsz.data.source import Batch
 
 
-def prefetch(
-    source: DataSource,
-    steps: range,
-    batch_size: int,
-    device: torch.device,
-    depth: int = 2,
-    part: Part | None = None,
-) -> Iterator[Batch]:
-    """The training batches of ``steps`` (``part`` of each), made ``depth`` ahead by a
-    background thread, so that reading and parsing overlap training. For a CUDA device
-    each batch is pinned and copied on a side stream, and handed over after that copy is
-    ordered before the consumer's work (and its memory marked as used by the consumer's
-    stream: the host may run steps ahead of the GPU, and the thread's next copies must not
-    land in it early).
+def prefetch(batches: Iterable[Batch], device: torch.device, depth: int = 2) -> Iterator[Batch]:
+    """``batches`` (an iterable that makes each when asked: e.g. the training batches of
+    some steps, or the evaluation set's), made ``depth`` ahead by a background thread, so
+    that reading and parsing overlap training. For a CUDA device each batch is pinned and
+    copied on a side stream, and handed over after that copy is ordered before the
+    consumer's work (and its memory marked as used by the consumer's stream: the host may
+    run steps ahead of the GPU, and the thread's next copies must not land in it early).
     An error in the thread is raised to the consumer; leaving the loop early stops the
     thread. ``depth`` 0 makes each batch when it is asked for, no thread."""
     if depth == 0:
-        for step in steps:
-            yield source.train_batch(step, batch_size, part).to(device)
+        for batch in batches:
+            yield batch.to(device)
         return
     q: queue.Queue[tuple[Batch | None, BaseException | None]] = queue.Queue(depth)
     stop = threading.Event()
@@ -48,29 +41,30 @@ def prefetch(
     def work() -> None:
         stream = torch.cuda.Stream(device) if cuda else None
         try:
-            for step in steps:
-                batch = source.train_batch(step, batch_size, part)
+            for made in batches:
                 if stream is not None:
                     with torch.cuda.stream(stream):
-                        batch = batch.pin_memory().to(device)
+                        made = made.pin_memory().to(device)
                     stream.synchronize()
-                if not put((batch, None)):
+                if not put((made, None)):
                     return
+            put((None, None))  # the end
         except BaseException as e:  # handed to the consumer, which raises it
             put((None, e))
 
     thread = threading.Thread(target=work, name="recsz-prefetch", daemon=True)
     thread.start()
     try:
-        for _ in steps:
-            batch, err = q.get()
+        while True:
+            got, err = q.get()
             if err is not None:
                 raise err
-            assert batch is not None
+            if got is None:
+                return
             if cuda:  # its memory came from the side stream's pool: not to be reused there
-                for t in (batch.dense, batch.ids, batch.labels):  # before this stream is done
+                for t in (got.dense, got.ids, got.labels):  # before this stream is done
                     t.record_stream(torch.cuda.current_stream(device))
-            yield batch.to(device)
+            yield got.to(device)
     finally:
         stop.set()
         thread.join(timeout=5)

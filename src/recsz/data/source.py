@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,14 @@ class Batch:
         moved = (t.to(device, non_blocking=True) for t in (self.dense, self.ids, self.labels))
         return Batch(*moved)
 
+    def padded(self, n: int) -> Batch:
+        """The batch with rows of zeros after its own up to ``n`` (id 0 of every table)."""
+        extra = n - len(self)
+        if extra <= 0:
+            return self
+        fields = (self.dense, self.ids, self.labels)
+        return Batch(*(torch.cat([t, t.new_zeros((extra, *t.shape[1:]))]) for t in fields))
+
     def pin_memory(self) -> Batch:
         return Batch(self.dense.pin_memory(), self.ids.pin_memory(), self.labels.pin_memory())
 
@@ -70,9 +78,11 @@ class Part:
     tables: tuple[int, ...]
 
     def rows(self, n: int) -> slice:
-        """The rank's samples of a global batch of ``n``."""
-        b = n // self.world
-        return slice(self.rank * b, (self.rank + 1) * b)
+        """The rank's samples of a global batch of ``n``: the ``rank``-th slice of
+        ceil(n / world) (a batch that does not divide, the evaluation set's last, leaves
+        the last ranks fewer samples, or none)."""
+        b = -(-n // self.world)
+        return slice(min(n, self.rank * b), min(n, (self.rank + 1) * b))
 
 
 def _to_batch(a: criteo.Arrays) -> Batch:
@@ -95,7 +105,15 @@ class DataSource:
         (any other may be 0)."""
         raise NotImplementedError
 
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+    def train_batches(
+        self, steps: Iterable[int], batch_size: int, part: Part | None = None
+    ) -> Iterator[Batch]:
+        """The training batches of ``steps``, each made when asked for."""
+        return (self.train_batch(step, batch_size, part) for step in steps)
+
+    def eval_batches(self, batch_size: int, part: Part | None = None) -> Iterator[Batch]:
+        """The evaluation set in batches of ``batch_size`` (the last may be smaller); with
+        ``part``, the values it names (any other may be 0)."""
         raise NotImplementedError
 
     def steps_per_epoch(self, batch_size: int) -> int | None:
@@ -120,9 +138,13 @@ class SyntheticSource(DataSource):
             return _to_batch(self.gen.block(0, step, batch_size))
         return _to_batch(self.gen.block(0, step, batch_size, part.rows(batch_size), part.tables))
 
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
-        for i, start in enumerate(range(0, self.n_eval, batch_size)):
-            yield _to_batch(self.gen.block(1, i, min(batch_size, self.n_eval - start)))
+    def eval_batches(self, batch_size: int, part: Part | None = None) -> Iterator[Batch]:
+        # One block, so that the set is the same whatever the batches' size (and the ranks').
+        for start in range(0, self.n_eval, batch_size):
+            span = slice(start, min(self.n_eval, start + batch_size))
+            n = span.stop - start
+            rows, tables = (None, ()) if part is None else (part.rows(n), part.tables)
+            yield _to_batch(self.gen.block(1, 0, self.n_eval, rows, tables, span))
 
 
 class ArraySource(DataSource):
@@ -225,7 +247,8 @@ class ArraySource(DataSource):
             return self._rows(slice(start, start + batch_size))
         return self._rows(self._perm[pos * batch_size : (pos + 1) * batch_size], part=part)
 
-    def eval_batches(self, batch_size: int) -> Iterator[Batch]:
+    def eval_batches(self, batch_size: int, part: Part | None = None) -> Iterator[Batch]:
+        # Contiguous rows: read whole in one sweep, whatever the part.
         n = len(self.held_out)
         for start in range(0, n, batch_size):
             yield self._rows(slice(start, min(n, start + batch_size)), held_out=True)

@@ -153,30 +153,40 @@ class SyntheticCriteo:
 
     # ---- public ---------------------------------------------------------------------
     def block(
-        self, stream: int, index: int, n: int, rows: slice | None = None, tables: Sequence[int] = ()
+        self,
+        stream: int,
+        index: int,
+        n: int,
+        rows: slice | None = None,
+        tables: Sequence[int] = (),
+        span: slice | None = None,
     ) -> Arrays:
         """Samples of block ``index`` of ``stream`` (0 = train, 1 = eval); pure function.
 
-        With ``rows`` (a slice of the ``n`` samples), only those samples are made in full
-        and, of the others, only the ids of ``tables``; every other entry is 0 (one rank's
-        part of a global batch: :class:`recsz.data.source.Part`). Each value is the same
-        whatever part it is made in: it is drawn at its own place in the block's
-        counter-based stream (table t's ids at t * n + sample, then the counts row by row,
-        then the labels' draws), which a part enters where its values start.
+        With ``span`` (a run of the ``n`` samples), only those samples, the evaluation
+        set's batches (one block, whatever the batches' size). With ``rows`` (a slice of
+        the samples made), only those samples are made in full and, of the others, only
+        the ids of ``tables``; every other entry is 0 (one rank's part of a global batch:
+        :class:`recsz.data.source.Part`). Each value is the same whatever part or span it
+        is made in: it is drawn at its own place in the block's counter-based stream
+        (table t's ids at t * n + sample, then the counts row by row, then the labels'
+        draws), which a part enters where its values start.
         """
-        a, b, step = (rows or slice(0, n)).indices(n)
-        if step != 1 or b < a:
-            raise ValueError(f"rows {rows} is not a run of the block's {n} samples")
+        first, end, step = (span or slice(0, n)).indices(n)
+        m = end - first
+        a, b, step2 = (rows or slice(0, m)).indices(m)
+        if step != 1 or step2 != 1 or b < a or m < 0:
+            raise ValueError(f"rows {rows} of {span} is not a run of the block's {n} samples")
         draws = _Draws(self.seed, stream, index)
-        ids = np.zeros((n, N_CAT), dtype=np.int64)
-        dense = np.zeros((n, N_DENSE), dtype=np.float32)
-        labels = np.zeros(n, dtype=np.float32)
-        at_dense, at_labels = N_CAT * n, (N_CAT + N_DENSE) * n
-        whole = (a, b) == (0, n)
-        u_all = draws.uniform(0, at_labels + n) if whole else None  # the block in one draw
+        ids = np.zeros((m, N_CAT), dtype=np.int64)
+        dense = np.zeros((m, N_DENSE), dtype=np.float32)
+        labels = np.zeros(m, dtype=np.float32)
+        at_dense, at_labels = N_CAT * n + first * N_DENSE, (N_CAT + N_DENSE) * n + first
+        whole = (a, b) == (0, m)
+        u_all = draws.uniform(0, (N_CAT + N_DENSE + 1) * n) if whole and m == n else None
         for t in range(N_CAT):
-            lo, hi = (0, n) if whole or t in tables else (a, b)
-            u = draws.uniform(t * n + lo, t * n + hi, u_all)
+            lo, hi = (0, m) if whole or t in tables else (a, b)
+            u = draws.uniform(t * n + first + lo, t * n + first + hi, u_all)
             ids[lo:hi, t] = self._ids(t, u)
         u = draws.uniform(at_dense + a * N_DENSE, at_dense + b * N_DENSE, u_all)
         counts = np.floor(np.log1p(-u.reshape(-1, N_DENSE)) / np.log1p(-self.dense_p))

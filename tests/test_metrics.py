@@ -1,0 +1,93 @@
+"""The held-out numbers (recsz.metrics) against scikit-learn's, ties and edge cases included."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.metrics import log_loss, roc_auc_score
+
+from recsz.metrics import LOGLOSS_CLIP, binary_metrics
+
+
+def sklearn_numbers(p: np.ndarray, y: np.ndarray) -> dict[str, float]:
+    """What the trainer computed before: scikit-learn on float64 copies."""
+    pd, yd = p.astype(np.float64), y.astype(np.float64)
+    auc = float(roc_auc_score(yd, pd)) if len(np.unique(yd)) == 2 else float("nan")
+    clipped = np.clip(pd, LOGLOSS_CLIP, 1 - LOGLOSS_CLIP)
+    return {
+        "auc": auc,
+        "logloss": float(log_loss(yd, clipped, labels=[0.0, 1.0])),
+        "accuracy": float(((pd > 0.5) == (yd > 0.5)).mean()),
+    }
+
+
+def check(p: np.ndarray, y: np.ndarray) -> None:
+    got = binary_metrics(torch.from_numpy(p), torch.from_numpy(y))
+    want = sklearn_numbers(p, y)
+    for key, value in want.items():
+        if math.isnan(value):
+            assert math.isnan(got[key]), key
+        else:
+            assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-14), key
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    levels=st.sampled_from([2, 3, 17, 0]),  # 0: continuous scores; else scores on a grid
+    click_rate=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32 - 1),
+    extremes=st.booleans(),
+)
+def test_the_numbers_equal_scikit_learns(
+    n: int, levels: int, click_rate: float, seed: int, extremes: bool
+) -> None:
+    """Any scores (runs of equal ones, exactly 0 and 1, one class, one sample) and labels:
+    the AUC (ties counted a half), logloss (clipped) and accuracy scikit-learn gives."""
+    g = np.random.default_rng(seed)
+    p = g.random(n).astype(np.float32)
+    if levels:
+        p = (np.floor(p * levels) / (levels - 1 if levels > 1 else 1)).astype(np.float32)
+    if extremes:
+        p[g.random(n) < 0.2] = 0.0
+        p[g.random(n) < 0.2] = 1.0
+    y = (g.random(n) < click_rate).astype(np.float32)
+    check(p, y)
+
+
+def test_a_large_set_with_many_ties_equals_scikit_learn() -> None:
+    g = np.random.default_rng(0)
+    y = (g.random(200_000) < 0.25).astype(np.float32)
+    z = g.normal(size=y.size) + y
+    p = (np.round(1 / (1 + np.exp(-z)), 3)).astype(np.float32)  # ~1000 distinct scores
+    check(p, y)
+
+
+def test_the_auc_is_the_share_of_pairs_ordered_right() -> None:
+    """By its definition, on a hand-made case: of 2 x 3 (positive, negative) pairs, 4 are
+    ordered right and 2 tie, so 5/6."""
+    p = torch.tensor([0.1, 0.4, 0.4, 0.8, 0.4])
+    y = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0])
+    assert binary_metrics(p, y)["auc"] == pytest.approx(5 / 6, abs=1e-15)
+
+
+def test_one_class_or_nan_predictions_give_nan_not_a_number_that_means_nothing() -> None:
+    ones = torch.ones(5)
+    assert math.isnan(binary_metrics(torch.rand(5), ones)["auc"])
+    p = torch.tensor([0.2, float("nan"), 0.7])
+    got = binary_metrics(p, torch.tensor([0.0, 1.0, 1.0]))
+    assert all(math.isnan(v) for v in got.values()), got
+
+
+def test_bad_shapes_and_an_empty_set_are_refused() -> None:
+    with pytest.raises(ValueError, match="must be"):
+        binary_metrics(torch.rand(4), torch.rand(5))
+    with pytest.raises(ValueError, match="must be"):
+        binary_metrics(torch.rand(2, 2), torch.rand(2, 2))
+    with pytest.raises(ValueError, match="no samples"):
+        binary_metrics(torch.empty(0), torch.empty(0))
