@@ -34,11 +34,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 #    id-aware exchange's sparse, deferred gradient on CUDA against the CPU, the whole step
 #    replayed as CUDA graphs (--cuda-graph) against eager steps, prefetched batches intact
 #    while the GPU lags the host, the syncs of a step (fixed-size: none; id-aware: one) as
-#    counted on the CPU (tests/hostreads.py), --compress auto's trial timing queued GPU work.
+#    counted on the CPU (tests/hostreads.py), --compress auto's trial timing queued GPU work,
+#    the held-out numbers computed on the GPU as on the CPU.
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
     tests/test_exchange.py tests/test_stepgraph.py tests/test_synthetic.py tests/test_host_syncs.py \
-    tests/test_switch.py \
+    tests/test_switch.py tests/test_metrics.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
@@ -55,6 +56,8 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    and its classification run eagerly); then the trainer's default, id-aware traffic
 #    (sizes change every step: eager coder, a few syncs), the MLPs under torch.compile
 #    (--compile), then in bfloat16 (--dense-dtype bf16), then on MLPerf's multi-hot bags.
+#    The default runs ("none", "hybrid") evaluate 2^20 held-out samples (eval_s: the
+#    evaluation's seconds, its metrics on the GPU), the others 8192.
 fixed="--no-id-dedup --no-bwd-coalesce"
 mh="--multi-hot mlperf --emb-lr 0.01"  # MLPerf's bags, 214 ids a sample
 for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
@@ -63,11 +66,12 @@ for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
     "hybrid --interaction dcn" "hybrid --compress auto"; do
     c=${run%% *}
     steps=40
-    case "$run" in *"$fixed"*) steps=100 ;; esac
+    n_eval=8192
+    case "$run" in *"$fixed"*) steps=100 ;; none | hybrid) n_eval=1048576 ;; esac
     name=train_$(echo "$run" | sed 's/ --/_/g; s/[- ]/_/g')_8192
     timeout 90 python3 -m recsz.train --device cuda --preset bench --steps $steps \
         --batch-size 8192 --fwd-codec "$c" --bwd-codec "$c" --eb-policy dual \
-        --synthetic-eval 8192 --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \
+        --synthetic-eval $n_eval --no-progress --out "/tmp/recsz_gpu/$name" ${run#"$c"} \
         2>&1 | tail -12
     cp "/tmp/recsz_gpu/$name/summary.json" "$out/$name.json" 2>/dev/null
 done
@@ -78,6 +82,7 @@ import json, pathlib, sys
 for f in sorted(pathlib.Path(sys.argv[1]).glob("train_*.json")):
     s = json.loads(f.read_text())
     print(f"{f.stem:52s} {s.get('samples_per_s_steady', float('nan')):>10.0f} samples/s "
-          f"replays {s.get('graph_replays', 0):>3} AUC {s.get('auc', float('nan')):.4f}")
+          f"replays {s.get('graph_replays', 0):>3} AUC {s.get('auc', float('nan')):.4f} "
+          f"eval {s.get('eval_samples', 0)} in {s.get('eval_s', float('nan')):.2f} s")
 PY
 echo "gpu_check: ${SECONDS} s"

@@ -91,3 +91,14 @@ def test_bad_shapes_and_an_empty_set_are_refused() -> None:
         binary_metrics(torch.rand(2, 2), torch.rand(2, 2))
     with pytest.raises(ValueError, match="no samples"):
         binary_metrics(torch.empty(0), torch.empty(0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_numbers_are_the_cpus() -> None:
+    g = torch.Generator().manual_seed(3)
+    y = (torch.rand(1 << 20, generator=g) < 0.25).float()
+    p = torch.sigmoid(torch.randn(1 << 20, generator=g) + y).mul(1e4).round().div(1e4)
+    cpu, gpu = binary_metrics(p, y), binary_metrics(p.cuda(), y.cuda())
+    assert cpu["auc"] == gpu["auc"]  # integer counts: exactly
+    assert gpu["logloss"] == pytest.approx(cpu["logloss"], rel=1e-12)
+    assert gpu["accuracy"] == cpu["accuracy"]

@@ -32,6 +32,7 @@ from recsz.model import (
 )
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
+from recsz.model.schedule import LRSchedule
 from recsz.policy.adaptive import parse_class_eb
 
 #: The tables' default learning rate with bags, as a share of the preset's: at the preset's
@@ -39,12 +40,13 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 12  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 13  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
-# 12: --eval-fraction, --eval-data, --data-order
+# 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
+# --lr-decay-steps, --lr-decay-power
 
 
 CODECS = tuple(available_codecs())
@@ -68,6 +70,22 @@ class TrainConfig:
         gt=0,
     )
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
+    lr_warmup_steps: int = opt(
+        0,
+        "steps over which every learning rate rises linearly to its own, from 1/N of it "
+        "(the reference DLRM's warm-up; 0: none)",
+        ge=0,
+    )
+    lr_decay_start: int = opt(
+        0, "the step from which every learning rate decays (with --lr-decay-steps)", ge=0
+    )
+    lr_decay_steps: int = opt(
+        0,
+        "steps over which every learning rate decays polynomially to 1/N**power of itself, "
+        "then stays there (the reference DLRM's decay; 0: none)",
+        ge=0,
+    )
+    lr_decay_power: float = opt(2.0, "the decay's power (the reference DLRM's: 2)", gt=0)
     mlp_init: str | None = opt(
         None,
         "MLP weights' start: dlrm (facebookresearch/dlrm's normal) or torch (PyTorch's "
@@ -260,6 +278,12 @@ class TrainConfig:
     def hotness(self) -> tuple[int, ...] | None:
         """Ids per bag of every table (None: one id, no bags)."""
         return parse_hotness(self.multi_hot, get_preset(self.preset).model.n_tables)
+
+    def lr_schedule(self) -> LRSchedule:
+        """The learning rates' warm-up and decay (constant by default)."""
+        return LRSchedule(
+            self.lr_warmup_steps, self.lr_decay_start, self.lr_decay_steps, self.lr_decay_power
+        )
 
     def fiited_spec(self) -> FiitedSpec | None:
         """FIITED's pruning of the dense tables (None: not asked for)."""

@@ -31,6 +31,7 @@ def refused(cfg: TrainConfig) -> None:
     if cfg.data == "synthetic" and (asked := [f for f, on in filed.items() if on]):
         raise ValueError(f"{', '.join(asked)}: for --data from a file (the generator has no "
                          "rows to hold out or order)")  # fmt: skip
+    cfg.lr_schedule()  # its steps in order
     spec = cfg.fiited_spec()
     if spec is not None:
         spec.chunks_of(model.emb_dim)  # before any rank starts
@@ -110,5 +111,6 @@ def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:
         ("--fiited-budget", cfg.fiited_budget is not None),
         ("--tt-tables", cfg.tt_tables > 0),
         ("--dense-optimizer adagrad", cfg.resolved("dense_optimizer") == "adagrad"),
+        ("a learning-rate schedule", not cfg.lr_schedule().constant),  # rates held in kernels
     ]
     return [f for f, on in flags if on] + host

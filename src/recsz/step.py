@@ -42,6 +42,7 @@ from recsz.data.source import Batch, DataSource, Part
 from recsz.metrics import binary_metrics
 from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
+from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
@@ -65,6 +66,7 @@ class Parts:
     dense_opt: torch.optim.Optimizer  # the tables' optimizer runs inside their backward
     exchange: EmbeddingExchange
     dp: DPComm  # the MLP gradients' exchange (DDP hook), its state and counters
+    rates: ScheduledRates | None = None  # --lr-warmup-steps / --lr-decay-steps (None: constant)
 
     @property
     def dense_module(self) -> DenseArch:
@@ -141,7 +143,12 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         plain=plain if cfg.compress == "auto" else None,
         switch=switch,
     )
-    return Parts(sparse, dense, dense_opt, exchange, dp), owners
+    schedule = cfg.lr_schedule()
+    rates = None
+    if not schedule.constant:  # every optimizer's rate from the one schedule, set each step
+        opts = [dense_opt, *sparse.tt.optimizers, *replicated.optimizers]
+        rates = ScheduledRates(schedule, emb_opt, opts)
+    return Parts(sparse, dense, dense_opt, exchange, dp, rates), owners
 
 
 def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:

@@ -88,6 +88,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         )
         losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
+        lr_factor = 1.0
         warm: tuple[float, int] | None = None  # train_s and step after the first steps
 
         def gathered() -> list[dict]:
@@ -116,6 +117,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             batch = next(batches)
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
+            if parts.rates is not None:
+                lr_factor = parts.rates.at(step)
             losses.append(run_step(batch, step))
             done = step + 1
             if fiited is not None and done % fiited.interval == 0:
@@ -139,6 +142,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     msg = f"the loss is not finite on rank(s) {bad} by step {done}"
                     raise FloatingPointError(f"{msg}: diverged (lower --lr, --emb-lr or bounds)")
                 row = {"step": done, **report.summarize(recs, done, bsz)}
+                if parts.rates is not None:
+                    row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
                 row = {"step": done, **row, **_eval_row(ev)}

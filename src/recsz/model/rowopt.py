@@ -28,9 +28,11 @@ ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 _EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8}
 
 
-@dataclass(frozen=True)
+@dataclass
 class RowOptimizer:
-    """An optimizer of embedding rows: its kind, learning rate and eps."""
+    """An optimizer of embedding rows: its kind, learning rate and eps. One object serves
+    every table kind of a rank, so a schedule sets its rate once a step
+    (:class:`recsz.model.schedule.ScheduledRates`)."""
 
     kind: str
     lr: float

@@ -253,6 +253,11 @@ class TTTables(nn.Module):
                             st[k] = fn(v)
         return self
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Each core's optimizer (a schedule sets their rates)."""
+        return list(self._opts)
+
     def step(self) -> None:
         """Step every core's optimizer on its gradient (tables not stepped in backward)."""
         for opt in self._opts:

@@ -1,0 +1,208 @@
+"""Evaluation: the held-out numbers, and a whole evaluation across ranks, against the code
+of another revision side by side.
+
+    python benchmarks/bench_eval.py [--old DIR] [--sizes 1e6,1e7,3e7] [--worlds 1,2]
+        [--presets tiny,bench] [--n-eval N] [--repeats 3] [--json-out PATH]
+
+(a) **metrics**: AUC, logloss and accuracy of N predictions on the host, as the trainer
+    computed them before (scikit-learn on float64 copies, after ``np.unique`` of the
+    labels) and as ``recsz.metrics.binary_metrics`` does (torch, one sort); each in a
+    process of its own, which also reports the host memory it took beyond its data (peak
+    RSS after, less before); the AUC's and logloss's differences.
+(b) **evaluation**: ``recsz.step.evaluate`` of the ``--n-eval`` synthetic held-out
+    samples (batches of 16,384) on W gloo ranks of one host, timed on rank 0 (median of
+    ``--repeats`` after one untimed), with this checkout's code and with ``--old``'s (a
+    checkout of another revision, e.g. ``git worktree add /tmp/old REV``): the same
+    model, codec ``none``, the evaluation path alone. Before the thirty-third session
+    every rank made every batch whole, copied its predictions to the host each batch and
+    ran scikit-learn over all of them; now each makes its part, rank 0 computes.
+Prints a table and writes JSON (default benchmarks/results/eval.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+
+
+# ---- (a) the metrics alone, each in its own process -------------------------------------
+def metrics_child(way: str, n: int) -> None:
+    import numpy as np
+    import torch
+
+    g = np.random.default_rng(0)
+    y = (g.random(n) < 0.25).astype(np.float32)
+    p = (1 / (1 + np.exp(-(g.normal(size=n) + 1.2 * y)))).astype(np.float32)
+    p = np.round(p, 5).astype(np.float32)  # ties, as float32 sigmoids of a model have
+    pt, yt = torch.from_numpy(p), torch.from_numpy(y)
+    from sklearn.metrics import log_loss, roc_auc_score
+
+    from recsz.metrics import binary_metrics
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    if way == "sklearn":
+        yd, pd = y.astype(np.float64), p.astype(np.float64)
+        assert len(np.unique(yd)) == 2
+        auc = float(roc_auc_score(yd, pd))
+        logloss = float(log_loss(yd, np.clip(pd, 1e-7, 1 - 1e-7), labels=[0.0, 1.0]))
+        float(((pd > 0.5) == (yd > 0.5)).mean())
+    else:
+        got = binary_metrics(pt, yt)
+        auc, logloss = got["auc"], got["logloss"]
+    s = time.perf_counter() - t
+    extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    print(json.dumps({"s": s, "auc": auc, "logloss": logloss, "extra_bytes": extra}))
+
+
+def metrics_rows(sizes: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for n in sizes:
+        runs: dict[str, list[dict]] = {"sklearn": [], "recsz": []}
+        for _ in range(repeats if n <= 10_000_000 else 1):
+            for way, got in runs.items():
+                argv = [sys.executable, __file__, "--metrics-child", way, str(n)]
+                out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+                got.append(json.loads(out.strip().splitlines()[-1]))
+        old, new = runs["sklearn"], runs["recsz"]
+        rows.append(
+            {
+                "part": "metrics",
+                "samples": n,
+                "sklearn_s": statistics.median(r["s"] for r in old),
+                "recsz_s": statistics.median(r["s"] for r in new),
+                "sklearn_extra_gb": max(r["extra_bytes"] for r in old) / 1e9,
+                "recsz_extra_gb": max(r["extra_bytes"] for r in new) / 1e9,
+                "auc_diff": abs(old[0]["auc"] - new[0]["auc"]),
+                "logloss_diff": abs(old[0]["logloss"] - new[0]["logloss"]),
+            }
+        )
+        r = rows[-1]
+        print(f"metrics {n:,}: sklearn {r['sklearn_s']:.2f} s, recsz {r['recsz_s']:.2f} s")
+    return rows
+
+
+# ---- (b) a whole evaluation on W ranks ----------------------------------------------------
+def eval_child(preset: str, n_eval: int, repeats: int, out: str) -> None:
+    """On each rank (under torchrun): the trainer's parts and one evaluation, timed."""
+    import torch
+
+    from recsz.config import parse_train_args
+    from recsz.data.source import make_source
+    from recsz.model import get_preset
+    from recsz.ranks import Ranks
+    from recsz.step import build_parts, evaluate
+
+    torch.set_num_threads(1)  # the ranks share the host's cores, as the trainer's do
+    argv = ["--preset", preset, "--synthetic-eval", str(n_eval), "--eval-batch-size", "16384"]
+    cfg = parse_train_args(argv)
+    ranks = Ranks.from_env(600.0)
+    parts, _ = build_parts(cfg, ranks)
+    source = make_source("synthetic", get_preset(preset).model.table_sizes, 0, False, n_eval)
+    times, got = [], {}
+    for k in range(repeats + 1):
+        ranks.barrier()
+        t = time.perf_counter()
+        got = evaluate(parts, source, cfg, 0, ranks)
+        if k:
+            times.append(time.perf_counter() - t)
+    if ranks.rank == 0:
+        Path(out).write_text(json.dumps({"times": times, "auc": got["auc"]}))
+    ranks.close(True)
+
+
+def eval_rows(old: str | None, worlds: list[int], presets: list[str], n_eval: int, repeats: int):
+    rows = []
+    trees = {"new": SRC} | ({"old": Path(old) / "src"} if old else {})
+    for preset in presets:
+        for w in worlds:
+            got: dict[str, dict] = {}
+            for name, src in trees.items():
+                out = Path(f"/tmp/bench_eval_{os.getpid()}_{name}.json")
+                env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+                argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        str(w), "--master-port", str(29700 + w), __file__, "--eval-child",
+                        preset, str(n_eval), str(repeats), str(out)]  # fmt: skip
+                subprocess.run(argv, check=True, env=env, capture_output=True)
+                got[name] = json.loads(out.read_text())
+                out.unlink()
+            row = {"part": "evaluation", "preset": preset, "world": w, "samples": n_eval}
+            for name, g in got.items():
+                row[f"{name}_s"] = statistics.median(g["times"])
+                row[f"{name}_auc"] = g["auc"]
+            if "old_s" in row:
+                row["speedup"] = row["old_s"] / row["new_s"]
+            rows.append(row)
+            print(json.dumps(row))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = []
+    m = [r for r in rows if r["part"] == "metrics"]
+    if m:
+        out += [
+            "| samples | scikit-learn (before) | recsz.metrics | ratio | extra host memory, "
+            "before / now | abs. AUC diff. | abs. logloss diff. |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['samples']:,} | {r['sklearn_s']:.2f} s | {r['recsz_s']:.2f} s | "
+            f"**{r['sklearn_s'] / r['recsz_s']:.2f}x** | {r['sklearn_extra_gb']:.2f} / "
+            f"{r['recsz_extra_gb']:.2f} GB | {r['auc_diff']:.1e} | {r['logloss_diff']:.1e} |"
+            for r in m
+        ]
+    e = [r for r in rows if r["part"] == "evaluation"]
+    if e:
+        out += ["", "| preset | ranks | samples | before | now | ratio | AUC before / now |",
+                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for r in e:
+            before = f"{r['old_s']:.2f} s" if "old_s" in r else "-"
+            ratio = f"**{r['speedup']:.2f}x**" if "speedup" in r else "-"
+            aucs = f"{r.get('old_auc', float('nan')):.4f} / {r['new_auc']:.4f}"
+            out.append(f"| {r['preset']} | {r['world']} | {r['samples']:,} | {before} | "
+                       f"{r['new_s']:.2f} s | {ratio} | {aucs} |")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", help="a checkout of another revision, timed beside this one")
+    ap.add_argument("--sizes", default="1e6,1e7,3e7", help="metrics: predictions ('' none)")
+    ap.add_argument("--worlds", default="1,2", help="evaluation: ranks ('' none)")
+    ap.add_argument("--presets", default="tiny,bench")
+    ap.add_argument("--n-eval", type=int, default=200_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json-out", default=str(HERE / "results" / "eval.json"))
+    ap.add_argument("--metrics-child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--eval-child", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.metrics_child:
+        metrics_child(a.metrics_child[0], int(a.metrics_child[1]))
+        return 0
+    if a.eval_child:
+        preset, n, repeats, out = a.eval_child
+        eval_child(preset, int(n), int(repeats), out)
+        return 0
+    from results_io import write_results
+
+    sizes = [int(float(s)) for s in a.sizes.split(",") if s]
+    worlds = [int(w) for w in a.worlds.split(",") if w]
+    rows = metrics_rows(sizes, a.repeats)
+    rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats)
+    write_results(rows, a.json_out, table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
