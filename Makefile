@@ -3,7 +3,7 @@ PY      ?= python3.11
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
-TORCHREC := $(VENV)/.torchrec-1.8.0
+TORCHREC := $(VENV)/.torchrec-1.8.0-iopath
 
 .PHONY: demo test lint bench anchors clean
 
@@ -30,10 +30,11 @@ lint: $(STAMP)
 # TorchRec itself: recsz.torchrec's tests (make test) and the DMP anchor of
 # benchmarks/bench_train.py (configs trdmp-*). Its wheel asks for the CUDA fbgemm-gpu, so it
 # goes in without dependencies, and what it needs beside the CPU fbgemm comes pinned here
-# (all pure Python; torch stays 2.13.0).
+# (all pure Python; torch stays 2.13.0). iopath: TorchRec's file reader, with which the tests
+# write Criteo days as TorchRec preprocesses them (tests/test_npydays.py).
 $(TORCHREC): $(STAMP)
 	$(BIN)/python -m pip install --quiet -c constraints.txt fbgemm-gpu-cpu==1.8.0 \
-		tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32
+		tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions==0.0.32 iopath==0.1.10
 	$(BIN)/python -m pip install --quiet --no-deps torchrec==1.8.0
 	@touch $(TORCHREC)
 

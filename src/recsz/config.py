@@ -59,7 +59,11 @@ class TrainConfig:
 
     # ---- model, data, schedule
     preset: str = opt("tiny", "model shape and training defaults", PRESETS)
-    data: str = opt("synthetic", "synthetic | a raw Criteo TSV | a `recsz preprocess` dir")
+    data: str = opt(
+        "synthetic",
+        "synthetic | a raw Criteo TSV | a `recsz preprocess` dir | a dir of TorchRec's "
+        "preprocessed day_N_{dense,sparse,labels}.npy",
+    )
     steps: int | None = opt(None, "optimizer steps (default: one epoch, 1000 synthetic)", ge=1)
     batch_size: int | None = opt(None, "global batch, all ranks (default: preset's)", ge=1)
     lr: float | None = opt(None, "MLP learning rate (default: preset's)", gt=0)
@@ -159,8 +163,8 @@ class TrainConfig:
     )
     eval_data: str | None = opt(
         None,
-        "a raw Criteo TSV or a `recsz preprocess` dir to evaluate on (e.g. Terabyte's "
-        "day_23); all of --data trains then",
+        "a raw Criteo TSV, a `recsz preprocess` dir or a dir of TorchRec's .npy days to "
+        "evaluate on (e.g. Terabyte's day_23); all of --data trains then",
     )
     log_every: int = opt(20, "steps between metrics.jsonl rows", ge=0)
     out: str | None = opt(None, "run directory: config.json, metrics.jsonl, summary.json")

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from recsz.data import criteo, preprocessed
+from recsz.data import criteo, npydays, preprocessed
 from recsz.data.criteo import FIELDS
 from recsz.data.synthetic import SyntheticCriteo
 
@@ -208,7 +208,7 @@ class ArraySource(DataSource):
             first += idx.start
             blk = criteo.Arrays(*(np.array(x[idx]) for x in (a.dense, a.cats, a.labels)))
         else:
-            idx = np.sort(idx) if isinstance(a.dense, np.memmap) else idx
+            idx = np.sort(idx) if isinstance(a.dense, (np.memmap, npydays.Days)) else idx
             blk = _gather(a, idx, part)
         # Arrays may come from files edited or damaged after preprocessing: refuse values
         # no Criteo line can produce, naming the row, before they reach a model.
@@ -219,7 +219,7 @@ class ArraySource(DataSource):
         if bad.any():
             i = int(np.argmax(bad))
             what = (
-                f"label {blk.labels[i]!r} is not 0 or 1"
+                f"label {float(blk.labels[i])!r} is not 0 or 1"
                 if bad_label[i]
                 else "a dense value is not finite"
                 if bad_dense[i]
@@ -281,10 +281,10 @@ def make_source(
     eval_data: str | None = None,
     order: str = "auto",
 ) -> DataSource:
-    """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file or a
-    directory made by ``recsz preprocess``: its last ``eval_frac`` held out, or, with
-    ``eval_data`` (another such file or directory, e.g. Terabyte's day_23), all of it
-    trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`; ``order``: a
+    """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file, a
+    directory made by ``recsz preprocess`` or one of TorchRec's preprocessed days: its
+    last ``eval_frac`` held out, or, with ``eval_data`` (another such file or directory,
+    e.g. Terabyte's day_23), all of it trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`; ``order``: a
     file's training order (:data:`DATA_ORDERS`)."""
     if data == "synthetic":
         if eval_data is not None:
@@ -306,6 +306,8 @@ def _read(
 ) -> tuple[criteo.Arrays, int]:
     """The rows of a raw Criteo file or a preprocessed directory, and the lines skipped."""
     p = Path(data)
+    if p.is_dir() and npydays.holds_days(p):  # TorchRec's .npy days, read where they lie
+        return npydays.load(p, table_sizes), 0
     if p.is_dir():
         arrays = preprocessed.load(p, table_sizes)
         skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))

@@ -1,0 +1,137 @@
+"""Criteo days as TorchRec preprocesses them, read where they lie: a directory of
+``day_N_dense.npy`` (float32 (rows, 13), already log-scaled), ``day_N_sparse.npy`` (integer
+(rows, 26), the raw 32-bit categories or TorchRec's contiguous ids) and ``day_N_labels.npy``
+(integer (rows, 1)), what ``torchrec.datasets.criteo.BinaryCriteoUtils`` writes
+(``tsv_to_npys``, ``shuffle``) and MLPerf's DLRM recipes train from. Each file is
+memory-mapped and the days are read one after another as one set, so Terabyte's 24 days
+(~1 TB) are not converted or copied; a category becomes the id ``value % table rows``, as
+TorchRec's ``num_embeddings_per_feature`` hashing does (0, missing, stays 0).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from recsz.data.criteo import N_CAT, N_DENSE, Arrays
+
+_DAY = re.compile(r"day_(\d+)_dense\.npy")
+_KINDS = ("dense", "sparse", "labels")
+
+
+def holds_days(d: Path) -> bool:
+    """Whether directory ``d`` holds TorchRec's day files (and no `recsz preprocess` set)."""
+    return not (d / "meta.json").exists() and any(_DAY.fullmatch(p.name) for p in d.iterdir())
+
+
+def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
+    """The days of ``d``, in day order, as one set of rows (memory-mapped)."""
+    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+    if not days:
+        raise FileNotFoundError(f"{d}: no day_N_dense.npy (TorchRec's preprocessed Criteo days)")
+    files: dict[str, list[np.ndarray]] = {k: [] for k in _KINDS}
+    for day in days:
+        got = {k: _open(d / f"day_{day}_{k}.npy") for k in _KINDS}
+        rows = {k: a.shape[0] for k, a in got.items()}
+        if len(set(rows.values())) != 1:
+            raise ValueError(f"{d}: day {day}'s files hold different row counts {rows}")
+        _check(d / f"day_{day}_dense.npy", got["dense"], (N_DENSE,), np.floating)
+        _check(d / f"day_{day}_sparse.npy", got["sparse"], (N_CAT,), np.integer)
+        _check(d / f"day_{day}_labels.npy", got["labels"], (1,), np.integer)
+        for k, a in got.items():
+            files[k].append(a)
+    sizes = np.asarray(table_sizes, dtype=np.int64)
+    fields = (
+        Days(files["dense"], lambda x, cols: np.asarray(x, dtype=np.float32)),
+        Days(files["sparse"], lambda x, cols: x.astype(np.int64) % sizes[cols]),
+        Days(files["labels"], lambda x, cols: np.asarray(x, dtype=np.float32)[:, 0]),
+    )
+    # Array-likes: what a source reads of an array (runs of rows, rows, a column).
+    return Arrays(*(cast(np.ndarray, f) for f in fields))
+
+
+def _open(path: Path) -> np.ndarray:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing (each day needs its dense, sparse and labels)")
+    try:
+        return np.load(path, mmap_mode="r")
+    except ValueError as e:
+        raise ValueError(f"{path}: not a .npy array ({e})") from e
+
+
+def _check(path: Path, a: np.ndarray, width: tuple[int, ...], kind: Any) -> None:
+    if a.shape[1:] != width or not np.issubdtype(a.dtype, kind):
+        raise ValueError(
+            f"{path}: {a.dtype} {a.shape}, expected {kind.__name__} (rows, {width[0]}) as "
+            "TorchRec's BinaryCriteoUtils writes"
+        )
+
+
+class Days:
+    """Several memory-mapped arrays' rows one after another, as one array of rows, each
+    read through ``convert(rows, columns)`` (the ids' modulo, the labels' shape): by a
+    slice (a view, read when made an array: ``np.array(days[a:b])``), by row indices, or
+    by row indices and one column."""
+
+    def __init__(
+        self,
+        parts: list[np.ndarray],
+        convert: Callable[[np.ndarray, Any], np.ndarray],
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        self._parts, self._convert = parts, convert
+        self._ends = np.cumsum([len(p) for p in parts])
+        self._start = start
+        self._stop = int(self._ends[-1]) if stop is None else stop
+        empty = convert(parts[0][:0], slice(None))
+        self.shape = (self._stop - self._start, *empty.shape[1:])
+        self.dtype = empty.dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """The rows of this run, each day's read in one sweep."""
+        pieces, first = [], 0
+        for part, end in zip(self._parts, self._ends, strict=True):
+            lo, hi = max(self._start, first), min(self._stop, int(end))
+            if lo < hi:
+                pieces.append(self._convert(part[lo - first : hi - first], slice(None)))
+            first = int(end)
+        if not pieces:
+            pieces.append(self._convert(self._parts[0][:0], slice(None)))
+        out = np.concatenate(pieces)
+        return out if dtype is None else out.astype(dtype)
+
+    def __getitem__(self, key: Any) -> Any:
+        rows, cols = key if isinstance(key, tuple) else (key, slice(None))
+        if isinstance(rows, slice):
+            a, b, step = rows.indices(len(self))
+            if step != 1 or cols != slice(None):
+                raise IndexError("days are sliced by runs of whole rows")
+            return Days(self._parts, self._convert, self._start + a, self._start + max(a, b))
+        idx = np.asarray(rows, dtype=np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"rows {idx.min()}..{idx.max()} of {len(self)}")
+        return self._read(idx + self._start, cols)
+
+    def _read(self, idx: np.ndarray, cols: Any) -> np.ndarray:
+        """Rows ``idx`` (of all days), each day's gathered from its file in file order."""
+        day = np.searchsorted(self._ends, idx, side="right")
+        order = np.argsort(day, kind="stable")
+        pieces, at = [], 0
+        for k in np.unique(day):
+            n = int(np.count_nonzero(day == k))
+            mine = idx[order[at : at + n]] - (self._ends[k - 1] if k else 0)
+            pieces.append(self._convert(self._parts[k][mine][:, cols], cols))
+            at += n
+        if not pieces:
+            return self._convert(self._parts[0][:0][:, cols], cols)
+        out = np.empty((len(idx), *pieces[0].shape[1:]), pieces[0].dtype)
+        out[order] = np.concatenate(pieces)
+        return out
