@@ -284,8 +284,8 @@ def make_source(
     """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file, a
     directory made by ``recsz preprocess`` or one of TorchRec's preprocessed days: its
     last ``eval_frac`` held out, or, with ``eval_data`` (another such file or directory,
-    e.g. Terabyte's day_23), all of it trains and that evaluates. ``eval_frac`` None: :data:`EVAL_FRACTION`; ``order``: a
-    file's training order (:data:`DATA_ORDERS`)."""
+    e.g. Terabyte's day_23), all of it trains and that evaluates. ``eval_frac`` None:
+    :data:`EVAL_FRACTION`; ``order``: a file's training order (:data:`DATA_ORDERS`)."""
     if data == "synthetic":
         if eval_data is not None:
             raise ValueError("--eval-data needs --data from a file: the generator's samples "
