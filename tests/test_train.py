@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from recsz import checkpoint
 from recsz.config import TrainConfig, parse_train_args
 from recsz.train import main
 
@@ -274,3 +275,29 @@ def test_freed_host_memory_stays_for_the_next_step(
         assert main([*flags, "--out", str(tmp_path / mode)]) == 0
     assert calls == [1]
     assert TrainConfig().host_memory == "keep"
+
+
+def test_a_run_stops_at_its_target_auc_and_resuming_it_does_nothing(tmp_path: Path) -> None:
+    """--target-auc: the first evaluation that reaches it ends the run there (its summary,
+    its checkpoint, the time it took); resuming it does nothing, unless the target is
+    raised (a target is no part of the fingerprint)."""
+    out = tmp_path / "run"
+    argv = ["--steps", "300", "--batch-size", "64", "--eval-every", "20", "--target-auc",
+            "0.7", "--synthetic-eval", "2000", "--no-progress", "--checkpoint-every", "1000",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    at = s["reached_target_at"]
+    assert at is not None and 0 < at < 300 and at % 20 == 0 and s["steps"] == at
+    assert s["auc"] >= 0.7 and s["time_to_target_s"] >= s["eval_s_total"] > 0
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["eval_auc"]) for r in rows if "eval_auc" in r]
+    assert evals[-1] == (at, s["auc"]) and all(auc < 0.7 for _, auc in evals[:-1])
+    assert [p.name for p in checkpoint.complete(out)] == [f"step-{at:09d}"]
+    assert main([*argv, "--resume", str(out)]) == 0  # already there: nothing to do
+    assert json.loads((out / "summary.json").read_text()) == s
+    higher = [*("0.999" if a == "0.7" else a for a in argv), "--resume", str(out)]
+    assert main(higher) == 0  # goes on to --steps
+    assert json.loads((out / "summary.json").read_text())["steps"] == 300
+    with pytest.raises(ValueError, match="--target-auc is checked at each evaluation"):
+        parse_train_args(["--target-auc", "0.8"])

@@ -33,6 +33,7 @@ _MAY_CHANGE = {
     "nproc", "checkpoint_every", "keep_checkpoints", "check_bounds", "dist_timeout",
     "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
     "mlp_init",  # the checkpoint's weights replace the start
+    "target_auc",  # when to stop, not what trains
 }  # fmt: skip
 
 

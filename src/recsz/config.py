@@ -46,7 +46,7 @@ CONFIG_VERSION = 13  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm ho
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
-# --lr-decay-steps, --lr-decay-power
+# --lr-decay-steps, --lr-decay-power, --target-auc
 
 
 CODECS = tuple(available_codecs())
@@ -145,6 +145,13 @@ class TrainConfig:
     )
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)
+    target_auc: float | None = opt(
+        None,
+        "stop at the first evaluation (--eval-every) whose AUC reaches this, as MLPerf's "
+        "time-to-train runs do (its DLRM: 0.8025; DLRM-DCNv2: 0.80275); --steps the most",
+        gt=0,
+        le=1,
+    )
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
     synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set", ge=1)
     eval_fraction: float | None = opt(

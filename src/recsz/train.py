@@ -52,7 +52,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None
-        start, counters = 0, {"train_s": 0.0, "data_s": 0.0}
+        start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             out = out or checkpoint.run_dir_of(Path(cfg.resume))
@@ -60,12 +60,17 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 raise ValueError(
                     f"--steps {steps} is below the step of the checkpoint resumed ({start})"
                 )
-            if steps == start:
-                msg = f"recsz: {cfg.resume} already finished its {steps} steps; nothing to do"
+            hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
+            met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
+            if steps == start or met:
+                done_why = (
+                    f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
+                )
+                msg = f"recsz: {cfg.resume} already finished ({done_why}); nothing to do"
                 if ranks.rank == 0:
                     print(msg, flush=True)
                 ok = True
-                return {"steps": steps, "already_finished": True}
+                return {"steps": start, "already_finished": True}
         if out and ranks.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
@@ -89,6 +94,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
         lr_factor = 1.0
+        eval_s = counters.get("eval_s", 0.0)  # every evaluation's seconds
+        reached: dict[str, Any] | None = None  # --target-auc: the evaluation that reached it
         warm: tuple[float, int] | None = None  # train_s and step after the first steps
 
         def gathered() -> list[dict]:
@@ -146,16 +153,27 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
             if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
                 ev = evaluate(parts, source, cfg, done, ranks)
+                eval_s += ev["eval_s"]
                 row = {"step": done, **row, **_eval_row(ev)}
+                if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
+                    reached = {"step": done, "auc": ev["auc"]}  # every rank's the same
             if row:
                 log.metrics(row)
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
-            if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps):
-                run_totals = {"train_s": train_s, "data_s": data_s}
+            end = done == steps or reached is not None
+            if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or end):
+                run_totals = {"train_s": train_s, "data_s": data_s, "eval_s": eval_s,
+                              "target_reached": reached}  # fmt: skip
                 parts.exchange.settle()  # no step whose payloads failed their checks is saved
                 checkpoint.save(out, parts, cfg, ranks, done, run_totals)
+            if reached is not None:
+                break
         bar.close()
-        ev = evaluate(parts, source, cfg, steps, ranks)
+        if reached is None:
+            ev = evaluate(parts, source, cfg, steps, ranks)
+            eval_s += ev["eval_s"]
+        else:  # the model the target's evaluation saw
+            steps = reached["step"]
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
@@ -166,6 +184,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "skipped_lines": source.skipped_lines,
             "graph_replays": getattr(run_step, "replays", 0),  # --cuda-graph's steps
             "compress": parts.exchange.switch.state(),  # --compress auto's trials
+            "eval_s_total": eval_s,
+            "target_auc": cfg.target_auc,
+            "reached_target_at": reached["step"] if reached else None,
+            # MLPerf's time to train: training, waiting for batches and evaluating
+            "time_to_target_s": train_s + data_s + eval_s if reached else None,
             **totals,
             "per_table": totals.pop("tables"),
             # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).
@@ -177,7 +200,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         }
         if out and ranks.rank == 0:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            log.metrics({"step": steps, **_eval_row(ev)})
+            if reached is None:  # (the target's evaluation has its row)
+                log.metrics({"step": steps, **_eval_row(ev)})
         if ranks.rank == 0:
             tqdm.write(report.format_summary(summary))
         ok = True
