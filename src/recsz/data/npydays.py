@@ -46,9 +46,9 @@ def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
             files[k].append(a)
     sizes = np.asarray(table_sizes, dtype=np.int64)
     fields = (
-        Days(files["dense"], lambda x, cols: np.asarray(x, dtype=np.float32)),
-        Days(files["sparse"], lambda x, cols: x.astype(np.int64) % sizes[cols]),
-        Days(files["labels"], lambda x, cols: np.asarray(x, dtype=np.float32)[:, 0]),
+        Days(files["dense"], lambda x, cols: np.array(x, dtype=np.float32)),  # a copy
+        Days(files["sparse"], lambda x, cols: np.remainder(x, sizes[cols], dtype=np.int64)),
+        Days(files["labels"], lambda x, cols: np.array(x[:, 0], dtype=np.float32)),
     )
     # Array-likes: what a source reads of an array (runs of rows, rows, a column).
     return Arrays(*(cast(np.ndarray, f) for f in fields))
@@ -73,7 +73,8 @@ def _check(path: Path, a: np.ndarray, width: tuple[int, ...], kind: Any) -> None
 
 class Days:
     """Several memory-mapped arrays' rows one after another, as one array of rows, each
-    read through ``convert(rows, columns)`` (the ids' modulo, the labels' shape): by a
+    read through ``convert(rows, columns)`` (the ids' modulo, the labels' shape; it
+    returns a new array, never the file's memory): by a
     slice (a view, read when made an array: ``np.array(days[a:b])``), by row indices, or
     by row indices and one column."""
 
@@ -105,7 +106,7 @@ class Days:
             first = int(end)
         if not pieces:
             pieces.append(self._convert(self._parts[0][:0], slice(None)))
-        out = np.concatenate(pieces)
+        out = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         return out if dtype is None else out.astype(dtype)
 
     def __getitem__(self, key: Any) -> Any:
@@ -123,6 +124,10 @@ class Days:
     def _read(self, idx: np.ndarray, cols: Any) -> np.ndarray:
         """Rows ``idx`` (of all days), each day's gathered from its file in file order."""
         day = np.searchsorted(self._ends, idx, side="right")
+        if idx.size and day[0] == day[-1] and (day == day[0]).all():  # one day's rows
+            k = int(day[0])
+            mine = idx - (self._ends[k - 1] if k else 0)
+            return self._convert(self._parts[k][mine][:, cols], cols)
         order = np.argsort(day, kind="stable")
         pieces, at = [], 0
         for k in np.unique(day):
