@@ -17,7 +17,8 @@ batches: results/issue13/session7/run2). Five parts, side by side in one run:
    sample preprocessed into the same tables (its ~8k training rows over epochs).
 2. **A file's training order** (``--data-order``): a preprocessed file of ``--order-rows``
    rows (written from the generator), read in the rows' permutation and in the batches'
-   (the file in the page cache: what the order costs beyond the disk).
+   (the file in the page cache: what the order costs beyond the disk); and the same rows
+   as TorchRec's preprocessed days (two ``day_N_*.npy`` triples, read where they lie).
 3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
    ``--parse-copies`` copies of the real sample, compiled, and with every line through
    ``parse_line`` (as the reader was before the thirty-first session); and `recsz
@@ -51,6 +52,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from recsz.config import parse_train_args
@@ -104,7 +106,23 @@ def synthetic_dir(out: Path, sizes: list[int], rows: int) -> Path:
     return out
 
 
-def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
+def npy_days(data: Path, out: Path, days: int = 2) -> Path:
+    """The rows of preprocessed ``data`` as TorchRec's Criteo days (``day_N_*.npy``: dense
+    float32, ids int64, labels int32 (rows, 1)), ``days`` of them."""
+    a = preprocessed.load(data)
+    out.mkdir()
+    cuts = [len(a) * k // days for k in range(days + 1)]
+    for k in range(days):
+        lo, hi = cuts[k], cuts[k + 1]
+        np.save(out / f"day_{k}_dense.npy", np.asarray(a.dense[lo:hi], dtype=np.float32))
+        np.save(out / f"day_{k}_sparse.npy", np.asarray(a.cats[lo:hi], dtype=np.int64))
+        np.save(out / f"day_{k}_labels.npy", np.asarray(a.labels[lo:hi], np.int32)[:, None])
+    return out
+
+
+def orders(
+    data: Path, sizes: list[int], batch: int, steps: int, kind: str = "recsz preprocess"
+) -> list[dict]:
     """A file's training order: the rows' permutation against its batches'."""
     rows = []
     for order in ("rows", "batches"):
@@ -118,10 +136,10 @@ def orders(data: Path, sizes: list[int], batch: int, steps: int) -> list[dict]:
         rate = n * batch / (time.perf_counter() - t)
         drawn = src.n_train if order == "rows" else src.steps_per_epoch(batch)
         perm_mb = 8 * drawn / 2**20  # an epoch's permutation: int64 of rows or of batches
-        rows.append({"part": "order", "source": f"{src.n_train:,} rows", "batch": batch,
+        rows.append({"part": "order", "source": f"{kind}, {src.n_train:,} rows", "batch": batch,
                      "way": order, "samples_per_s": rate, "permutation_MiB": perm_mb,
                      "first_batch_s": first})  # fmt: skip
-        print(f"  order {order:8s} batch {batch:5d} {rate:12,.0f} samples/s, permutation "
+        print(f"  order {kind} {order:8s} batch {batch:5d} {rate:12,.0f} samples/s, permutation "
               f"{perm_mb:,.1f} MiB, first batch {first:.2f} s", flush=True)  # fmt: skip
     return rows
 
@@ -292,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             big = synthetic_dir(Path(tmp) / "big", list(sizes), args.order_rows)
         if big and "order" in only:
             rows += orders(big, list(sizes), max(batches), args.steps)
+            days = npy_days(big, Path(tmp) / "days")  # the same rows, as TorchRec's days
+            rows += orders(days, list(sizes), max(batches), args.steps, "TorchRec .npy days")
         if "ranks" in only:
             worlds = [int(w) for w in args.worlds.split(",")]
             parted: list[tuple[str, DataSource]] = [("synthetic", SyntheticSource(sizes, 0))]
@@ -310,7 +330,11 @@ def main(argv: list[str] | None = None) -> int:
                 (x["part"], x["batch"], x["way"]) == (r["part"], r["batch"], r["way"])
                 and x["source"] == "synthetic, hashed"
             )
-            or (r["part"] == "order" == x["part"] and x["way"] == "rows")
+            or (
+                r["part"] == "order" == x["part"]
+                and x["way"] == "rows"
+                and x["source"].startswith("recsz")
+            )
             or (r["part"] == "parse" == x["part"] and x["way"] == "parse_line")
             or (r["part"] == "preprocess" == x["part"] and x["way"] == "jobs 1")
             or (
