@@ -2,7 +2,8 @@
 of another revision side by side.
 
     python benchmarks/bench_eval.py [--old DIR] [--sizes 1e6,1e7,3e7] [--worlds 1,2]
-        [--presets tiny,bench] [--n-eval N] [--repeats 3] [--json-out PATH]
+        [--presets tiny,bench] [--n-eval N] [--eval-batches 16384] [--repeats 3]
+        [--json-out PATH]
 
 (a) **metrics**: AUC, logloss and accuracy of N predictions on the host, as the trainer
     computed them before (scikit-learn on float64 copies, after ``np.unique`` of the
@@ -10,7 +11,7 @@ of another revision side by side.
     process of its own, which also reports the host memory it took beyond its data (peak
     RSS after, less before); the AUC's and logloss's differences.
 (b) **evaluation**: ``recsz.step.evaluate`` of the ``--n-eval`` synthetic held-out
-    samples (batches of 16,384) on W gloo ranks of one host, timed on rank 0 (median of
+    samples (global batches of each of ``--eval-batches``) on W gloo ranks of one host, timed on rank 0 (median of
     ``--repeats`` after one untimed), with this checkout's code and with ``--old``'s (a
     checkout of another revision, e.g. ``git worktree add /tmp/old REV``): the same
     model, codec ``none``, the evaluation path alone. Before the thirty-third session
@@ -93,7 +94,7 @@ def metrics_rows(sizes: list[int], repeats: int) -> list[dict]:
 
 
 # ---- (b) a whole evaluation on W ranks ----------------------------------------------------
-def eval_child(preset: str, n_eval: int, repeats: int, out: str) -> None:
+def eval_child(preset: str, n_eval: int, repeats: int, out: str, batch: int) -> None:
     """On each rank (under torchrun): the trainer's parts and one evaluation, timed."""
     import torch
 
@@ -104,7 +105,7 @@ def eval_child(preset: str, n_eval: int, repeats: int, out: str) -> None:
     from recsz.step import build_parts, evaluate
 
     torch.set_num_threads(1)  # the ranks share the host's cores, as the trainer's do
-    argv = ["--preset", preset, "--synthetic-eval", str(n_eval), "--eval-batch-size", "16384"]
+    argv = ["--preset", preset, "--synthetic-eval", str(n_eval), "--eval-batch-size", str(batch)]
     cfg = parse_train_args(argv)
     ranks = Ranks.from_env(600.0)
     parts, _ = build_parts(cfg, ranks)
@@ -121,29 +122,36 @@ def eval_child(preset: str, n_eval: int, repeats: int, out: str) -> None:
     ranks.close(True)
 
 
-def eval_rows(old: str | None, worlds: list[int], presets: list[str], n_eval: int, repeats: int):
+def eval_rows(
+    old: str | None,
+    worlds: list[int],
+    presets: list[str],
+    n_eval: int,
+    repeats: int,
+    batches: list[int],
+) -> list[dict]:
     rows = []
     trees = {"new": SRC} | ({"old": Path(old) / "src"} if old else {})
-    for preset in presets:
-        for w in worlds:
-            got: dict[str, dict] = {}
-            for name, src in trees.items():
-                out = Path(f"/tmp/bench_eval_{os.getpid()}_{name}.json")
-                env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-                argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                        str(w), "--master-port", str(29700 + w), __file__, "--eval-child",
-                        preset, str(n_eval), str(repeats), str(out)]  # fmt: skip
-                subprocess.run(argv, check=True, env=env, capture_output=True)
-                got[name] = json.loads(out.read_text())
-                out.unlink()
-            row = {"part": "evaluation", "preset": preset, "world": w, "samples": n_eval}
-            for name, g in got.items():
-                row[f"{name}_s"] = statistics.median(g["times"])
-                row[f"{name}_auc"] = g["auc"]
-            if "old_s" in row:
-                row["speedup"] = row["old_s"] / row["new_s"]
-            rows.append(row)
-            print(json.dumps(row))
+    for preset, w, batch in ((p, w, b) for p in presets for w in worlds for b in batches):
+        got: dict[str, dict] = {}
+        for name, src in trees.items():
+            out = Path(f"/tmp/bench_eval_{os.getpid()}_{name}.json")
+            env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                    str(w), "--master-port", str(29700 + w), __file__, "--eval-child",
+                    preset, str(n_eval), str(repeats), str(out), str(batch)]  # fmt: skip
+            subprocess.run(argv, check=True, env=env, capture_output=True)
+            got[name] = json.loads(out.read_text())
+            out.unlink()
+        row = {"part": "evaluation", "preset": preset, "world": w, "samples": n_eval,
+               "eval_batch": batch}  # fmt: skip
+        for name, g in got.items():
+            row[f"{name}_s"] = statistics.median(g["times"])
+            row[f"{name}_auc"] = g["auc"]
+        if "old_s" in row:
+            row["speedup"] = row["old_s"] / row["new_s"]
+        rows.append(row)
+        print(json.dumps(row))
     return rows
 
 
@@ -164,14 +172,15 @@ def table(rows: list[dict]) -> str:
         ]
     e = [r for r in rows if r["part"] == "evaluation"]
     if e:
-        out += ["", "| preset | ranks | samples | before | now | ratio | AUC before / now |",
-                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        out += ["", "| preset | ranks | samples | eval batch | before | now | ratio | "
+                "AUC before / now |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in e:
             before = f"{r['old_s']:.2f} s" if "old_s" in r else "-"
             ratio = f"**{r['speedup']:.2f}x**" if "speedup" in r else "-"
             aucs = f"{r.get('old_auc', float('nan')):.4f} / {r['new_auc']:.4f}"
-            out.append(f"| {r['preset']} | {r['world']} | {r['samples']:,} | {before} | "
-                       f"{r['new_s']:.2f} s | {ratio} | {aucs} |")  # fmt: skip
+            out.append(f"| {r['preset']} | {r['world']} | {r['samples']:,} | "
+                       f"{r['eval_batch']:,} | {before} | {r['new_s']:.2f} s | {ratio} | "
+                       f"{aucs} |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 
@@ -183,23 +192,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,bench")
     ap.add_argument("--n-eval", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--eval-batches", default="16384", help="global evaluation batches")
     ap.add_argument("--json-out", default=str(HERE / "results" / "eval.json"))
     ap.add_argument("--metrics-child", nargs=2, help=argparse.SUPPRESS)
-    ap.add_argument("--eval-child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--eval-child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.metrics_child:
         metrics_child(a.metrics_child[0], int(a.metrics_child[1]))
         return 0
     if a.eval_child:
-        preset, n, repeats, out = a.eval_child
-        eval_child(preset, int(n), int(repeats), out)
+        preset, n, repeats, out, batch = a.eval_child
+        eval_child(preset, int(n), int(repeats), out, int(batch))
         return 0
     from results_io import write_results
 
     sizes = [int(float(s)) for s in a.sizes.split(",") if s]
     worlds = [int(w) for w in a.worlds.split(",") if w]
     rows = metrics_rows(sizes, a.repeats)
-    rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats)
+    evals = [int(b) for b in a.eval_batches.split(",")]
+    rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats, evals)
     write_results(rows, a.json_out, table(rows))
     return 0
 
