@@ -122,21 +122,25 @@ class Days:
         return self._read(idx + self._start, cols)
 
     def _read(self, idx: np.ndarray, cols: Any) -> np.ndarray:
-        """Rows ``idx`` (of all days), each day's gathered from its file in file order."""
+        """Rows ``idx`` (of all days), each day's gathered from its file; rows in order
+        (a source sorts a batch's) are read day after day and joined, any others placed."""
         day = np.searchsorted(self._ends, idx, side="right")
-        if idx.size and day[0] == day[-1] and (day == day[0]).all():  # one day's rows
-            k = int(day[0])
-            mine = idx - (self._ends[k - 1] if k else 0)
-            return self._convert(self._parts[k][mine][:, cols], cols)
-        order = np.argsort(day, kind="stable")
-        pieces, at = [], 0
-        for k in np.unique(day):
-            n = int(np.count_nonzero(day == k))
-            mine = idx[order[at : at + n]] - (self._ends[k - 1] if k else 0)
+        ordered = bool((day[1:] >= day[:-1]).all())
+        order = np.arange(len(idx)) if ordered else np.argsort(day, kind="stable")
+        days = day[order]
+        cuts = np.flatnonzero(days[1:] != days[:-1]) + 1
+        pieces = []
+        for run in np.split(order, cuts) if len(idx) else []:
+            k = int(day[run[0]])
+            mine = idx[run] - (self._ends[k - 1] if k else 0)
             pieces.append(self._convert(self._parts[k][mine][:, cols], cols))
-            at += n
         if not pieces:
             return self._convert(self._parts[0][:0][:, cols], cols)
-        out = np.empty((len(idx), *pieces[0].shape[1:]), pieces[0].dtype)
-        out[order] = np.concatenate(pieces)
+        if len(pieces) == 1 and ordered:
+            return pieces[0]
+        joined = np.concatenate(pieces)
+        if ordered:
+            return joined
+        out = np.empty_like(joined)
+        out[order] = joined
         return out
