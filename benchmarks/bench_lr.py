@@ -35,6 +35,9 @@ CONFIGS = {
     "sgd-3+warmup": "--lr 3 --emb-lr 3 --lr-warmup-steps {w}",
     "sgd-3+warmup+decay": "--lr 3 --emb-lr 3 --lr-warmup-steps {w} --lr-decay-start {s} "
     "--lr-decay-steps {d}",
+    "sgd-0.1+decay": "--lr 0.1 --emb-lr 0.1 --lr-decay-start {s} --lr-decay-steps {d}",
+    "sgd-0.3": "--lr 0.3 --emb-lr 0.3",
+    "sgd-0.3+decay": "--lr 0.3 --emb-lr 0.3 --lr-decay-start {s} --lr-decay-steps {d}",
     "sgd-10": "--lr 10 --emb-lr 10",
     "sgd-10+warmup": "--lr 10 --emb-lr 10 --lr-warmup-steps {w}",
     "sgd-24": "--lr 24 --emb-lr 24",

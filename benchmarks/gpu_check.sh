@@ -75,6 +75,14 @@ for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
         2>&1 | tail -12
     cp "/tmp/recsz_gpu/$name/summary.json" "$out/$name.json" 2>/dev/null
 done
+# 3b. One evaluation of 2^20 held-out samples at two evaluation batches (on the CPU here
+#     4096 was the fastest: results/session33/eval_batches.md; a GPU pays its launches a batch).
+for eb in 4096 65536; do
+    timeout 60 python3 -m recsz.train --device cuda --preset bench --steps 1 --batch-size 8192 \
+        --synthetic-eval 1048576 --eval-batch-size $eb --no-progress \
+        --out "/tmp/recsz_gpu/eval_$eb" 2>&1 | grep evaluation
+    cp "/tmp/recsz_gpu/eval_$eb/summary.json" "$out/eval_batch_$eb.json" 2>/dev/null
+done
 # 4. The trainer runs side by side (steady samples/s after the first 3 steps).
 python3 - "$out" <<'PY' | tee "$out/train.txt"
 import json, pathlib, sys
