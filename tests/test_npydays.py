@@ -155,3 +155,9 @@ def test_days_read_rows_as_their_concatenation(lens: list[int], data) -> None:
         assert np.array_equal(view[idx, col], whole[a:b][idx, col] * 2)
     with pytest.raises(IndexError):
         view[np.array([b - a])]
+
+
+def test_a_directory_of_neither_form_says_what_it_lacks(tmp_path: Path) -> None:
+    (tmp_path / "day_0_sparse.npy").write_bytes(b"")  # no dense file: not TorchRec's days
+    with pytest.raises(FileNotFoundError, match=r"no meta\.json .* and no day_N_dense\.npy"):
+        make_source(str(tmp_path), SIZES, seed=0)

@@ -165,7 +165,10 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
     d = Path(out_dir)
     meta_path = d / "meta.json"
     if not meta_path.exists():
-        raise FileNotFoundError(f"{d}: no meta.json; run `recsz preprocess RAW.tsv {d}` first")
+        raise FileNotFoundError(
+            f"{d}: no meta.json (a `recsz preprocess` directory) and no day_N_dense.npy "
+            f"(TorchRec's preprocessed days); run `recsz preprocess RAW.tsv {d}` first"
+        )
     meta = json.loads(meta_path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format_version {meta.get('format_version')} unsupported")
