@@ -11,12 +11,13 @@ of another revision side by side.
     process of its own, which also reports the host memory it took beyond its data (peak
     RSS after, less before); the AUC's and logloss's differences.
 (b) **evaluation**: ``recsz.step.evaluate`` of the ``--n-eval`` synthetic held-out
-    samples (global batches of each of ``--eval-batches``) on W gloo ranks of one host, timed on rank 0 (median of
-    ``--repeats`` after one untimed), with this checkout's code and with ``--old``'s (a
-    checkout of another revision, e.g. ``git worktree add /tmp/old REV``): the same
-    model, codec ``none``, the evaluation path alone. Before the thirty-third session
-    every rank made every batch whole, copied its predictions to the host each batch and
-    ran scikit-learn over all of them; now each makes its part, rank 0 computes.
+    samples (global batches of each of ``--eval-batches``) on W gloo ranks of one host,
+    timed on rank 0 (median of ``--repeats`` after one untimed), with this checkout's
+    code and with ``--old``'s (a checkout of another revision, e.g. ``git worktree add
+    /tmp/old REV``): the same model, codec ``none``, the evaluation path alone. Before
+    the thirty-third session every rank made every batch whole, copied its predictions
+    to the host each batch and ran scikit-learn over all of them; now each makes its
+    part, rank 0 computes.
 Prints a table and writes JSON (default benchmarks/results/eval.json).
 """
 
