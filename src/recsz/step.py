@@ -215,9 +215,9 @@ def _evaluate(
         batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
         mine = batch.slice(rank * b, (rank + 1) * b)
         p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
-        for q in range(w):  # the padding's predictions are left out
-            counts[q] += len(range(n)[Part(q, w, ()).rows(n)])
-        keep = len(range(n)[part.rows(n)])
+        shares = [len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)]  # padding left out
+        counts = [c + k for c, k in zip(counts, shares, strict=True)]
+        keep = shares[rank]
         preds.append(torch.stack([p[:keep], mine.labels[:keep]]))
     if sum(counts) == 0:
         raise ValueError(f"{source.name}: the evaluation set is empty")
