@@ -151,6 +151,11 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     return Parts(sparse, dense, dense_opt, exchange, dp, rates), owners
 
 
+def rank_part(parts: Parts, ranks: Ranks) -> Part:
+    """What this rank reads of a global batch: its samples, and its tables' ids of all."""
+    return Part(ranks.rank, ranks.world, tuple(parts.sparse.tables))
+
+
 def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
     """FIITED: every rank's held chunks per row, to every rank's exchange (one gather)."""
     gathered = ranks.gather(parts.sparse.chunk_counts())
@@ -207,7 +212,7 @@ def _evaluate(
     t0 = time.perf_counter()
     w, rank = ranks.world, ranks.rank
     size = math.ceil(cfg.eval_batch_size / w) * w
-    part = Part(rank, w, tuple(parts.sparse.tables))
+    part = rank_part(parts, ranks)
     preds, counts = [], [0] * w  # counts: each rank's samples, known to every rank
     for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
         n = len(batch)

@@ -20,10 +20,10 @@ from tqdm import tqdm
 from recsz import checkpoint, report
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.prefetch import prefetch
-from recsz.data.source import Batch, Part, make_source
+from recsz.data.source import Batch, make_source
 from recsz.model import get_preset
 from recsz.ranks import Ranks, keep_freed_memory, launch, watch_parent
-from recsz.step import build_parts, evaluate, share_chunk_counts, train_step
+from recsz.step import build_parts, evaluate, rank_part, share_chunk_counts, train_step
 from recsz.stepgraph import graphed
 
 SYNTHETIC_DEFAULT_STEPS = 1000
@@ -113,7 +113,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             return train_step(parts, batch, k, ranks)
 
         run_step = graphed(one_step, parts.exchange, ranks.world) if cfg.cuda_graph else one_step
-        part = Part(ranks.rank, ranks.world, tuple(parts.sparse.tables))  # what the step reads
+        part = rank_part(parts, ranks)  # what the step reads
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         for step in range(start, steps):
