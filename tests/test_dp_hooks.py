@@ -185,3 +185,35 @@ def test_reduce_scatter_variant_on_three_ranks(tmp_path) -> None:
     rsag = sum(rk["hybrid", "rsag"][3] for rk in ranks)
     allgather = sum(rk["hybrid", "allgather"][3] for rk in ranks)
     assert rsag < 0.8 * allgather, (rsag, allgather)
+
+
+def test_a_resumed_hook_state_on_another_number_of_ranks() -> None:
+    """Saved by 3 ranks, resumed on 2 and on 4: the bytes still sum to the run's, each
+    rank keeps its own error feedback where it had one (the reduce-scatter's, cut by the
+    world, starts anew) and a new rank starts without."""
+    from recsz.comm.dp_hooks import resumed_state
+
+    saved = [
+        {
+            "seconds": 1.0 + r,
+            "bytes_sent": 10 * (r + 1),
+            "bytes_dense": 100 * (r + 1),
+            "eb": {"residual": {0: torch.full((3,), float(r))}, "reduced": {0: torch.ones(3)}},
+        }
+        for r in range(3)
+    ]
+    for world in (2, 4):
+        got = [resumed_state(saved, r, world) for r in range(world)]
+        assert sum(g["bytes_sent"] for g in got) == 60
+        assert sum(g["bytes_dense"] for g in got) == 600
+        for r, g in enumerate(got):
+            assert g["seconds"] == 1.0 + r % 3
+            assert g["eb"]["reduced"] == {}
+            mine = g["eb"]["residual"]
+            assert (mine == {}) if r >= 3 else torch.equal(mine[0], torch.full((3,), float(r)))
+    dct = [{"seconds": 0.0, "bytes_sent": 5, "bytes_dense": 7,
+            "dct": {"step": 9, "residual": {}, "bytes_sent": 5, "bytes_dense": 7}}] * 2  # fmt: skip
+    one = resumed_state(dct, 0, 1)
+    assert one["dct"]["bytes_sent"] == one["bytes_sent"] == 10  # the hook's own counters
+    assert one["dct"]["step"] == 9
+    DPComm("eb", 1).load_state_dict(saved[0])  # one rank has no hook: counters only

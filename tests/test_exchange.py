@@ -725,3 +725,35 @@ def test_cuda_sparse_deferred_gradients_train_the_tables_as_the_cpu(codec: str) 
     cpu, gpu = archs
     torch.testing.assert_close(gpu.weight.cpu(), cpu.weight, rtol=0, atol=1e-5)
     torch.testing.assert_close(gpu.optimizer_state.cpu(), cpu.optimizer_state, rtol=0, atol=1e-5)
+
+
+def test_counters_resumed_on_another_number_of_ranks() -> None:
+    """Counters saved by 3 ranks, resumed on 2 and on 5: every byte counted once, each
+    table's forward counts at its new owner, seconds from saved rank r % 3."""
+    from recsz.comm.stats import CommStats
+
+    saved = []
+    for r in range(3):
+        s = CommStats()
+        s.codec_s = float(r)
+        for d in ("fwd", "bwd"):
+            s.raw[d], s.sent[d], s.wire[d] = 100 * (r + 1), 10 * (r + 1), r
+            for t in range(6):
+                if d == "bwd" or t % 3 == r:  # forward: each table's owner counts it
+                    s.table_raw[d][t] += t + 1
+                    s.table_sent[d][t] += 1
+        saved.append(s)
+    for world in (2, 5):
+        owners = [t % world for t in range(6)]
+        got = [
+            CommStats.resumed(saved, r, world, [t for t in range(6) if owners[t] == r])
+            for r in range(world)
+        ]
+        for d in ("fwd", "bwd"):
+            assert sum(g.raw[d] for g in got) == 600 and sum(g.sent[d] for g in got) == 60
+            assert sum(g.wire[d] for g in got) == 3
+        for t in range(6):
+            fwd = [g.table_raw["fwd"].get(t, 0) for g in got]
+            assert fwd[owners[t]] == t + 1 and sum(fwd) == t + 1
+            assert sum(g.table_raw["bwd"].get(t, 0) for g in got) == 3 * (t + 1)
+        assert [g.codec_s for g in got] == [float(r % 3) for r in range(world)]

@@ -12,6 +12,7 @@ or swapped for another run's is refused with the file named. A directory without
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -20,6 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from recsz.comm.dp_hooks import resumed_state
+from recsz.comm.stats import CommStats
+from recsz.model import tablestate
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -145,9 +150,11 @@ def run_dir_of(resume: Path) -> Path:
     return resume.parent.parent if (resume / "meta.json").exists() else resume
 
 
-def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
-    """Read and verify checkpoint ``d`` for this rank: (step, state); CheckpointError
-    names the file otherwise."""
+def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int, dict[str, Any]]]:
+    """Read and verify checkpoint ``d`` for this rank: its step, the number of ranks that
+    wrote it and the saved states this rank restores from, by the rank that wrote them
+    (its own; or, written by another number of ranks, every rank's, memory-mapped, this
+    rank verifying every ``world``-th file); CheckpointError names the file otherwise."""
     meta_path = d / "meta.json"
     try:
         meta = json.loads(meta_path.read_text())
@@ -156,11 +163,6 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]
         step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{meta_path}: unreadable checkpoint record ({e})") from None
-    if world != ranks.world:
-        raise CheckpointError(
-            f"checkpoint {d} was written by {world} ranks, this job has {ranks.world}; "
-            f"resume with --nproc {world}"
-        )
     if meta.get("fingerprint") != fingerprint(cfg):
         saved, now = meta.get("config", {}), cfg.to_dict()
         diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
@@ -168,23 +170,39 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]
         raise CheckpointError(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
         )
-    f = d / f"rank-{ranks.rank}.pt"
-    if not f.exists():
-        raise CheckpointError(f"{f}: missing")
-    if _digest(f) != files.get(f.name):
-        raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
+    if world != ranks.world and cfg.fiited_spec() is not None:
+        raise CheckpointError(
+            f"checkpoint {d} was written by {world} ranks, this job has {ranks.world}: a "
+            f"FIITED store cannot move between ranks; resume with --nproc {world}"
+        )
+    same = world == ranks.world
+    for r in [ranks.rank] if same else range(ranks.rank, world, ranks.world):
+        f = d / f"rank-{r}.pt"
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing")
+        if _digest(f) != files.get(f.name):
+            raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
+    if same:
+        return step, world, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}
+    return step, world, {r: _read(d / f"rank-{r}.pt", None) for r in range(world)}
+
+
+def _read(f: Path, device: torch.device | None) -> dict[str, Any]:
+    """A rank's file, onto ``device`` (None: memory-mapped on the host, read as used)."""
     try:
-        state = torch.load(f, weights_only=False, map_location=ranks.device)
+        if device is None:
+            return torch.load(f, weights_only=False, map_location="cpu", mmap=True)
+        return torch.load(f, weights_only=False, map_location=device)
     except Exception as e:
         raise CheckpointError(f"{f}: cannot be loaded ({type(e).__name__}: {e})") from None
-    return step, state
 
 
 def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
     """Restore this rank's state from the newest complete checkpoint every rank verifies
     (or from the one checkpoint directory ``run_dir`` names); return its step and the run
     counters saved with it. A damaged newest checkpoint is an error, unless
-    ``cfg.resume_fallback``: then the newest intact one is used."""
+    ``cfg.resume_fallback``: then the newest intact one is used. One written by another
+    number of ranks is resharded (:func:`_restore_resharded`)."""
     done = [run_dir] if run_dir_of(run_dir) != run_dir else complete(run_dir)
     if not done:
         raise FileNotFoundError(
@@ -192,7 +210,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         )
     for d in reversed(done):
         try:
-            step, state = _check(d, cfg, ranks)
+            step, world, saved = _check(d, cfg, ranks)
             err = ""
         except CheckpointError as e:
             err = str(e)
@@ -204,6 +222,9 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             raise CheckpointError("; ".join(errors) + hint)
         if ranks.rank == 0:
             print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
+    if world != ranks.world:
+        return step, _restore_resharded(d, step, saved, parts, cfg, ranks)
+    state = saved[ranks.rank]
     if state["tables"] != parts.sparse.tables:
         raise CheckpointError(
             f"checkpoint {d}: rank {ranks.rank} held tables {state['tables']}, "
@@ -219,3 +240,53 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
     parts.dp.load_state_dict(state["dp"])
     return step, state["counters"]
+
+
+def _restore_resharded(
+    d: Path, step: int, saved: dict[int, dict[str, Any]], parts: Parts, cfg: TrainConfig,
+    ranks: Ranks,
+) -> dict[str, Any]:  # fmt: skip
+    """Restore a checkpoint written by another number of ranks (``saved``: every rank's
+    state, memory-mapped): each table this rank now holds from the rank that held it
+    (:mod:`recsz.model.tablestate`: rows, row optimizer, TT cores and caches); the MLPs,
+    their optimizer and ``--compress auto``'s switch from rank 0 (every rank's are the
+    same); the bound policies probe their tables anew from ``step`` (what they learnt was
+    learnt of the old plan's traffic); counters and the MLP hook's state as
+    :meth:`CommStats.resumed` and :func:`resumed_state` fold them. Returns the run's
+    counters (saved rank ``rank % W``'s)."""
+    old = [saved[r] for r in range(len(saved))]
+    tt = cfg.tt_spec()
+    tt_tables = tt.tables if tt is not None else frozenset()
+    sizes = cfg.model().table_sizes
+    pieces: dict[int, tablestate.Piece] = {}
+    for r, state in enumerate(old):
+        try:
+            pieces.update(tablestate.split(state["sparse"], state["tables"], sizes, tt_tables))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"{d / f'rank-{r}.pt'}: its tables' state: {e}") from None
+    sparse = parts.sparse
+    try:
+        sparse.load_state_dict(
+            tablestate.join(pieces, sparse.tables, tt_tables, sparse.state_dict())
+        )
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint {d}: {e.args[0]}") from None
+    own = old[ranks.rank % len(old)]
+    # Copies: what is kept, not read into the modules' own tensors, leaves the files.
+    parts.dense_module.load_state_dict(old[0]["dense"])
+    parts.dense_opt.load_state_dict(copy.deepcopy(old[0]["dense_opt"]))
+    for p in parts.exchange.policies.values():
+        p.probe_again(step)
+    parts.exchange.switch.load_state_dict(old[0]["switch"])
+    torch.set_rng_state(own["torch_rng"].clone())
+    stats = [state["stats"] for state in old]
+    parts.exchange.stats = CommStats.resumed(stats, ranks.rank, ranks.world, sparse.tables)
+    dp = resumed_state([state["dp"] for state in old], ranks.rank, ranks.world)
+    parts.dp.load_state_dict(copy.deepcopy(dp))
+    if ranks.rank == 0:
+        print(
+            f"recsz: resuming {d}, written by {len(old)} ranks, on {ranks.world}: its "
+            "tables resharded, the bound policies probing anew",
+            flush=True,
+        )
+    return copy.deepcopy(own["counters"])

@@ -102,6 +102,8 @@ class DPComm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seconds, self.bytes_sent = state["seconds"], state["bytes_sent"]
         self.bytes_dense = state["bytes_dense"]
+        if self.inner is None:  # one rank: no hook (a state saved by several, resumed on one)
+            return
         for k, v in state.get("dct", {}).items():
             setattr(self.inner, k, v)
         if "eb" in state:
@@ -112,6 +114,36 @@ class DPComm:
 
 
 _POWERSGD_KEYS = ("iter", "error_dict", "p_memory_dict", "q_memory_dict", "rng")
+#: per hook, the state that is each rank's own error (what it has not sent yet), and
+#: what is also the world's (rsag's reduced chunks: each rank owns 1/W of them)
+_RESIDUALS = {"dct": ("residual",), "eb": ("residual", "reduced"), "powersgd": ("error_dict",)}
+_OF_THE_WORLD = {"eb": ("reduced",)}
+
+
+def resumed_state(saved: list[dict[str, Any]], rank: int, world: int) -> dict[str, Any]:
+    """Rank ``rank`` of ``world``'s :meth:`DPComm.state_dict`, resumed from a checkpoint
+    that another number of ranks wrote (``saved``, by rank): the bytes of saved ranks
+    ``rank``, ``rank + world``, ... (the ranks' sums stay the run's), the seconds and the
+    hook's state of saved rank ``rank % len(saved)`` (its schedule: steps, thresholds,
+    PowerSGD's memories and generator, the same on every rank), whose error feedback, each
+    rank's own, it keeps only as that rank (a new rank starts without, a rank dropped
+    loses it, and the reduce-scatter's, cut by the world's size, starts anew)."""
+    own = saved[rank % len(saved)]
+    out = {**own, "bytes_sent": 0, "bytes_dense": 0}
+    for s in saved[rank::world]:
+        out["bytes_sent"] += s["bytes_sent"]
+        out["bytes_dense"] += s["bytes_dense"]
+    if "dct" in out:  # its hook keeps the counters (DPComm's mirror them)
+        out["dct"] = {
+            **out["dct"],
+            "bytes_sent": out["bytes_sent"],
+            "bytes_dense": out["bytes_dense"],
+        }
+    dropped = _RESIDUALS if rank >= len(saved) else _OF_THE_WORLD
+    for mode, keys in dropped.items():
+        if mode in out:
+            out[mode] = {**out[mode], **{k: {} for k in keys}}
+    return out
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -94,6 +94,39 @@ class CommStats:
                 if (eb := e[k]) is not None:
                     self.last_eb[d][t] = eb
                 k += 1
+
+    @classmethod
+    def resumed(
+        cls, saved: Sequence[CommStats], rank: int, world: int, tables: Collection[int]
+    ) -> CommStats:
+        """Rank ``rank`` of ``world``'s counters, resumed from a checkpoint that another
+        number of ranks wrote (``saved``: their counters, by rank): the bytes of saved
+        ranks ``rank``, ``rank + world``, ... (each counted once: the ranks' sums stay the
+        run's), the forward counts of the ``tables`` it now owns (whoever owned them, as a
+        table's owner reports them), and the seconds of saved rank ``rank % len(saved)``."""
+        out = cls()
+        for s in saved[rank::world]:
+            for mine, theirs in ((out.raw, s.raw), (out.sent, s.sent), (out.wire, s.wire)):
+                for d, n in theirs.items():
+                    mine[d] += n
+            for t, n in s.table_raw["bwd"].items():
+                out.table_raw["bwd"][t] += n
+            for t, n in s.table_sent["bwd"].items():
+                out.table_sent["bwd"][t] += n
+            for d, e in s.max_err.items():
+                out.max_err[d] = max(out.max_err[d], e)
+        for s in saved:
+            for t in set(tables) & set(s.table_raw["fwd"]):
+                out.table_raw["fwd"][t] += s.table_raw["fwd"][t]
+                out.table_sent["fwd"][t] += s.table_sent["fwd"][t]
+            for d, last in s.last_eb.items():
+                out.last_eb[d].update(
+                    last if d == "bwd" else {t: last[t] for t in tables if t in last}
+                )
+        timed = saved[rank % len(saved)]
+        out.a2a_s.update(timed.a2a_s)
+        out.codec_s = timed.codec_s
+        return out
 
     def ratio(self, direction: str) -> float:
         self.settle()
