@@ -214,7 +214,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             err = ""
         except CheckpointError as e:
             err = str(e)
-        errors = [e for e in ranks.gather(err) if e]
+        errors = list(dict.fromkeys(e for e in ranks.gather(err) if e))  # each once
         if not errors:
             break
         if not cfg.resume_fallback or d == done[0]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -231,11 +232,18 @@ def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     assert one["tt_cache_hit_rate"] == two["tt_cache_hit_rate"] > 0
     split = tmp_path / "split"
     main([*BASE, *tt, "--steps", "10", "--checkpoint-every", "10", "--out", str(split)])
+    shutil.copytree(split, tmp_path / "moved")
     assert main([*BASE, *tt, "--resume", str(split)]) == 0
     a, b = tt_state(tmp_path / "one"), tt_state(split)
     assert sorted(a) == sorted(b) and len(a) > 1
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=k)
+    # Resumed on 2 ranks: the TT tables, their caches and optimizers move to their owners.
+    run(tmp_path / "moved", *tt, "--resume", str(tmp_path / "moved"), nproc=2)
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path / "moved")), torch.tensor(losses(tmp_path / "one")),
+        rtol=0, atol=1e-5,
+    )  # fmt: skip
 
 
 def test_replicated_tt_tables_leave_the_all_to_all(tmp_path: Path) -> None:
