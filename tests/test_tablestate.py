@@ -23,20 +23,29 @@ def ids(b: int, seed: int) -> torch.Tensor:
     return torch.stack([torch.randint(0, n, (b,), generator=g) for n in CFG.table_sizes], 1)
 
 
-def arch(tables: list[int], kind: str, tt: TTSpec | None) -> SparseArch:
-    return SparseArch(CFG, tables, seed=3, optimizer=RowOptimizer(kind, 0.1), tt=tt)
+FIITED = FiitedSpec(0.5, chunk=2)
 
 
-def trained(kind: str, tt: TTSpec | None) -> SparseArch:
-    """Every table in one module, after a few steps (optimizer state, caches filled)."""
-    whole = arch(ALL, kind, tt)
-    for k in range(5):
+def arch(tables: list[int], kind: str, tt: TTSpec | None, fiited: bool = False) -> SparseArch:
+    opt = RowOptimizer(kind, 0.1)
+    return SparseArch(CFG, tables, 3, opt, tt=tt, fiited=FIITED if fiited else None)
+
+
+def trained(kind: str, tt: TTSpec | None, fiited: bool = False) -> SparseArch:
+    """Every table in one module, after a few steps (optimizer state, caches filled, a
+    FIITED store pruned between them)."""
+    whole = arch(ALL, kind, tt, fiited)
+    for k in range(6):
         x = ids(16, k)
         (whole(x) ** 2).sum().backward()
+        if k == 3:
+            whole.prune()
     return whole
 
 
-def moved(src: list[SparseArch], plan: list[list[int]], kind: str, tt: TTSpec | None):
+def moved(
+    src: list[SparseArch], plan: list[list[int]], kind: str, tt: TTSpec | None, fiited: bool
+) -> list[SparseArch]:
     """Modules holding ``plan``'s tables, each restored from ``src``'s pieces."""
     pieces: dict[int, tablestate.Piece] = {}
     tts = tt.tables if tt else frozenset()
@@ -44,7 +53,7 @@ def moved(src: list[SparseArch], plan: list[list[int]], kind: str, tt: TTSpec | 
         pieces.update(tablestate.split(m.state_dict(), m.tables, CFG.table_sizes, tts))
     out = []
     for tables in plan:
-        m = arch(tables, kind, tt)
+        m = arch(tables, kind, tt, fiited)
         m.load_state_dict(tablestate.join(pieces, tables, tts, m.state_dict()))
         out.append(m)
     return out
@@ -67,6 +76,16 @@ def assert_same(a: object, b: object, where: str) -> None:
 
 def held(m: SparseArch, t: int) -> dict[str, object]:
     """What module ``m`` holds of table ``t``, read from its tensors and optimizers."""
+    if t in m.dense_tables and m.store is not None:
+        j = m.dense_tables.index(t)
+        r = torch.arange(sum(m.sizes[:j]), sum(m.sizes[: j + 1]))
+        st, ptr = m.store.state, m.store.ptr[r].long()
+        return {
+            "rows": m.store.lookup(r),
+            "count": m.store.count[r],
+            "score": m.store.score[r],
+            "state": st[ptr[ptr >= 0]] if st.numel() else st,
+        }
     if t in m.dense_tables:
         j, rows = m.dense_tables.index(t), m.sizes
         opt = m.optimizer_state
@@ -93,14 +112,15 @@ def plans(draw_owner: list[int], world: int) -> list[list[int]]:
     tt_tables=st.sets(st.sampled_from([0, 2, 4]), max_size=2),
     old=st.lists(st.integers(0, 2), min_size=5, max_size=5),
     new=st.lists(st.integers(0, 3), min_size=5, max_size=5),
+    fiited=st.booleans(),
 )
 def test_tables_move_whole_between_plans(
-    kind: str, tt_tables: set[int], old: list[int], new: list[int]
+    kind: str, tt_tables: set[int], old: list[int], new: list[int], fiited: bool
 ) -> None:
     tt = TTSpec(frozenset(tt_tables), rank=2, cache_rows=3, cache_interval=2) if tt_tables else None
-    whole = trained(kind, tt)
-    first = moved([whole], plans(old, 3), kind, tt)  # written by 3 ranks (some hold none)
-    then = moved(first, plans(new, 4), kind, tt)  # resumed on 4
+    whole = trained(kind, tt, fiited)
+    first = moved([whole], plans(old, 3), kind, tt, fiited)  # by 3 ranks (some hold none)
+    then = moved(first, plans(new, 4), kind, tt, fiited)  # resumed on 4
     for m in then:
         for t in m.tables:
             assert_same(held(m, t), held(whole, t), f"table {t}")
@@ -141,6 +161,7 @@ def test_what_does_not_fit_is_named() -> None:
         tablestate.join(
             pieces, [1, 2, 4], (), arch([1, 2, 4], "rowwise_adagrad", None).state_dict()
         )
-    store = SparseArch(CFG, ALL, 3, RowOptimizer("sgd", 0.1), fiited=FiitedSpec(0.5, chunk=2))
-    with pytest.raises(ValueError, match=r"FIITED store .* cannot move between ranks"):
-        tablestate.split(store.state_dict(), ALL, CFG.table_sizes, ())
+    store = trained("adagrad", None, fiited=True).state_dict()
+    store["store.base"] = store["store.base"].flip(0)
+    with pytest.raises(ValueError, match="FIITED store's slots are not its rows' chunks"):
+        tablestate.split(store, ALL, CFG.table_sizes, ())

@@ -170,11 +170,6 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int,
         raise CheckpointError(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
         )
-    if world != ranks.world and cfg.fiited_spec() is not None:
-        raise CheckpointError(
-            f"checkpoint {d} was written by {world} ranks, this job has {ranks.world}: a "
-            f"FIITED store cannot move between ranks; resume with --nproc {world}"
-        )
     same = world == ranks.world
     for r in [ranks.rank] if same else range(ranks.rank, world, ranks.world):
         f = d / f"rank-{r}.pt"
@@ -248,7 +243,8 @@ def _restore_resharded(
 ) -> dict[str, Any]:  # fmt: skip
     """Restore a checkpoint written by another number of ranks (``saved``: every rank's
     state, memory-mapped): each table this rank now holds from the rank that held it
-    (:mod:`recsz.model.tablestate`: rows, row optimizer, TT cores and caches); the MLPs,
+    (:mod:`recsz.model.tablestate`: rows, row optimizer, FIITED's chunks, TT cores and
+    caches); the MLPs,
     their optimizer and ``--compress auto``'s switch from rank 0 (every rank's are the
     same); the bound policies probe their tables anew from ``step`` (what they learnt was
     learnt of the old plan's traffic); counters and the MLP hook's state as

@@ -4,7 +4,8 @@
 buffer (and its row optimizer's state beside them) and its TT tables as modules numbered
 in order. A checkpoint written by W ranks is resumed on another number of ranks by cutting
 each rank's ``state_dict`` into its tables' pieces (:func:`split`: a table's rows and
-optimizer rows; a TT table's cores, cache and its cores' optimizers) and joining the pieces
+optimizer rows, or its rows' chunks in FIITED's store; a TT table's cores, cache and its
+cores' optimizers) and joining the pieces
 of the tables a rank now holds into its own module's layout (:func:`join`). A table moves
 whole: what was trained is what is resumed, whichever rank holds it.
 """
@@ -17,11 +18,13 @@ from typing import Any
 
 import torch
 
-#: one table's saved state: "weight" and "optimizer_state" rows (a dense table), or
-#: "tt" (its module's state, keys below the module) and "tt_opts" (its cores' optimizers)
+#: one table's saved state: "weight" and "optimizer_state" rows (a dense table), "store"
+#: (its rows in FIITED's store: chunk counts, scores, chunks and their optimizer state),
+#: or "tt" (its module's state, keys below the module) and "tt_opts" (its cores' optimizers)
 Piece = dict[str, Any]
 
 _TT_OPTS = "tt._extra_state"  # TTTables' optimizers' states, table after table
+_STORE = "store."  # FIITED's chunk store (the dense tables' rows then live there)
 
 
 def _tt_prefix(i: int) -> str:
@@ -36,35 +39,57 @@ def split(
 ) -> dict[int, Piece]:
     """The pieces of the ``SparseArch`` state ``state`` that held ``tables`` (global,
     in order), ``tt_tables`` of the model's tables being tensor trains. ValueError where
-    the state does not fit (a FIITED store, rows that are not its tables')."""
-    if any(k.startswith("store.") for k in state):
-        raise ValueError(
-            "a FIITED store lays its rank's tables out together (pruned chunks, slots): "
-            "it cannot move between ranks"
-        )
+    the state does not fit (rows or slots that are not its tables')."""
     dense = [t for t in tables if t not in tt_tables]
     tts = [t for t in tables if t in tt_tables]
     rows = [table_sizes[t] for t in dense]
-    weight, opt = state["weight"], state["optimizer_state"]
-    if weight.shape[0] != sum(rows):
-        raise ValueError(f"{weight.shape[0]} rows saved for tables {dense} of {sum(rows)} rows")
-    per_row = opt.numel() > 0  # Adagrad: per element or per row; SGD: none
-    if per_row and opt.shape[0] != weight.shape[0]:
-        raise ValueError(f"the row optimizer's state has {opt.shape[0]} rows, not {sum(rows)}")
+    cut = _store_rows if _STORE + "pool" in state else _rows
+    pieces: dict[int, Piece] = dict(zip(dense, cut(state, dense, rows), strict=True))
     opts = state[_TT_OPTS] if tts else []
     if len(opts) % max(1, len(tts)):
         raise ValueError(f"{len(opts)} TT optimizers saved for {len(tts)} TT tables")
-    pieces: dict[int, Piece] = {}
-    for t, w, s in zip(
-        dense, weight.split(rows), opt.split(rows) if per_row else [opt] * len(rows), strict=True
-    ):
-        pieces[t] = {"weight": w, "optimizer_state": s}
     each = len(opts) // max(1, len(tts))
     for i, t in enumerate(tts):
         pre = _tt_prefix(i)
         module = {k[len(pre) :]: v for k, v in state.items() if k.startswith(pre)}
         pieces[t] = {"tt": module, "tt_opts": list(opts[i * each : (i + 1) * each])}
     return pieces
+
+
+def _rows(state: Mapping[str, Any], dense: list[int], rows: list[int]) -> list[Piece]:
+    """Dense tables' rows end to end, the row optimizer's state beside them."""
+    weight, opt = state["weight"], state["optimizer_state"]
+    if weight.shape[0] != sum(rows):
+        raise ValueError(f"{weight.shape[0]} rows saved for tables {dense} of {sum(rows)} rows")
+    if not opt.numel():  # SGD: no state
+        return [{"weight": w, "optimizer_state": opt} for w in weight.split(rows)]
+    if opt.shape[0] != weight.shape[0]:  # Adagrad: per element or per row
+        raise ValueError(f"the row optimizer's state has {opt.shape[0]} rows, not {sum(rows)}")
+    return [
+        {"weight": w, "optimizer_state": o}
+        for w, o in zip(weight.split(rows), opt.split(rows), strict=True)
+    ]
+
+
+def _store_rows(state: Mapping[str, Any], dense: list[int], rows: list[int]) -> list[Piece]:
+    """FIITED's store: per row its chunk count and score; its chunks (and their optimizer
+    state) held in slots one row after another (``base``: each row's first), so a table's
+    are one run of slots."""
+    count, base, score = (state[_STORE + k] for k in ("count", "base", "score"))
+    pool, slots = state[_STORE + "pool"], state[_STORE + "state"]
+    if count.shape[0] != sum(rows):
+        raise ValueError(f"{count.shape[0]} rows saved for tables {dense} of {sum(rows)} rows")
+    first = torch.cumsum(count.long(), 0) - count.long()
+    if not torch.equal(base.long(), first) or int(count.long().sum()) != pool.shape[0]:
+        raise ValueError("the FIITED store's slots are not its rows' chunks in order")
+    sizes = [int(c.long().sum()) for c in count.split(rows)]
+    per_slot = slots.split(sizes) if slots.numel() else [slots] * len(rows)
+    return [
+        {"store": {"count": c, "score": r, "pool": p, "state": o}}
+        for c, r, p, o in zip(
+            count.split(rows), score.split(rows), pool.split(sizes), per_slot, strict=True
+        )
+    ]
 
 
 def join(
@@ -81,7 +106,17 @@ def join(
     dense = [t for t in tables if t not in tt_tables]
     tts = [t for t in tables if t in tt_tables]
     out = dict(template)
-    if dense:
+    if dense and _STORE + "pool" in template:
+        store = {
+            k: [pieces[t]["store"][k] for t in dense] for k in ("count", "score", "pool", "state")
+        }
+        for k in ("count", "score", "pool"):
+            out[_STORE + k] = torch.cat(store[k])
+        if template[_STORE + "state"].numel():
+            out[_STORE + "state"] = torch.cat(store["state"])
+        count = out[_STORE + "count"].long()
+        out[_STORE + "base"] = (torch.cumsum(count, 0) - count).to(template[_STORE + "base"].dtype)
+    elif dense:
         out["weight"] = torch.cat([pieces[t]["weight"] for t in dense])
         if template["optimizer_state"].numel():
             out["optimizer_state"] = torch.cat([pieces[t]["optimizer_state"] for t in dense])
