@@ -10,7 +10,7 @@ of another revision side by side.
     labels) and as ``recsz.metrics.binary_metrics`` does (torch, one sort); each in a
     process of its own, which also reports the host memory it took beyond its data (peak
     RSS after, less before); the AUC's and logloss's differences.
-(b) **evaluation**: ``recsz.step.evaluate`` of the ``--n-eval`` synthetic held-out
+(b) **evaluation**: ``recsz.evaluation.evaluate`` of the ``--n-eval`` synthetic held-out
     samples (global batches of each of ``--eval-batches``) on W gloo ranks of one host,
     timed on rank 0 (median of ``--repeats`` after one untimed), with this checkout's
     code and with ``--old``'s (a checkout of another revision, e.g. ``git worktree add
@@ -103,7 +103,12 @@ def eval_child(preset: str, n_eval: int, repeats: int, out: str, batch: int) -> 
     from recsz.data.source import make_source
     from recsz.model import get_preset
     from recsz.ranks import Ranks
-    from recsz.step import build_parts, evaluate
+    from recsz.step import build_parts
+
+    try:
+        from recsz.evaluation import evaluate
+    except ImportError:  # code before the thirty-fourth session (--old)
+        from recsz.step import evaluate  # type: ignore[attr-defined,no-redef]
 
     torch.set_num_threads(1)  # the ranks share the host's cores, as the trainer's do
     argv = ["--preset", preset, "--synthetic-eval", str(n_eval), "--eval-batch-size", str(batch)]

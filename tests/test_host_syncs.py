@@ -157,7 +157,7 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
     from types import SimpleNamespace
 
     from recsz.data import source as source_module
-    from recsz.step import evaluate
+    from recsz.evaluation import evaluate
 
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     parts, ranks = trainer_parts("hybrid", "cpu", ids=ids)

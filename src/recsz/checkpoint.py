@@ -281,8 +281,8 @@ def _restore_resharded(
     parts.dp.load_state_dict(copy.deepcopy(dp))
     if ranks.rank == 0:
         print(
-            f"recsz: resuming {d}, written by {len(old)} ranks, on {ranks.world}: its "
-            "tables resharded, the bound policies probing anew",
+            f"recsz: {d} was written by {len(old)} ranks, read on {ranks.world}: its "
+            "tables resharded (the bound policies probe anew)",
             flush=True,
         )
     return copy.deepcopy(own["counters"])

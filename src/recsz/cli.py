@@ -1,4 +1,4 @@
-"""The one command line: ``recsz train | preprocess | plot``."""
+"""The one command line: ``recsz train | evaluate | preprocess | plot``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: recsz {train,preprocess,plot} ...\n\n"
+            "usage: recsz {train,evaluate,preprocess,plot} ...\n\n"
             "  train       train DLRM (recsz train --help)\n"
+            "  evaluate    evaluate a run's checkpoint, on any number of ranks\n"
             "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
             "  plot        plot a run directory's metrics to PNG files"
         )
@@ -34,13 +35,17 @@ def _run(cmd: str, rest: list[str]) -> int:
         from recsz.train import main as train_main
 
         return train_main(rest)
+    if cmd == "evaluate":
+        from recsz.evaluation import main as evaluate_main
+
+        return evaluate_main(rest)
     if cmd == "preprocess":
         return _preprocess(rest)
     if cmd == "plot":
         from recsz.plot import main as plot_main
 
         return plot_main(rest)
-    print(f"recsz: unknown command {cmd!r} (train, preprocess, plot)", file=sys.stderr)
+    print(f"recsz: unknown command {cmd!r} (train, evaluate, preprocess, plot)", file=sys.stderr)
     return 2
 
 

@@ -46,13 +46,24 @@ def check(obj: Any) -> None:
             raise ValueError(f"{flag(f.name)} must be {_limits_text(m['limits'])}, got {v}")
 
 
-def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+def parser(
+    cls: type,
+    prog: str,
+    description: str,
+    only: tuple[str, ...] | None = None,
+    otherwise: str = "",
+) -> argparse.ArgumentParser:
     """The flags of the dataclass ``cls``: one per field (but ``cli=False`` ones), typed,
-    defaulted and described by the field."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    defaulted and described by the field. ``only``: these fields' flags, without defaults:
+    what is parsed holds the flags given, the rest comes from ``otherwise`` (e.g. "the
+    run's": a saved configuration)."""
+    some = only is not None
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, argument_default=argparse.SUPPRESS if some else None
+    )
     hints = get_type_hints(cls)
     for f in fields(cls):
-        if not f.metadata["cli"]:
+        if not f.metadata["cli"] or (some and f.name not in only):  # type: ignore[operator]
             continue
         kind = hints[f.name]
         if isinstance(kind, types.UnionType):  # X | None
@@ -62,9 +73,13 @@ def parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
             help_text += f" ({', '.join(f.metadata['choices'])})"
         if f.metadata["limits"]:
             help_text += f" ({_limits_text(f.metadata['limits'])})"
-        if f.default is not None and "(default:" not in help_text:  # else the help says it
+        if some:
+            help_text += f" (default: {otherwise})"
+        elif f.default is not None and "(default:" not in help_text:  # else the help says it
             help_text += f" (default: {f.default})"
-        kw: dict[str, Any] = {"default": f.default, "help": help_text}
+        kw: dict[str, Any] = (
+            {"help": help_text} if some else {"default": f.default, "help": help_text}
+        )
         if kind is bool:
             kw["action"] = argparse.BooleanOptionalAction
         else:

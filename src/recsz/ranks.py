@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,9 +77,32 @@ class Ranks:
             )
 
 
-def launch(nproc: int, argv: list[str]) -> int:
-    """Run ``recsz.train`` on ``nproc`` local ranks under torchrun; its agent stops all of
-    them on any failure."""
+def worker(body: Callable[[], object], as_main: bool) -> int:
+    """Run a rank's ``body`` (``recsz train``'s, ``recsz evaluate``'s): under torchrun's
+    agent, stop with it (:func:`watch_parent`); a failure names the rank. ``as_main``: the
+    process is this rank's alone (``python -m``), and leaves without C++ static
+    destructors once the job is done."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
+        watch_parent()
+    rank = os.environ.get("RANK", "0")
+    try:
+        body()
+    except Exception as e:
+        print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and as_main:
+        # A worker whose job is done and whose group is destroyed leaves without running
+        # C++ static destructors: under load, gloo's teardown occasionally aborted there
+        # ("terminate called without an active exception") after all work had succeeded.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
+    """Run ``module`` (``recsz.train``, ``recsz.evaluation``) on ``nproc`` local ranks
+    under torchrun; its agent stops all of them on any failure."""
     # Workers learn their count from torchrun's env (torchrun would also misread "--nproc"
     # as an abbreviation of its own flag): "--nproc N" and "--nproc=N" are left out.
     at = [i for i, a in enumerate(argv) if a == "--nproc"]
@@ -92,7 +116,7 @@ def launch(nproc: int, argv: list[str]) -> int:
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         "-m",
-        "recsz.train",
+        module,
         *worker_argv,
     ]
     env = dict(os.environ)

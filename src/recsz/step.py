@@ -1,5 +1,5 @@
 """The model parts of one rank and what they do in one step: build them, train on a
-global batch, evaluate.
+global batch (:mod:`recsz.evaluation` evaluates them).
 
     every rank reads its part of the global batch (B samples): its slice of b = B / W
     samples, and its tables' ids of all B (data.source.Part; what else a source may leave 0)
@@ -19,8 +19,6 @@ single-process run measures exactly the codec the distributed one uses.
 from __future__ import annotations
 
 import inspect
-import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +35,7 @@ from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
-from recsz.data.prefetch import prefetch
-from recsz.data.source import Batch, DataSource, Part
-from recsz.metrics import binary_metrics
+from recsz.data.source import Batch, Part
 from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
 from recsz.model.schedule import ScheduledRates
@@ -163,7 +159,7 @@ def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
     parts.exchange.grad_filter = HeldMask(counts, chunk) if counts else None
 
 
-# ---- one step and evaluation ------------------------------------------------------------
+# ---- one step ------------------------------------------------------------
 def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
     # checked: the sources are made for the model's table sizes (no host sync on a GPU).
@@ -187,72 +183,3 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Ten
     if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
         parts.dense_module.local.step()
     return loss.detach()
-
-
-@torch.no_grad()
-def evaluate(
-    parts: Parts, source: DataSource, cfg: TrainConfig, step: int, ranks: Ranks
-) -> dict[str, float]:
-    """AUC, logloss and accuracy on the held-out set (every rank returns the same). The
-    exchange codes evaluation batches as training ones but feeds no policy or counter."""
-    parts.exchange.train(False)
-    try:
-        return _evaluate(parts, source, cfg, step, ranks)
-    finally:
-        parts.exchange.train(True)
-
-
-def _evaluate(
-    parts: Parts, source: DataSource, cfg: TrainConfig, step: int, ranks: Ranks
-) -> dict[str, float]:
-    """Each rank makes its part of every evaluation batch (``--prefetch`` ahead, as in
-    training), predicts its samples and keeps the predictions where they are; rank 0
-    gathers them all once at the end and computes the numbers there, which every rank
-    then receives (no host read a batch, and one rank's memory holds the whole set)."""
-    t0 = time.perf_counter()
-    w, rank = ranks.world, ranks.rank
-    size = math.ceil(cfg.eval_batch_size / w) * w
-    part = rank_part(parts, ranks)
-    preds, counts = [], [0] * w  # counts: each rank's samples, known to every rank
-    for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
-        n = len(batch)
-        b = -(-n // w)
-        batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
-        mine = batch.slice(rank * b, (rank + 1) * b)
-        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
-        shares = [len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)]  # padding left out
-        counts = [c + k for c, k in zip(counts, shares, strict=True)]
-        keep = shares[rank]
-        preds.append(torch.stack([p[:keep], mine.labels[:keep]]))
-    if sum(counts) == 0:
-        raise ValueError(f"{source.name}: the evaluation set is empty")
-    both = _gathered(torch.cat(preds, 1), counts, ranks)
-    numbers = torch.zeros(3, dtype=torch.float64)
-    if both is not None:
-        got = binary_metrics(both[0], both[1])
-        numbers = torch.tensor([got["auc"], got["logloss"], got["accuracy"]], dtype=torch.float64)
-    if w > 1:
-        dist.broadcast(numbers, src=0)
-    auc, logloss, accuracy = numbers.tolist()
-    return {
-        "auc": auc,
-        "logloss": logloss,
-        "accuracy": accuracy,
-        "eval_samples": sum(counts),
-        "eval_s": time.perf_counter() - t0,
-    }
-
-
-def _gathered(mine: torch.Tensor, counts: list[int], ranks: Ranks) -> torch.Tensor | None:
-    """Every rank's (2, counts[rank]) predictions and labels, side by side on rank 0 (one
-    gather, each rank's padded to the largest count); None on the other ranks."""
-    if ranks.world == 1:
-        return mine
-    longest = max(counts)
-    padded = mine.new_zeros((2, longest))
-    padded[:, : mine.shape[1]] = mine
-    into = [torch.empty_like(padded) for _ in counts] if ranks.rank == 0 else None
-    dist.gather(padded, into, dst=0)
-    if into is None:
-        return None
-    return torch.cat([g[:, :c] for g, c in zip(into, counts, strict=True)], 1)

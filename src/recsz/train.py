@@ -21,9 +21,10 @@ from recsz import checkpoint, report
 from recsz.config import TrainConfig, parse_train_args
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
+from recsz.evaluation import evaluate
 from recsz.model import get_preset
-from recsz.ranks import Ranks, keep_freed_memory, launch, watch_parent
-from recsz.step import build_parts, evaluate, rank_part, share_chunk_counts, train_step
+from recsz.ranks import Ranks, keep_freed_memory, launch, worker
+from recsz.step import build_parts, rank_part, share_chunk_counts, train_step
 from recsz.stepgraph import graphed
 
 SYNTHETIC_DEFAULT_STEPS = 1000
@@ -225,22 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch(cfg.nproc, argv)
-    rank = os.environ.get("RANK", "0")
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
-        watch_parent()
-    try:
-        run(cfg)
-    except Exception as e:
-        print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        raise
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and __name__ == "__main__":
-        # A worker whose job is done and whose group is destroyed leaves without running
-        # C++ static destructors: under load, gloo's teardown occasionally aborted there
-        # ("terminate called without an active exception") after all work had succeeded.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
+    return worker(lambda: run(cfg), as_main=__name__ == "__main__")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -371,6 +372,36 @@ def test_resume_on_another_number_of_ranks(single: Path, tmp_path: Path) -> None
         )
         assert_same_model(single, d, 1e-5)
         assert resumed["bytes_raw"] == straight["bytes_raw"]  # (ratios: zstd's by chunk)
+
+
+def test_evaluate_a_checkpoint_on_any_number_of_ranks(
+    single: Path, tmp_path: Path, criteo_10k: Path
+) -> None:
+    """`recsz evaluate RUN`: the run's model on its held-out set gives the run's own final
+    numbers, on one process and on 2 ranks (tables resharded), each sample's prediction
+    written in the set's order; on another file (the real sample), its labels and size."""
+    from recsz.cli import main as cli
+
+    want = json.loads((single / "summary.json").read_text())
+    got = {}
+    for n in (1, 2):
+        out, preds = tmp_path / f"eval-{n}.json", tmp_path / f"preds-{n}.npy"
+        argv = ["evaluate", str(single), "--nproc", str(n), "--json", str(out)]
+        assert cli([*argv, "--predictions", str(preds)]) == 0
+        got[n] = json.loads(out.read_text())
+        assert got[n]["step"] == 20 and got[n]["world_size"] == n
+        assert got[n]["eval_samples"] == 512
+        for k in ("auc", "logloss", "accuracy"):
+            assert got[n][k] == pytest.approx(want[k], abs=1e-6), (n, k)
+    p1, p2 = (np.load(tmp_path / f"preds-{n}.npy") for n in (1, 2))
+    assert p1.shape == (512, 2) and p1.dtype == np.float32
+    np.testing.assert_allclose(p2, p1, rtol=0, atol=1e-6)
+    preds = tmp_path / "real.npy"
+    argv = ["evaluate", str(single), "--eval-data", str(criteo_10k), "--predictions", str(preds)]
+    assert cli([*argv, "--eval-batch-size", "1000"]) == 0
+    labels = [float(line.split("\t", 1)[0]) for line in criteo_10k.read_text().splitlines()]
+    np.testing.assert_array_equal(np.load(preds)[:, 1], labels)
+    assert cli(["evaluate", str(tmp_path / "none")]) == 2  # named, no traceback
 
 
 def test_resume_checks_every_file_of_another_number_of_ranks(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from sklearn.metrics import log_loss, roc_auc_score
 
-from recsz import step as step_module
+from recsz import evaluation as evaluation_module
 from recsz.data.source import make_source
 from recsz.model import get_preset
 from recsz.ranks import Ranks
@@ -31,9 +31,10 @@ def logits_of(dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(teacher.logits(dense.numpy(), ids.numpy())).float()
 
 
-def evaluated(rank: int, world: int) -> dict[str, float]:
-    """recsz.step.evaluate on this rank, its model replaced by :func:`logits_of`, which
-    reads its own samples' values only (what its part fills in full)."""
+def evaluated(rank: int, world: int) -> dict[str, object]:
+    """recsz.evaluation.evaluate on this rank (its predictions kept), its model replaced
+    by :func:`logits_of`, which reads its own samples' values only (what its part fills
+    in full)."""
 
     def forward(parts: object, dense: torch.Tensor, ids: torch.Tensor, step: int) -> torch.Tensor:
         b = len(dense)
@@ -47,8 +48,9 @@ def evaluated(rank: int, world: int) -> dict[str, float]:
     )
     cfg = SimpleNamespace(eval_batch_size=BATCH, prefetch=2)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_module, "forward", forward)
-        return step_module.evaluate(parts, source, cfg, 0, Ranks(rank, world))  # type: ignore[arg-type]
+        mp.setattr(evaluation_module, "forward", forward)
+        ranks = Ranks(rank, world)
+        return evaluation_module.evaluate(parts, source, cfg, 0, ranks, predictions=True)  # type: ignore[arg-type]
 
 
 def _worker(rank: int, store: str, out: str) -> None:
@@ -59,12 +61,16 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def reference() -> dict[str, float]:
-    """scikit-learn over the whole set, made at once (every value of every sample)."""
+def whole_set() -> tuple[np.ndarray, np.ndarray]:
+    """Every sample's prediction and label, the set made at once (every value of each)."""
     source = make_source("synthetic", SIZES, seed=4, synthetic_eval=N_EVAL)
     (whole,) = source.eval_batches(N_EVAL)
-    p = torch.sigmoid(logits_of(whole.dense, whole.ids)).double().numpy()
-    y = whole.labels.double().numpy()
+    return torch.sigmoid(logits_of(whole.dense, whole.ids)).numpy(), whole.labels.numpy()
+
+
+def reference() -> dict[str, float]:
+    """scikit-learn over the whole set, made at once."""
+    p, y = (a.astype(np.float64) for a in whole_set())
     return {
         "auc": float(roc_auc_score(y, p)),
         "logloss": float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[0.0, 1.0])),
@@ -86,3 +92,10 @@ def test_three_ranks_evaluate_the_whole_set_as_one_process_does() -> None:
             assert got[key] == pytest.approx(value, rel=1e-6), (key, got)
     assert all(r[k] == three[0][k] for r in three for k in want)  # every rank the same
     assert not math.isnan(three[0]["auc"])
+    # Rank 0 holds every prediction and label, in the set's order (gathered rank by rank).
+    p, y = whole_set()
+    for got in (one, three[0]):
+        kept = got["predictions"].numpy()  # type: ignore[attr-defined]
+        np.testing.assert_array_equal(kept[:, 1], y)
+        np.testing.assert_allclose(kept[:, 0], p, rtol=0, atol=1e-6)
+    assert all("predictions" not in r for r in three[1:])

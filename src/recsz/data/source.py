@@ -301,6 +301,17 @@ def make_source(
                        str(eval_data), order)  # fmt: skip
 
 
+def held_out_source(
+    eval_data: str, table_sizes: Sequence[int], skip_bad_lines: bool = False
+) -> DataSource:
+    """``eval_data`` (a raw Criteo TSV, a `recsz preprocess` directory or TorchRec's days)
+    as an evaluation set alone: a model trained elsewhere evaluated on it."""
+    _check_room([("--eval-data", Path(eval_data))] if Path(eval_data).is_file() else [])
+    rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines)[0]
+    return ArraySource(rows, 0, name=eval_data, table_sizes=table_sizes, held_out=rows,
+                       held_out_name=eval_data)  # fmt: skip
+
+
 def _read(
     data: str, flag: str, table_sizes: Sequence[int], skip_bad_lines: bool
 ) -> tuple[criteo.Arrays, int]:

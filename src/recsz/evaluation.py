@@ -1,0 +1,234 @@
+"""Evaluating a model: during training (:func:`evaluate`) and from a checkpoint, on any
+number of ranks (``recsz evaluate RUN``, :func:`main`).
+
+Each rank makes its part of every held-out batch (prefetched as training batches are),
+predicts its samples and keeps the predictions on its device; rank 0 gathers them all
+once at the end and computes the numbers there (:mod:`recsz.metrics`), which every rank
+then receives: no host read a batch, and one rank's memory holds the whole set.
+
+``recsz evaluate RUN`` (or ``RUN/checkpoints/step-N``) takes the model the run's newest
+complete checkpoint holds, with the run's configuration, on the ranks asked (its tables
+resharded where their number differs, :mod:`recsz.checkpoint`), evaluates it on the run's
+held-out set or on ``--eval-data``, prints the numbers and, asked, writes them
+(``--json``) and every sample's prediction and label in the set's order
+(``--predictions``, an (N, 2) float32 ``.npy``): the reference DLRM's ``--inference-only``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from recsz import checkpoint
+from recsz.config import TrainConfig
+from recsz.data.prefetch import prefetch
+from recsz.data.source import DataSource, Part, held_out_source, make_source
+from recsz.fields import parser
+from recsz.metrics import binary_metrics
+from recsz.model import get_preset
+from recsz.ranks import Ranks, launch, worker
+from recsz.step import Parts, build_parts, forward, rank_part
+
+
+# ---- an evaluation ----------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(
+    parts: Parts,
+    source: DataSource,
+    cfg: TrainConfig,
+    step: int,
+    ranks: Ranks,
+    predictions: bool = False,
+) -> dict[str, Any]:
+    """AUC, logloss and accuracy on the held-out set (every rank returns the same); with
+    ``predictions``, rank 0's also holds them ("predictions": (N, 2) prediction and label
+    of every sample, in the set's order, on its device). The exchange codes evaluation
+    batches as training ones but feeds no policy or counter."""
+    parts.exchange.train(False)
+    try:
+        return _evaluate(parts, source, cfg, step, ranks, predictions)
+    finally:
+        parts.exchange.train(True)
+
+
+def _evaluate(
+    parts: Parts,
+    source: DataSource,
+    cfg: TrainConfig,
+    step: int,
+    ranks: Ranks,
+    predictions: bool,
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    w, rank = ranks.world, ranks.rank
+    size = math.ceil(cfg.eval_batch_size / w) * w
+    part = rank_part(parts, ranks)
+    preds, shares = [], []  # shares: each batch's samples per rank, known to every rank
+    for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
+        n = len(batch)
+        b = -(-n // w)
+        batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
+        mine = batch.slice(rank * b, (rank + 1) * b)
+        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
+        shares.append([len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)])  # no padding
+        keep = shares[-1][rank]
+        preds.append(torch.stack([p[:keep], mine.labels[:keep]]))
+    counts = [sum(s[q] for s in shares) for q in range(w)]
+    if sum(counts) == 0:
+        raise ValueError(f"{source.name}: the evaluation set is empty")
+    both = _gathered(torch.cat(preds, 1), counts, ranks)
+    numbers = torch.zeros(3, dtype=torch.float64)
+    if both is not None:
+        got = binary_metrics(both[0], both[1])
+        numbers = torch.tensor([got["auc"], got["logloss"], got["accuracy"]], dtype=torch.float64)
+    if w > 1:
+        dist.broadcast(numbers, src=0)
+    auc, logloss, accuracy = numbers.tolist()
+    out: dict[str, Any] = {
+        "auc": auc,
+        "logloss": logloss,
+        "accuracy": accuracy,
+        "eval_samples": sum(counts),
+        "eval_s": time.perf_counter() - t0,
+    }
+    if predictions and both is not None:
+        out["predictions"] = both.t()[_set_order(shares, both.device)]
+    return out
+
+
+def _gathered(mine: torch.Tensor, counts: list[int], ranks: Ranks) -> torch.Tensor | None:
+    """Every rank's (2, counts[rank]) predictions and labels, side by side on rank 0 (one
+    gather, each rank's padded to the largest count); None on the other ranks."""
+    if ranks.world == 1:
+        return mine
+    longest = max(counts)
+    padded = mine.new_zeros((2, longest))
+    padded[:, : mine.shape[1]] = mine
+    into = [torch.empty_like(padded) for _ in counts] if ranks.rank == 0 else None
+    dist.gather(padded, into, dst=0)
+    if into is None:
+        return None
+    return torch.cat([g[:, :c] for g, c in zip(into, counts, strict=True)], 1)
+
+
+def _set_order(shares: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Where each sample of the set lies among the gathered ones (rank 0's of every batch,
+    then rank 1's, ...): batch after batch, a batch's ranks' slices one after another."""
+    s = torch.tensor(shares, dtype=torch.int64)  # (batches, ranks)
+    counts = s.sum(0)
+    first = (counts.cumsum(0) - counts) + (s.cumsum(0) - s)  # each (batch, rank)'s first
+    n = s.reshape(-1)  # runs in the set's order
+    start = n.cumsum(0) - n
+    within = torch.arange(int(n.sum())) - start.repeat_interleave(n)
+    return (first.reshape(-1).repeat_interleave(n) + within).to(device)
+
+
+# ---- recsz evaluate ---------------------------------------------------------------------
+#: what `recsz evaluate` may set, the rest being the run's: where it runs (what may change
+#: under a checkpoint) and what it evaluates on
+_WHERE = ("nproc", "device", "prefetch", "dist_timeout")
+_WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(
+        TrainConfig,
+        "recsz evaluate",
+        "Evaluate a run's model (its newest complete checkpoint, or the one named) on its "
+        "held-out set or on --eval-data, on any number of ranks (default: as many as wrote "
+        "the checkpoint).",
+        only=(*_WHERE, *_WHAT),
+        otherwise="the run's",
+    )
+    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    p.add_argument("--json", default=None, help="write the numbers, step and data to this file")
+    p.add_argument(
+        "--predictions",
+        default=None,
+        help="write each sample's prediction and label, in the set's order, to this .npy "
+        "file (N rows of 2 float32)",
+    )
+    return p
+
+
+def _chosen(run: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``run`` names (a run: its newest complete one) and its record."""
+    done = [run] if (run / "meta.json").exists() else checkpoint.complete(run)
+    if not done:
+        raise FileNotFoundError(f"{run}: no complete checkpoint (RUN/checkpoints/step-N)")
+    meta = json.loads((done[-1] / "meta.json").read_text())  # verified by the load
+    return done[-1], meta
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Evaluate on this process's rank; returns the numbers (the same on every rank)."""
+    args = build_parser().parse_args(argv)
+    ckpt, meta = _chosen(Path(args.run))
+    given = {k: getattr(args, k) for k in (*_WHERE, *_WHAT) if hasattr(args, k)}
+    saved = TrainConfig.from_dict(meta["config"])
+    # The model's configuration: the run's, but where it runs (what a checkpoint allows).
+    where = {k: v for k, v in given.items() if k in _WHERE}
+    cfg = replace(saved, **where, resume=str(ckpt), out=None, progress=False)
+    # What it evaluates on: another file stands alone (the run may have trained on any data).
+    eval_data = given.pop("eval_data", None)
+    on = replace(cfg, **{k: v for k, v in given.items() if k in _WHAT})
+    ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
+    ok = False
+    try:
+        sizes = get_preset(cfg.preset).model.table_sizes
+        if eval_data is not None:
+            source = held_out_source(eval_data, sizes, on.skip_bad_lines)
+        else:
+            source = make_source(on.data, sizes, on.seed, on.skip_bad_lines, on.synthetic_eval,
+                                 on.eval_fraction, on.eval_data, on.data_order)  # fmt: skip
+        parts, _ = build_parts(cfg, ranks)
+        step, _ = checkpoint.load(ckpt, parts, cfg, ranks)
+        ev = evaluate(parts, source, on, step, ranks, predictions=args.predictions is not None)
+        preds = ev.pop("predictions", None)
+        result = {**ev, "step": step, "checkpoint": str(ckpt), "data": source.name,
+                  "world_size": ranks.world}  # fmt: skip
+        if ranks.rank == 0:
+            if preds is not None:
+                np.save(args.predictions, preds.float().cpu().numpy())
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2))
+            print(
+                f"recsz: {ckpt} (step {step}) on {source.name}, {ev['eval_samples']} samples, "
+                f"{ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss {ev['logloss']:.5f}, "
+                f"accuracy {ev['accuracy']:.5f} ({ev['eval_s']:.1f} s)",
+                flush=True,
+            )
+        ok = True
+        return result
+    finally:
+        ranks.close(ok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `recsz evaluate`; tests call it with a list of flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if (data := getattr(args, "eval_data", None)) is not None and not Path(data).exists():
+        raise FileNotFoundError(f"--eval-data {data}: no such file or directory")
+    if "WORLD_SIZE" not in os.environ:
+        nproc = getattr(args, "nproc", None) or int(_chosen(Path(args.run))[1]["world_size"])
+        if nproc > 1:
+            return launch(nproc, argv, "recsz.evaluation")
+    return worker(lambda: run(argv), as_main=__name__ == "__main__")
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())
