@@ -165,3 +165,23 @@ def test_resume_from_a_named_checkpoint(run_dir: Path, tmp_path: Path) -> None:
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(ValueError, match=r"step-000000002/rank-0\.pt: checksum mismatch"):
         main([*BASE, "--steps", "6", "--resume", str(older), "--resume-fallback"])
+
+
+def test_a_resumed_run_takes_the_flags_it_is_not_given(tmp_path: Path) -> None:
+    """`--resume RUN --steps N` alone: the run's configuration (not the defaults), but
+    its run directory where it now is (moved since) and no test's injected failure."""
+    import shutil
+
+    flags = ("--fwd-codec", "hybrid", "--emb-lr", "0.2")
+    train(tmp_path / "src", *flags, "--inject-failure", "0:5")  # 4 steps: never reached
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "src", moved)
+    assert main(["--resume", str(moved), "--steps", "6"]) == 0
+    resumed = json.loads((moved / "summary.json").read_text())
+    straight = train(tmp_path / "straight", *flags, "--steps", "6")
+    assert resumed["config"]["fwd_codec"] == "hybrid" and resumed["steps"] == 6
+    for k in ("bytes_raw", "bytes_payload", "fwd_ratio", "auc"):
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+    assert not (tmp_path / "src").exists()
+    with pytest.raises(ValueError, match=r"another configuration \(fwd_codec: 'hybrid' -> 'none'"):
+        main(["--resume", str(moved), "--steps", "8", "--fwd-codec", "none"])

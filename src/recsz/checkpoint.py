@@ -39,6 +39,7 @@ _MAY_CHANGE = {
     "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
     "mlp_init",  # the checkpoint's weights replace the start
     "target_auc",  # when to stop, not what trains
+    "inject_failure",  # where a test fails a rank, not what trains
 }  # fmt: skip
 
 
@@ -148,6 +149,20 @@ def run_dir_of(resume: Path) -> Path:
     """The run directory ``--resume`` names: itself, or the run of the one checkpoint
     directory it names (``RUN/checkpoints/step-N``)."""
     return resume.parent.parent if (resume / "meta.json").exists() else resume
+
+
+def record(resume: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint ``resume`` names (a run: its newest complete one whose record is
+    intact) and its record, the files not yet verified (the load does); None if none."""
+    done = [resume] if run_dir_of(resume) != resume else complete(resume)
+    for d in reversed(done):
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("checksum") == record_digest(meta):
+            return d, meta
+    return None
 
 
 def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int, dict[str, Any]]]:

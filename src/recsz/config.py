@@ -400,3 +400,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_train_args(argv: list[str] | None) -> TrainConfig:
     return TrainConfig(**vars(build_parser().parse_args(argv)))
+
+
+#: what a resumed run never takes from the run it resumes: where it resumes from and
+#: writes (its run directory, whatever the saved path said), a test's injected failure
+NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "config_version")
+
+
+def given_args(argv: list[str]) -> dict[str, Any]:
+    """The flags ``argv`` gives, by field (parsed, not yet checked together)."""
+    names = tuple(f.name for f in fields(TrainConfig) if f.metadata["cli"])
+    return vars(parser(TrainConfig, "recsz train", "", only=names).parse_args(argv))
+
+
+def resumed_config(given: dict[str, Any], saved: dict[str, Any]) -> TrainConfig:
+    """``recsz train --resume RUN [flags]``: the configuration of the run resumed
+    (``saved``) but for the flags ``given`` (a checkpoint then refuses what may not
+    change) and :data:`NOT_RESUMED`."""
+    kept = {k: v for k, v in saved.items() if k not in NOT_RESUMED}
+    return TrainConfig.from_dict({**kept, **given})

@@ -164,11 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _chosen(run: Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``run`` names (a run: its newest complete one) and its record."""
-    done = [run] if (run / "meta.json").exists() else checkpoint.complete(run)
-    if not done:
+    found = checkpoint.record(run)
+    if found is None:
         raise FileNotFoundError(f"{run}: no complete checkpoint (RUN/checkpoints/step-N)")
-    meta = json.loads((done[-1] / "meta.json").read_text())  # verified by the load
-    return done[-1], meta
+    return found
 
 
 def run(argv: list[str]) -> dict[str, Any]:

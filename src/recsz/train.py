@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from recsz import checkpoint, report
-from recsz.config import TrainConfig, parse_train_args
+from recsz.config import TrainConfig, given_args, parse_train_args, resumed_config
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
@@ -223,7 +223,10 @@ _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `recsz train`; tests call it with a list of flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg = parse_train_args(argv)
+    given = given_args(argv)
+    found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
+    # Resumed: the flags not given are the run's.
+    cfg = resumed_config(given, found[1]["config"]) if found else parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return launch(cfg.nproc, argv)
     return worker(lambda: run(cfg), as_main=__name__ == "__main__")
