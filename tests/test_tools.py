@@ -389,3 +389,23 @@ def test_bench_draws_trains_ours_as_torchrecs_from_its_weights(tmp_path: Path) -
     assert abs(same["auc"] - theirs["auc"]) < 1e-3
     assert rows["ours, dlrm init"]["loss"] != theirs["loss"]
     assert "| ours, torch init |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_tabledtype_quick_runs_each_variant_and_restores_the_rounding(
+    tmp_path: Path,
+) -> None:
+    from recsz.model import rowopt
+
+    stochastic = rowopt.round_stochastic
+    out = tmp_path / "tabledtype.json"
+    assert (
+        _bench("bench_tabledtype").main(
+            ["--quick", "--variants", "fp32,fp16-rne", "--json-out", str(out)]
+        )
+        == 0
+    )
+    rows = json.loads(out.read_text())
+    assert {r["variant"] for r in rows} == {"fp32", "fp16-rne"}
+    mb = {r["variant"]: r["embedding_mb"] for r in rows if r["data"] == "pace"}
+    assert mb["fp16-rne"] == pytest.approx(mb["fp32"] / 2)
+    assert rowopt.round_stochastic is stochastic

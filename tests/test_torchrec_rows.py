@@ -67,7 +67,7 @@ def test_when_every_hash_collides_no_two_contents_merge(kjt: KeyedJaggedTensor) 
     of one content may then stay apart: fewer merged, none wrong), and every bag points
     to a first bag of its own ids."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rows_module, "_mix", lambda x: x * 0)
+        mp.setattr(rows_module, "mix32", lambda x: x * 0)
         first, inverse = _first_bags(kjt)
     for f, bags in enumerate(_contents(kjt)):
         firsts = [i for i in range(len(bags)) if first[f, i]]

@@ -32,6 +32,7 @@ from recsz.model import (
 )
 from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
+from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import LRSchedule
 from recsz.policy.adaptive import parse_class_eb
 
@@ -40,13 +41,13 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 13  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 14  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
-# --lr-decay-steps, --lr-decay-power, --target-auc
+# --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype
 
 
 CODECS = tuple(available_codecs())
@@ -74,6 +75,13 @@ class TrainConfig:
         gt=0,
     )
     emb_optimizer: str | None = opt(None, "embedding optimizer (default: preset's)", ROW_OPTIMIZERS)
+    table_dtype: str = opt(
+        "fp32",
+        "what the tables' rows are stored in: fp16 or bf16 hold half the bytes (looked up "
+        "into fp32, updated in fp32 and rounded stochastically, as fbgemm's half-precision "
+        "tables; not with FIITED)",
+        tuple(TABLE_DTYPES),
+    )
     lr_warmup_steps: int = opt(
         0,
         "steps over which every learning rate rises linearly to its own, from 1/N of it "

@@ -41,6 +41,9 @@ def refused(cfg: TrainConfig) -> None:
         raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {cfg.nproc}")
     if cfg.tt_tables > n_tables:
         raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
+    if spec is not None and cfg.table_dtype != "fp32":
+        raise ValueError(f"--table-dtype {cfg.table_dtype} with --fiited-budget: FIITED's "
+                         "chunk store keeps fp32 rows")  # fmt: skip
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
     if bags and cfg.tt_tables:
         raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")

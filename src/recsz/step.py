@@ -38,6 +38,7 @@ from recsz.config import TrainConfig
 from recsz.data.source import Batch, Part
 from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
+from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import plan_tables
 from recsz.model.ttrec import TTTables
@@ -92,7 +93,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     fiited = cfg.fiited_spec()
     hot = cfg.hotness()
-    sparse = SparseArch(mcfg, plan.tables_of(ranks.rank), cfg.seed, emb_opt, tt, fiited, hot)
+    dtype = TABLE_DTYPES[cfg.table_dtype]
+    mine = plan.tables_of(ranks.rank)
+    sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype)
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None

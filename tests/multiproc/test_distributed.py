@@ -222,6 +222,15 @@ def one_and_two_ranks(tmp_path: Path, *flags: str) -> tuple[dict, dict]:
     return one, two
 
 
+def test_half_tables_on_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
+    """--table-dtype fp16: the updates' stochastic rounding draws from the values, not
+    from a generator, so 2 ranks (lossless codec) train as one process does; the tables
+    hold half the bytes."""
+    one, two = one_and_two_ranks(tmp_path, "--table-dtype", "fp16")
+    fp32 = json.loads((single / "summary.json").read_text())
+    assert one["embedding_bytes"] == two["embedding_bytes"] == fp32["embedding_bytes"] // 2
+
+
 def test_tt_tables_on_two_ranks_match_one_process(tmp_path: Path) -> None:
     """TT-Rec tables (the 5 largest, so both ranks hold some) with caches of hot rows
     (filled every 4 steps): 2 ranks with a lossless codec train exactly as one process;

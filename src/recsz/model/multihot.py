@@ -54,15 +54,16 @@ def parse_hotness(spec: str, n_tables: int) -> tuple[int, ...] | None:
     return None if max(sizes) == 1 else sizes
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2^32), elementwise."""
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in [0, 2^32), elementwise (the bags' draws,
+    the tables' stochastic rounding)."""
     x = ((x ^ (x >> 16)) * _MUL) & _M32
     x = ((x ^ (x >> 16)) * _MUL) & _M32
     return x ^ (x >> 16)
 
 
 def _salt(table: int, slot: int) -> int:
-    return int(_mix(torch.tensor((table * 1_000_003 + slot * 7919) & _M32)))
+    return int(mix32(torch.tensor((table * 1_000_003 + slot * 7919) & _M32)))
 
 
 class Bags(nn.Module):
@@ -109,7 +110,7 @@ class Bags(nn.Module):
         one-hot id, the others are drawn from its table by the hash."""
         ids = one_hot.index_select(1, self.col)
         lo = (ids ^ (ids >> 32)) & _M32
-        drawn = torch.remainder(_mix(_mix(lo) ^ self.salt), self.size)
+        drawn = torch.remainder(mix32(mix32(lo) ^ self.salt), self.size)
         return torch.where(self.first, ids, drawn)
 
     def rows(self, one_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

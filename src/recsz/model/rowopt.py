@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from recsz.devicepath import device_path
+from recsz.model.multihot import mix32
 
 ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 
@@ -47,11 +48,14 @@ class RowOptimizer:
             raise ValueError(f"embedding learning rate must be positive, got {self.lr}")
 
     def new_state(self, weight: torch.Tensor) -> torch.Tensor:
-        """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows)."""
+        """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows);
+        float32 for half-precision rows."""
+        half = weight.dtype in (torch.float16, torch.bfloat16)
+        dtype = torch.float32 if half else weight.dtype
         if self.kind == "adagrad":
-            return torch.zeros_like(weight)
+            return torch.zeros_like(weight, dtype=dtype)
         n = weight.shape[0] if self.kind == "rowwise_adagrad" else 0
-        return torch.zeros(n, dtype=weight.dtype, device=weight.device)
+        return torch.zeros(n, dtype=dtype, device=weight.device)
 
     @torch.no_grad()
     def step(
@@ -79,7 +83,9 @@ class RowOptimizer:
         # Gather the rows, update them, scatter them back: index_select / index_copy_ are
         # several times faster on the CPU than advanced indexing or index_add_ into a large
         # table (measured: 26k rows of a 325k x 64 table, 2.2 ms against 5.3 ms).
-        w = weight.index_select(0, uniq)
+        stored = weight.index_select(0, uniq)
+        half = weight.dtype in (torch.float16, torch.bfloat16)
+        w = stored.float() if half else stored  # a half row's update in float32
         if self.kind == "sgd":
             w.add_(g, alpha=-self.lr)
         else:
@@ -92,7 +98,31 @@ class RowOptimizer:
                 s.add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]))
                 w.addcmul_(g, (self.lr / s.sqrt().add_(eps)).unsqueeze(1), value=-1)
             state.index_copy_(0, uniq, s)
+        if half:
+            w = round_stochastic(w, weight.dtype, stored)
         weight.index_copy_(0, uniq, w)
+
+
+#: the dtypes rows may be stored in (``--table-dtype``)
+TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, salt: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x`` in ``dtype`` (float16, bfloat16): each value one of its two nearest
+    neighbours there, the farther with the probability of its share of the gap, so that
+    the expected value is ``x`` (an update smaller than the gap still moves a row, on
+    average, as fbgemm's stochastic rounding of half-precision tables does). The draws are
+    a hash of each value's bits and ``salt``'s (the stored values it replaces), not a
+    generator's: the same run rounds alike on any number of ranks. NaN and inf stay."""
+    near = x.to(dtype)
+    nf = near.float()
+    away = torch.where(nf > x, float("-inf"), float("inf")).to(dtype)
+    other = torch.nextafter(near, away)
+    share = ((x - nf) / (other.float() - nf)).nan_to_num_(0.0)  # exact, inf, nan: 0
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    seed = salt.view(torch.int16).long() & 0xFFFF
+    draw = (mix32(mix32(bits) ^ seed) >> 8).float() * 2.0**-24  # uniform in [0, 1)
+    return torch.where(draw < share, other, near)
 
 
 def sum_by_row(

@@ -49,6 +49,10 @@ class SparseArch(nn.Module):
         fiited: the dense tables as a FIITED chunk store that prunes dimensions.
         hotness: ids per bag of every table of the model (None: one), the bags made from
             each one-hot id as MLPerf's multi-hot Criteo (:mod:`recsz.model.multihot`).
+        dtype: what the dense tables' rows are stored in (float32, or float16 / bfloat16:
+            half the memory; looked up into float32, a bag's rows summed in float32;
+            updated in float32 and rounded stochastically,
+            :func:`recsz.model.rowopt.round_stochastic`).
     """
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
@@ -67,8 +71,11 @@ class SparseArch(nn.Module):
         tt: TTSpec | None = None,
         fiited: FiitedSpec | None = None,
         hotness: Sequence[int] | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        if fiited is not None and dtype != torch.float32:
+            raise ValueError("FIITED's chunk store keeps float32 rows (--table-dtype fp32)")
         self.tables = list(tables)
         tt_set = tt.tables if tt is not None else frozenset()
         if hotness is not None and any(hotness[t] > 1 for t in tt_set):
@@ -97,6 +104,7 @@ class SparseArch(nn.Module):
         self.store = None if fiited is None else FiitedStore(weight, self.sizes, fiited, optimizer)
         if self.store is not None:  # the rows live in the store
             weight = weight[:0]
+        weight = weight.to(dtype)
         # A parameter so that .to() and state_dict() carry it, but no torch optimizer owns
         # it: the backward updates it in place and leaves .grad empty.
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
@@ -113,7 +121,8 @@ class SparseArch(nn.Module):
         """What this rank's tables hold: the dense rows (or FIITED's store) and the TT
         cores (float32)."""
         store = self.store.bytes_held if self.store is not None else 0
-        return 4 * self.weight.numel() + self.tt.bytes_held + store
+        rows = self.weight.numel() * self.weight.element_size()
+        return rows + self.tt.bytes_held + store
 
     def prune(self) -> None:
         """FIITED: keep each table's most important chunks (no-op without a store)."""
@@ -139,7 +148,7 @@ class SparseArch(nn.Module):
         if not self.tt.tables:
             return self._dense(ids, checked)
         b = ids.shape[0]
-        out = self.weight.new_zeros(b, len(self.tables), self.dim)
+        out = self.weight.new_zeros(b, len(self.tables), self.dim, dtype=torch.float32)
         if self.dense_tables:
             out = out.index_copy(1, self.dense_pos, self._dense(ids, checked))
         return out.index_copy(1, self.tt_pos, self.tt(ids))
@@ -147,7 +156,7 @@ class SparseArch(nn.Module):
     def _dense(self, ids: torch.Tensor, checked: bool) -> torch.Tensor:
         n = len(self.dense_tables)
         if not n or not ids.numel():
-            return self.weight.new_zeros(ids.shape[0], n, self.dim)
+            return self.weight.new_zeros(ids.shape[0], n, self.dim, dtype=torch.float32)
         with record_function("recsz.lookup"):
             mine = ids.index_select(1, self.dense_cols)  # (B, T_dense); a list: a host copy
             if not checked:
@@ -224,7 +233,7 @@ class SparseArch(nn.Module):
             at = torch.arange(rows.numel(), device=rows.device)
             return _bag(vecs, at, starts, psw).view(shape)
         if self.optimizer is None or not torch.is_grad_enabled():
-            return _bag(self.weight.detach(), rows, starts, psw).view(shape)
+            return _bag(self.weight.detach(), rows, starts, psw).view(shape).float()
         return _FusedLookup.apply(self.weight, rows, starts, psw, self, shape)
 
 
@@ -233,6 +242,11 @@ def _bag(
 ) -> torch.Tensor:
     if starts is None:  # one row per bag
         starts = torch.arange(rows.numel(), device=rows.device)
+    elif weight.dtype != torch.float32:  # half rows: their bags summed in float32
+        weight, rows = (
+            weight.index_select(0, rows).float(),
+            torch.arange(rows.numel(), device=rows.device),
+        )
     return F.embedding_bag(rows, weight, starts, mode="sum", per_sample_weights=psw)
 
 
@@ -251,7 +265,7 @@ class _FusedLookup(torch.autograd.Function):
         shape: tuple[int, ...],
     ) -> torch.Tensor:
         ctx.rows, ctx.starts, ctx.psw, ctx.arch = rows, starts, psw, arch
-        return _bag(weight.detach(), rows, starts, psw).view(shape)
+        return _bag(weight.detach(), rows, starts, psw).view(shape).float()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:

@@ -27,6 +27,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from recsz.model.multihot import mix32
+
 #: A group's rows (table after table) and each table's row count.
 Group = tuple[torch.Tensor, list[int]]
 
@@ -116,14 +118,6 @@ class Rows(Protocol):
 
 
 _M32 = 0xFFFFFFFF
-_MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
-
-
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in [0, 2^32)."""
-    x = ((x >> 16) ^ x) * _MUL & _M32
-    x = ((x >> 16) ^ x) * _MUL & _M32
-    return (x >> 16) ^ x
 
 
 def first_bags(
@@ -146,7 +140,7 @@ def first_bags(
     pos = torch.arange(values.numel(), device=device) - offsets[bag]
     # one mix an id (its position in the bag in it: order counts); a weak hash only
     # merges fewer bags, the check below keeps different ones apart
-    hashed = _mix((values ^ (values >> 32) ^ (pos * 0x9E3779B1)) & _M32)
+    hashed = mix32((values ^ (values >> 32) ^ (pos * 0x9E3779B1)) & _M32)
     whole = torch.zeros_like(lengths).index_add_(0, bag, hashed)
     key = ((whole & (2**52 - 1)) << 10 | (lengths & 1023)).view(features, rows)
     # Each bag's reference: the first bag of its key.
