@@ -101,3 +101,17 @@ def test_half_tables_train_as_float32_tables_of_their_values(kind: str, dtype) -
     w = half.weight.detach().float()
     want = torch.stack([w[0] + w[1], w[30 + 2] + w[30 + 3] + w[30 + 4]])[None]
     torch.testing.assert_close(bags, want, rtol=0, atol=0)  # summed in float32
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_neighbour_found_on_the_bits_is_nextafters(dtype: torch.dtype) -> None:
+    """Every finite 16-bit value, both ways: the bit arithmetic (any device) gives what
+    torch.nextafter does (not every device's torch has it for 16-bit floats)."""
+    from recsz.model.rowopt import _next
+
+    h = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(h)
+    for up in (True, False):
+        got = _next(h, torch.full(h.shape, up))
+        want = torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf")))
+        assert torch.equal(got.float()[finite], want.float()[finite]), up

@@ -116,8 +116,7 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, salt: torch.Tensor) ->
     generator's: the same run rounds alike on any number of ranks. NaN and inf stay."""
     near = x.to(dtype)
     nf = near.float()
-    away = torch.where(nf > x, float("-inf"), float("inf")).to(dtype)
-    other = torch.nextafter(near, away)
+    other = _next(near, x > nf)
     share = ((x - nf) / (other.float() - nf)).nan_to_num_(0.0)  # exact, inf, nan: 0
     bits = x.view(torch.int32).long() & 0xFFFFFFFF
     seed = salt.view(torch.int16).long() & 0xFFFF
@@ -149,3 +148,13 @@ def sum_by_row(
         return srt, sums[run]
     uniq, counts = torch.unique_consecutive(srt, return_counts=True)
     return uniq, F.embedding_bag(at, grad, torch.cumsum(counts, 0) - counts, mode="sum")
+
+
+def _next(h: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The neighbour of each 16-bit float ``h`` above it (``up``) or below it, found on its
+    bits (sign and magnitude, as float16's and bfloat16's are): any device, no nextafter."""
+    b = h.view(torch.int16).to(torch.int32)
+    step = torch.where(up ^ (b < 0), 1, -1)  # a negative value's magnitude grows downwards
+    zero = (b & 0x7FFF) == 0  # +0 or -0: the smallest subnormal on the side asked
+    b = torch.where(zero, torch.where(up, 1, -0x7FFF), b + step)
+    return b.to(torch.int16).view(h.dtype)
