@@ -39,7 +39,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py \
     tests/test_castframe.py tests/test_policy.py tests/test_model.py tests/test_dp_hooks.py \
     tests/test_exchange.py tests/test_stepgraph.py tests/test_synthetic.py tests/test_host_syncs.py \
-    tests/test_switch.py tests/test_metrics.py \
+    tests/test_switch.py tests/test_metrics.py tests/test_tabledtype.py \
     -k "cuda or gpu" 2>&1 | tail -25 | tee "$out/tests.txt"
 
 # 2. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
@@ -55,7 +55,8 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    eagerly and replayed as CUDA graphs (--cuda-graph: the policy's 10-step probe window
 #    and its classification run eagerly); then the trainer's default, id-aware traffic
 #    (sizes change every step: eager coder, a few syncs), the MLPs under torch.compile
-#    (--compile), then in bfloat16 (--dense-dtype bf16), then on MLPerf's multi-hot bags.
+#    (--compile), then in bfloat16 (--dense-dtype bf16), then on MLPerf's multi-hot bags,
+#    then with half-precision tables (--table-dtype fp16: stochastic rounding on the GPU).
 #    The default runs ("none", "hybrid") evaluate 2^20 held-out samples (eval_s: the
 #    evaluation's seconds, its metrics on the GPU), the others 8192.
 fixed="--no-id-dedup --no-bwd-coalesce"
@@ -63,7 +64,7 @@ mh="--multi-hot mlperf --emb-lr 0.01"  # MLPerf's bags, 214 ids a sample
 for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
     "hybrid $fixed --cuda-graph" none hybrid "hybrid --compile" "none --dense-dtype bf16" \
     "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh" "none --interaction dcn" \
-    "hybrid --interaction dcn" "hybrid --compress auto"; do
+    "hybrid --interaction dcn" "hybrid --compress auto" "hybrid --table-dtype fp16"; do
     c=${run%% *}
     steps=40
     n_eval=8192

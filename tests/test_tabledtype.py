@@ -115,3 +115,16 @@ def test_the_neighbour_found_on_the_bits_is_nextafters(dtype: torch.dtype) -> No
         got = _next(h, torch.full(h.shape, up))
         want = torch.nextafter(h, torch.full_like(h, float("inf") if up else float("-inf")))
         assert torch.equal(got.float()[finite], want.float()[finite]), up
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", HALF)
+def test_the_rounding_on_a_gpu_equals_the_hosts(dtype: torch.dtype) -> None:
+    """The same values and salts round alike on the GPU and the host: a run moved between
+    them (or ranks on both) keeps its tables."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100_000, generator=g) * torch.logspace(-6, 4, 100_000)
+    salt = torch.randn(100_000, generator=g).to(dtype)
+    host = round_stochastic(x, dtype, salt)
+    gpu = round_stochastic(x.cuda(), dtype, salt.cuda()).cpu()
+    assert torch.equal(host.view(torch.int16), gpu.view(torch.int16))
