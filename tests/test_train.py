@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,13 @@ def test_ddp_without_buffer_sync_warns_nothing(tmp_path: Path) -> None:
         ddp(torch.ones(1, 2)).sum().backward()
         assert not ddp.will_sync_module_buffers()
         assert torch.equal(ddp.module.c, torch.arange(3.0))
+        # Gloo's teardown, once the group is gone, joins its work thread holding the GIL,
+        # which that thread may need to free the all-reduce's work: a deadlock (seen
+        # once). The DDP (the group's last holder) goes while the group is registered,
+        # the thread freeing the work meanwhile.
+        dist.barrier()
+        del ddp
+        time.sleep(0.1)
     finally:
         dist.destroy_process_group()
 
