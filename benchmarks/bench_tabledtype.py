@@ -1,6 +1,7 @@
 """Half-precision tables (``--table-dtype``): accuracy, pace and memory against float32.
 
     python benchmarks/bench_tabledtype.py [--seeds 0,1,2] [--steps 1000] [--quick]
+        [--flags '--emb-optimizer sgd --emb-lr 0.01'] [--no-pace] [--variants fp32,bf16,...]
         [--json-out benchmarks/results/tabledtype.json]
 
 Each variant trains the ``tiny`` DLRM in one process (codec ``none``) on (a) the synthetic
@@ -46,8 +47,9 @@ def one(variant: str, data: str, seed: int, a: argparse.Namespace) -> dict:
     dtype, _, mode = variant.partition("-")
     if data == "synthetic":
         flags = ["--steps", str(a.steps), "--batch-size", "256", "--synthetic-eval", "20000"]
-    elif data == "pace":
-        flags = ["--preset", "bench", "--steps", str(a.pace_steps), "--synthetic-eval", "2048"]
+    elif data == "pace":  # (--quick: the tiny preset, for the tests)
+        preset = "tiny" if a.quick else "bench"
+        flags = ["--preset", preset, "--steps", str(a.pace_steps), "--synthetic-eval", "2048"]
     else:
         flags = ["--data", data, "--batch-size", "32"]
     stochastic = rowopt.round_stochastic
@@ -56,7 +58,7 @@ def one(variant: str, data: str, seed: int, a: argparse.Namespace) -> dict:
     try:
         with tempfile.TemporaryDirectory() as out:
             argv = [*flags, "--table-dtype", dtype, "--seed", str(seed), "--no-progress",
-                    "--log-every", "1000000", "--out", out]  # fmt: skip
+                    "--log-every", "1000000", "--out", out, *a.flags.split()]  # fmt: skip
             assert train_main(argv) == 0
             s = json.loads((Path(out) / "summary.json").read_text())
     finally:
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pace-steps", type=int, default=60)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--quick", action="store_true", help="one seed, a few steps (tests)")
+    ap.add_argument("--flags", default="", help="more `recsz train` flags for every run")
+    ap.add_argument("--no-pace", action="store_true", help="the accuracy runs only")
     ap.add_argument("--json-out", default=str(HERE / "results" / "tabledtype.json"))
     a = ap.parse_args(argv)
     seeds = [0] if a.quick else [int(s) for s in a.seeds.split(",")]
@@ -125,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
             for seed in seeds:
                 rows.append(one(v, d, seed, a))
                 print(json.dumps(rows[-1]), flush=True)
-        rows.append(one(v, "pace", 0, a))
-        print(json.dumps(rows[-1]), flush=True)
+        if not a.no_pace:
+            rows.append(one(v, "pace", 0, a))
+            print(json.dumps(rows[-1]), flush=True)
     write_results(rows, a.json_out, table(rows))
     return 0
 

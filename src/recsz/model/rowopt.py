@@ -118,9 +118,8 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, salt: torch.Tensor) ->
     nf = near.float()
     other = _next(near, x > nf)
     share = ((x - nf) / (other.float() - nf)).nan_to_num_(0.0)  # exact, inf, nan: 0
-    bits = x.view(torch.int32).long() & 0xFFFFFFFF
-    seed = salt.view(torch.int16).long() & 0xFFFF
-    draw = (mix32(mix32(bits) ^ seed) >> 8).float() * 2.0**-24  # uniform in [0, 1)
+    bits = x.view(torch.int32).long() ^ (salt.view(torch.int16).long() << 16)
+    draw = (mix32(bits.bitwise_and_(0xFFFFFFFF)) >> 8).float().mul_(2.0**-24)  # in [0, 1)
     return torch.where(draw < share, other, near)
 
 
@@ -153,8 +152,8 @@ def sum_by_row(
 def _next(h: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The neighbour of each 16-bit float ``h`` above it (``up``) or below it, found on its
     bits (sign and magnitude, as float16's and bfloat16's are): any device, no nextafter."""
-    b = h.view(torch.int16).to(torch.int32)
-    step = torch.where(up ^ (b < 0), 1, -1)  # a negative value's magnitude grows downwards
+    b = h.view(torch.int16)
+    step = (up ^ (b < 0)).to(torch.int16).mul_(2).sub_(1)  # a negative's magnitude: down
     zero = (b & 0x7FFF) == 0  # +0 or -0: the smallest subnormal on the side asked
-    b = torch.where(zero, torch.where(up, 1, -0x7FFF), b + step)
-    return b.to(torch.int16).view(h.dtype)
+    first = torch.where(up, 1, -0x7FFF).to(torch.int16)
+    return torch.where(zero, first, b + step).view(h.dtype)
