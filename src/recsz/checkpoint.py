@@ -151,17 +151,34 @@ def run_dir_of(resume: Path) -> Path:
     return resume.parent.parent if (resume / "meta.json").exists() else resume
 
 
+def _named(resume: Path) -> list[Path]:
+    """The checkpoints ``resume`` names, oldest first: itself (``RUN/checkpoints/step-N``)
+    or a run's complete ones."""
+    return [resume] if run_dir_of(resume) != resume else complete(resume)
+
+
+def _record(d: Path) -> dict[str, Any]:
+    """Checkpoint ``d``'s record, its checksum verified; CheckpointError names it
+    otherwise."""
+    meta_path = d / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("checksum") != record_digest(meta):
+            raise ValueError("checksum mismatch (damaged or edited)")
+        int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: unreadable checkpoint record ({e})") from None
+    return meta
+
+
 def record(resume: Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint ``resume`` names (a run: its newest complete one whose record is
     intact) and its record, the files not yet verified (the load does); None if none."""
-    done = [resume] if run_dir_of(resume) != resume else complete(resume)
-    for d in reversed(done):
+    for d in reversed(_named(resume)):
         try:
-            meta = json.loads((d / "meta.json").read_text())
-        except (OSError, ValueError):
+            return d, _record(d)
+        except CheckpointError:
             continue
-        if isinstance(meta, dict) and meta.get("checksum") == record_digest(meta):
-            return d, meta
     return None
 
 
@@ -170,14 +187,8 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int,
     wrote it and the saved states this rank restores from, by the rank that wrote them
     (its own; or, written by another number of ranks, every rank's, memory-mapped, this
     rank verifying every ``world``-th file); CheckpointError names the file otherwise."""
-    meta_path = d / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("checksum") != record_digest(meta):
-            raise ValueError("checksum mismatch (damaged or edited)")
-        step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{meta_path}: unreadable checkpoint record ({e})") from None
+    meta = _record(d)
+    step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
     if meta.get("fingerprint") != fingerprint(cfg):
         saved, now = meta.get("config", {}), cfg.to_dict()
         diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
@@ -213,7 +224,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     counters saved with it. A damaged newest checkpoint is an error, unless
     ``cfg.resume_fallback``: then the newest intact one is used. One written by another
     number of ranks is resharded (:func:`_restore_resharded`)."""
-    done = [run_dir] if run_dir_of(run_dir) != run_dir else complete(run_dir)
+    done = _named(run_dir)
     if not done:
         raise FileNotFoundError(
             f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
