@@ -28,6 +28,11 @@ ROW_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
 #: Default eps of each: torch's Adagrad, fbgemm's row-wise Adagrad.
 _EPS = {"sgd": 0.0, "adagrad": 1e-10, "rowwise_adagrad": 1e-8}
 
+#: the dtypes rows may be stored in (``--table-dtype``); the half ones are updated in
+#: float32, with float32 state, and rounded back (:func:`round_stochastic`)
+TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 @dataclass
 class RowOptimizer:
@@ -50,7 +55,7 @@ class RowOptimizer:
     def new_state(self, weight: torch.Tensor) -> torch.Tensor:
         """The accumulator for ``weight`` (rows, D): per element, per row, or none (0 rows);
         float32 for half-precision rows."""
-        half = weight.dtype in (torch.float16, torch.bfloat16)
+        half = weight.dtype in HALF_DTYPES
         dtype = torch.float32 if half else weight.dtype
         if self.kind == "adagrad":
             return torch.zeros_like(weight, dtype=dtype)
@@ -84,7 +89,7 @@ class RowOptimizer:
         # several times faster on the CPU than advanced indexing or index_add_ into a large
         # table (measured: 26k rows of a 325k x 64 table, 2.2 ms against 5.3 ms).
         stored = weight.index_select(0, uniq)
-        half = weight.dtype in (torch.float16, torch.bfloat16)
+        half = weight.dtype in HALF_DTYPES
         w = stored.float() if half else stored  # a half row's update in float32
         if self.kind == "sgd":
             w.add_(g, alpha=-self.lr)
@@ -101,10 +106,6 @@ class RowOptimizer:
         if half:
             w = round_stochastic(w, weight.dtype, stored)
         weight.index_copy_(0, uniq, w)
-
-
-#: the dtypes rows may be stored in (``--table-dtype``)
-TABLE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def round_stochastic(x: torch.Tensor, dtype: torch.dtype, salt: torch.Tensor) -> torch.Tensor:

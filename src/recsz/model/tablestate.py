@@ -5,9 +5,9 @@ buffer (and its row optimizer's state beside them) and its TT tables as modules 
 in order. A checkpoint written by W ranks is resumed on another number of ranks by cutting
 each rank's ``state_dict`` into its tables' pieces (:func:`split`: a table's rows and
 optimizer rows, or its rows' chunks in FIITED's store; a TT table's cores, cache and its
-cores' optimizers) and joining the pieces
-of the tables a rank now holds into its own module's layout (:func:`join`). A table moves
-whole: what was trained is what is resumed, whichever rank holds it.
+cores' optimizers) and joining the pieces of the tables a rank now holds into its own
+module's layout (:func:`join`). A table moves whole: what was trained is what is resumed,
+whichever rank holds it.
 """
 
 from __future__ import annotations
