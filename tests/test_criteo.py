@@ -494,7 +494,11 @@ def test_a_ranks_part_of_a_files_batch_is_the_batch_where_it_says(
 
 
 # ---- the compiled parser against parse_line ---------------------------------------------
-def _by_parse_line(data: bytes, sizes: list[int]) -> tuple[list, list[str]]:
+def _label(y: float) -> float | None:
+    return None if math.isnan(y) else float(y)  # NaN (no label) compares equal as None
+
+
+def _by_parse_line(data: bytes, sizes: list[int], labeled: bool = True) -> tuple[list, list[str]]:
     """Every line of ``data`` through parse_line alone (the definition): the samples of the
     lines it takes, and the errors of the others, in order."""
     rows, errors = [], []
@@ -502,21 +506,23 @@ def _by_parse_line(data: bytes, sizes: list[int]) -> tuple[list, list[str]]:
         if raw in (b"", b"\r"):
             continue
         try:
-            y, d, c, _ = criteo.parse_line(raw.decode("ascii"), sizes, f"f:{n + 1}")
+            y, d, c, _ = criteo.parse_line(raw.decode("ascii"), sizes, f"f:{n + 1}", labeled)
         except (CriteoFormatError, UnicodeDecodeError) as e:
             errors.append(type(e).__name__)
             continue
-        rows.append((y, np.float32(d).tolist(), c))
+        rows.append((_label(y), np.float32(d).tolist(), c))
     return rows, errors
 
 
-def _by_iter_blocks(tmp_path: Path, data: bytes, sizes: list[int], chunk: int) -> list:
+def _by_iter_blocks(
+    tmp_path: Path, data: bytes, sizes: list[int], chunk: int, labeled: bool = True
+) -> list:
     p = tmp_path / "f.tsv"
     p.write_bytes(data)
     stats = criteo.ParseStats()
-    blocks = criteo.iter_blocks(p, sizes, 7, True, stats, chunk_bytes=chunk)
+    blocks = criteo.iter_blocks(p, sizes, 7, True, stats, chunk_bytes=chunk, labeled=labeled)
     return [
-        (float(y), d.tolist(), c.tolist())
+        (_label(float(y)), d.tolist(), c.tolist())
         for b in blocks
         for y, d, c in zip(b.labels, b.dense, b.cats, strict=True)
     ]
@@ -577,15 +583,71 @@ def _line(draw: st.DrawFn) -> str:
 
 
 @settings(max_examples=150, deadline=None)
-@given(lines=st.lists(_line(), min_size=1, max_size=10), chunk=st.sampled_from([8, 300, 1 << 16]))
-def test_the_compiled_parser_takes_what_parse_line_takes(lines, chunk, tmp_path_factory) -> None:
+@given(
+    lines=st.lists(_line(), min_size=1, max_size=10),
+    chunk=st.sampled_from([8, 300, 1 << 16]),
+    labeled=st.booleans(),
+)
+def test_the_compiled_parser_takes_what_parse_line_takes(
+    lines, chunk, labeled, tmp_path_factory
+) -> None:
     """Generated lines, well-formed or not (signs, spaces, prefixes, long fields, stripped or
-    extra fields, carriage returns, blank lines), in chunks that cut lines anywhere: the
-    samples are parse_line's, and a line it refuses is skipped (--skip-bad-lines)."""
+    extra fields, carriage returns, blank lines), in chunks that cut lines anywhere, with a
+    label or in the test layout (the same lines, their first field cut): the samples are
+    parse_line's, and a line it refuses is skipped (--skip-bad-lines)."""
+    if not labeled:
+        lines = [line.split("\t", 1)[1] if "\t" in line else line for line in lines]
     data = "".join(lines).encode()
-    want, _ = _by_parse_line(data, SIZES)
-    got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk)
+    want, _ = _by_parse_line(data, SIZES, labeled)
+    got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk, labeled)
     assert got == want
+
+
+def _unlabeled(path: Path, out: Path) -> Path:
+    """``path``'s lines in Criteo's test layout: each line's first field (its label) cut."""
+    lines = path.read_text().splitlines(keepends=True)
+    out.write_text("".join(line.split("\t", 1)[1] for line in lines))
+    return out
+
+
+@pytest.mark.parametrize("name", ["criteo_kaggle_head10k.tsv", "criteo_kaggle_head1k_ragged.tsv"])
+def test_the_test_layout_reads_as_its_labeled_lines(
+    criteo_10k: Path, name: str, tmp_path: Path
+) -> None:
+    """The real samples with their labels cut (the test layout; the ragged sample's lines
+    stripped of trailing fields) read as the labeled file does, but the labels, NaN."""
+    path = criteo_10k.parent / name
+    if not path.exists():
+        pytest.skip(f"{path} is not here")
+    want = criteo.read(path, SIZES)
+    got = criteo.read(_unlabeled(path, tmp_path / "test.txt"), SIZES, labeled=False)
+    np.testing.assert_array_equal(got.dense, want.dense)
+    np.testing.assert_array_equal(got.cats, want.cats)
+    assert np.isnan(got.labels).all() and len(got) == len(want)
+
+
+def test_the_layouts_name_each_others_lines(criteo_10k: Path, tmp_path: Path) -> None:
+    """A labeled line read as the test layout has a field too many, and a test-layout line
+    whose first count is not 0 or 1 read as labeled has no label: each named, with its
+    line, and the command that reads it; a field is numbered as in its own layout."""
+    with pytest.raises(CriteoFormatError, match=r"head10k\.tsv:1: 40 fields, expected at most 39 "
+                       r"\(a labeled line\? `recsz evaluate`"):  # fmt: skip
+        criteo.read(criteo_10k, SIZES, labeled=False)
+    test = tmp_path / "test.txt"
+    test.write_text("\t".join(["5", *["1"] * 12, *["a"] * 26]) + "\n")
+    with pytest.raises(CriteoFormatError, match=r"test\.txt:1: field 1 \(label\): '5' is not 0 "
+                       r"or 1 \(an unlabeled line, .*`recsz predict`"):  # fmt: skip
+        criteo.read(test, SIZES)
+    test.write_text("\t".join(["1", *["1"] * 12, *["a"] * 26]) + "\n")  # its I1 taken for a label
+    with pytest.raises(CriteoFormatError, match=r"test\.txt:1: field 14 \(I13\): 'a' is not an "
+                       r"integer \(an unlabeled line, .*`recsz predict`"):  # fmt: skip
+        criteo.read(test, SIZES)
+    test.write_text("\t".join(["5", "x", *["1"] * 11, *["a"] * 26]) + "\n")
+    with pytest.raises(CriteoFormatError, match=r"test\.txt:1: field 2 \(I2\): 'x'"):
+        criteo.read(test, SIZES, labeled=False)
+    test.write_text("\t".join(["5", *["1"] * 12, "a", "zz", *["a"] * 24]) + "\n")
+    with pytest.raises(CriteoFormatError, match=r"test\.txt:1: field 15 \(C2\): 'zz'"):
+        criteo.read(test, SIZES, labeled=False)
 
 
 @pytest.mark.parametrize("chunk", [100, 1000, 1 << 24])

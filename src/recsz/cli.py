@@ -1,4 +1,4 @@
-"""The one command line: ``recsz train | evaluate | preprocess | plot``."""
+"""The one command line: ``recsz train | evaluate | predict | preprocess | plot``."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: recsz {train,evaluate,preprocess,plot} ...\n\n"
+            "usage: recsz {train,evaluate,predict,preprocess,plot} ...\n\n"
             "  train       train DLRM (recsz train --help)\n"
             "  evaluate    evaluate a run's checkpoint, on any number of ranks\n"
+            "  predict     score unlabeled Criteo lines (test layout) with a run's model\n"
             "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
             "  plot        plot a run directory's metrics to PNG files"
         )
@@ -39,13 +40,20 @@ def _run(cmd: str, rest: list[str]) -> int:
         from recsz.evaluation import main as evaluate_main
 
         return evaluate_main(rest)
+    if cmd == "predict":
+        from recsz.prediction import main as predict_main
+
+        return predict_main(rest)
     if cmd == "preprocess":
         return _preprocess(rest)
     if cmd == "plot":
         from recsz.plot import main as plot_main
 
         return plot_main(rest)
-    print(f"recsz: unknown command {cmd!r} (train, evaluate, preprocess, plot)", file=sys.stderr)
+    print(
+        f"recsz: unknown command {cmd!r} (train, evaluate, predict, preprocess, plot)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -22,7 +22,9 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,9 @@ from recsz.model import get_preset
 from recsz.ranks import Ranks, launch, worker
 from recsz.step import Parts, build_parts, forward, rank_part
 
+#: the numbers an evaluation gives on a labeled set
+_NUMBERS = ("auc", "logloss", "accuracy")
+
 
 # ---- an evaluation ----------------------------------------------------------------------
 @torch.no_grad()
@@ -51,10 +56,11 @@ def evaluate(
     ranks: Ranks,
     predictions: bool = False,
 ) -> dict[str, Any]:
-    """AUC, logloss and accuracy on the held-out set (every rank returns the same); with
-    ``predictions``, rank 0's also holds them ("predictions": (N, 2) prediction and label
-    of every sample, in the set's order, on its device). The exchange codes evaluation
-    batches as training ones but feeds no policy or counter."""
+    """AUC, logloss and accuracy on the held-out set (every rank returns the same; none
+    where its labels are not known: ``source.labeled`` False); with ``predictions``, rank
+    0's also holds them ("predictions": (N, 2) prediction and label of every sample, in the
+    set's order, on its device). The exchange codes evaluation batches as training ones
+    but feeds no policy or counter."""
     parts.exchange.train(False)
     try:
         return _evaluate(parts, source, cfg, step, ranks, predictions)
@@ -88,20 +94,16 @@ def _evaluate(
     if sum(counts) == 0:
         raise ValueError(f"{source.name}: the evaluation set is empty")
     both = _gathered(torch.cat(preds, 1), counts, ranks)
-    numbers = torch.zeros(3, dtype=torch.float64)
-    if both is not None:
-        got = binary_metrics(both[0], both[1])
-        numbers = torch.tensor([got["auc"], got["logloss"], got["accuracy"]], dtype=torch.float64)
-    if w > 1:
-        dist.broadcast(numbers, src=0)
-    auc, logloss, accuracy = numbers.tolist()
-    out: dict[str, Any] = {
-        "auc": auc,
-        "logloss": logloss,
-        "accuracy": accuracy,
-        "eval_samples": sum(counts),
-        "eval_s": time.perf_counter() - t0,
-    }
+    out: dict[str, Any] = {"eval_samples": sum(counts)}
+    if source.labeled:
+        numbers = torch.zeros(3, dtype=torch.float64)
+        if both is not None:
+            got = binary_metrics(both[0], both[1])
+            numbers = torch.tensor([got[k] for k in _NUMBERS], dtype=torch.float64)
+        if w > 1:
+            dist.broadcast(numbers, src=0)
+        out.update(zip(_NUMBERS, numbers.tolist(), strict=True))
+    out["eval_s"] = time.perf_counter() - t0
     if predictions and both is not None:
         out["predictions"] = both.t()[_set_order(shares, both.device)]
     return out
@@ -135,9 +137,9 @@ def _set_order(shares: list[list[int]], device: torch.device) -> torch.Tensor:
 
 
 # ---- recsz evaluate ---------------------------------------------------------------------
-#: what `recsz evaluate` may set, the rest being the run's: where it runs (what may change
-#: under a checkpoint) and what it evaluates on
-_WHERE = ("nproc", "device", "prefetch", "dist_timeout")
+#: what `recsz evaluate` and `recsz predict` may set, the rest being the run's: where they
+#: run (what may change under a checkpoint) and what `evaluate` evaluates on
+WHERE = ("nproc", "device", "prefetch", "dist_timeout")
 _WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines")
 
 
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Evaluate a run's model (its newest complete checkpoint, or the one named) on its "
         "held-out set or on --eval-data, on any number of ranks (default: as many as wrote "
         "the checkpoint).",
-        only=(*_WHERE, *_WHAT),
+        only=(*WHERE, *_WHAT),
         otherwise="the run's",
     )
     p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _chosen(run: Path) -> tuple[Path, dict[str, Any]]:
+def chosen(run: Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``run`` names (a run: its newest complete one) and its record."""
     found = checkpoint.record(run)
     if found is None:
@@ -170,48 +172,82 @@ def _chosen(run: Path) -> tuple[Path, dict[str, Any]]:
     return found
 
 
-def run(argv: list[str]) -> dict[str, Any]:
-    """Evaluate on this process's rank; returns the numbers (the same on every rank)."""
-    args = build_parser().parse_args(argv)
-    ckpt, meta = _chosen(Path(args.run))
-    given = {k: getattr(args, k) for k in (*_WHERE, *_WHAT) if hasattr(args, k)}
+@dataclass
+class Restored:
+    """A run's model restored on this rank: the checkpoint, its step, the configuration
+    it was loaded with (the run's, but where it runs), the one it reads data with (also
+    the other flags given), the rank and its parts."""
+
+    ckpt: Path
+    step: int
+    cfg: TrainConfig
+    on: TrainConfig
+    ranks: Ranks
+    parts: Parts
+
+
+@contextmanager
+def restored(args: argparse.Namespace, flags: tuple[str, ...]) -> Iterator[Restored]:
+    """The checkpoint ``args.run`` names, loaded on this process's rank (its tables
+    resharded where the number of ranks differs), in the run's configuration but for the
+    ``flags`` given in ``args``; the rank's group closed at the end."""
+    ckpt, meta = chosen(Path(args.run))
+    given = {k: getattr(args, k) for k in flags if hasattr(args, k)}
+    where = {k: v for k, v in given.items() if k in WHERE}  # what a checkpoint allows
     saved = TrainConfig.from_dict(meta["config"])
-    # The model's configuration: the run's, but where it runs (what a checkpoint allows).
-    where = {k: v for k, v in given.items() if k in _WHERE}
     cfg = replace(saved, **where, resume=str(ckpt), out=None, progress=False)
-    # What it evaluates on: another file stands alone (the run may have trained on any data).
-    eval_data = given.pop("eval_data", None)
-    on = replace(cfg, **{k: v for k, v in given.items() if k in _WHAT})
+    on = replace(cfg, **{k: v for k, v in given.items() if k not in WHERE and k != "eval_data"})
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     try:
-        sizes = get_preset(cfg.preset).model.table_sizes
-        if eval_data is not None:
-            source = held_out_source(eval_data, sizes, on.skip_bad_lines)
-        else:
-            source = make_source(on.data, sizes, on.seed, on.skip_bad_lines, on.synthetic_eval,
-                                 on.eval_fraction, on.eval_data, on.data_order)  # fmt: skip
         parts, _ = build_parts(cfg, ranks)
         step, _ = checkpoint.load(ckpt, parts, cfg, ranks)
-        ev = evaluate(parts, source, on, step, ranks, predictions=args.predictions is not None)
+        yield Restored(ckpt, step, cfg, on, ranks, parts)
+        ok = True
+    finally:
+        ranks.close(ok)
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Evaluate on this process's rank; returns the numbers (the same on every rank)."""
+    args = build_parser().parse_args(argv)
+    with restored(args, (*WHERE, *_WHAT)) as r:
+        sizes = get_preset(r.cfg.preset).model.table_sizes
+        # Another file stands alone (the run may have trained on any data).
+        if (eval_data := getattr(args, "eval_data", None)) is not None:
+            source = held_out_source(eval_data, sizes, r.on.skip_bad_lines)
+        else:
+            c = r.on
+            source = make_source(c.data, sizes, c.seed, c.skip_bad_lines, c.synthetic_eval,
+                                 c.eval_fraction, c.eval_data, c.data_order)  # fmt: skip
+        ev = evaluate(r.parts, source, r.on, r.step, r.ranks, args.predictions is not None)
         preds = ev.pop("predictions", None)
-        result = {**ev, "step": step, "checkpoint": str(ckpt), "data": source.name,
-                  "world_size": ranks.world}  # fmt: skip
-        if ranks.rank == 0:
+        result = {**ev, "step": r.step, "checkpoint": str(r.ckpt), "data": source.name,
+                  "world_size": r.ranks.world}  # fmt: skip
+        if r.ranks.rank == 0:
             if preds is not None:
                 np.save(args.predictions, preds.float().cpu().numpy())
             if args.json:
                 Path(args.json).write_text(json.dumps(result, indent=2))
             print(
-                f"recsz: {ckpt} (step {step}) on {source.name}, {ev['eval_samples']} samples, "
-                f"{ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss {ev['logloss']:.5f}, "
-                f"accuracy {ev['accuracy']:.5f} ({ev['eval_s']:.1f} s)",
+                f"recsz: {r.ckpt} (step {r.step}) on {source.name}, {ev['eval_samples']} "
+                f"samples, {r.ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss "
+                f"{ev['logloss']:.5f}, accuracy {ev['accuracy']:.5f} ({ev['eval_s']:.1f} s)",
                 flush=True,
             )
-        ok = True
-        return result
-    finally:
-        ranks.close(ok)
+    return result
+
+
+def entry(argv: list[str], args: argparse.Namespace, module: str, body: Callable[[], object],
+          as_main: bool) -> int:  # fmt: skip
+    """Run ``body`` on this process's rank, or launch ``module`` on the ranks asked
+    (``--nproc``; default: as many as wrote the checkpoint)."""
+    if "WORLD_SIZE" not in os.environ:
+        saved = chosen(Path(args.run))[1]  # named here, not by every rank launched
+        nproc = getattr(args, "nproc", None) or int(saved["world_size"])
+        if nproc > 1:
+            return launch(nproc, argv, module)
+    return worker(body, as_main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (data := getattr(args, "eval_data", None)) is not None and not Path(data).exists():
         raise FileNotFoundError(f"--eval-data {data}: no such file or directory")
-    if "WORLD_SIZE" not in os.environ:
-        nproc = getattr(args, "nproc", None) or int(_chosen(Path(args.run))[1]["world_size"])
-        if nproc > 1:
-            return launch(nproc, argv, "recsz.evaluation")
-    return worker(lambda: run(argv), as_main=__name__ == "__main__")
+    return entry(argv, args, "recsz.evaluation", lambda: run(argv), __name__ == "__main__")
 
 
 if __name__ == "__main__":

@@ -413,6 +413,42 @@ def test_evaluate_a_checkpoint_on_any_number_of_ranks(
     assert cli(["evaluate", str(tmp_path / "none")]) == 2  # named, no traceback
 
 
+def test_predict_scores_unlabeled_lines_as_evaluate_scores_them_labeled(
+    single: Path, tmp_path: Path, criteo_10k: Path
+) -> None:
+    """`recsz predict RUN FILE... --out`: the real sample's lines with their labels cut
+    (Criteo's test layout), split into a plain and a gzipped file, scored on one process
+    (.npy) and on 2 ranks (text): each line's prediction is the one `recsz evaluate
+    --predictions` gives its labeled line, in the files' order. A labeled file is named."""
+    import gzip
+
+    from recsz.cli import main as cli
+
+    cut = [line.split("\t", 1)[1] for line in criteo_10k.read_text().splitlines(keepends=True)]
+    a, b = tmp_path / "test-a.txt", tmp_path / "test-b.txt.gz"
+    a.write_text("".join(cut[:4000]))
+    with gzip.open(b, "wt") as f:
+        f.write("".join(cut[4000:]))
+    ref = tmp_path / "ref.npy"
+    batch = ["--eval-batch-size", "1000"]  # the same batches: the codec bounds each batch
+    assert cli(["evaluate", str(single), "--eval-data", str(criteo_10k), "--predictions",
+                str(ref), *batch]) == 0  # fmt: skip
+    want = np.load(ref)[:, 0]
+    for n, name in ((1, "p.npy"), (2, "p.txt")):
+        out, js = tmp_path / name, tmp_path / f"{name}.json"
+        argv = ["predict", str(single), str(a), str(b), "--nproc", str(n), "--out", str(out)]
+        assert cli([*argv, "--json", str(js), *batch]) == 0
+        got = np.load(out) if name.endswith(".npy") else np.loadtxt(out, dtype=np.float32)
+        assert got.shape == (9999,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        summary = json.loads(js.read_text())
+        assert summary["eval_samples"] == 9999 and summary["world_size"] == n
+        assert "auc" not in summary  # no labels: no numbers
+    bad = ["predict", str(single), str(criteo_10k), "--out", str(tmp_path / "x.npy")]
+    assert cli(bad) == 2  # a labeled line: its file and line named, no traceback
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_resume_checks_every_file_of_another_number_of_ranks(tmp_path: Path) -> None:
     """A checkpoint said to be written by 2 ranks, resumed on one: the file it lacks is
     named (every rank's file is read when the tables are resharded)."""

@@ -89,26 +89,48 @@ class ParseStats:
 
 
 def parse_line(
-    line: str, table_sizes: Sequence[int], where: str = "<input>"
+    line: str, table_sizes: Sequence[int], where: str = "<input>", labeled: bool = True
 ) -> tuple[float, list[float], list[int], bool]:
-    """Parse one line into (label, dense[13], ids[26], padded).
+    """Parse one line into (label, dense[13], ids[26], padded); ``labeled`` False: a line of
+    Criteo's test layout (39 fields, no label; the label returned is NaN).
 
     Raises CriteoFormatError naming ``where`` (file:line) and the field at fault.
     """
     fields = line.rstrip("\r\n").split("\t")
-    if len(fields) > N_FIELDS:
-        raise CriteoFormatError(f"{where}: {len(fields)} fields, expected at most {N_FIELDS}")
-    padded = len(fields) < N_FIELDS
+    given = len(fields)
+    first = int(labeled)  # the first count's field, from 0
+    width = first + N_DENSE + N_CAT
+    if given > width:
+        hint = "" if labeled else " (a labeled line? `recsz evaluate` scores those)"
+        raise CriteoFormatError(f"{where}: {given} fields, expected at most {width}{hint}")
+    padded = given < width
     if padded:
-        if len(fields) < 1 + N_DENSE and line.strip() == "":
+        if given < first + N_DENSE and line.strip() == "":
             raise CriteoFormatError(f"{where}: empty line")
-        fields = fields + [""] * (N_FIELDS - len(fields))
-    lab = fields[0]
-    if lab not in ("0", "1"):
-        raise CriteoFormatError(f"{where}: field 1 (label): {_show(lab)} is not 0 or 1")
+        fields = fields + [""] * (width - len(fields))
+    lab = fields[0] if labeled else "nan"
+    test_layout = " (an unlabeled line, Criteo's test layout? `recsz predict` scores those)"
+    if labeled and lab not in ("0", "1"):
+        raise CriteoFormatError(
+            f"{where}: field 1 (label): {_show(lab)} is not 0 or 1{test_layout}"
+        )
+    try:
+        dense, ids = _values(fields, first, table_sizes, where)
+    except CriteoFormatError as e:
+        if labeled and given == width - 1:  # one field short of a labeled line
+            raise CriteoFormatError(f"{e}{test_layout}") from None
+        raise
+    return float(lab), dense, ids, padded
+
+
+def _values(
+    fields: list[str], first: int, table_sizes: Sequence[int], where: str
+) -> tuple[list[float], list[int]]:
+    """The counts (log1p) and the hashed categories of a line's ``fields`` (the first count
+    at ``first``)."""
     dense: list[float] = []
     for j in range(N_DENSE):
-        s = fields[1 + j]
+        s = fields[first + j]
         if s == "":
             v = 0
         else:
@@ -116,32 +138,34 @@ def parse_line(
                 v = int(s) if len(s) <= 20 else _MAX_COUNT + 1
             except ValueError:
                 raise CriteoFormatError(
-                    f"{where}: field {2 + j} (I{j + 1}): {_show(s)} is not an integer"
+                    f"{where}: field {first + 1 + j} (I{j + 1}): {_show(s)} is not an integer"
                 ) from None
             if abs(v) > _MAX_COUNT:
                 raise CriteoFormatError(
-                    f"{where}: field {2 + j} (I{j + 1}): {_show(s)} is too large for a count"
+                    f"{where}: field {first + 1 + j} (I{j + 1}): {_show(s)} is too large for a "
+                    "count"
                 )
         dense.append(math.log1p(v) if v > 0 else 0.0)
     ids: list[int] = []
     for j in range(N_CAT):
-        s = fields[1 + N_DENSE + j]
+        s = fields[first + N_DENSE + j]
         if s == "":
             ids.append(0)
             continue
         if len(s) > 8:
             raise CriteoFormatError(
-                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {_show(s)} is longer than 8 hex "
-                "digits"
+                f"{where}: field {first + 1 + N_DENSE + j} (C{j + 1}): {_show(s)} is longer than "
+                "8 hex digits"
             )
         try:
             raw = int(s, 16)
         except ValueError:
             raise CriteoFormatError(
-                f"{where}: field {2 + N_DENSE + j} (C{j + 1}): {_show(s)} is not hexadecimal"
+                f"{where}: field {first + 1 + N_DENSE + j} (C{j + 1}): {_show(s)} is not "
+                "hexadecimal"
             ) from None
         ids.append(hash_category(raw, table_sizes[j]))
-    return float(lab), dense, ids, padded
+    return dense, ids
 
 
 def iter_blocks(
@@ -151,8 +175,10 @@ def iter_blocks(
     skip_bad_lines: bool = False,
     stats: ParseStats | None = None,
     chunk_bytes: int = 1 << 24,
+    labeled: bool = True,
 ) -> Iterator[Arrays]:
-    """Stream a raw Criteo file as blocks of ``block_rows`` samples (the last: the rest).
+    """Stream a raw Criteo file as blocks of ``block_rows`` samples (the last: the rest);
+    ``labeled`` False: a file of Criteo's test layout (no labels; NaN in their place).
 
     Reads ``chunk_bytes`` at a time, so any file size streams in bounded memory. The
     lines of the usual form are parsed in compiled code (:mod:`recsz.data.fastparse`), the
@@ -177,7 +203,9 @@ def iter_blocks(
                     continue  # a line longer than a chunk: read on
                 break
             stats.bytes += len(data)
-            blk, lines = _parse_chunk(data, path, lineno, sizes, table_sizes, skip_bad_lines, stats)
+            blk, lines = _parse_chunk(
+                data, path, lineno, sizes, table_sizes, skip_bad_lines, stats, labeled
+            )
             lineno += lines
             if pending is not None:
                 blk = Arrays(
@@ -200,10 +228,11 @@ def _parse_chunk(
     table_sizes: Sequence[int],
     skip_bad_lines: bool,
     stats: ParseStats,
+    labeled: bool,
 ) -> tuple[Arrays, int]:
     """The samples of the whole lines ``data`` (line ``first_line + 1`` first), and its
     lines' count."""
-    labels, dense, ids, ok, starts = parse_lines(np.frombuffer(data, np.uint8), sizes)
+    labels, dense, ids, ok, starts = parse_lines(np.frombuffer(data, np.uint8), sizes, labeled)
     keep = ok.copy()
     for i in np.flatnonzero(~ok):  # the lines the compiled path left to parse_line
         raw = data[starts[i] : starts[i + 1]]
@@ -217,7 +246,7 @@ def _parse_chunk(
                 raise CriteoFormatError(
                     f"{where}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not ASCII"
                 ) from None
-            y, d, c, padded = parse_line(line, table_sizes, where)
+            y, d, c, padded = parse_line(line, table_sizes, where, labeled)
         except CriteoFormatError as e:
             if not skip_bad_lines:
                 raise
@@ -247,10 +276,13 @@ def read(
     table_sizes: Sequence[int],
     skip_bad_lines: bool = False,
     stats: ParseStats | None = None,
+    labeled: bool = True,
 ) -> Arrays:
-    """Read a whole raw file into arrays (the text itself is never held)."""
+    """Read a whole raw file into arrays (the text itself is never held); ``labeled``:
+    :func:`iter_blocks`'."""
     stats = stats if stats is not None else ParseStats()
-    blocks = list(iter_blocks(path, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats))
+    blocks = list(iter_blocks(path, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats,
+                              labeled=labeled))  # fmt: skip
     if not blocks:
         raise CriteoFormatError(f"{path}: no samples" + skipped_note(stats))
     return Arrays(

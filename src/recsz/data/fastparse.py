@@ -1,12 +1,13 @@
 """Criteo lines parsed in compiled code (numba): the lines of a buffer in one pass.
 
 :func:`recsz.data.criteo.parse_line` is the definition; this is its fast path for the
-lines every Criteo file is made of: 40 fields, a label ``0`` or ``1``, counts of an
-optional ``-`` and at most 18 digits, categories of 1 to 8 hexadecimal digits, any of the
-37 feature fields empty, ``\\n`` or ``\\r\\n`` at the end. Such a line gives the numbers
-``parse_line`` gives (a test compares them on the real samples and on generated lines);
-any other line (stripped trailing fields, blank, signs, spaces, non-ASCII bytes, fields
-too long, ...) is left to ``parse_line``, which pads it or names what is wrong with it.
+lines every Criteo file is made of: 40 fields, a label ``0`` or ``1`` (or 39, no label:
+the test layout), counts of an optional ``-`` and at most 18 digits, categories of 1 to 8
+hexadecimal digits, any of the 39 feature fields empty, ``\\n`` or ``\\r\\n`` at the end.
+Such a line gives the numbers ``parse_line`` gives (a test compares them on the real
+samples and on generated lines); any other line (stripped trailing fields, blank, signs,
+spaces, non-ASCII bytes, fields too long, ...) is left to ``parse_line``, which pads it or
+names what is wrong with it.
 """
 
 from __future__ import annotations
@@ -20,24 +21,25 @@ _TAB, _NL, _CR, _MINUS = 9, 10, 13, 45
 
 
 def parse_lines(
-    buf: np.ndarray, sizes: np.ndarray
+    buf: np.ndarray, sizes: np.ndarray, labeled: bool = True
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The lines of ``buf`` (uint8; ``\\n`` ends each, the last may lack it): labels (n,)
     float32, dense (n, 13) float32, ids (n, 26) int64, ``ok`` (n,) bool (False: a line
     this path leaves to ``parse_line``; its numbers are not set) and the lines' starts
-    (n + 1,) int64 (the last: ``len(buf)``). ``sizes``: the 26 tables' rows, int64."""
+    (n + 1,) int64 (the last: ``len(buf)``). ``sizes``: the 26 tables' rows, int64;
+    ``labeled`` False: Criteo's test layout (no label field; the labels NaN)."""
     n = int(np.count_nonzero(buf == _NL)) + int(len(buf) > 0 and buf[-1] != _NL)
     labels = np.empty(n, np.float32)
     dense = np.empty((n, N_DENSE), np.float32)
     ids = np.empty((n, N_CAT), np.int64)
     ok = np.empty(n, np.bool_)
     starts = np.empty(n + 1, np.int64)
-    _parse(buf, sizes, labels, dense, ids, ok, starts)
+    _parse(buf, sizes, labeled, labels, dense, ids, ok, starts)
     return labels, dense, ids, ok, starts
 
 
 @njit(cache=True, nogil=True)
-def _parse(buf, sizes, labels, dense, ids, ok, starts):
+def _parse(buf, sizes, labeled, labels, dense, ids, ok, starts):
     size = len(buf)
     i = 0
     k = 0
@@ -46,20 +48,23 @@ def _parse(buf, sizes, labels, dense, ids, ok, starts):
         while end < size and buf[end] != _NL:
             end += 1
         starts[k] = i
-        ok[k] = _line(buf, i, end, sizes, labels, dense, ids, k)
+        ok[k] = _line(buf, i, end, sizes, labeled, labels, dense, ids, k)
         k += 1
         i = end + 1
     starts[k] = size
 
 
 @njit(cache=True, nogil=True)
-def _line(buf, pos, end, sizes, labels, dense, ids, k):
+def _line(buf, pos, end, sizes, labeled, labels, dense, ids, k):
     if end > pos and buf[end - 1] == _CR:
         end -= 1
-    if end - pos < 2 or (buf[pos] != 48 and buf[pos] != 49) or buf[pos + 1] != _TAB:
+    if not labeled:
+        labels[k] = np.nan
+    elif end - pos < 2 or (buf[pos] != 48 and buf[pos] != 49) or buf[pos + 1] != _TAB:
         return False
-    labels[k] = buf[pos] - 48
-    pos += 2
+    else:
+        labels[k] = buf[pos] - 48
+        pos += 2
     for j in range(N_DENSE):  # an optional '-', at most 18 digits, then a tab
         neg = pos < end and buf[pos] == _MINUS
         if neg:

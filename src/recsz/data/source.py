@@ -85,7 +85,7 @@ class Part:
         return slice(min(n, self.rank * b), min(n, (self.rank + 1) * b))
 
 
-def _to_batch(a: criteo.Arrays) -> Batch:
+def to_batch(a: criteo.Arrays) -> Batch:
     return Batch(
         torch.from_numpy(np.ascontiguousarray(a.dense, dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(a.cats, dtype=np.int64)),
@@ -99,6 +99,7 @@ class DataSource:
     name: str
     n_train: int | None  # None: an endless stream
     skipped_lines: int = 0  # malformed input lines left out (--skip-bad-lines)
+    labeled: bool = True  # False: its batches' labels are NaN (Criteo's test layout)
 
     def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
         """The global batch of ``step``; with ``part``, its values that ``part`` names
@@ -135,8 +136,8 @@ class SyntheticSource(DataSource):
 
     def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
         if part is None:
-            return _to_batch(self.gen.block(0, step, batch_size))
-        return _to_batch(self.gen.block(0, step, batch_size, part.rows(batch_size), part.tables))
+            return to_batch(self.gen.block(0, step, batch_size))
+        return to_batch(self.gen.block(0, step, batch_size, part.rows(batch_size), part.tables))
 
     def eval_batches(self, batch_size: int, part: Part | None = None) -> Iterator[Batch]:
         # One block, so that the set is the same whatever the batches' size (and the ranks').
@@ -144,7 +145,7 @@ class SyntheticSource(DataSource):
             span = slice(start, min(self.n_eval, start + batch_size))
             n = span.stop - start
             rows, tables = (None, ()) if part is None else (part.rows(n), part.tables)
-            yield _to_batch(self.gen.block(1, 0, self.n_eval, rows, tables, span))
+            yield to_batch(self.gen.block(1, 0, self.n_eval, rows, tables, span))
 
 
 class ArraySource(DataSource):
@@ -227,7 +228,7 @@ class ArraySource(DataSource):
             )
             row = first + (i if isinstance(idx, slice) else int(idx[i]))
             raise criteo.CriteoFormatError(f"{name}: row {row}: {what}")
-        return _to_batch(blk)
+        return to_batch(blk)
 
     def train_batch(self, step: int, batch_size: int, part: Part | None = None) -> Batch:
         assert self.n_train is not None
@@ -305,8 +306,12 @@ def held_out_source(
     eval_data: str, table_sizes: Sequence[int], skip_bad_lines: bool = False
 ) -> DataSource:
     """``eval_data`` (a raw Criteo TSV, a `recsz preprocess` directory or TorchRec's days)
-    as an evaluation set alone: a model trained elsewhere evaluated on it."""
-    _check_room([("--eval-data", Path(eval_data))] if Path(eval_data).is_file() else [])
+    as an evaluation set alone: a model trained elsewhere evaluated on it (a raw file
+    streamed, :mod:`recsz.data.stream`; a directory memory-mapped)."""
+    if Path(eval_data).is_file():
+        from recsz.data.stream import RawStream
+
+        return RawStream([eval_data], table_sizes, skip_bad_lines)
     rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines)[0]
     return ArraySource(rows, 0, name=eval_data, table_sizes=table_sizes, held_out=rows,
                        held_out_name=eval_data)  # fmt: skip

@@ -1,0 +1,93 @@
+"""``recsz predict RUN FILE... --out P``: a run's model scores unlabeled samples.
+
+Criteo's test files (the Display Advertising Challenge's ``test.txt``) hold 39 fields a
+line, the label left out; this reads them (plain or gzipped, several in order), streamed a
+batch at a time (:mod:`recsz.data.stream`), on any number of ranks (default: as many as
+wrote the checkpoint, its tables resharded where that differs), and writes every line's
+click probability in the files' order: a ``.npy`` of N float32, or any other name a text
+file of one probability a line. Labeled files are `recsz evaluate`'s (``--predictions``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recsz.config import TrainConfig
+from recsz.data.stream import RawStream
+from recsz.evaluation import WHERE, entry, evaluate, restored
+from recsz.fields import parser
+from recsz.model import get_preset
+
+#: what `recsz predict` may set besides where it runs, the rest being the run's
+_HOW = ("eval_batch_size", "skip_bad_lines")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = parser(
+        TrainConfig,
+        "recsz predict",
+        "Score unlabeled Criteo lines (the test layout: 39 fields, no label) with a run's "
+        "model (its newest complete checkpoint, or the one named), on any number of ranks "
+        "(default: as many as wrote the checkpoint).",
+        only=(*WHERE, *_HOW),
+        otherwise="the run's",
+    )
+    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    p.add_argument("data", nargs="+", help="unlabeled Criteo file(s), plain or .gz, in order")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="where the predictions go, in the files' order: a .npy file (N float32), or "
+        "text (one probability a line)",
+    )
+    p.add_argument("--json", default=None, help="write the count, step and seconds to this file")
+    return p
+
+
+def run(argv: list[str]) -> dict[str, Any]:
+    """Score on this process's rank; rank 0 writes the predictions."""
+    args = build_parser().parse_args(argv)
+    with restored(args, (*WHERE, *_HOW)) as r:
+        sizes = get_preset(r.cfg.preset).model.table_sizes
+        source = RawStream(args.data, sizes, r.on.skip_bad_lines, labeled=False)
+        ev = evaluate(r.parts, source, r.on, r.step, r.ranks, predictions=True)
+        preds = ev.pop("predictions", None)
+        result = {**ev, "step": r.step, "checkpoint": str(r.ckpt), "data": source.name,
+                  "world_size": r.ranks.world, "out": args.out}  # fmt: skip
+        if preds is not None:  # rank 0
+            p = preds[:, 0].float().cpu().numpy()
+            if args.out.endswith(".npy"):
+                np.save(args.out, p)
+            else:
+                np.savetxt(args.out, p, fmt="%.7g")
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=2))
+            print(
+                f"recsz: {r.ckpt} (step {r.step}) scored {ev['eval_samples']} samples of "
+                f"{source.name} on {r.ranks.world} rank(s) into {args.out} "
+                f"({ev['eval_s']:.1f} s)",
+                flush=True,
+            )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `recsz predict`; tests call it with a list of flags."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    for f in args.data:
+        if not Path(f).is_file():
+            raise FileNotFoundError(f"{f}: no such file")
+    return entry(argv, args, "recsz.prediction", lambda: run(argv), __name__ == "__main__")
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())
