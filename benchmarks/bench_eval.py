@@ -3,7 +3,7 @@ of another revision side by side.
 
     python benchmarks/bench_eval.py [--old DIR] [--sizes 1e6,1e7,3e7] [--worlds 1,2]
         [--presets tiny,bench] [--n-eval N] [--eval-batches 16384] [--repeats 3]
-        [--json-out PATH]
+        [--raw-lines 1e6] [--json-out PATH]
 
 (a) **metrics**: AUC, logloss and accuracy of N predictions on the host, as the trainer
     computed them before (scikit-learn on float64 copies, after ``np.unique`` of the
@@ -18,6 +18,12 @@ of another revision side by side.
     the thirty-third session every rank made every batch whole, copied its predictions
     to the host each batch and ran scikit-learn over all of them; now each makes its
     part, rank 0 computes.
+(c) **a raw file**: ``recsz evaluate RUN --eval-data FILE`` of ``--raw-lines`` real Criteo
+    lines (the 10k sample of ``../shared/data`` repeated), and ``recsz predict RUN TEST``
+    of the same lines with their labels cut (Criteo's test layout), one process each, with
+    this checkout's code and ``--old``'s (which has no ``predict``): seconds (median of
+    ``--repeats``) and the process's peak host memory. Before the thirty-fifth session
+    the file was read whole into arrays; now it is streamed a batch at a time.
 Prints a table and writes JSON (default benchmarks/results/eval.json).
 """
 
@@ -30,6 +36,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -161,6 +168,59 @@ def eval_rows(
     return rows
 
 
+# ---- (c) a raw file from a checkpoint, each run in its own process ----------------------
+def raw_child(argv: list[str]) -> None:
+    from recsz.cli import main as cli
+
+    t = time.perf_counter()
+    rc = cli(argv)
+    s = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"rc": rc, "s": s, "peak_gb": peak / 1e9}))
+
+
+def raw_rows(old: str | None, lines: int, repeats: int, work: Path) -> list[dict]:
+    sample = HERE.parents[1] / "shared" / "data" / "criteo_kaggle_head10k.tsv"
+    if not lines or not sample.exists():
+        print(f"raw file: skipped ({sample} absent or --raw-lines 0)")
+        return []
+    text = sample.read_text().splitlines(keepends=True)
+    labeled, test = work / "eval.tsv", work / "test.txt"
+    with labeled.open("w") as f, test.open("w") as g:
+        for i in range(lines):
+            f.write(text[i % len(text)])
+            g.write(text[i % len(text)].split("\t", 1)[1])
+    run = work / "run"
+    train = ["train", "--steps", "10", "--batch-size", "256", "--synthetic-eval", "512",
+             "--checkpoint-every", "10", "--no-progress", "--out", str(run)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    subprocess.run([sys.executable, "-m", "recsz.cli", *train], check=True, env=env,
+                   capture_output=True)  # fmt: skip
+    trees = {"new": SRC} | ({"old": Path(old) / "src"} if old else {})
+    commands = {
+        "evaluate": ["evaluate", str(run), "--eval-data", str(labeled)],
+        "predict": ["predict", str(run), str(test), "--out", str(work / "p.npy")],
+    }
+    rows = []
+    for what, argv in commands.items():
+        row: dict = {"part": "raw", "what": what, "lines": lines}
+        for name, src in trees.items():
+            if name == "old" and what == "predict":
+                continue  # (no `recsz predict` before)
+            env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+            got = []
+            for _ in range(repeats):
+                cmd = [sys.executable, __file__, "--raw-child", json.dumps(argv)]
+                out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
+                got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+                assert got[-1]["rc"] == 0, (name, what, out.stderr[-2000:])
+            row[f"{name}_s"] = statistics.median(g["s"] for g in got)
+            row[f"{name}_peak_gb"] = max(g["peak_gb"] for g in got)
+        rows.append(row)
+        print(json.dumps(row))
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     out = []
     m = [r for r in rows if r["part"] == "metrics"]
@@ -187,6 +247,14 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['preset']} | {r['world']} | {r['samples']:,} | "
                        f"{r['eval_batch']:,} | {before} | {r['new_s']:.2f} s | {ratio} | "
                        f"{aucs} |")  # fmt: skip
+    raw = [r for r in rows if r["part"] == "raw"]
+    if raw:
+        out += ["", "| command | lines | before: s, peak memory | now: s, peak memory |",
+                "|---|---|---|---|"]  # fmt: skip
+        for r in raw:
+            before = f"{r['old_s']:.1f} s, {r['old_peak_gb']:.2f} GB" if "old_s" in r else "-"
+            out.append(f"| `recsz {r['what']}` | {r['lines']:,} | {before} | "
+                       f"{r['new_s']:.1f} s, {r['new_peak_gb']:.2f} GB |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 
@@ -199,12 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-eval", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eval-batches", default="16384", help="global evaluation batches")
+    ap.add_argument("--raw-lines", type=float, default=1e6, help="(c): lines (0: none)")
     ap.add_argument("--json-out", default=str(HERE / "results" / "eval.json"))
+    ap.add_argument("--raw-child", help=argparse.SUPPRESS)
     ap.add_argument("--metrics-child", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--eval-child", nargs=5, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.metrics_child:
         metrics_child(a.metrics_child[0], int(a.metrics_child[1]))
+        return 0
+    if a.raw_child:
+        raw_child(json.loads(a.raw_child))
         return 0
     if a.eval_child:
         preset, n, repeats, out, batch = a.eval_child
@@ -217,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = metrics_rows(sizes, a.repeats)
     evals = [int(b) for b in a.eval_batches.split(",")]
     rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats, evals)
+    with tempfile.TemporaryDirectory() as work:
+        rows += raw_rows(a.old, int(a.raw_lines), a.repeats, Path(work))
     write_results(rows, a.json_out, table(rows))
     return 0
 

@@ -15,20 +15,30 @@ from recsz.metrics import LOGLOSS_CLIP, binary_metrics
 
 
 def sklearn_numbers(p: np.ndarray, y: np.ndarray) -> dict[str, float]:
-    """What the trainer computed before: scikit-learn on float64 copies."""
+    """What the trainer computed before: scikit-learn on float64 copies; the NE (the
+    logloss over the logloss of predicting the click rate alone, by scikit-learn too) and
+    the calibration by their definitions."""
     pd, yd = p.astype(np.float64), y.astype(np.float64)
-    auc = float(roc_auc_score(yd, pd)) if len(np.unique(yd)) == 2 else float("nan")
+    both = len(np.unique(yd)) == 2
+    auc = float(roc_auc_score(yd, pd)) if both else float("nan")
     clipped = np.clip(pd, LOGLOSS_CLIP, 1 - LOGLOSS_CLIP)
+    logloss = float(log_loss(yd, clipped, labels=[0.0, 1.0]))
+    ctr = float(yd.mean())
+    rate_alone = float(log_loss(yd, np.full_like(yd, ctr), labels=[0.0, 1.0])) if both else 0.0
     return {
         "auc": auc,
-        "logloss": float(log_loss(yd, clipped, labels=[0.0, 1.0])),
+        "logloss": logloss,
         "accuracy": float(((pd > 0.5) == (yd > 0.5)).mean()),
+        "ne": logloss / rate_alone if both else float("nan"),
+        "calibration": float(pd.sum() / yd.sum()) if yd.sum() > 0 else float("nan"),
+        "ctr": ctr,
     }
 
 
 def check(p: np.ndarray, y: np.ndarray) -> None:
     got = binary_metrics(torch.from_numpy(p), torch.from_numpy(y))
     want = sklearn_numbers(p, y)
+    assert got.keys() == want.keys()
     for key, value in want.items():
         if math.isnan(value):
             assert math.isnan(got[key]), key
@@ -48,7 +58,8 @@ def test_the_numbers_equal_scikit_learns(
     n: int, levels: int, click_rate: float, seed: int, extremes: bool
 ) -> None:
     """Any scores (runs of equal ones, exactly 0 and 1, one class, one sample) and labels:
-    the AUC (ties counted a half), logloss (clipped) and accuracy scikit-learn gives."""
+    the AUC (ties counted a half), logloss (clipped) and accuracy scikit-learn gives, and
+    the NE and calibration by their definitions."""
     g = np.random.default_rng(seed)
     p = g.random(n).astype(np.float32)
     if levels:
@@ -81,7 +92,19 @@ def test_one_class_or_nan_predictions_give_nan_not_a_number_that_means_nothing()
     assert math.isnan(binary_metrics(torch.rand(5), ones)["auc"])
     p = torch.tensor([0.2, float("nan"), 0.7])
     got = binary_metrics(p, torch.tensor([0.0, 1.0, 1.0]))
+    assert got.pop("ctr") == pytest.approx(2 / 3)  # the labels' rate is still known
     assert all(math.isnan(v) for v in got.values()), got
+    none = binary_metrics(torch.rand(4), torch.zeros(4))  # no click
+    assert math.isnan(none["ne"]) and math.isnan(none["calibration"]) and none["ctr"] == 0
+
+
+def test_predicting_the_click_rate_is_ne_one_and_calibrated() -> None:
+    """The definition's anchors: a model that predicts the set's click rate for every
+    sample has NE 1 and calibration 1; one that predicts twice the rate, calibration 2."""
+    y = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    got = binary_metrics(torch.full((8,), 0.25), y)
+    assert got["ne"] == pytest.approx(1.0, rel=1e-12) and got["calibration"] == pytest.approx(1)
+    assert binary_metrics(torch.full((8,), 0.5), y)["calibration"] == pytest.approx(2.0)
 
 
 def test_bad_shapes_and_an_empty_set_are_refused() -> None:
@@ -102,3 +125,5 @@ def test_on_a_gpu_the_numbers_are_the_cpus() -> None:
     assert cpu["auc"] == gpu["auc"]  # integer counts: exactly
     assert gpu["logloss"] == pytest.approx(cpu["logloss"], rel=1e-12)
     assert gpu["accuracy"] == cpu["accuracy"]
+    for k in ("ne", "calibration", "ctr"):
+        assert gpu[k] == pytest.approx(cpu[k], rel=1e-12), k

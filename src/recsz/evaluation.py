@@ -37,14 +37,10 @@ from recsz.config import TrainConfig
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, held_out_source, make_source
 from recsz.fields import parser
-from recsz.metrics import binary_metrics
+from recsz.metrics import NUMBERS, binary_metrics
 from recsz.model import get_preset
 from recsz.ranks import Ranks, launch, worker
 from recsz.step import Parts, build_parts, forward, rank_part
-
-#: the numbers an evaluation gives on a labeled set
-_NUMBERS = ("auc", "logloss", "accuracy")
-
 
 # ---- an evaluation ----------------------------------------------------------------------
 @torch.no_grad()
@@ -80,7 +76,8 @@ def _evaluate(
     w, rank = ranks.world, ranks.rank
     size = math.ceil(cfg.eval_batch_size / w) * w
     part = rank_part(parts, ranks)
-    preds, shares = [], []  # shares: each batch's samples per rank, known to every rank
+    preds = _Appended(ranks.device)
+    shares = []  # each batch's samples per rank, known to every rank
     for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
         n = len(batch)
         b = -(-n // w)
@@ -89,24 +86,49 @@ def _evaluate(
         p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
         shares.append([len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)])  # no padding
         keep = shares[-1][rank]
-        preds.append(torch.stack([p[:keep], mine.labels[:keep]]))
+        preds.append(p[:keep], mine.labels[:keep])
     counts = [sum(s[q] for s in shares) for q in range(w)]
     if sum(counts) == 0:
         raise ValueError(f"{source.name}: the evaluation set is empty")
-    both = _gathered(torch.cat(preds, 1), counts, ranks)
+    both = _gathered(preds.values(), counts, ranks)
     out: dict[str, Any] = {"eval_samples": sum(counts)}
     if source.labeled:
-        numbers = torch.zeros(3, dtype=torch.float64)
+        numbers = torch.zeros(len(NUMBERS), dtype=torch.float64)
         if both is not None:
             got = binary_metrics(both[0], both[1])
-            numbers = torch.tensor([got[k] for k in _NUMBERS], dtype=torch.float64)
+            numbers = torch.tensor([got[k] for k in NUMBERS], dtype=torch.float64)
         if w > 1:
             dist.broadcast(numbers, src=0)
-        out.update(zip(_NUMBERS, numbers.tolist(), strict=True))
+        out.update(zip(NUMBERS, numbers.tolist(), strict=True))
     out["eval_s"] = time.perf_counter() - t0
     if predictions and both is not None:
         out["predictions"] = both.t()[_set_order(shares, both.device)]
     return out
+
+
+class _Appended:
+    """Predictions and labels appended batch after batch into one (2, capacity) buffer
+    that doubles when full: a set of millions held in a few allocations, not one a batch
+    (a small block a batch, kept among each batch's transient ones, grew glibc's heap by
+    about a megabyte a batch: benchmarks/README.md, "Scoring files")."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.buf = torch.empty((2, 0), device=device)
+        self.n = 0
+
+    def append(self, p: torch.Tensor, labels: torch.Tensor) -> None:
+        k = p.shape[0]
+        if self.n + k > self.buf.shape[1]:
+            grown = p.new_empty((2, max(2 * self.n + k, 1 << 16)))
+            grown[:, : self.n] = self.buf[:, : self.n]
+            self.buf = grown
+        self.buf[0, self.n : self.n + k] = p
+        self.buf[1, self.n : self.n + k] = labels
+        self.n += k
+
+    def values(self) -> torch.Tensor:
+        """The (2, n) appended so far."""
+        return self.buf[:, : self.n]
 
 
 def _gathered(mine: torch.Tensor, counts: list[int], ranks: Ranks) -> torch.Tensor | None:
@@ -232,7 +254,8 @@ def run(argv: list[str]) -> dict[str, Any]:
             print(
                 f"recsz: {r.ckpt} (step {r.step}) on {source.name}, {ev['eval_samples']} "
                 f"samples, {r.ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss "
-                f"{ev['logloss']:.5f}, accuracy {ev['accuracy']:.5f} ({ev['eval_s']:.1f} s)",
+                f"{ev['logloss']:.5f}, accuracy {ev['accuracy']:.5f}, NE {ev['ne']:.5f}, "
+                f"calibration {ev['calibration']:.4f} ({ev['eval_s']:.1f} s)",
                 flush=True,
             )
     return result

@@ -1,6 +1,6 @@
-"""The held-out numbers of predicted click probabilities: exact ROC AUC, logloss and
-accuracy, computed where the predictions are (a GPU's memory or the host's) with one sort
-and no read of the host until the three numbers.
+"""The held-out numbers of predicted click probabilities: exact ROC AUC, logloss,
+accuracy, normalized entropy and calibration, computed where the predictions are (a GPU's
+memory or the host's) with one sort and no read of the host until the numbers.
 
 The AUC is exact, ties included: the probability that a positive scores above a negative,
 equal scores counting a half, which is what scikit-learn's ``roc_auc_score`` computes (the
@@ -9,6 +9,12 @@ counts, so it is exact up to the one final division. The logloss is scikit-learn
 ``log_loss`` of probabilities clipped to [1e-7, 1 - 1e-7]. Both are tested against
 scikit-learn; on the CPU this takes 2.2-3x less time than scikit-learn did
 (benchmarks/README.md, "Evaluation"), and on a GPU the predictions never leave it.
+
+The normalized entropy (NE, the measure of He et al. 2014 that TorchRec's ``NEMetric``
+reports for click models) is the logloss over the entropy of the set's click rate: what a
+model knows beyond the rate, 1 for a model that predicts the rate alone, lower is better;
+the calibration is the predicted clicks over the clicks (the mean prediction over the
+rate), 1 where the model predicts as many clicks as there are.
 """
 
 from __future__ import annotations
@@ -19,11 +25,16 @@ import torch
 LOGLOSS_CLIP = 1e-7
 
 
+#: What :func:`binary_metrics` gives, in this order.
+NUMBERS = ("auc", "logloss", "accuracy", "ne", "calibration", "ctr")
+
+
 def binary_metrics(p: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
-    """``auc``, ``logloss`` and ``accuracy`` of probabilities ``p`` against labels ``y``
-    (0 or 1), both of shape (N,) on one device. The AUC is NaN where ``y`` holds one class
-    only (it is undefined); all three are NaN where a probability is NaN (a diverged model)
-    rather than numbers that mean nothing."""
+    """``auc``, ``logloss``, ``accuracy``, ``ne`` (normalized entropy), ``calibration`` and
+    ``ctr`` (the click rate) of probabilities ``p`` against labels ``y`` (0 or 1), both of
+    shape (N,) on one device. The AUC and NE are NaN where ``y`` holds one class only
+    (undefined), the calibration where it holds no click; all but the rate are NaN where a
+    probability is NaN (a diverged model) rather than numbers that mean nothing."""
     if p.dim() != 1 or p.shape != y.shape:
         raise ValueError(f"predictions {tuple(p.shape)} and labels {tuple(y.shape)} must be (N,)")
     if p.numel() == 0:
@@ -32,11 +43,15 @@ def binary_metrics(p: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
     q = p.double().clamp(LOGLOSS_CLIP, 1 - LOGLOSS_CLIP)
     logloss = -torch.where(pos, q.log(), (-q).log1p()).mean()
     accuracy = ((p > 0.5) == pos).double().mean()
-    bad = torch.isnan(p).any()
+    clicks = pos.double().sum()
+    ctr = clicks / p.numel()
+    entropy = -(torch.xlogy(ctr, ctr) + torch.xlogy(1 - ctr, 1 - ctr))  # 0: one class
     nan = torch.full((), float("nan"), dtype=torch.float64, device=p.device)
-    out = torch.stack([_auc(p, pos), logloss, accuracy]).where(~bad, nan)
-    auc, logloss_, accuracy_ = out.tolist()  # the one host read
-    return {"auc": auc, "logloss": logloss_, "accuracy": accuracy_}
+    ne = torch.where(entropy > 0, logloss / entropy, nan)
+    calibration = torch.where(clicks > 0, p.double().sum() / clicks, nan)
+    out = torch.stack([_auc(p, pos), logloss, accuracy, ne, calibration])
+    out = torch.cat([out.where(~torch.isnan(p).any(), nan), ctr[None]])
+    return dict(zip(NUMBERS, out.tolist(), strict=True))  # the one host read
 
 
 def _auc(p: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -173,6 +173,8 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  AUC            {s['auc']:.4f}",
             f"  logloss        {s['logloss']:.4f}",
             f"  accuracy       {s['accuracy']:.4f}",
+            f"  NE             {s['ne']:.4f}   (logloss / the click rate's entropy)",
+            f"  calibration    {s['calibration']:.4f}   (predicted clicks / clicks)",
             f"  evaluation     {s['eval_samples']} samples in {s['eval_s']:.2f} s",
             f"  steps          {s['steps']} on {s['world_size']} rank(s)",
             f"  samples/s      {s['samples_per_s']:.0f}{_steady(s['samples_per_s_steady'])}",
