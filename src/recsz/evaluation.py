@@ -42,6 +42,7 @@ from recsz.model import get_preset
 from recsz.ranks import Ranks, launch, worker
 from recsz.step import Parts, build_parts, forward, rank_part
 
+
 # ---- an evaluation ----------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(
