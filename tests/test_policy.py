@@ -20,6 +20,7 @@ from recsz.policy.adaptive import (
     homogenization_counts,
     sorted_counts,
 )
+from recsz.policy.dct import DCTThreshold
 from recsz.policy.factory import make_policy
 from tests.reference import one_bound
 
@@ -177,6 +178,58 @@ def test_probe_again_classifies_anew_from_that_step() -> None:
         one_bound(p, 0, 52, torch.ones(2, 2))
         runs.append((first, p.class_of(0)))
     assert runs[0] == ("loose", "loose") and runs[1] == ("loose", "tight")
+
+
+@pytest.mark.parametrize("resumed_at", [1, 2])  # in the probe window; after it
+def test_a_resharded_policy_learns_on_as_the_one_that_saw_every_table(resumed_at: int) -> None:
+    """Two old ranks' forward policies, each fed its own tables (as their owners are),
+    restored into one (``load_resharded``, each table's state from its owner): mid-window
+    or classified, it goes on exactly as one policy fed every table from the start (classes,
+    indices, events), and no table probes anew."""
+    g = torch.Generator().manual_seed(11)
+    owners = {0: 0, 1: 1, 2: 0}
+    mid = [torch.randn(256, 16, generator=g) * s for s in (0.1, 0.5)]  # steps differ
+    days = [{0: _collapsing(g), 1: _spread(g), 2: mid[step % 2]} for step in range(10)]
+
+    def fresh() -> DualBound:
+        return DualBound(n_tables=3, class_eb=CLS, probe_steps=2, every=10)
+
+    one, old = fresh(), [fresh(), fresh()]
+    for step in range(resumed_at):
+        for t, x in days[step].items():
+            one.observe([t], step, x)
+            old[owners[t]].observe([t], step, x)
+        for p in (one, *old):
+            one_bound(p, 0, step + 1, torch.ones(2, 2))
+    new = fresh()
+    new.load_resharded([p.state_dict() for p in old], owners, own=0)
+
+    def g_late(t: int) -> torch.Generator:
+        return torch.Generator().manual_seed(t)
+
+    seen = []
+    for step in range(resumed_at, 12):  # the second window, [10, 12): every table spread
+        for p in (one, new):
+            for t in range(3):
+                p.observe([t], step, days[step][t] if step < 10 else _spread(g_late(t)))
+            one_bound(p, 0, step + 1, torch.ones(2, 2))
+        seen.append([[p.class_of(t) for t in range(3)] for p in (one, new)])
+        assert new.classes == one.classes and new.index == one.index, step
+    assert seen[2 - resumed_at][0] == ["tight", "loose", "base"]  # the first window's
+    assert seen[-1][0] == ["loose"] * 3
+    assert {(e["step"], e["table"]) for e in new.events} >= {(12, 0), (12, 2)}
+
+
+def test_a_resharded_dct_policy_keeps_each_tables_threshold() -> None:
+    """DCT's thresholds and their refresh steps: each table's from the rank that held it."""
+    old = [DCTThreshold(0.1, 5), DCTThreshold(0.1, 5)]
+    g = torch.Generator().manual_seed(2)
+    for t, r in ((0, 1), (1, 0), (2, 1)):
+        old[r].bounds([t], t, torch.randn(1, 64, 4, generator=g))
+    new = DCTThreshold(0.1, 5)
+    new.load_resharded([p.state_dict() for p in old], {0: 1, 1: 0, 2: 1}, own=0)
+    assert new.thresholds == {t: old[r].thresholds[t] for t, r in ((0, 1), (1, 0), (2, 1))}
+    assert new.refreshed_at == {0: 0, 1: 1, 2: 2}
 
 
 @pytest.mark.parametrize(

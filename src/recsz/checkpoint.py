@@ -270,12 +270,11 @@ def _restore_resharded(
     """Restore a checkpoint written by another number of ranks (``saved``: every rank's
     state, memory-mapped): each table this rank now holds from the rank that held it
     (:mod:`recsz.model.tablestate`: rows, row optimizer, FIITED's chunks, TT cores and
-    caches); the MLPs,
-    their optimizer and ``--compress auto``'s switch from rank 0 (every rank's are the
-    same); the bound policies probe their tables anew from ``step`` (what they learnt was
-    learnt of the old plan's traffic); counters and the MLP hook's state as
-    :meth:`CommStats.resumed` and :func:`resumed_state` fold them. Returns the run's
-    counters (saved rank ``rank % W``'s)."""
+    caches); the MLPs, their optimizer and ``--compress auto``'s switch from rank 0
+    (every rank's are the same); what the bound policies learnt of each table from the
+    rank that saw it (:meth:`BoundPolicy.load_resharded`); counters and the MLP hook's
+    state as :meth:`CommStats.resumed` and :func:`resumed_state` fold them. Returns the
+    run's counters (saved rank ``rank % W``'s)."""
     old = [saved[r] for r in range(len(saved))]
     tt = cfg.tt_spec()
     tt_tables = tt.tables if tt is not None else frozenset()
@@ -297,8 +296,17 @@ def _restore_resharded(
     # Copies: what is kept, not read into the modules' own tensors, leaves the files.
     parts.dense_module.load_state_dict(old[0]["dense"])
     parts.dense_opt.load_state_dict(copy.deepcopy(old[0]["dense_opt"]))
-    for p in parts.exchange.policies.values():
-        p.probe_again(step)
+    # What the bound policies learnt of each table: the forward's from the table's owner
+    # (it saw the table's values of every sample, as its new owner will), the backward's
+    # (of a rank's samples, every table) and the rest from rank ``rank % W``.
+    owners = {t: r for r, state in enumerate(old) for t in state["tables"]}
+    every = dict.fromkeys(range(len(sizes)), ranks.rank % len(old))
+    for k, p in parts.exchange.policies.items():
+        try:
+            saved_k = [state["policies"][k] for state in old]
+            p.load_resharded(saved_k, owners if k == "fwd" else every, ranks.rank % len(old))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {d}: the {k} bound policy's state: {e}") from None
     parts.exchange.switch.load_state_dict(old[0]["switch"])
     torch.set_rng_state(own["torch_rng"].clone())
     stats = [state["stats"] for state in old]
@@ -308,7 +316,7 @@ def _restore_resharded(
     if ranks.rank == 0:
         print(
             f"recsz: {d} was written by {len(old)} ranks, read on {ranks.world}: its "
-            "tables resharded (the bound policies probe anew)",
+            "tables resharded",
             flush=True,
         )
     return copy.deepcopy(own["counters"])

@@ -383,6 +383,28 @@ def test_resume_on_another_number_of_ranks(single: Path, tmp_path: Path) -> None
         assert resumed["bytes_raw"] == straight["bytes_raw"]  # (ratios: zstd's by chunk)
 
 
+def test_a_resharded_resume_keeps_what_the_bound_policies_learnt(tmp_path: Path) -> None:
+    """2 ranks with the dual-level bounds, resumed on one process: the forward policy holds
+    each table's class and index as its old owner learnt them, the backward's those of old
+    rank 0, and none probes anew (classes after the window, unchanged 2 steps later)."""
+    flags = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--eb-policy", "dual",
+             "--hindex-probe-steps", "4")  # fmt: skip
+    run(tmp_path, *flags, "--steps", "8", "--checkpoint-every", "8", nproc=2)
+    run(tmp_path, *flags, "--resume", str(tmp_path), "--steps", "10")
+
+    def policies(step: int, rank: int) -> dict:
+        f = tmp_path / "checkpoints" / f"step-{step:09d}" / f"rank-{rank}.pt"
+        return torch.load(f, weights_only=False)
+
+    old = [policies(8, r) for r in (0, 1)]
+    new = policies(10, 0)["policies"]
+    for key in ("classes", "index"):
+        fwd = {t: o["policies"]["fwd"][key][t] for o in old for t in o["tables"]}
+        assert new["fwd"][key] == fwd and len(fwd) == len(SIZES), key
+        assert new["bwd"][key] == old[0]["policies"]["bwd"][key], key
+    assert new["fwd"]["again"] is None and new["bwd"]["again"] is None
+
+
 def test_evaluate_a_checkpoint_on_any_number_of_ranks(
     single: Path, tmp_path: Path, criteo_10k: Path
 ) -> None:

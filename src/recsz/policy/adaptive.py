@@ -123,6 +123,7 @@ class DualBound(BoundPolicy):
     decay_c: float = 2.0
     decay_t: int = 65_536
     name: str = "dual"
+    TABLE_STATE = ("classes", "index", "win")  # (a class attribute: no annotation)
     classes: dict[int, str] = field(default_factory=dict)
     index: dict[int, float] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)

@@ -136,6 +136,9 @@ class BoundPolicy:
     tables of several lengths into one tensor)."""
 
     name = "none"
+    #: The fields of :meth:`state_dict` that map a table to what was learnt of it (a
+    #: checkpoint of another number of ranks takes each table's from the rank that saw it)
+    TABLE_STATE: tuple[str, ...] = ()
 
     def bounds(self, tables: list[int], step: int, x: torch.Tensor) -> torch.Tensor | None:
         """The bounds of many tables as a float64 tensor on x's device (``x[j]``: the
@@ -165,6 +168,18 @@ class BoundPolicy:
     def probe_again(self, step: int) -> None:
         """Learn anew from ``step`` on, what a restore could not give back (a checkpoint
         with another rank's state); nothing for a policy that learns nothing."""
+
+    def load_resharded(
+        self, saved: list[dict[str, Any]], holders: dict[int, int], own: int
+    ) -> None:
+        """Restore from a checkpoint written by another number of ranks: ``saved``, every
+        old rank's :meth:`state_dict`; each table's learnt state (:data:`TABLE_STATE`) from
+        the rank ``holders[table]`` (the one that saw its values: its owner, for the
+        forward), the rest from rank ``own``. ValueError as :meth:`load_state_dict`."""
+        state = dict(saved[own])
+        for key in self.TABLE_STATE:
+            state[key] = {t: saved[r][key][t] for t, r in holders.items() if t in saved[r][key]}
+        self.load_state_dict(state)
 
 
 class FixedBound(BoundPolicy):

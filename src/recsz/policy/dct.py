@@ -32,6 +32,7 @@ class DCTThreshold(BoundPolicy):
     """Per-table hard threshold, refreshed every ``refresh`` iterations."""
 
     name = "dct"
+    TABLE_STATE = ("thresholds", "refreshed_at")
 
     def __init__(self, keep: float, refresh: int) -> None:
         if not 0.0 < keep <= 1.0:
