@@ -660,3 +660,26 @@ def test_a_bad_line_is_named_by_its_line_whatever_the_chunks(
     bad.write_text("\n".join(lines))
     with pytest.raises(CriteoFormatError, match=r"b\.tsv:42: field 1 \(label\)"):
         list(criteo.iter_blocks(bad, SIZES, chunk_bytes=chunk))
+
+
+def test_a_damaged_or_truncated_gzip_file_is_named(criteo_10k: Path, tmp_path: Path) -> None:
+    """A gzipped day cut short (a copy that did not finish) or not gzip at all: the file is
+    named, with the lines read before, as a format error (no traceback of the gzip
+    module's); the lines before the damage were read as the whole file's are."""
+    import gzip
+
+    whole = gzip.compress(criteo_10k.read_bytes())
+    cut = tmp_path / "day_0.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    got = []
+    with pytest.raises(CriteoFormatError, match=r"day_0\.gz: damaged or truncated gzip data "
+                       r"\(in the block after line [1-9]\d*: Compressed file ended"):  # fmt: skip
+        got.extend(criteo.iter_blocks(cut, SIZES, block_rows=100, chunk_bytes=1 << 16))
+    want = criteo.read(criteo_10k, SIZES)
+    n = sum(len(b) for b in got)
+    assert 0 < n < len(want)
+    np.testing.assert_array_equal(np.concatenate([b.cats for b in got]), want.cats[:n])
+    plain = tmp_path / "day_1.gz"
+    plain.write_bytes(criteo_10k.read_bytes()[:1000])  # named .gz, not gzip
+    with pytest.raises(CriteoFormatError, match=r"day_1\.gz: .*after line 0: Not a gzipped"):
+        criteo.read(plain, SIZES)

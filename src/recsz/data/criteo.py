@@ -18,8 +18,10 @@ Conventions (as in facebookresearch/dlrm and MLPerf):
 from __future__ import annotations
 
 import gzip
+import io
 import math
 import os
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -194,7 +196,7 @@ def iter_blocks(
     with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
         rest = b""
         while True:
-            chunk = f.read(chunk_bytes)
+            chunk = _read_chunk(f, chunk_bytes, path, lineno)
             data = rest + chunk
             cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines; at the end all
             data, rest = data[:cut], data[cut:]
@@ -218,6 +220,17 @@ def iter_blocks(
             pending = _rows(blk, start, len(blk)) if start < len(blk) else None
     if pending is not None:
         yield pending
+
+
+def _read_chunk(f: io.BufferedIOBase, size: int, path: str | os.PathLike[str], lines: int) -> bytes:
+    """The next ``size`` bytes of ``f``; a gzipped file cut short or damaged is named, with
+    the lines read before (not a traceback of the gzip module's)."""
+    try:
+        return f.read(size)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise CriteoFormatError(
+            f"{path}: damaged or truncated gzip data (in the block after line {lines}: {e})"
+        ) from None
 
 
 def _parse_chunk(
