@@ -164,6 +164,7 @@ def _set_order(shares: list[list[int]], device: torch.device) -> torch.Tensor:
 #: run (what may change under a checkpoint) and what `evaluate` evaluates on
 WHERE = ("nproc", "device", "prefetch", "dist_timeout")
 _WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines")
+_OUTPUTS = ("json", "predictions")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -263,9 +264,14 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 
 def entry(argv: list[str], args: argparse.Namespace, module: str, body: Callable[[], object],
-          as_main: bool) -> int:  # fmt: skip
+          as_main: bool, outputs: tuple[str, ...]) -> int:  # fmt: skip
     """Run ``body`` on this process's rank, or launch ``module`` on the ranks asked
-    (``--nproc``; default: as many as wrote the checkpoint)."""
+    (``--nproc``; default: as many as wrote the checkpoint). The files the flags
+    ``outputs`` name must have a directory to go to: refused before any work, not after."""
+    for flag in outputs:
+        out = getattr(args, flag, None)
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise FileNotFoundError(f"--{flag} {out}: no directory {Path(out).parent} to write to")
     if "WORLD_SIZE" not in os.environ:
         saved = chosen(Path(args.run))[1]  # named here, not by every rank launched
         nproc = getattr(args, "nproc", None) or int(saved["world_size"])
@@ -280,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (data := getattr(args, "eval_data", None)) is not None and not Path(data).exists():
         raise FileNotFoundError(f"--eval-data {data}: no such file or directory")
-    return entry(argv, args, "recsz.evaluation", lambda: run(argv), __name__ == "__main__")
+    body = lambda: run(argv)  # noqa: E731
+    return entry(argv, args, "recsz.evaluation", body, __name__ == "__main__", _OUTPUTS)
 
 
 if __name__ == "__main__":

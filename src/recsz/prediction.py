@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     for f in args.data:
         if not Path(f).is_file():
             raise FileNotFoundError(f"{f}: no such file")
-    return entry(argv, args, "recsz.prediction", lambda: run(argv), __name__ == "__main__")
+    body = lambda: run(argv)  # noqa: E731
+    return entry(argv, args, "recsz.prediction", body, __name__ == "__main__", ("out", "json"))
 
 
 if __name__ == "__main__":

@@ -469,6 +469,8 @@ def test_predict_scores_unlabeled_lines_as_evaluate_scores_them_labeled(
     bad = ["predict", str(single), str(criteo_10k), "--out", str(tmp_path / "x.npy")]
     assert cli(bad) == 2  # a labeled line: its file and line named, no traceback
     assert not (tmp_path / "x.npy").exists()
+    nowhere = ["predict", str(single), str(a), "--out", str(tmp_path / "no" / "p.npy")]
+    assert cli(nowhere) == 2  # refused before scoring: no directory to write to
 
 
 def test_resume_checks_every_file_of_another_number_of_ranks(tmp_path: Path) -> None:
