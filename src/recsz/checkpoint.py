@@ -278,7 +278,7 @@ def _restore_resharded(
     old = [saved[r] for r in range(len(saved))]
     tt = cfg.tt_spec()
     tt_tables = tt.tables if tt is not None else frozenset()
-    sizes = cfg.model().table_sizes
+    sizes = cfg.sharded_tables()[0]
     pieces: dict[int, tablestate.Piece] = {}
     for r, state in enumerate(old):
         try:

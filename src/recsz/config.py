@@ -34,6 +34,7 @@ from recsz.model.fiited import RULES
 from recsz.model.multihot import parse_hotness
 from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import LRSchedule
+from recsz.model.sharding import column_shards
 from recsz.policy.adaptive import parse_class_eb
 
 #: The tables' default learning rate with bags, as a share of the preset's: at the preset's
@@ -41,13 +42,13 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 14  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 15  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
-# --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype
+# --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards
 
 
 CODECS = tuple(available_codecs())
@@ -81,6 +82,13 @@ class TrainConfig:
         "into fp32, updated in fp32 and rounded stochastically, as fbgemm's half-precision "
         "tables; not with FIITED)",
         tuple(TABLE_DTYPES),
+    )
+    column_shards: int = opt(
+        1,
+        "split every table's columns into K shards of dim/K, each planned, looked up and "
+        "exchanged as a table of its own (TorchRec's column-wise sharding: a large table's "
+        "memory and lookups spread over K ranks; not with TT or FIITED tables)",
+        ge=1,
     )
     lr_warmup_steps: int = opt(
         0,
@@ -283,6 +291,12 @@ class TrainConfig:
         mine: dict[str, Any] = {"interaction": self.interaction, "dcn_layers": self.dcn_layers,
                                 "dcn_rank": self.dcn_rank}  # fmt: skip
         return replace(m, **{k: v for k, v in mine.items() if v is not None})
+
+    def sharded_tables(self) -> tuple[list[int], int]:
+        """The tables as the plan, the exchange and the bound policies see them: their rows
+        and width (``--column-shards``: each table's shards, :func:`column_shards`)."""
+        m = self.model()
+        return column_shards(m.table_sizes, m.emb_dim, self.column_shards)
 
     def tt_spec(self) -> TTSpec | None:
         """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""

@@ -37,6 +37,12 @@ def refused(cfg: TrainConfig) -> None:
     spec = cfg.fiited_spec()
     if spec is not None:
         spec.chunks_of(model.emb_dim)  # before any rank starts
+    if cfg.column_shards > 1:
+        cfg.sharded_tables()  # they divide the dim
+        if spec is not None or cfg.tt_tables:
+            raise ValueError("--column-shards with --fiited-budget or --tt-tables: a column "
+                             "shard is a plain table's (FIITED and TT-Rec split tables their "
+                             "own ways)")  # fmt: skip
     if (bsz := cfg.resolved("batch_size")) % cfg.nproc:  # once, before the launch
         raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {cfg.nproc}")
     if cfg.tt_tables > n_tables:

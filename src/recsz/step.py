@@ -64,6 +64,8 @@ class Parts:
     exchange: EmbeddingExchange
     dp: DPComm  # the MLP gradients' exchange (DDP hook), its state and counters
     rates: ScheduledRates | None = None  # --lr-warmup-steps / --lr-decay-steps (None: constant)
+    #: --column-shards: each exchanged table's column of the model's ids (None: one a table)
+    columns: torch.Tensor | None = None
 
     @property
     def dense_module(self) -> DenseArch:
@@ -76,17 +78,18 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     mcfg = cfg.model()
     tt = cfg.tt_spec()
     local = tt.replicated if tt is not None else frozenset()
+    sizes, dim = cfg.sharded_tables()  # (--column-shards: each table's shards)
     # A TT table is charged what its cores hold, as rows of the table's width; replicated
     # ones are on every rank, out of the plan (owner -1) and of the all-to-all.
     charged = {
-        t: -(-tt_parameters(n, mcfg.emb_dim, tt.rank, tt.cores) // mcfg.emb_dim)
+        t: -(-tt_parameters(n, dim, tt.rank, tt.cores) // dim)
         if tt is not None and t in tt.tables
         else n
-        for t, n in enumerate(mcfg.table_sizes)
+        for t, n in enumerate(sizes)
         if t not in local
     }
-    owners = [-1] * mcfg.n_tables
-    planned = plan_tables(list(charged.values()), mcfg.emb_dim, ranks.world)
+    owners = [-1] * len(sizes)
+    planned = plan_tables(list(charged.values()), dim, ranks.world)
     for t, r in zip(charged, planned, strict=True):
         owners[t] = r
     plan = ShardPlan(owners, ranks.world)
@@ -95,7 +98,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     hot = cfg.hotness()
     dtype = TABLE_DTYPES[cfg.table_dtype]
     mine = plan.tables_of(ranks.rank)
-    sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype)
+    sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype, cfg.column_shards)
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
@@ -121,9 +124,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
     params, lr = dense_arch.mlp_parameters(), cfg.resolved("lr")
     dense_opt = dense_optimizer(cfg.resolved("dense_optimizer"), params, lr)
-    fwd, bwd = (
-        Direction(d, cfg.codec(d), make_policy(cfg, d, mcfg.n_tables)) for d in ("fwd", "bwd")
-    )
+    fwd, bwd = (Direction(d, cfg.codec(d), make_policy(cfg, d, len(sizes))) for d in ("fwd", "bwd"))
     # --compress auto: the plain steps' directions (lossless; a codec that takes no bound
     # never asks its policy) and the switch, which every rank's step times decide alike
     plain = (
@@ -147,12 +148,15 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     if not schedule.constant:  # every optimizer's rate from the one schedule, set each step
         opts = [dense_opt, *sparse.tt.optimizers, *replicated.optimizers]
         rates = ScheduledRates(schedule, emb_opt, opts)
-    return Parts(sparse, dense, dense_opt, exchange, dp, rates), owners
+    k = cfg.column_shards
+    columns = None if k == 1 else torch.arange(len(sizes), device=ranks.device) // k
+    return Parts(sparse, dense, dense_opt, exchange, dp, rates, columns), owners
 
 
 def rank_part(parts: Parts, ranks: Ranks) -> Part:
     """What this rank reads of a global batch: its samples, and its tables' ids of all."""
-    return Part(ranks.rank, ranks.world, tuple(parts.sparse.tables))
+    k = parts.sparse.shards  # (--column-shards: a model's table for each of its shards)
+    return Part(ranks.rank, ranks.world, tuple(sorted({t // k for t in parts.sparse.tables})))
 
 
 def share_chunk_counts(parts: Parts, ranks: Ranks, chunk: int) -> None:
@@ -167,7 +171,8 @@ def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: in
     """Logits of this rank's b samples; ids are the global batch's (B, T)."""
     # checked: the sources are made for the model's table sizes (no host sync on a GPU).
     pooled = parts.sparse(ids, checked=True)  # (B, |T_r|, D)
-    pending = parts.exchange.start_forward(pooled, step, ids)
+    sent = ids if parts.columns is None else ids.index_select(1, parts.columns)  # shards' ids
+    pending = parts.exchange.start_forward(pooled, step, sent)
     b = len(batch_dense)
     mine = ids[parts.exchange.rank * b : (parts.exchange.rank + 1) * b]
     return parts.dense(batch_dense, pending, mine)  # bottom MLP runs while the bytes fly

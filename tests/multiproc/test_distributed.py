@@ -58,13 +58,14 @@ def losses(out: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def tables(out: Path, step: int = 20) -> dict[int, torch.Tensor]:
-    """Every table's final weights, gathered from all ranks' checkpoint files."""
+def tables(out: Path, step: int = 20, shards: int = 1) -> dict[int, torch.Tensor]:
+    """Every table's final weights (each column shard's), gathered from all ranks'
+    checkpoint files."""
     d = out / "checkpoints" / f"step-{step:09d}"
     got: dict[int, torch.Tensor] = {}
     for f in sorted(d.glob("rank-*.pt")):
         s = torch.load(f, weights_only=False)
-        sizes = [SIZES[t] for t in s["tables"]]
+        sizes = [SIZES[t // shards] for t in s["tables"]]
         got.update(zip(s["tables"], s["sparse"]["weight"].split(sizes), strict=True))
     return got
 
@@ -403,6 +404,36 @@ def test_a_resharded_resume_keeps_what_the_bound_policies_learnt(tmp_path: Path)
         assert new["fwd"][key] == fwd and len(fwd) == len(SIZES), key
         assert new["bwd"][key] == old[0]["policies"]["bwd"][key], key
     assert new["fwd"]["again"] is None and new["bwd"]["again"] is None
+
+
+def test_column_shards_on_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
+    """--column-shards 2 (zstd: lossless): 2 ranks end where one process does, and where
+    one process of whole tables does (losses, MLPs, every table's columns, its shards
+    joined); a checkpoint of the 2 ranks resumed on one process ends there too."""
+    flags = ("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--column-shards", "2")
+    one, two, moved = tmp_path / "one", tmp_path / "two", tmp_path / "moved"
+    run(one, *flags)
+    s = run(two, *flags, nproc=2)
+    assert len(s["per_table"]) == 52
+    for d in (one, two):
+        torch.testing.assert_close(
+            torch.tensor(losses(d)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+        )
+    run(moved, *flags, "--steps", "10", "--checkpoint-every", "10", nproc=2)
+    run(moved, *flags, "--resume", str(moved))
+    torch.testing.assert_close(
+        torch.tensor(losses(moved)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+    )
+    for d in (two, moved):
+        shards = tables(d, shards=2)
+        whole = tables(single)
+        assert sorted(shards) == list(range(52))
+        for t in range(26):
+            joined = torch.cat([shards[2 * t], shards[2 * t + 1]], 1)
+            torch.testing.assert_close(joined, whole[t], rtol=0, atol=1e-5, msg=f"table {t}")
+        da, db = dense(single), dense(d)
+        for k in da:
+            torch.testing.assert_close(db[k], da[k], rtol=0, atol=1e-5, msg=k)
 
 
 def test_evaluate_a_checkpoint_on_any_number_of_ranks(

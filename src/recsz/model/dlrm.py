@@ -236,6 +236,7 @@ class DenseArch(nn.Module):
         with self._autocast(dense):
             x = self.bottom(dense)  # (B, D)
         e: torch.Tensor = emb if isinstance(emb, torch.Tensor) else _received(emb)
+        e = e.reshape(e.shape[0], self.n_features - 1, -1)  # a table's column shards side by side
         if self.local is not None:
             assert ids is not None, "local tables need the samples' ids"
             e = e.index_copy(1, self.local_pos, self.local(ids))

@@ -1,4 +1,5 @@
-"""Table-wise sharding: a small planner that gives each table to one rank."""
+"""Table-wise sharding: a small planner that gives each table to one rank; and column
+shards, which make a table's columns several tables for it."""
 
 from __future__ import annotations
 
@@ -31,3 +32,14 @@ def plan_tables(table_sizes: Sequence[int], dim: int, world: int) -> list[int]:
         mem[best] += cost
         count[best] += 1
     return owners
+
+
+def column_shards(table_sizes: Sequence[int], dim: int, k: int) -> tuple[list[int], int]:
+    """Every table split into ``k`` shards of its columns (TorchRec's column-wise sharding):
+    the shards' rows (shard c of table t is shard t * k + c, with t's rows) and their
+    width, dim / k. Each shard is planned, looked up, exchanged and bounded as a table;
+    the receiver's (b, T * k, dim / k) embeddings are the model's (b, T, dim), side by side.
+    """
+    if k < 1 or dim % k:
+        raise ValueError(f"--column-shards {k}: must divide the tables' dim {dim}")
+    return [n for n in table_sizes for _ in range(k)], dim // k

@@ -25,16 +25,20 @@ from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
 
-def init_table(rows: int, dim: int, seed: int, table: int) -> torch.Tensor:
-    """The initial weights of one table, a function of (seed, table) only.
+def init_table(
+    rows: int, dim: int, seed: int, table: int, columns: slice = slice(None)
+) -> torch.Tensor:
+    """The initial weights of one table (its ``columns``: a column shard's), a function of
+    (seed, table) only.
 
-    Seeding per table makes a table's start independent of which rank owns it, so the
-    sharded model starts exactly where the single-process one does. Uniform in
-    +-sqrt(1/rows) as in facebookresearch/dlrm.
+    Seeding per table makes a table's start independent of which rank owns it, or of how
+    its columns are split, so the sharded model starts exactly where the single-process
+    one does. Uniform in +-sqrt(1/rows) as in facebookresearch/dlrm.
     """
     g = torch.Generator().manual_seed(seed * 1009 + table)
     bound = (1.0 / rows) ** 0.5
-    return torch.empty(rows, dim).uniform_(-bound, bound, generator=g)
+    whole = torch.empty(rows, dim).uniform_(-bound, bound, generator=g)
+    return whole if columns == slice(None) else whole[:, columns].contiguous()
 
 
 class SparseArch(nn.Module):
@@ -53,6 +57,10 @@ class SparseArch(nn.Module):
             half the memory; looked up into float32, a bag's rows summed in float32;
             updated in float32 and rounded stochastically,
             :func:`recsz.model.rowopt.round_stochastic`).
+        shards: every table of the model split into this many column shards, each a table
+            of its own here (``tables`` index them: shard c of table t is t * shards + c),
+            D / shards wide, looked up with table t's ids (and bags), started as table t's
+            columns (:func:`recsz.model.sharding.column_shards`; no TT or FIITED tables).
     """
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
@@ -72,31 +80,39 @@ class SparseArch(nn.Module):
         fiited: FiitedSpec | None = None,
         hotness: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float32,
+        shards: int = 1,
     ) -> None:
         super().__init__()
         if fiited is not None and dtype != torch.float32:
             raise ValueError("FIITED's chunk store keeps float32 rows (--table-dtype fp32)")
         self.tables = list(tables)
+        self.shards = shards
         tt_set = tt.tables if tt is not None else frozenset()
+        if shards > 1 and (tt_set or fiited is not None):
+            raise ValueError("column shards of TT or FIITED tables are not supported")
         if hotness is not None and any(hotness[t] > 1 for t in tt_set):
             raise ValueError("multi-hot bags in TT tables are not supported yet")
         self.dense_tables = [t for t in self.tables if t not in tt_set]
-        self.sizes = [cfg.table_sizes[t] for t in self.dense_tables]
-        self.dim = cfg.emb_dim
+        whole = [t // shards for t in self.dense_tables]  # each one's table of the model
+        self.sizes = [cfg.table_sizes[t] for t in whole]
+        self.dim = cfg.emb_dim // shards
         self.optimizer = optimizer
-        self.dense_bytes = 4 * cfg.emb_dim * sum(cfg.table_sizes[t] for t in self.tables)
+        self.dense_bytes = 4 * self.dim * sum(cfg.table_sizes[t // shards] for t in self.tables)
         start = torch.tensor([0, *self.sizes], dtype=torch.int64).cumsum(0)
-        weight = torch.empty(int(start[-1]), cfg.emb_dim)
+        weight = torch.empty(int(start[-1]), self.dim)
         for j, t in enumerate(self.dense_tables):
-            weight[start[j] : start[j + 1]] = init_table(self.sizes[j], cfg.emb_dim, seed, t)
+            c = t % shards
+            cols = slice(c * self.dim, (c + 1) * self.dim) if shards > 1 else slice(None)
+            init = init_table(self.sizes[j], cfg.emb_dim, seed, whole[j], cols)
+            weight[start[j] : start[j + 1]] = init
         self.tt = TTTables(cfg, [t for t in self.tables if t in tt_set], seed, optimizer, tt)
         pos = {t: j for j, t in enumerate(self.tables)}
         self.register_buffer(
             "dense_pos", torch.tensor([pos[t] for t in self.dense_tables]), persistent=False
         )
         self.register_buffer(
-            "dense_cols", torch.tensor(self.dense_tables, dtype=torch.int64), persistent=False
-        )
+            "dense_cols", torch.tensor(whole, dtype=torch.int64), persistent=False
+        )  # each dense table's column of the model's ids
         self.register_buffer(
             "tt_pos", torch.tensor([pos[t] for t in self.tt.tables], dtype=torch.int64),
             persistent=False,
@@ -110,8 +126,8 @@ class SparseArch(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=optimizer is not None)
         self.register_buffer("offsets", start[:-1].clone(), persistent=False)
         self.multi_hot: Bags | None = None
-        if hotness is not None and any(hotness[t] > 1 for t in self.dense_tables):
-            self.multi_hot = Bags(self.dense_tables, hotness, self.sizes, start[:-1].tolist())
+        if hotness is not None and any(hotness[t] > 1 for t in whole):  # a table's shards: its bags
+            self.multi_hot = Bags(whole, hotness, self.sizes, start[:-1].tolist())
         self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
         state = optimizer.new_state(weight) if optimizer else torch.zeros(0)  # none with a store
         self.register_buffer("optimizer_state", state)

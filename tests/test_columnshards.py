@@ -1,0 +1,118 @@
+"""Column shards (``--column-shards K``): each table's columns split into K tables of
+dim/K. Against the unsplit tables, the plain reference: the same start, the same lookups
+side by side (bags too), the same updates (SGD and exact Adagrad; row-wise Adagrad keeps
+one accumulator a shard's row, as TorchRec's column-wise shards do), and one process
+trains to the same losses."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from recsz.config import parse_train_args
+from recsz.model import ModelConfig, RowOptimizer, SparseArch
+from recsz.model.sharding import column_shards, plan_tables
+from recsz.train import main
+
+CFG = ModelConfig(table_sizes=(30, 7, 50), emb_dim=8, bottom_mlp=(8,), top_mlp=(1,))
+
+
+def joined(shards: SparseArch, k: int) -> torch.Tensor:
+    """The shards' rows as the unsplit tables' (rows of every table, D columns)."""
+    out = []
+    for t, n in enumerate(CFG.table_sizes):
+        cols = []
+        for c in range(k):
+            j = shards.dense_tables.index(t * k + c)
+            start = int(shards.offsets[j])
+            cols.append(shards.weight.detach()[start : start + n].float())
+        out.append(torch.cat(cols, 1))
+    return torch.cat(out)
+
+
+def test_the_shards_are_the_tables_columns_and_plan_as_tables() -> None:
+    sizes, width = column_shards(CFG.table_sizes, CFG.emb_dim, 4)
+    assert sizes == [30] * 4 + [7] * 4 + [50] * 4 and width == 2
+    with pytest.raises(ValueError, match="--column-shards 3: must divide the tables' dim 8"):
+        column_shards(CFG.table_sizes, CFG.emb_dim, 3)
+    owners = plan_tables([40_000_000] * 4 + [10] * 4, 32, 4)  # one big table's 4 shards
+    assert sorted(owners[:4]) == [0, 1, 2, 3]  # spread over the ranks, not on one
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    k=st.sampled_from([2, 4, 8]),
+    kind=st.sampled_from(["sgd", "adagrad"]),
+    hot=st.sampled_from([None, (3, 1, 2)]),
+    seed=st.integers(0, 1000),
+)
+def test_shards_look_up_and_learn_as_their_tables(k: int, kind: str, hot, seed: int) -> None:
+    """Random ids (repeats within a batch), one-hot or bags: the pooled vectors of the K
+    shards side by side are the table's, and after two updates (SGD or exact Adagrad) the
+    shards hold the table's columns."""
+    g = torch.Generator().manual_seed(seed)
+    whole = SparseArch(CFG, range(3), 5, RowOptimizer(kind, 0.3), hotness=hot)
+    split = SparseArch(CFG, range(3 * k), 5, RowOptimizer(kind, 0.3), hotness=hot, shards=k)
+    assert torch.equal(joined(split, k), whole.weight.detach())
+    for _ in range(2):
+        ids = torch.stack([torch.randint(0, n, (16,), generator=g) for n in CFG.table_sizes], 1)
+        a, b = whole(ids), split(ids)
+        torch.testing.assert_close(b.reshape(16, 3, CFG.emb_dim), a, rtol=0, atol=0)
+        grad = torch.randn(a.shape, generator=g)
+        a.backward(grad)
+        b.backward(grad.reshape(b.shape))
+        torch.testing.assert_close(joined(split, k), whole.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_rowwise_adagrad_keeps_an_accumulator_a_shards_row() -> None:
+    """Row-wise Adagrad's one accumulator a row becomes one a shard's row (the mean square
+    of its D/K columns' gradients): K accumulators a row, each its shard's."""
+    split = SparseArch(CFG, range(6), 5, RowOptimizer("rowwise_adagrad", 0.1), shards=2)
+    ids = torch.tensor([[3, 1, 9]])
+    out = split(ids)
+    grad = torch.zeros(out.shape)
+    grad[0, 0, :] = torch.tensor([1.0, 1.0, 1.0, 1.0])  # shard 0 of table 0
+    grad[0, 1, :] = torch.tensor([2.0, 2.0, 2.0, 2.0])  # shard 1 of table 0
+    out.backward(grad)
+    acc = split.optimizer_state
+    assert float(acc[int(split.offsets[0]) + 3]) == pytest.approx(1.0)
+    assert float(acc[int(split.offsets[1]) + 3]) == pytest.approx(4.0)
+
+
+def _run(tmp: Path, *flags: str) -> tuple[list[float], dict]:
+    out = tmp / "-".join(flags).replace("--", "")
+    argv = ["--steps", "12", "--batch-size", "64", "--synthetic-eval", "512", "--no-progress",
+            "--log-every", "4", "--emb-optimizer", "sgd", "--out", str(out), *flags]  # fmt: skip
+    assert main(argv) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r], json.loads((out / "summary.json").read_text())
+
+
+def test_one_process_trains_as_with_whole_tables(tmp_path: Path) -> None:
+    """`recsz train --column-shards 4` (SGD, codec none; bags too): the same losses and
+    held-out numbers as the whole tables, its exchange counting 4x the tables."""
+    for extra in ((), ("--multi-hot", "3")):
+        want, s1 = _run(tmp_path, *extra)
+        got, s4 = _run(tmp_path, "--column-shards", "4", *extra)
+        assert got == pytest.approx(want, rel=1e-6)
+        assert s4["auc"] == pytest.approx(s1["auc"], abs=1e-6)
+        assert len(s4["per_table"]) == 4 * len(s1["per_table"])
+
+
+def test_what_column_shards_cannot_take_is_refused() -> None:
+    for flags, message in (
+        (["--column-shards", "3"], "must divide the tables' dim 16"),
+        (["--column-shards", "2", "--tt-tables", "1"], "--column-shards with --fiited-budget"),
+        (["--column-shards", "2", "--fiited-budget", "0.5"], "--column-shards with --fiited"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_train_args(flags)
+    with pytest.raises(ValueError, match="column shards of TT or FIITED tables"):
+        from recsz.model.ttrec import TTSpec
+
+        SparseArch(CFG, range(6), 0, tt=TTSpec(frozenset({0}), 4, 3), shards=2)
