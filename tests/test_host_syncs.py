@@ -185,12 +185,16 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
 
 
 @pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
-@pytest.mark.parametrize("extra", [("--multi-hot", "mlperf"), ("--table-dtype", "fp16")])
-def test_bags_and_half_tables_add_no_host_read(
+@pytest.mark.parametrize(
+    "extra",
+    [("--multi-hot", "mlperf"), ("--table-dtype", "fp16"), ("--column-shards", "4")],
+)
+def test_bags_half_tables_and_column_shards_add_no_host_read(
     ids: bool, expected: int, extra: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MLPerf's bags, made and pooled on the device, and their ids' updates; half tables'
-    rounding: no read more than the one-hot float32 step's."""
+    rounding; column shards (their ids gathered on the device): no read more than the
+    one-hot float32 step's."""
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     counted = steps_counted("none", ids=ids, steps=5, extra=extra)
     for k, (_, reads, _, where) in enumerate(counted[3:], start=3):
@@ -205,6 +209,7 @@ def test_bags_and_half_tables_add_no_host_read(
         (True, 1, ()),
         (False, 0, ("--multi-hot", "mlperf")),
         (False, 0, ("--table-dtype", "fp16")),
+        (True, 1, ("--column-shards", "4")),
     ],
 )
 def test_on_a_gpu_a_step_syncs_as_often_as_counted_on_the_cpu(

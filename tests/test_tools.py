@@ -409,3 +409,27 @@ def test_bench_tabledtype_quick_runs_each_variant_and_restores_the_rounding(
     mb = {r["variant"]: r["embedding_mb"] for r in rows if r["data"] == "pace"}
     assert mb["fp16-rne"] == pytest.approx(mb["fp32"] / 2)
     assert rowopt.round_stochastic is stochastic
+
+
+def test_bench_columns_plans_spread_the_large_tables(tmp_path: Path) -> None:
+    """The plan part alone (arithmetic): at 64 ranks, 4 column shards leave no rank idle
+    and hold a quarter of the whole tables' most a rank; the table is written."""
+    out = tmp_path / "columns.json"
+    argv = ["--no-pace", "--presets", "dcnv2", "--worlds", "64", "--shards", "1,4"]
+    assert _bench("bench_columns").main([*argv, "--json-out", str(out)]) == 0
+    rows = {r["shards"]: r for r in json.loads(out.read_text())}
+    assert rows[1]["idle_ranks"] > 0 and rows[4]["idle_ranks"] == 0
+    assert rows[4]["max_gb"] == pytest.approx(rows[1]["max_gb"] / 4)
+    assert rows[4]["mean_gb"] == pytest.approx(rows[1]["mean_gb"])
+    assert "| dcnv2 | 64 | 4 |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_eval_scores_a_raw_file_both_ways(tmp_path: Path, criteo_10k: Path) -> None:
+    """Part (c) at a small size: `recsz evaluate --eval-data` and `recsz predict` of the
+    same lines, each in a process of its own, timed with their peak memory."""
+    out = tmp_path / "eval.json"
+    argv = ["--sizes", "", "--worlds", "", "--raw-lines", "3000", "--repeats", "1"]
+    assert _bench("bench_eval").main([*argv, "--json-out", str(out)]) == 0
+    rows = {r["what"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"evaluate", "predict"}
+    assert all(r["lines"] == 3000 and r["new_peak_gb"] > 0 for r in rows.values())
