@@ -153,8 +153,8 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
             f.write(raw.read_bytes())
     compiled = criteo.parse_lines
 
-    def none_compiled(buf, table_sizes):  # every line left to parse_line
-        labels, dense, ids, ok, starts = compiled(buf, table_sizes)
+    def none_compiled(buf, table_sizes, labeled=True):  # every line left to parse_line
+        labels, dense, ids, ok, starts = compiled(buf, table_sizes, labeled)
         ok[:] = False
         return labels, dense, ids, ok, starts
 

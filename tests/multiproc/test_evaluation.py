@@ -43,7 +43,7 @@ def evaluated(rank: int, world: int) -> dict[str, object]:
     source = make_source("synthetic", SIZES, seed=4, synthetic_eval=N_EVAL)
     tables = TABLES[rank] if world == 3 else tuple(range(26))
     parts = SimpleNamespace(
-        sparse=SimpleNamespace(tables=list(tables)),
+        sparse=SimpleNamespace(tables=list(tables), shards=1),
         exchange=SimpleNamespace(train=lambda on: None),
     )
     cfg = SimpleNamespace(eval_batch_size=BATCH, prefetch=2)
