@@ -167,17 +167,22 @@ _WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines")
 _OUTPUTS = ("json", "predictions")
 
 
+def run_parser(prog: str, description: str, flags: tuple[str, ...]) -> argparse.ArgumentParser:
+    """A command on a run's checkpoint: its ``run``, and ``TrainConfig``'s flags of where it
+    runs (:data:`WHERE`) and ``flags``, each defaulting to the run's."""
+    p = parser(TrainConfig, prog, description, only=(*WHERE, *flags), otherwise="the run's")
+    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = parser(
-        TrainConfig,
+    p = run_parser(
         "recsz evaluate",
         "Evaluate a run's model (its newest complete checkpoint, or the one named) on its "
         "held-out set or on --eval-data, on any number of ranks (default: as many as wrote "
         "the checkpoint).",
-        only=(*WHERE, *_WHAT),
-        otherwise="the run's",
+        _WHAT,
     )
-    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
     p.add_argument("--json", default=None, help="write the numbers, step and data to this file")
     p.add_argument(
         "--predictions",

@@ -18,10 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from recsz.config import TrainConfig
 from recsz.data.stream import RawStream
-from recsz.evaluation import WHERE, entry, evaluate, restored
-from recsz.fields import parser
+from recsz.evaluation import WHERE, entry, evaluate, restored, run_parser
 from recsz.model import get_preset
 
 #: what `recsz predict` may set besides where it runs, the rest being the run's
@@ -29,16 +27,13 @@ _HOW = ("eval_batch_size", "skip_bad_lines")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = parser(
-        TrainConfig,
+    p = run_parser(
         "recsz predict",
         "Score unlabeled Criteo lines (the test layout: 39 fields, no label) with a run's "
         "model (its newest complete checkpoint, or the one named), on any number of ranks "
         "(default: as many as wrote the checkpoint).",
-        only=(*WHERE, *_HOW),
-        otherwise="the run's",
+        _HOW,
     )
-    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
     p.add_argument("data", nargs="+", help="unlabeled Criteo file(s), plain or .gz, in order")
     p.add_argument(
         "--out",
