@@ -116,3 +116,76 @@ def test_what_column_shards_cannot_take_is_refused() -> None:
         from recsz.model.ttrec import TTSpec
 
         SparseArch(CFG, range(6), 0, tt=TTSpec(frozenset({0}), 4, 3), shards=2)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize(("k_old", "k_new"), [(1, 4), (4, 1), (2, 4), (4, 2), (2, 2)])
+def test_a_tables_state_changes_its_column_shards(kind: str, k_old: int, k_new: int) -> None:
+    """Tables trained in ``k_old`` shards, their saved pieces recut into ``k_new``
+    (``--column-shards`` changed on resume) and loaded: the rows are the same columns, the
+    per-element state too; row-wise Adagrad's one a shard's row is the mean of the old
+    shards' (exactly the whole row's where they merge), each new shard starting from it."""
+    from recsz.model import tablestate
+
+    g = torch.Generator().manual_seed(k_old * 10 + k_new)
+    sizes = list(CFG.table_sizes)
+    old = SparseArch(CFG, range(3 * k_old), 5, RowOptimizer(kind, 0.3), shards=k_old)
+    for _ in range(2):
+        ids = torch.stack([torch.randint(0, n, (16,), generator=g) for n in sizes], 1)
+        out = old(ids)
+        out.backward(torch.randn(out.shape, generator=g))
+    old_sizes = column_shards(sizes, CFG.emb_dim, k_old)[0]
+    pieces = tablestate.split(old.state_dict(), old.tables, old_sizes, ())
+    pieces = tablestate.recolumned(pieces, 3, k_old, k_new)
+    new = SparseArch(CFG, range(3 * k_new), 0, RowOptimizer(kind, 0.3), shards=k_new)
+    new.load_state_dict(tablestate.join(pieces, new.tables, (), new.state_dict()))
+    assert torch.equal(joined(new, k_new), joined(old, k_old))
+    b = new.optimizer_state
+    if kind == "adagrad":  # per element: the same columns
+        assert torch.equal(joined_state(new, k_new), joined_state(old, k_old))
+    elif kind == "rowwise_adagrad":  # per row: the old shards' mean, in every new shard
+        want = _row_means(old, k_old)
+        for t in range(3):
+            for c in range(k_new):
+                j = t * k_new + c
+                start = int(new.offsets[j])
+                got = b[start : start + sizes[t]]
+                torch.testing.assert_close(got, want[t], rtol=1e-6, atol=0)
+    else:
+        assert not b.numel()
+
+
+def joined_state(shards: SparseArch, k: int) -> torch.Tensor:
+    """Exact Adagrad's per-element state as the unsplit tables' (like :func:`joined`)."""
+    out = []
+    for t, n in enumerate(CFG.table_sizes):
+        starts = [int(shards.offsets[shards.dense_tables.index(t * k + c)]) for c in range(k)]
+        out.append(torch.cat([shards.optimizer_state[s : s + n] for s in starts], 1))
+    return torch.cat(out)
+
+
+def _row_means(shards: SparseArch, k: int) -> list[torch.Tensor]:
+    """Row-wise Adagrad's accumulators of each table: the mean over its k shards'."""
+    out = []
+    for t, n in enumerate(CFG.table_sizes):
+        starts = [int(shards.offsets[shards.dense_tables.index(t * k + c)]) for c in range(k)]
+        out.append(torch.stack([shards.optimizer_state[s : s + n] for s in starts]).mean(0))
+    return out
+
+
+def test_the_exchanges_counters_follow_the_tables_into_new_shards() -> None:
+    """Per-table bytes of 2 shards a table recut into 3: each table's totals kept, shared
+    out to its new shards; the run's totals unchanged."""
+    from recsz.comm.stats import CommStats
+
+    s = CommStats()
+    for v, n in enumerate([10, 20, 7, 8]):  # tables 0 and 1, 2 shards each
+        s.table_raw["fwd"][v] += n
+        s.table_sent["fwd"][v] += n // 2
+    s.raw["fwd"] = 45
+    s.last_eb["fwd"].update({0: 0.1, 1: 0.2, 2: 0.3, 3: 0.4})
+    r = s.recolumned(2, 3)
+    assert r.raw["fwd"] == 45
+    assert [sum(r.table_raw["fwd"][3 * t + c] for c in range(3)) for t in (0, 1)] == [30, 15]
+    assert [sum(r.table_sent["fwd"][3 * t + c] for c in range(3)) for t in (0, 1)] == [15, 7]
+    assert r.last_eb["fwd"] == {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.3, 4: 0.3, 5: 0.3}

@@ -25,6 +25,7 @@ import torch
 from recsz.comm.dp_hooks import resumed_state
 from recsz.comm.stats import CommStats
 from recsz.model import tablestate
+from recsz.model.sharding import column_shards
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -40,6 +41,7 @@ _MAY_CHANGE = {
     "mlp_init",  # the checkpoint's weights replace the start
     "target_auc",  # when to stop, not what trains
     "inject_failure",  # where a test fails a rank, not what trains
+    "column_shards",  # the tables resharded into the new layout (_restore_resharded)
 }  # fmt: skip
 
 
@@ -182,13 +184,17 @@ def record(resume: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
-def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int, dict[str, Any]]]:
+def _check(
+    d: Path, cfg: TrainConfig, ranks: Ranks
+) -> tuple[int, int, int, dict[int, dict[str, Any]]]:
     """Read and verify checkpoint ``d`` for this rank: its step, the number of ranks that
-    wrote it and the saved states this rank restores from, by the rank that wrote them
-    (its own; or, written by another number of ranks, every rank's, memory-mapped, this
-    rank verifying every ``world``-th file); CheckpointError names the file otherwise."""
+    wrote it, its column shards and the saved states this rank restores from, by the rank
+    that wrote them (its own; or, written by another number of ranks or of column shards,
+    every rank's, memory-mapped, this rank verifying every ``world``-th file);
+    CheckpointError names the file otherwise."""
     meta = _record(d)
     step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
+    shards = int(meta.get("config", {}).get("column_shards") or 1)
     if meta.get("fingerprint") != fingerprint(cfg):
         saved, now = meta.get("config", {}), cfg.to_dict()
         diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
@@ -196,7 +202,7 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int,
         raise CheckpointError(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
         )
-    same = world == ranks.world
+    same = world == ranks.world and shards == cfg.column_shards
     for r in [ranks.rank] if same else range(ranks.rank, world, ranks.world):
         f = d / f"rank-{r}.pt"
         if not f.exists():
@@ -204,8 +210,8 @@ def _check(d: Path, cfg: TrainConfig, ranks: Ranks) -> tuple[int, int, dict[int,
         if _digest(f) != files.get(f.name):
             raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
     if same:
-        return step, world, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}
-    return step, world, {r: _read(d / f"rank-{r}.pt", None) for r in range(world)}
+        return step, world, shards, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}
+    return step, world, shards, {r: _read(d / f"rank-{r}.pt", None) for r in range(world)}
 
 
 def _read(f: Path, device: torch.device | None) -> dict[str, Any]:
@@ -231,7 +237,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         )
     for d in reversed(done):
         try:
-            step, world, saved = _check(d, cfg, ranks)
+            step, world, shards, saved = _check(d, cfg, ranks)
             err = ""
         except CheckpointError as e:
             err = str(e)
@@ -243,8 +249,8 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             raise CheckpointError("; ".join(errors) + hint)
         if ranks.rank == 0:
             print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
-    if world != ranks.world:
-        return step, _restore_resharded(d, step, saved, parts, cfg, ranks)
+    if world != ranks.world or shards != cfg.column_shards:
+        return step, _restore_resharded(d, step, saved, parts, cfg, ranks, shards)
     state = saved[ranks.rank]
     if state["tables"] != parts.sparse.tables:
         raise CheckpointError(
@@ -265,26 +271,33 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
 
 def _restore_resharded(
     d: Path, step: int, saved: dict[int, dict[str, Any]], parts: Parts, cfg: TrainConfig,
-    ranks: Ranks,
+    ranks: Ranks, shards: int,
 ) -> dict[str, Any]:  # fmt: skip
-    """Restore a checkpoint written by another number of ranks (``saved``: every rank's
-    state, memory-mapped): each table this rank now holds from the rank that held it
-    (:mod:`recsz.model.tablestate`: rows, row optimizer, FIITED's chunks, TT cores and
-    caches); the MLPs, their optimizer and ``--compress auto``'s switch from rank 0
-    (every rank's are the same); what the bound policies learnt of each table from the
-    rank that saw it (:meth:`BoundPolicy.load_resharded`); counters and the MLP hook's
-    state as :meth:`CommStats.resumed` and :func:`resumed_state` fold them. Returns the
-    run's counters (saved rank ``rank % W``'s)."""
+    """Restore a checkpoint written by another number of ranks, or of column shards
+    (``shards``; ``saved``: every rank's state, memory-mapped): each table this rank now
+    holds from the rank that held it (:mod:`recsz.model.tablestate`: rows, row optimizer,
+    FIITED's chunks, TT cores and caches; a table's columns joined and cut again where the
+    shards changed); the MLPs, their optimizer and ``--compress auto``'s switch from rank
+    0 (every rank's are the same); what the bound policies learnt of each table from the
+    rank that saw it (:meth:`BoundPolicy.load_resharded`; where the shards changed, they
+    probe anew); counters and the MLP hook's state as :meth:`CommStats.resumed` and
+    :func:`resumed_state` fold them. Returns the run's counters (saved rank ``rank % W``'s)."""
     old = [saved[r] for r in range(len(saved))]
     tt = cfg.tt_spec()
     tt_tables = tt.tables if tt is not None else frozenset()
-    sizes = cfg.sharded_tables()[0]
+    model, k = cfg.model(), cfg.column_shards
+    sizes = column_shards(model.table_sizes, model.emb_dim, shards)[0]  # as saved
     pieces: dict[int, tablestate.Piece] = {}
     for r, state in enumerate(old):
         try:
             pieces.update(tablestate.split(state["sparse"], state["tables"], sizes, tt_tables))
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"{d / f'rank-{r}.pt'}: its tables' state: {e}") from None
+    if shards != k:
+        try:
+            pieces = tablestate.recolumned(pieces, model.n_tables, shards, k)
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint {d}: --column-shards {shards} -> {k}: {e}") from None
     sparse = parts.sparse
     try:
         sparse.load_state_dict(
@@ -301,22 +314,32 @@ def _restore_resharded(
     # (of a rank's samples, every table) and the rest from rank ``rank % W``.
     owners = {t: r for r, state in enumerate(old) for t in state["tables"]}
     every = dict.fromkeys(range(len(sizes)), ranks.rank % len(old))
-    for k, p in parts.exchange.policies.items():
+    for way, p in parts.exchange.policies.items():
+        if shards != k:  # what they learnt was of other tables
+            p.probe_again(step)
+            continue
         try:
-            saved_k = [state["policies"][k] for state in old]
-            p.load_resharded(saved_k, owners if k == "fwd" else every, ranks.rank % len(old))
+            saved_p = [state["policies"][way] for state in old]
+            p.load_resharded(saved_p, owners if way == "fwd" else every, ranks.rank % len(old))
         except (ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {d}: the {k} bound policy's state: {e}") from None
+            raise CheckpointError(f"checkpoint {d}: the {way} bound policy's state: {e}") from None
     parts.exchange.switch.load_state_dict(old[0]["switch"])
     torch.set_rng_state(own["torch_rng"].clone())
-    stats = [state["stats"] for state in old]
+    stats = [state["stats"].recolumned(shards, k) if shards != k else state["stats"]
+             for state in old]  # fmt: skip
     parts.exchange.stats = CommStats.resumed(stats, ranks.rank, ranks.world, sparse.tables)
     dp = resumed_state([state["dp"] for state in old], ranks.rank, ranks.world)
     parts.dp.load_state_dict(copy.deepcopy(dp))
     if ranks.rank == 0:
+
+        def layout(n: int) -> str:
+            return "" if shards == k else " (whole tables)" if n == 1 else f" ({n} shards a table)"
+
+        cols = (layout(shards), layout(k))
+        anew = "" if shards == k else " (the bound policies probe anew)"
         print(
-            f"recsz: {d} was written by {len(old)} ranks, read on {ranks.world}: its "
-            "tables resharded",
+            f"recsz: {d} was written by {len(old)} ranks{cols[0]}, read on {ranks.world}"
+            f"{cols[1]}: its tables resharded{anew}",
             flush=True,
         )
     return copy.deepcopy(own["counters"])

@@ -409,7 +409,8 @@ def test_a_resharded_resume_keeps_what_the_bound_policies_learnt(tmp_path: Path)
 def test_column_shards_on_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
     """--column-shards 2 (zstd: lossless): 2 ranks end where one process does, and where
     one process of whole tables does (losses, MLPs, every table's columns, its shards
-    joined); a checkpoint of the 2 ranks resumed on one process ends there too."""
+    joined); a checkpoint of the 2 ranks resumed on one process ends there too, and so
+    does one of whole tables on 2 ranks resumed on one process in 4 shards a table."""
     flags = ("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--column-shards", "2")
     one, two, moved = tmp_path / "one", tmp_path / "two", tmp_path / "moved"
     run(one, *flags)
@@ -421,9 +422,14 @@ def test_column_shards_on_two_ranks_match_one_process(single: Path, tmp_path: Pa
         )
     run(moved, *flags, "--steps", "10", "--checkpoint-every", "10", nproc=2)
     run(moved, *flags, "--resume", str(moved))
-    torch.testing.assert_close(
-        torch.tensor(losses(moved)), torch.tensor(losses(single)), rtol=0, atol=1e-5
-    )
+    # whole tables on 2 ranks, resumed on one in 4 shards a table: recut, the same run
+    regrown = tmp_path / "regrown"
+    run(regrown, *flags[:4], "--steps", "10", "--checkpoint-every", "10", nproc=2)
+    run(regrown, *flags[:4], "--resume", str(regrown), "--column-shards", "4")
+    for d in (moved, regrown):
+        torch.testing.assert_close(
+            torch.tensor(losses(d)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+        )
     for d in (two, moved):
         shards = tables(d, shards=2)
         whole = tables(single)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -126,6 +127,30 @@ class CommStats:
         timed = saved[rank % len(saved)]
         out.a2a_s.update(timed.a2a_s)
         out.codec_s = timed.codec_s
+        return out
+
+    def recolumned(self, k_old: int, k_new: int) -> CommStats:
+        """These counters with each table's (``--column-shards`` changed on resume: shard
+        c of table t is table t * k + c) shared out evenly to its ``k_new`` new shards, the
+        first taking what does not divide; each new shard's last bound its old first's."""
+        self.settle()
+        out = copy.copy(self)
+        out.table_raw = {d: defaultdict(int) for d in self.table_raw}
+        out.table_sent = {d: defaultdict(int) for d in self.table_sent}
+        for mine, theirs in ((out.table_raw, self.table_raw), (out.table_sent, self.table_sent)):
+            for d, per in theirs.items():
+                whole: dict[int, int] = defaultdict(int)
+                for v, n in per.items():
+                    whole[v // k_old] += n
+                for t, n in whole.items():
+                    for c in range(k_new):
+                        mine[d][t * k_new + c] = n // k_new + (n % k_new if c == 0 else 0)
+        out.last_eb = {
+            d: {t // k_old * k_new + c: eb for t, eb in last.items() if t % k_old == 0
+                for c in range(k_new)}
+            for d, last in self.last_eb.items()
+        }  # fmt: skip
+        out._later = []
         return out
 
     def ratio(self, direction: str) -> float:

@@ -125,3 +125,33 @@ def join(
     if tts:
         out[_TT_OPTS] = copy.deepcopy([o for t in tts for o in pieces[t]["tt_opts"]])
     return out
+
+
+def recolumned(
+    pieces: Mapping[int, Piece], n_tables: int, k_old: int, k_new: int
+) -> dict[int, Piece]:
+    """The plain tables' pieces in ``k_new`` column shards each, from ``k_old`` (shard c of
+    table t: piece t * k + c; ``--column-shards`` changed on resume): each table's rows
+    joined side by side and cut again; the row optimizer's state per element likewise, one
+    per row (row-wise Adagrad's: a sum of mean squares over the shard's columns) the mean of
+    the old shards' (exactly the whole row's), which each new shard starts from. ValueError
+    for tables that are not plain rows (FIITED's store, TT cores)."""
+    out: dict[int, Piece] = {}
+    for t in range(n_tables):
+        old = [pieces[t * k_old + c] for c in range(k_old)]
+        if any("weight" not in p for p in old):
+            raise ValueError(f"table {t}: only plain tables change their column shards")
+        weight = torch.cat([p["weight"] for p in old], 1)
+        opts = [p["optimizer_state"] for p in old]
+        if not opts[0].numel():  # SGD: none
+            state = opts[0]
+        elif opts[0].dim() == 2:  # per element
+            state = torch.cat(opts, 1)
+        else:  # per row
+            state = torch.stack(opts).mean(0)
+        width = weight.shape[1] // k_new
+        for c in range(k_new):
+            cols = slice(c * width, (c + 1) * width)
+            o = state[:, cols] if state.dim() == 2 else state
+            out[t * k_new + c] = {"weight": weight[:, cols], "optimizer_state": o}
+    return out
