@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.model import DLRM, ModelConfig, get_preset, interact_features
-from recsz.model.sharding import plan_tables
+from recsz.model.sharding import column_shards, plan_tables
 from tests.common import run_without_host_sync
 
 
@@ -144,6 +144,42 @@ def test_planner_balances_and_is_deterministic() -> None:
     mem = [sum(s for s, o in zip(sizes, owners, strict=True) if o == r) for r in range(2)]
     assert max(mem) / sum(mem) < 0.65
     assert plan_tables(sizes, 16, 1) == [0] * 26
+
+
+def _by_sum_of_shares(sizes: list[int], dim: int, world: int) -> list[int]:
+    """The planner before the thirty-fifth session: the rank whose sum of shares (memory,
+    tables) would be smallest."""
+    n, total = len(sizes), float(sum(sizes)) * dim
+    mem, count, owners = [0.0] * world, [0] * world, [0] * n
+    for t in sorted(range(n), key=lambda t: (-sizes[t], t)):
+        r = min(range(world), key=lambda r: ((mem[r] + sizes[t] * dim) / total
+                                             + (count[r] + 1) / n, r))  # fmt: skip
+        owners[t], mem[r], count[r] = r, mem[r] + sizes[t] * dim, count[r] + 1
+    return owners
+
+
+def _busiest(owners: list[int], sizes: list[int], world: int) -> float:
+    """The busiest rank's larger share over the mean: of the tables' rows or their number."""
+    mem, count = [0] * world, [0] * world
+    for t, r in enumerate(owners):
+        mem[r], count[r] = mem[r] + sizes[t], count[r] + 1
+    return max(max(mem) * world / sum(mem), max(count) * world / len(sizes))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "kaggle", "bench", "terabyte", "dcnv2"])
+def test_the_planner_never_loads_its_busiest_rank_more_than_the_sum_of_shares(preset: str):
+    """Every preset on 2 to 128 ranks, whole or in column shards: the busiest rank's
+    larger share is never above the previous planner's, and below it somewhere."""
+    m = get_preset(preset).model
+    below = 0
+    for world in (2, 3, 4, 6, 8, 12, 16, 32, 64, 128):
+        for k in (1, 2, 4, 8):
+            sizes, dim = column_shards(m.table_sizes, m.emb_dim, k)
+            now = _busiest(plan_tables(sizes, dim, world), sizes, world)
+            before = _busiest(_by_sum_of_shares(sizes, dim, world), sizes, world)
+            assert now <= before + 1e-9, (world, k, now, before)
+            below += now < before - 1e-9
+    assert below > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
