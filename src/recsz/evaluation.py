@@ -53,8 +53,9 @@ def evaluate(
     ranks: Ranks,
     predictions: bool = False,
 ) -> dict[str, Any]:
-    """AUC, logloss and accuracy on the held-out set (every rank returns the same; none
-    where its labels are not known: ``source.labeled`` False); with ``predictions``, rank
+    """The held-out set's numbers (:data:`recsz.metrics.NUMBERS`: AUC, logloss, accuracy,
+    NE, calibration, click rate; every rank returns the same; none where its labels are
+    not known: ``source.labeled`` False) and its size and seconds; with ``predictions``, rank
     0's also holds them ("predictions": (N, 2) prediction and label of every sample, in the
     set's order, on its device). The exchange codes evaluation batches as training ones
     but feeds no policy or counter."""
