@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 from recsz.model import get_preset
-from recsz.model.sharding import column_shards, plan_tables
+from recsz.model.sharding import column_shards, plan_tables, rank_loads
 from recsz.train import main as train_main
 
 HERE = Path(__file__).resolve().parent
@@ -45,16 +45,13 @@ CONFIGS = {
 def plan_row(preset: str, world: int, k: int) -> dict:
     m = get_preset(preset).model
     sizes, width = column_shards(m.table_sizes, m.emb_dim, k)
-    owners = plan_tables(sizes, width, world)
-    mem, sent = [0.0] * world, [0] * world
-    for t, r in enumerate(owners):
-        mem[r] += sizes[t] * width * 4 / 1e9
-        sent[r] += width
+    loads = rank_loads(sizes, width, plan_tables(sizes, width, world), world)
+    mem = [x["table_bytes"] / 1e9 for x in loads]
     mean = sum(mem) / world
     return {"part": "plan", "preset": preset, "world": world, "shards": k,
             "max_gb": max(mem), "mean_gb": mean, "max_over_mean": max(mem) / mean,
-            "idle_ranks": sum(1 for x in mem if x == 0),
-            "max_send_share": max(sent) / sum(sent)}  # fmt: skip
+            "idle_ranks": sum(1 for x in loads if not x["tables"]),
+            "max_send_share": max(x["send_share"] for x in loads)}  # fmt: skip
 
 
 def pace_row(config: str, k: int, steps: int, repeats: int, preset: str) -> dict:

@@ -189,3 +189,30 @@ def test_the_exchanges_counters_follow_the_tables_into_new_shards() -> None:
     assert [sum(r.table_raw["fwd"][3 * t + c] for c in range(3)) for t in (0, 1)] == [30, 15]
     assert [sum(r.table_sent["fwd"][3 * t + c] for c in range(3)) for t in (0, 1)] == [15, 7]
     assert r.last_eb["fwd"] == {0: 0.1, 1: 0.1, 2: 0.1, 3: 0.3, 4: 0.3, 5: 0.3}
+
+
+def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> None:
+    """`recsz plan`: the ranks' loads sum to the model's tables (rows, bytes at the dtype,
+    the row optimizer's state), their send shares to 1; the same plan as a run's; a flag
+    no plan takes is refused, a bad one named."""
+    from recsz.cli import main as cli
+    from recsz.model import get_preset
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "dcnv2", "--nproc", "64", "--column-shards", "4",
+            "--table-dtype", "fp16", "--json", str(out)]  # fmt: skip
+    assert cli(argv) == 0
+    assert "0 rank(s) hold no table" in capsys.readouterr().out
+    ranks = json.loads(out.read_text())["ranks"]
+    m = get_preset("dcnv2").model
+    rows = sum(m.table_sizes) * 4  # each table's rows, once a shard
+    assert sum(r["rows"] for r in ranks) == rows
+    assert sum(r["table_bytes"] for r in ranks) == rows * 32 * 2  # dim 128 / 4, fp16
+    assert sum(r["optimizer_bytes"] for r in ranks) == rows * 4  # row-wise Adagrad (preset's)
+    assert sum(r["send_share"] for r in ranks) == pytest.approx(1.0)
+    sizes, dim = column_shards(m.table_sizes, m.emb_dim, 4)
+    owners = plan_tables(sizes, dim, 64)
+    assert [r["tables"] for r in ranks] == [owners.count(r) for r in range(64)]
+    with pytest.raises(SystemExit, match="2"):
+        cli(["plan", "--lr", "0.1"])  # not a flag of the plan: argparse's usage error
+    assert cli(["plan", "--column-shards", "3"]) == 2  # named: does not divide dim 16

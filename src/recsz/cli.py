@@ -1,4 +1,4 @@
-"""The one command line: ``recsz train | evaluate | predict | preprocess | plot``."""
+"""The one command line: ``recsz train | evaluate | predict | preprocess | plan | plot``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: recsz {train,evaluate,predict,preprocess,plot} ...\n\n"
+            "usage: recsz {train,evaluate,predict,preprocess,plan,plot} ...\n\n"
             "  train       train DLRM (recsz train --help)\n"
             "  evaluate    evaluate a run's checkpoint, on any number of ranks\n"
             "  predict     score unlabeled Criteo lines (test layout) with a run's model\n"
             "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
+            "  plan        where a run's tables would lie on N ranks, and what each holds\n"
             "  plot        plot a run directory's metrics to PNG files"
         )
         return 0 if argv else 2
@@ -46,12 +47,14 @@ def _run(cmd: str, rest: list[str]) -> int:
         return predict_main(rest)
     if cmd == "preprocess":
         return _preprocess(rest)
+    if cmd == "plan":
+        return _plan(rest)
     if cmd == "plot":
         from recsz.plot import main as plot_main
 
         return plot_main(rest)
     print(
-        f"recsz: unknown command {cmd!r} (train, evaluate, predict, preprocess, plot)",
+        f"recsz: unknown command {cmd!r} (train, evaluate, predict, preprocess, plan, plot)",
         file=sys.stderr,
     )
     return 2
@@ -93,6 +96,50 @@ def _preprocess(argv: list[str]) -> int:
         + (f"; first bad line: {stats.first_error}" if stats.skipped else "")
         + ")"
     )
+    return 0
+
+
+def _plan(argv: list[str]) -> int:
+    """``recsz plan``: the table-wise plan of a run's tables on ``--nproc`` ranks (no
+    training): each rank's tables, rows, table and row-optimizer bytes, and share of the
+    forward all-to-all's bytes."""
+    import json
+    from dataclasses import replace
+
+    from recsz.config import TrainConfig
+    from recsz.fields import parser
+    from recsz.model.rowopt import TABLE_DTYPES
+    from recsz.model.sharding import plan_tables, rank_loads
+
+    flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer")
+    p = parser(TrainConfig, "recsz plan", "Where a run's tables would lie on --nproc ranks, "
+               "and what each rank would hold and send (no training).", only=flags,
+               otherwise="recsz train's")  # fmt: skip
+    p.add_argument("--json", default=None, help="write each rank's load to this file")
+    a = p.parse_args(argv)
+    given = {k: getattr(a, k) for k in flags if hasattr(a, k)}
+    world = given.get("nproc", 1)
+    cfg = replace(TrainConfig(), **given, batch_size=world)  # (a batch the ranks divide)
+    sizes, dim = cfg.sharded_tables()
+    optimizer = cfg.resolved("emb_optimizer")
+    value = TABLE_DTYPES[cfg.table_dtype].itemsize
+    loads = rank_loads(sizes, dim, plan_tables(sizes, dim, world), world, value, optimizer)
+    gb = 1e9
+    print(f"recsz plan: preset {cfg.preset}, {world} rank(s), {len(sizes)} tables of dim {dim} "
+          f"({cfg.column_shards} column shard(s) a table), {cfg.table_dtype} rows, "
+          f"{optimizer}")  # fmt: skip
+    print("  rank  tables        rows   tables GB  optimizer GB  forward bytes share")
+    for r, x in enumerate(loads):
+        print(f"  {r:4d}  {x['tables']:6d}  {x['rows']:10d}  {x['table_bytes'] / gb:10.2f}  "
+              f"{x['optimizer_bytes'] / gb:12.2f}  {x['send_share']:19.3f}")  # fmt: skip
+    held = [x["table_bytes"] + x["optimizer_bytes"] for x in loads]
+    print(f"  most a rank {max(held) / gb:.2f} GB, mean {sum(held) / world / gb:.2f} GB; "
+          f"{sum(1 for x in loads if not x['tables'])} rank(s) hold no table; largest share "
+          f"of the forward bytes {max(x['send_share'] for x in loads):.3f} (even: "
+          f"{1 / world:.3f})")  # fmt: skip
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": {k: getattr(cfg, k) for k in flags}, "ranks": loads}, f, indent=2)
     return 0
 
 

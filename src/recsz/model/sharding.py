@@ -44,3 +44,29 @@ def column_shards(table_sizes: Sequence[int], dim: int, k: int) -> tuple[list[in
     if k < 1 or dim % k:
         raise ValueError(f"--column-shards {k}: must divide the tables' dim {dim}")
     return [n for n in table_sizes for _ in range(k)], dim // k
+
+
+def optimizer_row_bytes(optimizer: str, dim: int) -> int:
+    """The row optimizer's state a row of ``dim`` values holds, in bytes (float32)."""
+    return {"sgd": 0, "rowwise_adagrad": 4, "adagrad": 4 * dim}[optimizer]
+
+
+def rank_loads(
+    table_sizes: Sequence[int], dim: int, owners: Sequence[int], world: int,
+    value_bytes: int = 4, optimizer: str = "sgd",
+) -> list[dict[str, float]]:  # fmt: skip
+    """What each of ``world`` ranks holds and sends under ``owners``: its tables, their rows,
+    their bytes (``value_bytes`` a value) and their optimizer's (:func:`optimizer_row_bytes`),
+    and its share of the forward all-to-all's bytes (every sample's vector of each of its
+    tables)."""
+    out = [{"tables": 0, "rows": 0, "table_bytes": 0, "optimizer_bytes": 0, "send_share": 0.0}
+           for _ in range(world)]  # fmt: skip
+    for t, r in enumerate(owners):
+        n = table_sizes[t]
+        out[r]["tables"] += 1
+        out[r]["rows"] += n
+        out[r]["table_bytes"] += n * dim * value_bytes
+        out[r]["optimizer_bytes"] += n * optimizer_row_bytes(optimizer, dim)
+    for load in out:
+        load["send_share"] = load["tables"] / max(1, len(owners))
+    return out
