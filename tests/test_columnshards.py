@@ -102,6 +102,8 @@ def test_one_process_trains_as_with_whole_tables(tmp_path: Path) -> None:
         assert got == pytest.approx(want, rel=1e-6)
         assert s4["auc"] == pytest.approx(s1["auc"], abs=1e-6)
         assert len(s4["per_table"]) == 4 * len(s1["per_table"])
+        named = {k: (s4["per_table"][k]["table"], s4["per_table"][k]["shard"]) for k in "567"}
+        assert named == {"5": (1, 1), "6": (1, 2), "7": (1, 3)}  # shard c of table t: 4t + c
 
 
 def test_what_column_shards_cannot_take_is_refused() -> None:

@@ -199,6 +199,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             **report.final_extras(recs, cfg.check_bounds),
             "config": cfg.to_dict(),
         }
+        if cfg.column_shards > 1:  # each exchanged table's table of the model, and shard
+            for key, row in summary["per_table"].items():
+                row["table"], row["shard"] = divmod(int(key), cfg.column_shards)
         if out and ranks.rank == 0:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             if reached is None:  # (the target's evaluation has its row)
