@@ -40,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 from results_io import write_results  # noqa: E402
 
 WARM, STEPS = 3, 3  # steps before counting (kernels built, constants uploaded), counted
+#: --quick (the tests): a probe window of one step, then 2 steps before counting and 1 counted
+QUICK = (["--hindex-probe-steps", "1"], 2, 1)
 
 CASES = {  # name -> (argv, distinct ids slice by slice)
     "hybrid, id-aware": (["--fwd-codec", "hybrid", "--bwd-codec", "hybrid"], False),
@@ -58,7 +60,7 @@ CASES = {  # name -> (argv, distinct ids slice by slice)
 }  # fmt: skip
 
 
-def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
+def rank_main(rank: int, world: int, port: int, case: str, quick: bool, out: Any) -> None:
     """One rank's counts, put on ``out``: (rank, reads a step, uploads a step, where,
     launches a step, the most frequent launches, plans made a step)."""
     if world > 1:
@@ -70,12 +72,15 @@ def rank_main(rank: int, world: int, port: int, case: str, out: Any) -> None:
     if CASES[case][1]:  # slice by slice
         ids.distinct_slices = lambda cols: [ids.distinct_pairs(c) for c in cols]
     try:
-        out.put((rank, *_counted(CASES[case][0])))
+        argv, warm, steps = QUICK if quick else ([], WARM, STEPS)
+        out.put((rank, *_counted([*CASES[case][0], *argv], warm, steps)))
     finally:
         ids.distinct_slices = at_once
 
 
-def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float], float]:
+def _counted(
+    argv: list[str], warm: int, steps: int
+) -> tuple[float, float, str, float, dict[str, float], float]:
     from recsz.codecs import blockplan
     from recsz.config import parse_train_args
     from recsz.data.source import make_source
@@ -97,14 +102,14 @@ def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float
     build = blockplan.build
     blockplan.build = lambda *a, **kw: built.__setitem__(0, built[0] + 1) or build(*a, **kw)
     with counting(state) as c:
-        for k in range(first + WARM + STEPS):
+        for k in range(first + warm + steps):
             b = src.train_batch(k, 64)
             mark([b.dense, b.ids, b.labels])
             built[0] = 0
             train_step(parts, b, k, ranks)
             made = collections.Counter(c.launches)
             n, up, at = c.take()
-            if k >= first + WARM:
+            if k >= first + warm:
                 reads.append(n)
                 uploads.append(up)
                 where = at
@@ -113,23 +118,25 @@ def _counted(argv: list[str]) -> tuple[float, float, str, float, dict[str, float
                 plans.append(built[0])
     blockplan.build = build
     ranks.close(True)
-    top = {name: n / STEPS for name, n in kinds.most_common(12)}
+    top = {name: n / steps for name, n in kinds.most_common(12)}
     mean = statistics.mean
     return mean(reads), mean(uploads), where, mean(launches), top, mean(plans)
 
 
-def count(world: int, case: str) -> dict:
+def count(world: int, case: str, quick: bool = False) -> dict:
     """The most reads and uploads a step of any rank (world 1: in this process)."""
     if world == 1:
         q: Any = queue.SimpleQueue()
-        rank_main(0, 1, 0, case, q)
+        rank_main(0, 1, 0, case, quick, q)
         per_rank = [q.get()]
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         q = mp.get_context("spawn").Queue()
-        mp.start_processes(rank_main, (world, port, case, q), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            rank_main, (world, port, case, quick, q), nprocs=world, start_method="spawn"
+        )
         per_rank = sorted(q.get() for _ in range(world))
     return {
         "case": case,
@@ -148,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-out", default=str(ROOT / "benchmarks/results/syncs.json"))
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--cases", default=";".join(CASES), help=f"';'-separated, of {list(CASES)}")
+    ap.add_argument("--quick", action="store_true", help="a probe window of 1 step, 3 steps")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1" and "triton" in sys.modules:
         raise SystemExit("bench_syncs: set TRITON_INTERPRET=1 before Triton is imported")
@@ -157,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"bench_syncs: unknown cases {unknown}; known: {list(CASES)}")
     # the GPU's path for these counts only: a caller's environment is left as it was
     with mock.patch.dict(os.environ, RECSZ_DEVICE_PATH_ON_CPU="1", TRITON_INTERPRET="1"):
-        rows = [count(w, case) for case in cases for w in worlds]
+        rows = [count(w, case, args.quick) for case in cases for w in worlds]
     head = "| traffic | " + " | ".join(f"world {w}" for w in worlds) + " |"
     lines = [head, "|---" * (len(worlds) + 1) + "|"]
     for case in cases:

@@ -350,7 +350,7 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
     out = tmp_path / "syncs.json"
     cases = "none, fixed-size;none, id-aware"
     before = dict(os.environ)
-    assert bench.main(["--worlds", "1", "--cases", cases, "--json-out", str(out)]) == 0
+    assert bench.main(["--worlds", "1", "--cases", cases, "--json-out", str(out), "--quick"]) == 0
     assert dict(os.environ) == before  # the GPU's path was the benchmark's alone
     rows = {r["case"]: r for r in json.loads(out.read_text())}
     assert rows["none, fixed-size"]["reads_per_step"] == 0
@@ -362,7 +362,7 @@ def test_bench_syncs_counts_a_step_in_this_process_and_between_ranks(tmp_path: P
         f"| none, id-aware | 1 / {ids['launches_per_step']:g} / 0 |"
         in out.with_suffix(".md").read_text()
     )
-    argv = ["--worlds", "2", "--cases", "hybrid, fixed-size", "--json-out", str(out)]
+    argv = ["--worlds", "2", "--cases", "hybrid, fixed-size", "--json-out", str(out), "--quick"]
     assert bench.main(argv) == 0
     (row,) = json.loads(out.read_text())
     assert row["reads_per_step"] == 2, row["where_rank0"]
