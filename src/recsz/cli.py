@@ -1,4 +1,5 @@
-"""The one command line: ``recsz train | evaluate | predict | preprocess | plan | plot``."""
+"""The one command line: ``recsz train | evaluate | predict | export | preprocess | plan |
+plot``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: recsz {train,evaluate,predict,preprocess,plan,plot} ...\n\n"
+            "usage: recsz {train,evaluate,predict,export,preprocess,plan,plot} ...\n\n"
             "  train       train DLRM (recsz train --help)\n"
             "  evaluate    evaluate a run's checkpoint, on any number of ranks\n"
             "  predict     score unlabeled Criteo lines (test layout) with a run's model\n"
+            "  export      write a run's model as TorchRec's DLRM (recsz.torchrec.load_dlrm)\n"
             "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
             "  plan        where a run's tables would lie on N ranks, and what each holds\n"
             "  plot        plot a run directory's metrics to PNG files"
@@ -45,6 +47,10 @@ def _run(cmd: str, rest: list[str]) -> int:
         from recsz.prediction import main as predict_main
 
         return predict_main(rest)
+    if cmd == "export":
+        from recsz.torchrec.export import main as export_main
+
+        return export_main(rest)
     if cmd == "preprocess":
         return _preprocess(rest)
     if cmd == "plan":
@@ -54,7 +60,8 @@ def _run(cmd: str, rest: list[str]) -> int:
 
         return plot_main(rest)
     print(
-        f"recsz: unknown command {cmd!r} (train, evaluate, predict, preprocess, plan, plot)",
+        f"recsz: unknown command {cmd!r} (train, evaluate, predict, export, preprocess, plan, "
+        "plot)",
         file=sys.stderr,
     )
     return 2

@@ -406,15 +406,30 @@ def test_a_resharded_resume_keeps_what_the_bound_policies_learnt(tmp_path: Path)
     assert new["fwd"]["again"] is None and new["bwd"]["again"] is None
 
 
-def test_column_shards_on_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
+SHARDED = ("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--column-shards", "2")
+
+
+@pytest.fixture(scope="module")
+def two_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks, every table in 2 column shards, a lossless codec."""
+    out = tmp_path_factory.mktemp("two-sharded")
+    s = run(out, *SHARDED, nproc=2)
+    assert len(s["per_table"]) == 52
+    return out
+
+
+def test_column_shards_on_two_ranks_match_one_process(
+    single: Path, two_sharded: Path, tmp_path: Path
+) -> None:
     """--column-shards 2 (zstd: lossless): 2 ranks end where one process of whole tables
     does (losses, MLPs, every table's columns, its shards joined); a checkpoint of the 2
     ranks resumed on one process ends there too, and so does one of whole tables on 2
     ranks resumed on one process in 4 shards a table."""
-    flags = ("--fwd-codec", "zstd", "--bwd-codec", "zstd", "--column-shards", "2")
-    two, moved = tmp_path / "two", tmp_path / "moved"  # (one process: test_columnshards.py)
-    s = run(two, *flags, nproc=2)
-    assert len(s["per_table"]) == 52
+    flags, two, moved = (
+        SHARDED,
+        two_sharded,
+        tmp_path / "moved",
+    )  # (one process: test_columnshards.py)
     torch.testing.assert_close(
         torch.tensor(losses(two)), torch.tensor(losses(single)), rtol=0, atol=1e-5
     )
@@ -438,6 +453,45 @@ def test_column_shards_on_two_ranks_match_one_process(single: Path, tmp_path: Pa
         da, db = dense(single), dense(d)
         for k in da:
             torch.testing.assert_close(db[k], da[k], rtol=0, atol=1e-5, msg=k)
+
+
+def test_export_writes_the_runs_model_as_torchrecs_dlrm(two_sharded: Path, tmp_path: Path) -> None:
+    """`recsz export RUN --out F`: 2 ranks' checkpoint of tables in column shards, joined
+    on one process into TorchRec's DLRM, whose logits are those of the run's model
+    restored here; a directory that is not there is refused before any work."""
+    pytest.importorskip("torchrec")
+    from argparse import Namespace
+
+    from recsz.cli import main as cli
+    from recsz.data.source import make_source
+    from recsz.evaluation import restored
+    from recsz.torchrec import load_dlrm
+
+    out = tmp_path / "model.pt"
+    assert cli(["export", str(two_sharded), "--out", str(out)]) == 0
+    assert cli(["export", str(two_sharded), "--out", str(tmp_path / "no" / "m.pt")]) == 2
+    theirs = load_dlrm(out)
+    b = make_source("synthetic", SIZES, 9).train_batch(0, 256)
+    ids = torch.as_tensor(b.ids)
+    with restored(Namespace(run=str(two_sharded), device="cpu"), ("device",)) as r:
+        assert r.parts.sparse.shards == 2 and len(r.parts.sparse.tables) == 52
+        with torch.no_grad():
+            ours = r.parts.dense_module(torch.as_tensor(b.dense), r.parts.sparse(ids))
+    kjt = torchrec_kjt(ids)
+    with torch.no_grad():
+        got = theirs(torch.as_tensor(b.dense), kjt).view(-1)
+    torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
+
+
+def torchrec_kjt(ids: torch.Tensor) -> object:
+    """(B, 26) ids as TorchRec's DLRM takes them: feature cat_t, one id a bag."""
+    from torchrec import KeyedJaggedTensor
+
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"cat_{t}" for t in range(ids.shape[1])],
+        values=ids.t().reshape(-1),
+        lengths=torch.ones(ids.numel(), dtype=torch.int32),
+    )
 
 
 def test_evaluate_a_checkpoint_on_any_number_of_ranks(

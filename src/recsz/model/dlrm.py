@@ -216,13 +216,31 @@ class DenseArch(nn.Module):
             m.copy_(p)
         if self.cross is not None:  # DLRM_DCN: the same order throughout
             return
-        first_top = len(list(self.bottom.parameters()))
+        first_top, ours = self._their_pairs()
         top, theirs = mine[first_top], params[first_top]
-        n = self.n_features
-        d = top.shape[1] - n * (n - 1) // 2  # the bottom MLP's output
-        iu, ju = torch.triu_indices(n, n, offset=1)
-        ours = _pairs(n, torch.device("cpu"))[1][iu * n + ju]  # our pair of each of theirs
+        d = top.shape[1] - len(ours)  # the bottom MLP's output
         top[:, d:].index_copy_(1, ours.to(top.device), theirs[:, d:])
+
+    @torch.no_grad()
+    def torchrec_mlps(self) -> list[torch.Tensor]:
+        """The MLPs' parameters as TorchRec's DLRM (or DLRM_DCN) holds them, in its order
+        (the inverse of :meth:`load_torchrec_mlps`; copies)."""
+        out = [p.detach().clone() for p in self.mlp_parameters()]
+        if self.cross is None:
+            first_top, ours = self._their_pairs()
+            top = out[first_top]
+            d = top.shape[1] - len(ours)
+            top[:, d:] = top[:, d:].index_select(1, ours.to(top.device))
+        return out
+
+    def _their_pairs(self) -> tuple[int, torch.Tensor]:
+        """The top MLP's first parameter's place in :meth:`mlp_parameters`, and for each
+        of the dot interaction's pairs in TorchRec's order (i < j, row by row) its column
+        among ours."""
+        n = self.n_features
+        iu, ju = torch.triu_indices(n, n, offset=1)
+        ours = _pairs(n, torch.device("cpu"))[1][iu * n + ju]
+        return len(list(self.bottom.parameters())), ours
 
     def forward(
         self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None

@@ -157,6 +157,17 @@ class SparseArch(nn.Module):
         k = self.store.k if self.store is not None else 1
         return {t: float(c.float().mean()) / k for t, c in self.chunk_counts().items()}
 
+    @torch.no_grad()
+    def table_weights(self) -> dict[int, torch.Tensor]:
+        """Each table's rows held here as float32, by its index in ``tables``: a FIITED
+        table's pruned chunks as zeros, a TT table's cores multiplied out (export)."""
+        if self.store is not None:
+            dense = self.store.lookup(torch.arange(sum(self.sizes), device=self.rows.device))
+        else:
+            dense = self.weight.detach().float()
+        out = dict(zip(self.dense_tables, dense.split(self.sizes), strict=True))
+        return {**out, **self.tt.weights()}
+
     def forward(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """ids (B, T_all), one global id per sample and table -> pooled (B, |tables|, D).
         Each id is checked against its table's size (on a GPU one host sync) unless the

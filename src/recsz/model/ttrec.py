@@ -163,8 +163,17 @@ class TTEmbeddingBag(nn.Module):
         )
 
     def full_weight(self) -> torch.Tensor:
-        """The dense (N, D) table (for tests and export)."""
+        """The dense (N, D) table of the cores (for tests)."""
         return self.rows(torch.arange(self.num_embeddings, device=self.place.device))
+
+    @torch.no_grad()
+    def served_weight(self) -> torch.Tensor:
+        """The dense (N, D) table as lookups see it: the cache's rows where it holds them,
+        the cores' elsewhere (export)."""
+        ids = torch.arange(self.num_embeddings, device=self.place.device)
+        if self.cache is None:
+            return self.rows(ids)
+        return self.cache.rows(ids, torch.ones_like(ids), self.rows)
 
 
 def tt_parameters(n: int, d: int, rank: int, cores: int) -> int:
@@ -271,6 +280,10 @@ class TTTables(nn.Module):
     @property
     def bytes_held(self) -> int:
         return sum(bag.bytes_held for bag in self.each)
+
+    def weights(self) -> dict[int, torch.Tensor]:
+        """Each table's dense (N, D) rows, by its index in the model."""
+        return {t: bag.served_weight() for t, bag in zip(self.tables, self.each, strict=True)}
 
     @property
     def dense_bytes(self) -> int:

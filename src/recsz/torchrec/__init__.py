@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
+from recsz.torchrec.export import load_dlrm
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.sequence import CompressedSequenceEmbeddingDist
 from recsz.torchrec.sharder import (
@@ -34,6 +35,7 @@ __all__ = [
     "CompressedTwRwDist",
     "comm_bytes",
     "dense_comm",
+    "load_dlrm",
     "sharders",
     "switches",
 ]

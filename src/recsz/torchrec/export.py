@@ -1,0 +1,159 @@
+"""A run's model as TorchRec's DLRM: ``recsz export RUN --out model.pt``, then
+``recsz.torchrec.load_dlrm("model.pt")`` anywhere TorchRec runs.
+
+The model recsz trains is TorchRec's ``torchrec.models.dlrm.DLRM`` (``DLRM_DCN`` with
+``--interaction dcn``): the same MLPs, the same dot interaction (TorchRec lists its pairs
+in another order, which the export puts right), one ``EmbeddingBagCollection`` table per
+Criteo category, named as TorchRec's own DLRM example names them (table ``t_cat_i``,
+feature ``cat_i``). The export joins what the training kept apart: every rank's tables
+(the checkpoint is loaded on one process), a table's column shards, a TT table's cores
+multiplied out (its cache's rows where it holds them), a FIITED table's pruned chunks as
+zeros; half-precision tables come out float32. The result can be scored, sharded by
+TorchRec's ``DistributedModelParallel`` and trained on, or packaged for TorchRec's
+inference.
+
+Its inputs are recsz's: dense features as log(1 + count) (what ``recsz.data`` makes), each
+category's id as recsz hashed it (``recsz.data.criteo``; a preprocessed day's ids modulo
+the table's rows), one id a bag; with ``--multi-hot`` each id's bag as
+``recsz.model.multihot.Bags`` makes it (the file records the hotness).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from recsz.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from recsz.step import Parts
+
+#: what the file holds: this string, the model's shape and its state dict
+FORMAT = "recsz-torchrec-dlrm/1"
+
+
+def tables_of(parts: Parts, n_tables: int) -> list[torch.Tensor]:
+    """Every table of the model, whole and float32, from one process's parts (which
+    hold them all): column shards side by side, replicated TT tables from the dense
+    part."""
+    got = parts.sparse.table_weights()
+    local = parts.dense_module.local
+    if local is not None:
+        got.update(local.weights())
+    k = parts.sparse.shards
+    missing = [t for t in range(n_tables * k) if t not in got]
+    if missing:
+        raise ValueError(f"tables {sorted({t // k for t in missing})} are not on this process")
+    return [torch.cat([got[t * k + c] for c in range(k)], 1) for t in range(n_tables)]
+
+
+def exported(
+    cfg: ModelConfig,
+    tables: list[torch.Tensor],
+    mlps: list[torch.Tensor],
+    hotness: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """What ``recsz export`` writes: the shape :func:`load_dlrm` builds, and its state
+    dict (``mlps``: :meth:`recsz.model.DenseArch.torchrec_mlps`)."""
+    spec = {
+        "format": FORMAT,
+        "model": "DLRM_DCN" if cfg.interaction == "dcn" else "DLRM",
+        "table_sizes": list(cfg.table_sizes),
+        "emb_dim": cfg.emb_dim,
+        "dense_in_features": cfg.n_dense,
+        "dense_arch_layer_sizes": list(cfg.bottom_mlp),
+        "over_arch_layer_sizes": list(cfg.top_mlp),
+        "dcn_num_layers": cfg.dcn_layers,
+        "dcn_low_rank_dim": cfg.dcn_rank,
+        "hotness": None if hotness is None else list(hotness),
+    }
+    shapes = _module(spec, torch.device("meta"))
+    names = [n for n, _ in shapes.named_parameters() if ".embedding_bags." not in n]
+    if len(names) != len(mlps):
+        raise ValueError(f"{len(mlps)} MLP parameters, TorchRec's {spec['model']} has {len(names)}")
+    state = {f"{_EBC}.{_table(t)}.weight": w.cpu() for t, w in enumerate(tables)}
+    state.update({n: p.cpu() for n, p in zip(names, mlps, strict=True)})
+    return {**spec, "state_dict": state}
+
+
+def load_dlrm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """The TorchRec DLRM (or DLRM_DCN) a ``recsz export`` file holds, its weights loaded,
+    on ``device``."""
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+        got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
+        raise ValueError(f"{path}: not a recsz export ({FORMAT}), found {got!r}")
+    model = _module(blob, torch.device("meta"))
+    try:
+        model.load_state_dict(blob["state_dict"], assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: its weights do not fit its model: {e}") from e
+    return model.to(device)
+
+
+_MLPS = ("dense_in_features", "dense_arch_layer_sizes", "over_arch_layer_sizes")
+_EBC = "sparse_arch.embedding_bag_collection.embedding_bags"
+
+
+def _table(t: int) -> str:
+    return f"t_cat_{t}"
+
+
+def _module(spec: dict[str, Any], device: torch.device) -> nn.Module:
+    """TorchRec's model of ``spec``'s shape, its tensors on ``device``."""
+    import torchrec
+    from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+    configs = [
+        torchrec.EmbeddingBagConfig(
+            name=_table(t), embedding_dim=spec["emb_dim"], num_embeddings=n,
+            feature_names=[f"cat_{t}"],
+        )
+        for t, n in enumerate(spec["table_sizes"])
+    ]  # fmt: skip
+    ebc = torchrec.EmbeddingBagCollection(tables=configs, device=device)
+    mlps = [spec[k] for k in _MLPS]
+    if spec["model"] == "DLRM_DCN":
+        dcn = (spec["dcn_num_layers"], spec["dcn_low_rank_dim"])
+        return DLRM_DCN(ebc, *mlps, *dcn, dense_device=device)
+    return DLRM(ebc, *mlps, dense_device=device)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="recsz export",
+        description="Write a run's model (its newest complete checkpoint, or the one named) "
+        "as TorchRec's DLRM: load it with recsz.torchrec.load_dlrm(FILE).",
+    )
+    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    p.add_argument("--out", required=True, help="the file to write (torch.save)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``recsz export``: the checkpoint loaded on this one process (its tables joined from
+    every rank's files), written as :func:`exported`."""
+    from recsz.evaluation import restored
+
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    if not out.resolve().parent.is_dir():
+        raise FileNotFoundError(f"--out {out}: no directory {out.parent} to write to")
+    args.device = "cpu"
+    with restored(args, ("device",)) as r:
+        model = r.cfg.model()
+        tables = tables_of(r.parts, model.n_tables)
+        mlps = r.parts.dense_module.torchrec_mlps()
+        blob = exported(model, tables, mlps, r.cfg.hotness())
+        torch.save(blob, out)
+        print(
+            f"recsz: {r.ckpt} (step {r.step}) written to {out} as TorchRec's {blob['model']} "
+            f"({len(tables)} tables, {out.stat().st_size / 1e6:.1f} MB)",
+            flush=True,
+        )
+    return 0

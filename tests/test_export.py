@@ -1,0 +1,139 @@
+"""`recsz export`: a trained model written as TorchRec's DLRM gives the logits ours gives,
+whatever its tables are (column shards, half precision, TT cores with their cache, FIITED's
+pruned chunks, multi-hot bags) and either interaction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from recsz.model import DenseArch, ModelConfig, SparseArch
+from recsz.model.fiited import FiitedSpec
+from recsz.model.multihot import Bags
+from recsz.model.rowopt import RowOptimizer
+from recsz.model.ttrec import TTSpec
+
+pytest.importorskip("fbgemm_gpu")
+torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
+from recsz.torchrec.export import FORMAT, exported, load_dlrm, tables_of  # noqa: E402
+
+SIZES, DIM, BATCH = (40, 25, 60, 7), 8, 32
+
+
+def _cfg(interaction: str) -> ModelConfig:
+    return ModelConfig(SIZES, DIM, bottom_mlp=(16, DIM), top_mlp=(12, 1),
+                       interaction=interaction, dcn_layers=2, dcn_rank=3)  # fmt: skip
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.stack([torch.randint(0, n, (BATCH,), generator=g) for n in SIZES], 1)
+    return torch.rand(BATCH, 13, generator=g), ids, torch.randint(0, 2, (BATCH,), generator=g)
+
+
+def _kjt(ids: torch.Tensor, hot: tuple[int, ...] | None) -> object:
+    """The samples' ids as TorchRec's DLRM takes them: feature cat_t, one id a bag, or each
+    id's bag as recsz makes it."""
+    hot = hot or (1,) * len(SIZES)
+    bags = Bags(range(len(SIZES)), hot, SIZES, [0] * len(SIZES)).ids(ids)
+    return torchrec.KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"cat_{t}" for t in range(len(SIZES))],
+        values=torch.cat([b.reshape(-1) for b in bags.split(hot, 1)]),
+        lengths=torch.tensor(hot).repeat_interleave(BATCH),
+    )
+
+
+CASES = {
+    "dot": {},
+    "dcn": {"interaction": "dcn"},
+    "column shards": {"shards": 2},
+    "fp16 tables": {"dtype": torch.float16},
+    "multi-hot": {"hotness": (3, 1, 2, 4)},
+    "tt, cached": {"tt": TTSpec(frozenset({0, 2}), 4, 3, cache_rows=5, cache_interval=2)},
+    "tt, replicated": {"tt": TTSpec(frozenset({1}), 4, 3, placement="replicated")},
+    "fiited": {"fiited": FiitedSpec(0.5, 4, interval=1)},
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_exported_model_gives_our_logits(case: str, tmp_path: Path) -> None:
+    """Trained a few steps (rows, caches and pruning all moved), written by `exported`
+    through a file and loaded by `load_dlrm`: TorchRec's model gives our logits."""
+    kw = dict(CASES[case])
+    cfg = _cfg(kw.pop("interaction", "dot"))
+    shards = kw.get("shards", 1)
+    tt = kw.get("tt")
+    local_set = tt.replicated if tt is not None else frozenset()
+    held = [t for t in range(len(SIZES) * shards) if t not in local_set]
+    opt = RowOptimizer("adagrad", 0.1)
+    sparse = SparseArch(cfg, held, 0, opt, **kw)
+    local = None
+    if local_set:
+        from recsz.model.ttrec import TTTables
+
+        local = TTTables(cfg, sorted(local_set), 0, opt, tt)
+    dense = DenseArch(cfg, 0, local=local)
+
+    def pooled(ids: torch.Tensor) -> torch.Tensor:  # the replicated tables' columns zero
+        got = sparse(ids)
+        out = got.new_zeros(BATCH, len(SIZES) * shards, got.shape[2])
+        return out.index_copy(1, torch.tensor(held), got)
+
+    params = [*dense.parameters()]
+    dense_opt = torch.optim.SGD(params, lr=0.1)
+    loss = torch.nn.BCEWithLogitsLoss()
+    for step in range(6):
+        x, ids, y = _batch(step)
+        logits = dense(x, pooled(ids), ids)
+        dense_opt.zero_grad()
+        loss(logits, y.float()).backward()
+        dense_opt.step()
+        if local is not None:
+            local.step()
+        sparse.prune()
+    parts = SimpleNamespace(sparse=sparse, dense_module=dense)
+    blob = exported(cfg, tables_of(parts, len(SIZES)), dense.torchrec_mlps(), kw.get("hotness"))  # type: ignore[arg-type]
+    torch.save(blob, tmp_path / "m.pt")
+    theirs = load_dlrm(tmp_path / "m.pt")
+    assert type(theirs).__name__ == ("DLRM_DCN" if cfg.interaction == "dcn" else "DLRM")
+    x, ids, _ = _batch(100)
+    with torch.no_grad():
+        ours = dense(x, pooled(ids), ids)
+        got = theirs(x, _kjt(ids, kw.get("hotness"))).view(-1)
+    torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
+    if case == "fiited":  # pruned chunks went out as zeros
+        assert any(bool((w == 0).any()) for w in tables_of(parts, len(SIZES)))  # type: ignore[arg-type]
+
+
+def test_mlps_out_and_back_in_are_the_same() -> None:
+    """torchrec_mlps is load_torchrec_mlps' inverse (the dot interaction's pairs
+    reordered there and back)."""
+    cfg = _cfg("dot")
+    a, b = DenseArch(cfg, 0), DenseArch(cfg, 1)
+    b.load_torchrec_mlps(a.torchrec_mlps())
+    for p, q in zip(a.mlp_parameters(), b.mlp_parameters(), strict=True):
+        assert torch.equal(p, q)
+    first_top = len(list(a.bottom.parameters()))
+    assert not torch.equal(a.torchrec_mlps()[first_top], a.mlp_parameters()[first_top])
+
+
+def test_files_that_are_not_exports_are_named(tmp_path: Path) -> None:
+    other = tmp_path / "other.pt"
+    torch.save({"weight": torch.zeros(2)}, other)
+    with pytest.raises(ValueError, match=f"other.pt: not a recsz export \\({FORMAT}\\)"):
+        load_dlrm(other)
+    cfg = _cfg("dot")
+    dense = DenseArch(cfg, 0)
+    tables = [torch.zeros(n, DIM) for n in SIZES]
+    blob = exported(cfg, tables, dense.torchrec_mlps())
+    blob["state_dict"]["sparse_arch.embedding_bag_collection.embedding_bags.t_cat_1.weight"] = (
+        torch.zeros(3, DIM)
+    )
+    torch.save(blob, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"bad\.pt: its weights do not fit its model"):
+        load_dlrm(tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="MLP parameters"):
+        exported(cfg, tables, dense.torchrec_mlps()[:-1])
