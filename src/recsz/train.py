@@ -178,6 +178,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
+        per_table = totals.pop("tables")  # the summary's per_table (once, not twice)
         summary = {
             **ev,
             "steps": steps,
@@ -191,7 +192,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             # MLPerf's time to train: training, waiting for batches and evaluating
             "time_to_target_s": train_s + data_s + eval_s if reached else None,
             **totals,
-            "per_table": totals.pop("tables"),
+            "per_table": per_table,
             # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).
             "samples_per_s_steady": (steps - warm[1]) * bsz / (train_s - warm[0])
             if warm is not None and steps > warm[1] and train_s > warm[0]
