@@ -18,7 +18,8 @@ from recsz.model.ttrec import TTSpec
 
 pytest.importorskip("fbgemm_gpu")
 torchrec = pytest.importorskip("torchrec", reason="TorchRec (make test installs it)")
-from recsz.torchrec.export import FORMAT, exported, load_dlrm, tables_of  # noqa: E402
+from recsz.model.modelfile import FORMAT  # noqa: E402
+from recsz.torchrec.export import exported, load_dlrm, tables_of  # noqa: E402
 
 SIZES, DIM, BATCH = (40, 25, 60, 7), 8, 32
 
@@ -121,19 +122,34 @@ def test_mlps_out_and_back_in_are_the_same() -> None:
 
 
 def test_files_that_are_not_exports_are_named(tmp_path: Path) -> None:
+    """Another torch file, a table of another shape, a parameter of another shape, a
+    parameter short, a file cut short: each named with the file."""
     other = tmp_path / "other.pt"
     torch.save({"weight": torch.zeros(2)}, other)
-    with pytest.raises(ValueError, match=f"other.pt: not a recsz export \\({FORMAT}\\)"):
+    with pytest.raises(ValueError, match=f"other.pt: not a recsz model file \\({FORMAT}\\)"):
         load_dlrm(other)
     cfg = _cfg("dot")
     dense = DenseArch(cfg, 0)
     tables = [torch.zeros(n, DIM) for n in SIZES]
-    blob = exported(cfg, tables, dense.torchrec_mlps())
-    blob["state_dict"]["sparse_arch.embedding_bag_collection.embedding_bags.t_cat_1.weight"] = (
-        torch.zeros(3, DIM)
-    )
-    torch.save(blob, tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match=r"bad\.pt: its weights do not fit its model"):
-        load_dlrm(tmp_path / "bad.pt")
     with pytest.raises(ValueError, match="MLP parameters"):
         exported(cfg, tables, dense.torchrec_mlps()[:-1])
+    blob = exported(cfg, tables, dense.torchrec_mlps())
+    key = "sparse_arch.embedding_bag_collection.embedding_bags.t_cat_1.weight"
+    bad = {**blob, "state_dict": {**blob["state_dict"], key: torch.zeros(3, DIM)}}
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"bad\.pt: table 1 is \(3, 8\), its shape says \(25, 8\)"):
+        load_dlrm(tmp_path / "bad.pt")
+    first = "dense_arch.model._mlp.0._linear.weight"
+    bad = {**blob, "state_dict": {**blob["state_dict"], first: torch.zeros(2, 2)}}
+    torch.save(bad, tmp_path / "mlp.pt")
+    with pytest.raises(ValueError, match=r"mlp\.pt: its weights do not fit its model"):
+        load_dlrm(tmp_path / "mlp.pt")
+    last = "over_arch.model.1.bias"
+    short = {**blob, "state_dict": {k: v for k, v in blob["state_dict"].items() if k != last}}
+    torch.save(short, tmp_path / "short.pt")
+    with pytest.raises(ValueError, match=r"short\.pt: 7 MLP parameters, its DLRM has 8"):
+        load_dlrm(tmp_path / "short.pt")
+    torch.save(blob, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"cut\.pt: not a model file torch can read"):
+        load_dlrm(tmp_path / "cut.pt")

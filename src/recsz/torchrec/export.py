@@ -28,13 +28,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from recsz.model import modelfile
 from recsz.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from recsz.step import Parts
-
-#: what the file holds: this string, the model's shape and its state dict
-FORMAT = "recsz-torchrec-dlrm/1"
 
 
 def tables_of(parts: Parts, n_tables: int) -> list[torch.Tensor]:
@@ -58,68 +56,60 @@ def exported(
     mlps: list[torch.Tensor],
     hotness: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """What ``recsz export`` writes: the shape :func:`load_dlrm` builds, and its state
-    dict (``mlps``: :meth:`recsz.model.DenseArch.torchrec_mlps`)."""
-    spec = {
-        "format": FORMAT,
-        "model": "DLRM_DCN" if cfg.interaction == "dcn" else "DLRM",
-        "table_sizes": list(cfg.table_sizes),
-        "emb_dim": cfg.emb_dim,
-        "dense_in_features": cfg.n_dense,
-        "dense_arch_layer_sizes": list(cfg.bottom_mlp),
-        "over_arch_layer_sizes": list(cfg.top_mlp),
-        "dcn_num_layers": cfg.dcn_layers,
-        "dcn_low_rank_dim": cfg.dcn_rank,
-        "hotness": None if hotness is None else list(hotness),
-    }
-    shapes = _module(spec, torch.device("meta"))
-    names = [n for n, _ in shapes.named_parameters() if ".embedding_bags." not in n]
+    """What ``recsz export`` writes (:mod:`recsz.model.modelfile`): the shape
+    :func:`load_dlrm` builds, and its state dict (``mlps``:
+    :meth:`recsz.model.DenseArch.torchrec_mlps`)."""
+    shape = modelfile.shape_of(cfg, hotness)
+    names = _mlp_names(shape)
     if len(names) != len(mlps):
-        raise ValueError(f"{len(mlps)} MLP parameters, TorchRec's {spec['model']} has {len(names)}")
-    state = {f"{_EBC}.{_table(t)}.weight": w.cpu() for t, w in enumerate(tables)}
-    state.update({n: p.cpu() for n, p in zip(names, mlps, strict=True)})
-    return {**spec, "state_dict": state}
+        raise ValueError(
+            f"{len(mlps)} MLP parameters, TorchRec's {shape['model']} has {len(names)}"
+        )
+    return {**shape, "state_dict": modelfile.state_of(tables, dict(zip(names, mlps, strict=True)))}
 
 
 def load_dlrm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """The TorchRec DLRM (or DLRM_DCN) a ``recsz export`` file holds, its weights loaded,
     on ``device``."""
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(blob, dict) or blob.get("format") != FORMAT:
-        got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__
-        raise ValueError(f"{path}: not a recsz export ({FORMAT}), found {got!r}")
-    model = _module(blob, torch.device("meta"))
+    f = modelfile.read(path)
+    model = _module(f.shape, torch.device("meta"))
+    names = _mlp_names(f.shape)
+    if len(names) != len(f.mlps):
+        raise ValueError(f"{path}: {len(f.mlps)} MLP parameters, its {f.shape['model']} has "
+                         f"{len(names)}")  # fmt: skip
+    state = modelfile.state_of(f.tables, dict(zip(names, f.mlps, strict=True)))
     try:
-        model.load_state_dict(blob["state_dict"], assign=True)
+        model.load_state_dict(state, assign=True)
     except RuntimeError as e:
         raise ValueError(f"{path}: its weights do not fit its model: {e}") from e
     return model.to(device)
 
 
+def _mlp_names(shape: dict[str, Any]) -> list[str]:
+    """TorchRec's names of the MLPs' (and cross layers') parameters, in its order."""
+    model = _module(shape, torch.device("meta"))
+    return [n for n, _ in model.named_parameters() if not n.startswith(modelfile.EBC)]
+
+
 _MLPS = ("dense_in_features", "dense_arch_layer_sizes", "over_arch_layer_sizes")
-_EBC = "sparse_arch.embedding_bag_collection.embedding_bags"
 
 
-def _table(t: int) -> str:
-    return f"t_cat_{t}"
-
-
-def _module(spec: dict[str, Any], device: torch.device) -> nn.Module:
-    """TorchRec's model of ``spec``'s shape, its tensors on ``device``."""
+def _module(shape: dict[str, Any], device: torch.device) -> nn.Module:
+    """TorchRec's model of ``shape``, its tensors on ``device``."""
     import torchrec
     from torchrec.models.dlrm import DLRM, DLRM_DCN
 
     configs = [
         torchrec.EmbeddingBagConfig(
-            name=_table(t), embedding_dim=spec["emb_dim"], num_embeddings=n,
+            name=f"t_cat_{t}", embedding_dim=shape["emb_dim"], num_embeddings=n,
             feature_names=[f"cat_{t}"],
         )
-        for t, n in enumerate(spec["table_sizes"])
+        for t, n in enumerate(shape["table_sizes"])
     ]  # fmt: skip
     ebc = torchrec.EmbeddingBagCollection(tables=configs, device=device)
-    mlps = [spec[k] for k in _MLPS]
-    if spec["model"] == "DLRM_DCN":
-        dcn = (spec["dcn_num_layers"], spec["dcn_low_rank_dim"])
+    mlps = [shape[k] for k in _MLPS]
+    if shape["model"] == "DLRM_DCN":
+        dcn = (shape["dcn_num_layers"], shape["dcn_low_rank_dim"])
         return DLRM_DCN(ebc, *mlps, *dcn, dense_device=device)
     return DLRM(ebc, *mlps, dense_device=device)
 
