@@ -151,5 +151,64 @@ def test_files_that_are_not_exports_are_named(tmp_path: Path) -> None:
         load_dlrm(tmp_path / "short.pt")
     torch.save(blob, tmp_path / "whole.pt")
     (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:1000])
-    with pytest.raises(ValueError, match=r"cut\.pt: not a model file torch can read"):
-        load_dlrm(tmp_path / "cut.pt")
+    (tmp_path / "text.pt").write_text("not a model\n")
+    for name in ("cut", "text"):
+        with pytest.raises(ValueError, match=rf"{name}\.pt: not a model file torch can read"):
+            load_dlrm(tmp_path / f"{name}.pt")
+
+
+@pytest.mark.parametrize(("shards", "dtype"), [(1, torch.float32), (2, torch.float16)])
+def test_tables_start_from_a_files_whole_tables(
+    shards: int, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """--init-from: a rank's tables (some of the model's, in column shards, half rows)
+    take their rows from the file's whole tables (rounded to their dtype); the MLPs
+    theirs; the model then gives the file's model's logits."""
+    from recsz.model.modelfile import read
+
+    cfg = _cfg("dot")
+    src_sparse = SparseArch(cfg, range(len(SIZES)), 3, RowOptimizer("sgd", 0.1))
+    src_dense = DenseArch(cfg, 3)
+    parts = SimpleNamespace(sparse=src_sparse, dense_module=src_dense)
+    blob = exported(cfg, tables_of(parts, len(SIZES)), src_dense.torchrec_mlps())  # type: ignore[arg-type]
+    torch.save(blob, tmp_path / "m.pt")
+    f = read(tmp_path / "m.pt")
+    f.check(cfg)
+    held = [t * shards + c for t in (1, 3) for c in range(shards)]  # tables 1 and 3
+    sparse = SparseArch(cfg, held, 0, RowOptimizer("sgd", 0.1), dtype=dtype, shards=shards)
+    sparse.start_from(f.tables)
+    dense = DenseArch(cfg, 0)
+    dense.load_torchrec_mlps(f.mlps)
+    _, ids, _ = _batch(7)
+    got = sparse(ids).reshape(BATCH, 2, DIM)
+    want = src_sparse(ids)[:, [1, 3]]
+    tol = 1e-3 if dtype == torch.float16 else 0.0
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    x = _batch(7)[0]
+    with torch.no_grad():
+        whole = SparseArch(cfg, range(len(SIZES)), 0, RowOptimizer("sgd", 0.1))
+        whole.start_from(f.tables)
+        torch.testing.assert_close(dense(x, whole(ids)), src_dense(x, src_sparse(ids)))
+
+
+def test_init_from_is_refused_where_it_cannot_start_the_run(tmp_path: Path) -> None:
+    """Before any rank starts: a file of another model (what differs named), a file that
+    is not there, TT or FIITED tables."""
+    from recsz.config import parse_train_args
+    from recsz.model import get_preset
+
+    cfg = get_preset("tiny").model
+    dense = DenseArch(cfg, 0)
+    tables = [torch.zeros(n, cfg.emb_dim) for n in cfg.table_sizes]
+    torch.save(exported(cfg, tables, dense.torchrec_mlps()), tmp_path / "tiny.pt")
+    parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "tiny.pt")])
+    with pytest.raises(ValueError, match=r"tiny\.pt: its table_sizes are"):
+        parse_train_args(["--preset", "kaggle", "--init-from", str(tmp_path / "tiny.pt")])
+    dcn = ["--preset", "tiny", "--interaction", "dcn", "--init-from", str(tmp_path / "tiny.pt")]
+    with pytest.raises(ValueError, match=r"a DLRM model, this run's is a DLRM_DCN"):
+        parse_train_args(dcn)
+    with pytest.raises(FileNotFoundError, match=r"gone\.pt: no such model file"):
+        parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "gone.pt")])
+    for flags in (["--tt-tables", "2"], ["--fiited-budget", "0.5"]):
+        with pytest.raises(ValueError, match="--init-from with --fiited-budget or --tt-tables"):
+            parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "tiny.pt"), *flags])

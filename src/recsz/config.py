@@ -42,13 +42,14 @@ from recsz.policy.adaptive import parse_class_eb
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 15  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 16  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
-# --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards
+# --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards;
+# 16: --init-from
 
 
 CODECS = tuple(available_codecs())
@@ -274,6 +275,11 @@ class TrainConfig:
         None,
         "run dir to continue from its last complete checkpoint, or one checkpoint "
         "(RUN/checkpoints/step-N)",
+    )
+    init_from: str | None = opt(
+        None,
+        "a model file (recsz export) whose tables and MLPs this run starts from, optimizer "
+        "state afresh (a warm start: yesterday's model on today's data, other rates)",
     )
     resume_fallback: bool = opt(
         False, "resume from the newest intact checkpoint if the last is damaged"

@@ -50,6 +50,13 @@ def refused(cfg: TrainConfig) -> None:
     if spec is not None and cfg.table_dtype != "fp32":
         raise ValueError(f"--table-dtype {cfg.table_dtype} with --fiited-budget: FIITED's "
                          "chunk store keeps fp32 rows")  # fmt: skip
+    if cfg.init_from is not None and cfg.resume is None:  # (resumed: the checkpoint's)
+        if spec is not None or cfg.tt_tables:
+            raise ValueError("--init-from with --fiited-budget or --tt-tables: their tables "
+                             "do not start from dense rows")  # fmt: skip
+        from recsz.model.modelfile import read
+
+        read(cfg.init_from).check(model)
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
     if bags and cfg.tt_tables:
         raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")

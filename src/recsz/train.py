@@ -22,7 +22,7 @@ from recsz.config import TrainConfig, given_args, parse_train_args, resumed_conf
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
-from recsz.model import get_preset
+from recsz.model import get_preset, modelfile
 from recsz.ranks import Ranks, keep_freed_memory, launch, worker
 from recsz.step import build_parts, rank_part, share_chunk_counts, train_step
 from recsz.stepgraph import graphed
@@ -54,6 +54,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None
         start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)
+        if cfg.init_from and not cfg.resume:  # a warm start: the weights, no more
+            started = modelfile.read(cfg.init_from)
+            parts.sparse.start_from(started.tables)
+            parts.dense_module.load_torchrec_mlps(started.mlps)
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             out = out or checkpoint.run_dir_of(Path(cfg.resume))

@@ -455,32 +455,78 @@ def test_column_shards_on_two_ranks_match_one_process(
             torch.testing.assert_close(db[k], da[k], rtol=0, atol=1e-5, msg=k)
 
 
-def test_export_writes_the_runs_model_as_torchrecs_dlrm(two_sharded: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def exported_model(two_sharded: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`recsz export` of :func:`two_sharded`'s run."""
+    pytest.importorskip("torchrec")
+    from recsz.cli import main as cli
+
+    out = tmp_path_factory.mktemp("export") / "model.pt"
+    assert cli(["export", str(two_sharded), "--out", str(out)]) == 0
+    return out
+
+
+def restored_logits(run_dir: Path, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of a run's model (its newest checkpoint, restored on this process)."""
+    from argparse import Namespace
+
+    from recsz.evaluation import restored
+
+    with restored(Namespace(run=str(run_dir), device="cpu"), ("device",)) as r, torch.no_grad():
+        return r.parts.dense_module(dense, r.parts.sparse(ids))
+
+
+def test_export_writes_the_runs_model_as_torchrecs_dlrm(
+    two_sharded: Path, exported_model: Path, tmp_path: Path
+) -> None:
     """`recsz export RUN --out F`: 2 ranks' checkpoint of tables in column shards, joined
     on one process into TorchRec's DLRM, whose logits are those of the run's model
     restored here; a directory that is not there is refused before any work."""
-    pytest.importorskip("torchrec")
-    from argparse import Namespace
-
     from recsz.cli import main as cli
     from recsz.data.source import make_source
-    from recsz.evaluation import restored
     from recsz.torchrec import load_dlrm
 
-    out = tmp_path / "model.pt"
-    assert cli(["export", str(two_sharded), "--out", str(out)]) == 0
     assert cli(["export", str(two_sharded), "--out", str(tmp_path / "no" / "m.pt")]) == 2
-    theirs = load_dlrm(out)
+    theirs = load_dlrm(exported_model)
     b = make_source("synthetic", SIZES, 9).train_batch(0, 256)
-    ids = torch.as_tensor(b.ids)
-    with restored(Namespace(run=str(two_sharded), device="cpu"), ("device",)) as r:
-        assert r.parts.sparse.shards == 2 and len(r.parts.sparse.tables) == 52
-        with torch.no_grad():
-            ours = r.parts.dense_module(torch.as_tensor(b.dense), r.parts.sparse(ids))
-    kjt = torchrec_kjt(ids)
+    ids, x = torch.as_tensor(b.ids), torch.as_tensor(b.dense)
+    ours = restored_logits(two_sharded, x, ids)
     with torch.no_grad():
-        got = theirs(torch.as_tensor(b.dense), kjt).view(-1)
+        got = theirs(x, torchrec_kjt(ids)).view(-1)
     torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_starts_a_new_run_from_an_exported_model(
+    two_sharded: Path, exported_model: Path, tmp_path: Path
+) -> None:
+    """`--init-from F` (a warm start): a run on other data (seed), another rate and whole
+    tables on 2 ranks starts from the model of a run of column shards: its first loss is
+    that model's on its first batch (a cold start's is not); resuming it reads the
+    checkpoint, not the file (gone by then). A file of another model is refused naming
+    what differs, before any rank starts."""
+    import shutil
+
+    from recsz.data.source import make_source
+
+    copy = tmp_path / "model.pt"
+    shutil.copy(exported_model, copy)
+    flags = ("--seed", "11", "--lr", "0.02", "--steps", "2", "--checkpoint-every", "2")
+    warm, cold = tmp_path / "warm", tmp_path / "cold"
+    run(warm, *flags, "--init-from", str(copy), nproc=2)
+    b = make_source("synthetic", SIZES, 11).train_batch(0, 64)
+    logits = restored_logits(two_sharded, torch.as_tensor(b.dense), torch.as_tensor(b.ids))
+    want = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits, torch.as_tensor(b.labels).float()
+    )
+    assert losses(warm)[0] == pytest.approx(float(want), rel=1e-5)
+    run(cold, *flags)
+    assert losses(cold)[0] != pytest.approx(float(want), rel=1e-3)
+    copy.unlink()
+    rc = main(["--resume", str(warm), "--steps", "4", "--no-progress"])
+    assert rc == 0 and len(losses(warm)) == 4
+    with pytest.raises(ValueError, match=r"model\.pt: its table_sizes are"):
+        shutil.copy(exported_model, copy)
+        main([*BASE, "--out", str(tmp_path / "x"), "--preset", "kaggle", "--init-from", str(copy)])
 
 
 def torchrec_kjt(ids: torch.Tensor) -> object:

@@ -11,6 +11,7 @@ state starts afresh, as a day's model warm-started from yesterday's does.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,9 +83,11 @@ class ModelFile:
 def read(path: str | Path) -> ModelFile:
     """A model file, checked to be one (its tables' and MLPs' shapes included)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such model file")
     try:
         blob = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, EOFError, OSError) as e:  # truncated, not a torch file
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # cut short, not torch's
         raise ValueError(f"{path}: not a model file torch can read ({e})") from e
     if not isinstance(blob, dict) or blob.get("format") != FORMAT:
         got = blob.get("format") if isinstance(blob, dict) else type(blob).__name__

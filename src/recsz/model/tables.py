@@ -158,6 +158,19 @@ class SparseArch(nn.Module):
         return {t: float(c.float().mean()) / k for t, c in self.chunk_counts().items()}
 
     @torch.no_grad()
+    def start_from(self, tables: Sequence[torch.Tensor]) -> None:
+        """Each held table's rows from the model's whole ``tables`` ((rows, D) each): a
+        column shard its columns, rounded to the rows' dtype (``--init-from``)."""
+        if self.store is not None or self.tt.tables:
+            raise ValueError("FIITED's store and TT tables do not start from dense rows")
+        at = 0
+        for t, n in zip(self.dense_tables, self.sizes, strict=True):
+            whole, c = divmod(t, self.shards)
+            cols = tables[whole][:, c * self.dim : (c + 1) * self.dim]
+            self.weight[at : at + n] = cols.to(self.weight.device, self.weight.dtype)
+            at += n
+
+    @torch.no_grad()
     def table_weights(self) -> dict[int, torch.Tensor]:
         """Each table's rows held here as float32, by its index in ``tables``: a FIITED
         table's pruned chunks as zeros, a TT table's cores multiplied out (export)."""
