@@ -411,6 +411,20 @@ def test_bench_tabledtype_quick_runs_each_variant_and_restores_the_rounding(
     assert rowopt.round_stochastic is stochastic
 
 
+def test_bench_init_starts_tables_near_their_own_bytes(tmp_path: Path) -> None:
+    """bench_init.py in miniature: each case in its own process, this checkout's recsz,
+    a shard holding a quarter of the rows' bytes; the table is written."""
+    out = tmp_path / "init.json"
+    argv = ["--rows", "20000", "--dim", "16", "--json-out", str(out)]
+    assert _bench("bench_init").main(argv) == 0
+    rows = {r["case"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"whole, fp32", "whole, fp16", "1 shard of 4, fp32"}
+    whole = rows["whole, fp32"]["held_gb"]
+    assert rows["1 shard of 4, fp32"]["held_gb"] == pytest.approx(whole / 4)
+    assert all(r["recsz"].startswith(str(ROOT / "src")) for r in rows.values())
+    assert "| whole, fp16 |" in out.with_suffix(".md").read_text()
+
+
 def test_bench_columns_plans_spread_the_large_tables(tmp_path: Path) -> None:
     """The plan part alone (arithmetic): at 64 ranks, 4 column shards leave no rank idle
     and hold a quarter of the whole tables' most a rank; the table is written."""

@@ -25,20 +25,38 @@ from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
 
+#: rows drawn at a time when a table starts: a column shard never holds its whole table
+#: (one of MLPerf's 40M-row tables at dim 128 is 20 GB), nor half-precision rows a float32
+#: copy of theirs
+INIT_ROWS = 1 << 16
+
+
 def init_table(
-    rows: int, dim: int, seed: int, table: int, columns: slice = slice(None)
+    rows: int,
+    dim: int,
+    seed: int,
+    table: int,
+    columns: slice = slice(None),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The initial weights of one table (its ``columns``: a column shard's), a function of
-    (seed, table) only.
+    (seed, table) only, written into ``out`` (rows x the columns, any float dtype: each
+    value rounded to it once) or a new float32 tensor.
 
     Seeding per table makes a table's start independent of which rank owns it, or of how
     its columns are split, so the sharded model starts exactly where the single-process
-    one does. Uniform in +-sqrt(1/rows) as in facebookresearch/dlrm.
+    one does. Uniform in +-sqrt(1/rows) as in facebookresearch/dlrm. Drawn :data:`INIT_ROWS`
+    rows at a time: the CPU generator's values come in the same order, so the table is the
+    one a single draw of all its rows makes (tested).
     """
     g = torch.Generator().manual_seed(seed * 1009 + table)
     bound = (1.0 / rows) ** 0.5
-    whole = torch.empty(rows, dim).uniform_(-bound, bound, generator=g)
-    return whole if columns == slice(None) else whole[:, columns].contiguous()
+    if out is None:
+        out = torch.empty(rows, len(range(dim)[columns]))
+    for a in range(0, rows, INIT_ROWS):
+        block = torch.empty(min(rows - a, INIT_ROWS), dim).uniform_(-bound, bound, generator=g)
+        out[a : a + len(block)] = block[:, columns]
+    return out
 
 
 class SparseArch(nn.Module):
@@ -99,12 +117,13 @@ class SparseArch(nn.Module):
         self.optimizer = optimizer
         self.dense_bytes = 4 * self.dim * sum(cfg.table_sizes[t // shards] for t in self.tables)
         start = torch.tensor([0, *self.sizes], dtype=torch.int64).cumsum(0)
-        weight = torch.empty(int(start[-1]), self.dim)
+        held = dtype if fiited is None else torch.float32  # (FIITED's store: float32 rows)
+        weight = torch.empty(int(start[-1]), self.dim, dtype=held)
         for j, t in enumerate(self.dense_tables):
             c = t % shards
             cols = slice(c * self.dim, (c + 1) * self.dim) if shards > 1 else slice(None)
-            init = init_table(self.sizes[j], cfg.emb_dim, seed, whole[j], cols)
-            weight[start[j] : start[j + 1]] = init
+            rows = weight[start[j] : start[j + 1]]
+            init_table(self.sizes[j], cfg.emb_dim, seed, whole[j], cols, out=rows)
         self.tt = TTTables(cfg, [t for t in self.tables if t in tt_set], seed, optimizer, tt)
         pos = {t: j for j, t in enumerate(self.tables)}
         self.register_buffer(
