@@ -24,7 +24,6 @@ from recsz.model.multihot import Bags
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
-
 #: rows drawn at a time when a table starts: a column shard never holds its whole table
 #: (one of MLPerf's 40M-row tables at dim 128 is 20 GB), nor half-precision rows a float32
 #: copy of theirs
