@@ -53,3 +53,22 @@ def test_device_function_calls_patch_the_language_once_a_launch(monkeypatch) -> 
     top = x.amax(1)
     assert got1 == top.tolist() and got9 == (9 * top).tolist()
     assert 0 < once == many == again
+
+
+def test_the_cached_numpy_dtypes_are_the_interpreters() -> None:
+    """Each Triton type's numpy dtype, remembered per scalar type, is the one the
+    interpreter's own function gives it: scalars, blocks of each, pointers and blocks of
+    pointers, asked twice."""
+    from triton.runtime import interpreter as ti
+
+    from recsz.interpreter import scalar_cached
+
+    original = ti._get_np_dtype.__wrapped__  # what install() wrapped
+    cached = scalar_cached(original, tl)
+    scalars = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32,
+               tl.int64, tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64]  # fmt: skip
+    types = [*scalars, *(tl.block_type(t, [4]) for t in scalars), tl.pointer_type(tl.float32)]
+    types.append(tl.block_type(tl.pointer_type(tl.int32), [8]))
+    for t in types * 2:
+        assert cached(t) == original(t), t
+    assert ti._get_np_dtype is not original  # installed

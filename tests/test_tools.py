@@ -200,7 +200,7 @@ def test_bench_train_runs_torchrec_dmp_anchor(tmp_path: Path) -> None:
         pytest.skip("TorchRec not installed (make anchors)")
     out = tmp_path / "dmp.json"
     argv = ["--rates", "unshaped", "--worlds", "2", "--steps", "3", "--preset", "tiny"]
-    argv += ["--batch-size", "256", "--configs", "none,trdmp-bf16", "--json-out", str(out)]
+    argv += ["--batch-size", "256", "--configs", "trdmp-bf16", "--json-out", str(out)]
     assert bench_train.main(argv) == 0
     rows = {r["config"]: r for r in json.loads(out.read_text())}
     assert rows["trdmp-bf16"]["samples_per_s"] > 0
@@ -447,3 +447,18 @@ def test_bench_eval_scores_a_raw_file_both_ways(tmp_path: Path, criteo_10k: Path
     rows = {r["what"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"evaluate", "predict"}
     assert all(r["lines"] == 3000 and r["new_peak_gb"] > 0 for r in rows.values())
+
+
+def test_bench_warmstart_runs_each_day_and_exports(tmp_path: Path, criteo_ragged: Path) -> None:
+    """bench_warmstart.py in miniature (the 1,000-row sample, one seed, large batches):
+    every run in the table, the warm one started from yesterday's export (its first loss
+    is not the cold one's)."""
+    pytest.importorskip("torchrec")
+    out = tmp_path / "warm.json"
+    argv = ["--data", str(criteo_ragged), "--seeds", "0", "--batch-size", "100"]
+    assert _bench("bench_warmstart").main([*argv, "--json-out", str(out)]) == 0
+    rows = {r["run"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"yesterday", "cold", "warm", "both"}
+    assert rows["warm"]["steps"] == rows["cold"]["steps"] == 3  # 300 rows, batches of 100
+    assert rows["warm"]["auc"] != rows["cold"]["auc"]
+    assert "warm - cold AUC per seed" in out.with_suffix(".md").read_text()

@@ -6,7 +6,9 @@ our own helpers among them) re-patches ``triton.language`` through ``inspect.get
 (about a millisecond each, tens of thousands of calls a test run: a quarter of the time of
 our device-path tests). Within one kernel launch nothing undoes a patch, so a second one of
 the same modules finds every builtin already replaced and sets the same attributes again:
-:func:`install` skips it, and forgets what it skipped when the next launch begins. Where
+:func:`install` skips it, and forgets what it skipped when the next launch begins. It
+also remembers the numpy dtype of each Triton type, which the interpreter looks up
+through a table it builds at every call (a tenth of the same tests' time). Where
 Triton's internals are not what this was written against (another release), it does
 nothing.
 """
@@ -64,3 +66,25 @@ def install() -> None:
     patch_once._recsz = True  # type: ignore[attr-defined]
     ti._patch_lang = patch_once
     ti.GridExecutor.__call__ = launch
+    np_dtype = getattr(ti, "_get_np_dtype", None)
+    if np_dtype is not None and hasattr(tl, "block_type") and hasattr(tl, "pointer_type"):
+        ti._get_np_dtype = scalar_cached(np_dtype, tl)
+
+
+def scalar_cached(of: Any, tl: Any) -> Any:
+    """The interpreter's numpy dtype of a Triton type, which builds its table of every type
+    anew at each of its calls (tens of thousands a test): asked once a scalar type, a
+    block's its element's (as it answers them)."""
+    seen: dict[Any, Any] = {}
+
+    @functools.wraps(of)
+    def np_dtype(tt: Any) -> Any:
+        el = tt.element_ty if isinstance(tt, tl.block_type) else tt
+        if isinstance(el, tl.pointer_type):
+            return of(tt)
+        got = seen.get(el)
+        if got is None:
+            got = seen[el] = of(el)
+        return got
+
+    return np_dtype

@@ -140,7 +140,9 @@ def main(argv: list[str]) -> int:
         tables = tables_of(r.parts, model.n_tables)
         mlps = r.parts.dense_module.torchrec_mlps()
         blob = exported(model, tables, mlps, r.cfg.hotness())
-        torch.save(blob, out)
+        part = out.with_name(out.name + ".part")  # a file cut short is never taken for it
+        torch.save(blob, part)
+        part.replace(out)
         print(
             f"recsz: {r.ckpt} (step {r.step}) written to {out} as TorchRec's {blob['model']} "
             f"({len(tables)} tables, {out.stat().st_size / 1e6:.1f} MB)",
