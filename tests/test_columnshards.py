@@ -218,3 +218,37 @@ def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> No
     with pytest.raises(SystemExit, match="2"):
         cli(["plan", "--lr", "0.1"])  # not a flag of the plan: argparse's usage error
     assert cli(["plan", "--column-shards", "3"]) == 2  # named: does not divide dim 16
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize(("k_old", "k_new"), [(3, 4), (4, 3), (2, 6), (6, 1)])
+def test_a_rank_recuts_only_the_shards_it_holds(kind: str, k_old: int, k_new: int) -> None:
+    """recolumned(wanted=...): the pieces of the new shards a rank holds (where new shards
+    straddle old ones: dim 12, 3 <-> 4 shards), each the whole table's columns cut anew,
+    and no other table's; the same as recutting every table."""
+    from recsz.model import tablestate
+
+    cfg = ModelConfig(table_sizes=(30, 7, 50), emb_dim=12, bottom_mlp=(12,), top_mlp=(1,))
+    g = torch.Generator().manual_seed(k_old + 10 * k_new)
+    old = SparseArch(cfg, range(3 * k_old), 5, RowOptimizer(kind, 0.3), shards=k_old)
+    ids = torch.stack([torch.randint(0, n, (16,), generator=g) for n in cfg.table_sizes], 1)
+    out = old(ids)
+    out.backward(torch.randn(out.shape, generator=g))
+    sizes = column_shards(list(cfg.table_sizes), 12, k_old)[0]
+    pieces = tablestate.split(old.state_dict(), old.tables, sizes, ())
+    wanted = {0, 3 * k_new - 1, k_new}  # table 0's first, table 2's last, table 1's first
+    some = tablestate.recolumned(pieces, 3, k_old, k_new, wanted)
+    every = tablestate.recolumned(pieces, 3, k_old, k_new)
+    assert set(some) == wanted and len(every) == 3 * k_new
+    whole = old.table_weights()
+    width = 12 // k_new
+    for j in wanted:
+        t, c = divmod(j, k_new)
+        want = torch.cat([whole[t * k_old + i] for i in range(k_old)], 1)
+        assert torch.equal(some[j]["weight"], want[:, c * width : (c + 1) * width])
+        assert torch.equal(some[j]["weight"], every[j]["weight"])
+        assert torch.equal(some[j]["optimizer_state"], every[j]["optimizer_state"])
+        if kind == "adagrad":  # per element: the whole table's state, cut anew
+            state = torch.cat([pieces[t * k_old + i]["optimizer_state"] for i in range(k_old)], 1)
+            cols = slice(c * width, (c + 1) * width)
+            assert torch.equal(some[j]["optimizer_state"], state[:, cols])

@@ -295,7 +295,7 @@ def _restore_resharded(
             raise CheckpointError(f"{d / f'rank-{r}.pt'}: its tables' state: {e}") from None
     if shards != k:
         try:
-            pieces = tablestate.recolumned(pieces, model.n_tables, shards, k)
+            pieces = tablestate.recolumned(pieces, model.n_tables, shards, k, parts.sparse.tables)
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint {d}: --column-shards {shards} -> {k}: {e}") from None
     sparse = parts.sparse

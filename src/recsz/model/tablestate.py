@@ -128,30 +128,51 @@ def join(
 
 
 def recolumned(
-    pieces: Mapping[int, Piece], n_tables: int, k_old: int, k_new: int
+    pieces: Mapping[int, Piece],
+    n_tables: int,
+    k_old: int,
+    k_new: int,
+    wanted: Collection[int] | None = None,
 ) -> dict[int, Piece]:
     """The plain tables' pieces in ``k_new`` column shards each, from ``k_old`` (shard c of
-    table t: piece t * k + c; ``--column-shards`` changed on resume): each table's rows
-    joined side by side and cut again; the row optimizer's state per element likewise, one
-    per row (row-wise Adagrad's: a sum of mean squares over the shard's columns) the mean of
-    the old shards' (exactly the whole row's), which each new shard starts from. ValueError
-    for tables that are not plain rows (FIITED's store, TT cores)."""
+    table t: piece t * k + c; ``--column-shards`` changed on resume), those in ``wanted``
+    (None: all): each new shard's columns gathered from the old shards that hold them (a
+    rank never joins a whole table it holds a shard of); the row optimizer's state per
+    element likewise, one per row (row-wise Adagrad's: a sum of mean squares over the
+    shard's columns) the mean of the old shards' (exactly the whole row's), which each new
+    shard starts from. ValueError for tables that are not plain rows (FIITED's store, TT
+    cores)."""
     out: dict[int, Piece] = {}
     for t in range(n_tables):
+        new = [c for c in range(k_new) if wanted is None or t * k_new + c in wanted]
+        if not new:
+            continue
         old = [pieces[t * k_old + c] for c in range(k_old)]
         if any("weight" not in p for p in old):
             raise ValueError(f"table {t}: only plain tables change their column shards")
-        weight = torch.cat([p["weight"] for p in old], 1)
+        w_old = old[0]["weight"].shape[1]
+        width = w_old * k_old // k_new
         opts = [p["optimizer_state"] for p in old]
-        if not opts[0].numel():  # SGD: none
-            state = opts[0]
-        elif opts[0].dim() == 2:  # per element
-            state = torch.cat(opts, 1)
-        else:  # per row
-            state = torch.stack(opts).mean(0)
-        width = weight.shape[1] // k_new
-        for c in range(k_new):
-            cols = slice(c * width, (c + 1) * width)
-            o = state[:, cols] if state.dim() == 2 else state
-            out[t * k_new + c] = {"weight": weight[:, cols], "optimizer_state": o}
+        per_row = opts[0].numel() and opts[0].dim() == 1
+        row_state = torch.stack(opts).mean(0) if per_row else None
+        for c in new:
+            cols = (c * width, (c + 1) * width)
+            if row_state is not None:
+                state = row_state
+            elif opts[0].numel():  # per element
+                state = _columns(old, "optimizer_state", *cols)
+            else:  # SGD: none
+                state = opts[0]
+            out[t * k_new + c] = {
+                "weight": _columns(old, "weight", *cols),
+                "optimizer_state": state,
+            }
     return out
+
+
+def _columns(shards: Sequence[Piece], key: str, lo: int, hi: int) -> torch.Tensor:
+    """Columns [lo, hi) of a whole table's ``key``, from its column ``shards`` in order."""
+    w = shards[0][key].shape[1]
+    got = [p[key][:, max(lo - j * w, 0) : min(hi - j * w, w)]
+           for j, p in enumerate(shards) if j * w < hi and (j + 1) * w > lo]  # fmt: skip
+    return got[0] if len(got) == 1 else torch.cat(got, 1)
