@@ -212,3 +212,43 @@ def test_init_from_is_refused_where_it_cannot_start_the_run(tmp_path: Path) -> N
     for flags in (["--tt-tables", "2"], ["--fiited-budget", "0.5"]):
         with pytest.raises(ValueError, match="--init-from with --fiited-budget or --tt-tables"):
             parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "tiny.pt"), *flags])
+
+
+@pytest.mark.parametrize("interaction", ["dot", "dcn"])
+def test_a_torchrec_dlrm_saved_starts_our_model(interaction: str, tmp_path: Path) -> None:
+    """save_dlrm: TorchRec's own DLRM (or DLRM_DCN, inside a module as DLRMTrain holds it)
+    written as a model file: loaded back it is the same model, and our model started from
+    it (what --init-from does) gives its logits."""
+    from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+    from recsz.model.modelfile import read
+    from recsz.torchrec import save_dlrm
+
+    cfg = _cfg(interaction)
+    torch.manual_seed(4)
+    configs = [
+        torchrec.EmbeddingBagConfig(name=f"t{t}", embedding_dim=DIM, num_embeddings=n,
+                                    feature_names=[f"cat_{t}"])
+        for t, n in enumerate(SIZES)
+    ]  # fmt: skip
+    ebc = torchrec.EmbeddingBagCollection(tables=configs)
+    shape = (ebc, 13, list(cfg.bottom_mlp), list(cfg.top_mlp))
+    theirs = DLRM(*shape) if interaction == "dot" else DLRM_DCN(*shape, 2, 3)
+    holder = torch.nn.Module()
+    holder.model = theirs
+    save_dlrm(holder, tmp_path / "t.pt")
+    x, ids, _ = _batch(3)
+    with torch.no_grad():
+        want = theirs(x, _kjt(ids, None)).view(-1)
+        again = load_dlrm(tmp_path / "t.pt")(x, _kjt(ids, None)).view(-1)
+    assert torch.equal(again, want)
+    f = read(tmp_path / "t.pt")
+    f.check(cfg)
+    sparse = SparseArch(cfg, range(len(SIZES)), 0, RowOptimizer("sgd", 0.1))
+    sparse.start_from(f.tables)
+    dense = DenseArch(cfg, 0)
+    dense.load_torchrec_mlps(f.mlps)
+    with torch.no_grad():
+        torch.testing.assert_close(dense(x, sparse(ids)), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not TorchRec's DLRM"):
+        save_dlrm(torch.nn.Linear(2, 2), tmp_path / "x.pt")

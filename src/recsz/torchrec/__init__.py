@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from recsz.torchrec.dense import dense_comm
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist
-from recsz.torchrec.export import load_dlrm
+from recsz.torchrec.export import load_dlrm, save_dlrm
 from recsz.torchrec.rowwise import CompressedReduceScatterDist
 from recsz.torchrec.sequence import CompressedSequenceEmbeddingDist
 from recsz.torchrec.sharder import (
@@ -36,6 +36,7 @@ __all__ = [
     "comm_bytes",
     "dense_comm",
     "load_dlrm",
+    "save_dlrm",
     "sharders",
     "switches",
 ]

@@ -85,6 +85,38 @@ def load_dlrm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module
     return model.to(device)
 
 
+def save_dlrm(model: nn.Module, path: str | Path, hotness: Sequence[int] | None = None) -> None:
+    """Write TorchRec's ``DLRM`` or ``DLRM_DCN`` (unsharded; or a module holding it as
+    ``.model``, as TorchRec's ``DLRMTrain``) as a model file, which ``recsz train
+    --init-from`` starts a run from: its tables in their order as tables 0, 1, ... (one
+    feature a table, one dim), its MLPs; ``hotness``: the bags it was trained on, if any."""
+    from torchrec.models.dlrm import DLRM, DLRM_DCN
+
+    inner = getattr(model, "model", model) if not isinstance(model, DLRM) else model
+    if not isinstance(inner, DLRM):
+        raise ValueError(f"not TorchRec's DLRM or DLRM_DCN: {type(model).__name__}")
+    ebc = inner.sparse_arch.embedding_bag_collection
+    configs = ebc.embedding_bag_configs()
+    if any(len(c.feature_names) != 1 for c in configs):
+        raise ValueError("a table of several features: recsz's model has one a table")
+    if len({c.embedding_dim for c in configs}) != 1:
+        raise ValueError("tables of several dims: recsz's model has one")
+    bottom = [m for m in inner.dense_arch.modules() if isinstance(m, nn.Linear)]
+    top = [m for m in inner.over_arch.modules() if isinstance(m, nn.Linear)]
+    dcn = {}
+    if isinstance(inner, DLRM_DCN):
+        kernels = inner.inter_arch.crossnet.W_kernels
+        dcn = {"interaction": "dcn", "dcn_layers": len(kernels), "dcn_rank": kernels[0].shape[1]}
+    cfg = ModelConfig(
+        tuple(c.num_embeddings for c in configs), configs[0].embedding_dim,
+        tuple(m.out_features for m in bottom), tuple(m.out_features for m in top),
+        n_dense=bottom[0].in_features, **dcn,
+    )  # fmt: skip
+    tables = [ebc.embedding_bags[c.name].weight.detach() for c in configs]
+    mlps = [p.detach() for n, p in inner.named_parameters() if not n.startswith(modelfile.EBC)]
+    torch.save(exported(cfg, tables, mlps, hotness), path)
+
+
 def _mlp_names(shape: dict[str, Any]) -> list[str]:
     """TorchRec's names of the MLPs' (and cross layers') parameters, in its order."""
     model = _module(shape, torch.device("meta"))
