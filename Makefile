@@ -20,7 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(TORCHREC)
 	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n auto --dist loadscope --durations=15 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

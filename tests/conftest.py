@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from hypothesis import settings
+
+# No per-example deadline: the suite runs two tests at a time on two cores (pytest-xdist),
+# where an example's time says nothing of its test.
+settings.register_profile("recsz", deadline=None)
+settings.load_profile("recsz")
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
