@@ -60,7 +60,7 @@ def exported(
     :func:`load_dlrm` builds, and its state dict (``mlps``:
     :meth:`recsz.model.DenseArch.torchrec_mlps`)."""
     shape = modelfile.shape_of(cfg, hotness)
-    names = _mlp_names(shape)
+    names = _mlp_names(_module(shape, torch.device("meta")))
     if len(names) != len(mlps):
         raise ValueError(
             f"{len(mlps)} MLP parameters, TorchRec's {shape['model']} has {len(names)}"
@@ -73,7 +73,7 @@ def load_dlrm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module
     on ``device``."""
     f = modelfile.read(path)
     model = _module(f.shape, torch.device("meta"))
-    names = _mlp_names(f.shape)
+    names = _mlp_names(model)
     if len(names) != len(f.mlps):
         raise ValueError(f"{path}: {len(f.mlps)} MLP parameters, its {f.shape['model']} has "
                          f"{len(names)}")  # fmt: skip
@@ -117,9 +117,8 @@ def save_dlrm(model: nn.Module, path: str | Path, hotness: Sequence[int] | None 
     torch.save(exported(cfg, tables, mlps, hotness), path)
 
 
-def _mlp_names(shape: dict[str, Any]) -> list[str]:
-    """TorchRec's names of the MLPs' (and cross layers') parameters, in its order."""
-    model = _module(shape, torch.device("meta"))
+def _mlp_names(model: nn.Module) -> list[str]:
+    """TorchRec's names of its DLRM's MLP (and cross layer) parameters, in its order."""
     return [n for n, _ in model.named_parameters() if not n.startswith(modelfile.EBC)]
 
 
