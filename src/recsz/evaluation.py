@@ -269,15 +269,21 @@ def run(argv: list[str]) -> dict[str, Any]:
     return result
 
 
+def writable(args: argparse.Namespace, outputs: tuple[str, ...]) -> None:
+    """The files the flags ``outputs`` name have a directory to go to (FileNotFoundError
+    naming the flag otherwise): checked before any work, not after."""
+    for flag in outputs:
+        out = getattr(args, flag, None)
+        if out is not None and not Path(out).resolve().parent.is_dir():
+            raise FileNotFoundError(f"--{flag} {out}: no directory {Path(out).parent} to write to")
+
+
 def entry(argv: list[str], args: argparse.Namespace, module: str, body: Callable[[], object],
           as_main: bool, outputs: tuple[str, ...]) -> int:  # fmt: skip
     """Run ``body`` on this process's rank, or launch ``module`` on the ranks asked
     (``--nproc``; default: as many as wrote the checkpoint). The files the flags
     ``outputs`` name must have a directory to go to: refused before any work, not after."""
-    for flag in outputs:
-        out = getattr(args, flag, None)
-        if out is not None and not Path(out).resolve().parent.is_dir():
-            raise FileNotFoundError(f"--{flag} {out}: no directory {Path(out).parent} to write to")
+    writable(args, outputs)
     if "WORLD_SIZE" not in os.environ:
         saved = chosen(Path(args.run))[1]  # named here, not by every rank launched
         nproc = getattr(args, "nproc", None) or int(saved["world_size"])

@@ -113,7 +113,8 @@ def save_dlrm(model: nn.Module, path: str | Path, hotness: Sequence[int] | None 
         n_dense=bottom[0].in_features, **dcn,
     )  # fmt: skip
     tables = [ebc.embedding_bags[c.name].weight.detach() for c in configs]
-    mlps = [p.detach() for n, p in inner.named_parameters() if not n.startswith(modelfile.EBC)]
+    params = dict(inner.named_parameters())
+    mlps = [params[n].detach() for n in _mlp_names(inner)]
     torch.save(exported(cfg, tables, mlps, hotness), path)
 
 
@@ -159,12 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """``recsz export``: the checkpoint loaded on this one process (its tables joined from
     every rank's files), written as :func:`exported`."""
-    from recsz.evaluation import restored
+    from recsz.evaluation import restored, writable
 
     args = build_parser().parse_args(argv)
+    writable(args, ("out",))
     out = Path(args.out)
-    if not out.resolve().parent.is_dir():
-        raise FileNotFoundError(f"--out {out}: no directory {out.parent} to write to")
     args.device = "cpu"
     with restored(args, ("device",)) as r:
         model = r.cfg.model()
