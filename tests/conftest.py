@@ -6,6 +6,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# Two tests at a time on two cores (pytest-xdist), each process and each rank it spawns on
+# one thread (set before torch loads OpenMP; spawned ranks inherit it): with two threads
+# each, the processes' OpenMP threads spin waiting for each other (a 3 s test took 81 s).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 import torch
 
 # Without a GPU, Triton kernels run under its interpreter (set before they are defined).
