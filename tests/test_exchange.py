@@ -4,6 +4,7 @@ reports built from per-rank records."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import fields
 
 import pytest
@@ -18,7 +19,8 @@ from recsz.comm.direction import Direction
 from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.ids import distinct_pairs, distinct_slices, unique_first
 from recsz.comm.stats import ShardPlan
-from recsz.config import TrainConfig, build_parser, parse_train_args
+from recsz.commoptions import DenseCommOptions, ExchangeOptions
+from recsz.config import JobOptions, ModelOptions, TrainConfig, build_parser, parse_train_args
 from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
 from recsz.model.fiited import HeldMask
@@ -217,6 +219,24 @@ def test_every_field_has_a_flag_with_its_default() -> None:
             if f.default is not None and said and "(default:" not in f.metadata["help"]:
                 assert flags[f.name].help.endswith(f"(default: {f.default})"), f.name
     assert parse_train_args([]) == TrainConfig()
+
+
+def test_the_help_groups_the_flags_as_the_config_does() -> None:
+    """Each option group (a dataclass TrainConfig inherits) a section of `recsz train
+    --help`, titled by its docstring, holding exactly its fields' flags, in order."""
+    groups = [
+        g
+        for g in build_parser()._action_groups
+        if g.title not in ("options", "positional arguments")
+    ]
+    bases = [ModelOptions, ExchangeOptions, DenseCommOptions, JobOptions]
+    assert [g.title for g in groups] == [b.__doc__ for b in bases]
+    for g, b in zip(groups, bases, strict=True):
+        own = [
+            f.name for f in fields(b) if f.name in inspect.get_annotations(b) and f.metadata["cli"]
+        ]
+        assert [a.dest for a in g._group_actions] == own
+    assert sum(len(g._group_actions) for g in groups) == len(build_parser()._actions) - 1
 
 
 @settings(max_examples=20, deadline=None)

@@ -12,9 +12,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from recsz.codecs import Codec, available_codecs, get_codec_with
-from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
-from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
+from recsz.commoptions import DenseCommOptions, ExchangeOptions
 from recsz.configcheck import refused
 from recsz.data.source import DATA_ORDERS, EVAL_FRACTION
 from recsz.fields import check, opt, parser
@@ -35,7 +33,6 @@ from recsz.model.multihot import parse_hotness
 from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import LRSchedule
 from recsz.model.sharding import column_shards
-from recsz.policy.adaptive import parse_class_eb
 
 #: The tables' default learning rate with bags, as a share of the preset's: at the preset's
 #: the first steps' sums of up to 100 moved rows blew the logits up (bench: AUC 0.62 after 30
@@ -52,15 +49,10 @@ CONFIG_VERSION = 16  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm ho
 # 16: --init-from
 
 
-CODECS = tuple(available_codecs())
-EB_POLICIES = ("none", "fixed", "table", "dual")
-
-
 @dataclass
-class TrainConfig:
-    """Everything a run depends on. ``None`` means "the preset's default"."""
+class ModelOptions:
+    """the model, its data and its schedule"""
 
-    # ---- model, data, schedule
     preset: str = opt("tiny", "model shape and training defaults", PRESETS)
     data: str = opt(
         "synthetic",
@@ -208,60 +200,12 @@ class TrainConfig:
         "one GPU: replay the whole step as a CUDA graph (fixed-size traffic: with "
         "--no-id-dedup --no-bwd-coalesce)",
     )
-    # ---- the embedding all-to-all
-    fwd_codec: str = opt("none", "codec of the forward (embedding) all-to-all", CODECS)
-    bwd_codec: str = opt("none", "codec of the backward (gradient) all-to-all", CODECS)
-    coder: str = opt(
-        "auto",
-        "payloads of the quantizing codecs: auto (CPU: format 1, zstd-coded; GPU: format 3, "
-        "bit-plane blocks by Triton kernels) or blocks (format 3 everywhere)",
-        ("auto", "blocks"),
-    )
-    eb_policy: str = opt("fixed", "error-bound policy of bounded codecs", EB_POLICIES)
-    fwd_eb: float = opt(0.03, "forward bound (relative to the slice's range in rel mode)", gt=0)
-    bwd_eb: float = opt(0.03, "backward bound", gt=0)
-    eb_mode: str = opt("rel", "bounds relative to each slice's range, or absolute", ("rel", "abs"))
-    # A third of the published method's 0.01,0.03,0.05: those cost AUC on both datasets
-    # (bench_accuracy --a2a, 5 seeds), these keep it within the seeds' noise.
-    fwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose forward bounds")
-    bwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose backward bounds")
-    hindex_probe_steps: int = opt(
-        10, "iterations of traffic behind each homogenization index", ge=1
-    )
-    hindex_every: int = opt(1000, "iterations between re-classifications (0: classify once)", ge=0)
-    decay_schedule: str = opt("step", "dual: bound decay (10 equal steps)", ("step", "constant"))
-    decay_c: float = opt(2.0, "dual: bound multiplier at iteration 0", ge=1)
-    decay_t: int = opt(65_536, "dual: iteration where the multiplier reaches 1", ge=1)
-    id_dedup: bool = opt(True, "forward: one vector per distinct id of a destination's slice")
-    bwd_coalesce: bool = opt(True, "backward: sum the gradients of samples sharing an id first")
-    compress: str = opt(
-        "always",
-        "auto: a step goes through the codecs only while trials (steps of each way in turn, "
-        "timed) find them faster than the plain, lossless exchange",
-        COMPRESS_MODES,
-    )
-    compress_trial: int = opt(6, "auto: timed steps of each way in a trial", ge=1)
-    compress_every: int = opt(
-        500,
-        "auto: steps from one trial to the next, doubled while trials keep the way (up to 8x; "
-        "0: one trial)",
-        ge=0,
-    )
-    # ---- the MLP all-reduce
-    dp_comm: str = opt("allreduce", "MLP gradients' exchange (DDP hook)", DP_MODES)
-    powersgd_rank: int = opt(2, "powersgd: rank of the gradient approximations", ge=1)
-    powersgd_warmup: int = opt(10, "powersgd: steps of plain all-reduce first", ge=2)
-    dp_codec: str = opt("hybrid", "eb: codec of the gradient buckets", CODECS)
-    dp_eb: float = opt(0.01, "eb: bound relative to each bucket's range", gt=0)
-    dp_eb_collective: str = opt(
-        "allgather",
-        "eb: all-gather every rank's payload, or rsag: reduce-scatter chunks, all-gather "
-        "their means (half the bytes on 4 ranks; pays on slow links)",
-        EB_COLLECTIVES,
-    )
-    dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)", gt=0, le=1)
-    dct_refresh: int = opt(1000, "DCT: iterations between threshold refreshes", ge=1)
-    # ---- the job
+
+
+@dataclass
+class JobOptions:
+    """the job"""
+
     device: str = opt("cpu", "cuda: one GPU a rank (LOCAL_RANK), NCCL payloads", ("cpu", "cuda"))
     dist_timeout: float = opt(120.0, "seconds before a stuck collective fails the job", gt=0)
     host_memory: str = opt(
@@ -289,6 +233,12 @@ class TrainConfig:
     progress: bool = opt(True, "show a progress bar")
     inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)
+
+
+@dataclass
+class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
+    """Everything a run depends on (its options' groups in the order of the command line's
+    help). ``None`` means "the preset's default"."""
 
     def model(self) -> ModelConfig:
         """The preset's model with this run's interaction (what it leaves None, the
@@ -343,25 +293,6 @@ class TrainConfig:
                 f"--inject-failure wants RANK:STEP, got {self.inject_failure!r}"
             ) from None
 
-    def codec(self, direction: str) -> Codec:
-        """The codec of one direction ("fwd" or "bwd"), with ``--coder`` where it applies."""
-        name = self.fwd_codec if direction == "fwd" else self.bwd_codec
-        return get_codec_with(name, coder=self.coder)
-
-    def class_eb(self, direction: str) -> dict[str, float]:
-        """The tight, base and loose bounds of one direction ("fwd" or "bwd")."""
-        return parse_class_eb(getattr(self, f"{direction}_class_eb"), f"--{direction}-class-eb")
-
-    def switch(self, **kw: Any) -> CompressionSwitch:
-        """``--compress``'s switch (``kw``: its ``agree``, ``sync``); its first trial after
-        the table / dual policies' first probe window, where a bounded codec has one."""
-        bounded = any(self.codec(d).error_bounded for d in ("fwd", "bwd"))
-        probes = bounded and self.eb_policy in ("table", "dual")
-        lead = self.hindex_probe_steps if probes else 0
-        return CompressionSwitch(
-            self.compress, self.compress_trial, self.compress_every, lead=lead, **kw
-        )
-
     @classmethod
     def taking(cls, who: str, taken: set[str], **options: Any) -> TrainConfig:
         """A configuration of ``options`` for ``who``, which reads the fields ``taken``
@@ -374,18 +305,6 @@ class TrainConfig:
                 f"{', '.join(sorted(taken))}"
             )
         return cls(**options)
-
-    def dp_hook_options(self) -> dict[str, Any]:
-        """The options of ``--dp-comm``'s hook (:func:`recsz.comm.dp_hooks.register`)."""
-        return {
-            "dct_keep": self.dct_keep,
-            "dct_refresh": self.dct_refresh,
-            "powersgd_rank": self.powersgd_rank,
-            "powersgd_warmup": self.powersgd_warmup,
-            "codec": get_codec_with(self.dp_codec),
-            "eb": self.dp_eb,
-            "collective": self.dp_eb_collective,
-        }
 
     def __post_init__(self) -> None:
         check(self)  # each field's own limits

@@ -5,6 +5,7 @@ default, help and allowed values (:func:`opt`); :func:`check` holds an instance 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import operator
 import types
@@ -61,7 +62,7 @@ def parser(
     p = argparse.ArgumentParser(
         prog=prog, description=description, argument_default=argparse.SUPPRESS if some else None
     )
-    hints = get_type_hints(cls)
+    hints, groups = get_type_hints(cls), _groups(cls, p)
     for f in fields(cls):
         if not f.metadata["cli"] or (some and f.name not in only):  # type: ignore[operator]
             continue
@@ -84,5 +85,20 @@ def parser(
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = kind
-        p.add_argument(flag(f.name), **kw)
+        groups.get(f.name, p).add_argument(flag(f.name), **kw)
     return p
+
+
+def _groups(cls: type, p: argparse.ArgumentParser) -> dict[str, Any]:
+    """Where each field's flag goes in ``p``'s help: a group titled by the docstring of the
+    dataclass among ``cls``'s bases that declares it, where ``cls`` inherits its fields from
+    several (as ``TrainConfig`` its option groups); else ``p`` itself."""
+    declaring = [k for k in reversed(cls.__mro__) if inspect.get_annotations(k)]
+    if len(declaring) < 2:
+        return {}
+    at: dict[str, Any] = {}
+    for k in declaring:
+        title = (k.__doc__ or k.__name__).strip().splitlines()[0]
+        group = p.add_argument_group(title)
+        at.update((name, group) for name in inspect.get_annotations(k))
+    return at
