@@ -12,7 +12,7 @@ import torch
 
 from recsz.model import DenseArch, ModelConfig, SparseArch
 from recsz.model.fiited import FiitedSpec
-from recsz.model.multihot import Bags
+from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec
 
@@ -35,11 +35,12 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.rand(BATCH, 13, generator=g), ids, torch.randint(0, 2, (BATCH,), generator=g)
 
 
-def _kjt(ids: torch.Tensor, hot: tuple[int, ...] | None) -> object:
+def _kjt(ids: torch.Tensor, hot: tuple[int, ...] | None, draws: str = "hash") -> object:
     """The samples' ids as TorchRec's DLRM takes them: feature cat_t, one id a bag, or each
-    id's bag as recsz makes it."""
+    id's bag as recsz makes it (``draws``: "mlperf", as MLPerf's reference does)."""
     hot = hot or (1,) * len(SIZES)
-    bags = Bags(range(len(SIZES)), hot, SIZES, [0] * len(SIZES)).ids(ids)
+    drawn = mlperf_draws(SIZES, hot, range(len(SIZES))) if draws == "mlperf" else None
+    bags = Bags(range(len(SIZES)), hot, SIZES, [0] * len(SIZES), drawn).ids(ids)
     return torchrec.KeyedJaggedTensor.from_lengths_sync(
         keys=[f"cat_{t}" for t in range(len(SIZES))],
         values=torch.cat([b.reshape(-1) for b in bags.split(hot, 1)]),
@@ -53,6 +54,7 @@ CASES = {
     "column shards": {"shards": 2},
     "fp16 tables": {"dtype": torch.float16},
     "multi-hot": {"hotness": (3, 1, 2, 4)},
+    "multi-hot, MLPerf's draws": {"hotness": (3, 1, 2, 4), "bag_draws": "mlperf"},
     "tt, cached": {"tt": TTSpec(frozenset({0, 2}), 4, 3, cache_rows=5, cache_interval=2)},
     "tt, replicated": {"tt": TTSpec(frozenset({1}), 4, 3, placement="replicated")},
     "fiited": {"fiited": FiitedSpec(0.5, 4, interval=1)},
@@ -96,14 +98,18 @@ def test_the_exported_model_gives_our_logits(case: str, tmp_path: Path) -> None:
             local.step()
         sparse.prune()
     parts = SimpleNamespace(sparse=sparse, dense_module=dense)
-    blob = exported(cfg, tables_of(parts, len(SIZES)), dense.torchrec_mlps(), kw.get("hotness"))  # type: ignore[arg-type]
+    draws = kw.get("bag_draws", "hash")
+    blob = exported(
+        cfg, tables_of(parts, len(SIZES)), dense.torchrec_mlps(), kw.get("hotness"), draws
+    )  # type: ignore[arg-type]
+    assert blob["bag_draws"] == (draws if "hotness" in kw else None)
     torch.save(blob, tmp_path / "m.pt")
     theirs = load_dlrm(tmp_path / "m.pt")
     assert type(theirs).__name__ == ("DLRM_DCN" if cfg.interaction == "dcn" else "DLRM")
     x, ids, _ = _batch(100)
     with torch.no_grad():
         ours = dense(x, pooled(ids), ids)
-        got = theirs(x, _kjt(ids, kw.get("hotness"))).view(-1)
+        got = theirs(x, _kjt(ids, kw.get("hotness"), draws)).view(-1)
     torch.testing.assert_close(got, ours, rtol=1e-5, atol=1e-5)
     if case == "fiited":  # pruned chunks went out as zeros
         assert any(bool((w == 0).any()) for w in tables_of(parts, len(SIZES)))  # type: ignore[arg-type]

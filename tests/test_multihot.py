@@ -1,8 +1,10 @@
-"""Multi-hot bags made from one-hot ids (MLPerf's DLRM-DCNv2 data): the bags themselves,
-the batched lookup over them against explicit bags, and the flag."""
+"""Multi-hot bags made from one-hot ids (MLPerf's DLRM-DCNv2 data): the bags themselves
+(hashed, or MLPerf's reference's draws against its own algorithm), the batched lookup over
+them against explicit bags, and the flags."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,8 +12,8 @@ from hypothesis import strategies as st
 
 from recsz.config import TrainConfig, build_parser, parse_train_args
 from recsz.devicepath import DEVICE_PATH_ON_CPU
-from recsz.model import ModelConfig, RowOptimizer, SparseArch
-from recsz.model.multihot import MLPERF_HOTNESS, Bags, parse_hotness
+from recsz.model import ModelConfig, RowOptimizer, SparseArch, multihot
+from recsz.model.multihot import MLPERF_HOTNESS, Bags, mlperf_draws, parse_hotness
 from recsz.model.rowopt import sum_by_row
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
@@ -39,6 +41,10 @@ def test_hotness_flag() -> None:
     with pytest.raises(ValueError, match="--multi-hot with --fiited-mask-backward"):
         TrainConfig(multi_hot="2", fiited_budget=0.5, fiited_mask_backward=True)
     assert TrainConfig(multi_hot="mlperf").hotness() == MLPERF_HOTNESS
+    with pytest.raises(ValueError, match="--multi-hot-draws mlperf draws bags: it needs"):
+        parse_train_args(["--multi-hot-draws", "mlperf"])
+    cfg = parse_train_args(["--multi-hot", "mlperf", "--multi-hot-draws", "mlperf"])
+    assert cfg.multi_hot_draws == "mlperf" and TrainConfig().multi_hot_draws == "hash"
 
 
 def test_the_mlps_start_as_learned_more_on_the_data() -> None:
@@ -95,11 +101,57 @@ def test_drawn_ids_are_uniform_and_differ_by_table_and_slot() -> None:
     assert float((got[:, 1] == got[:, 2]).double().mean()) < 1e-4  # so do slots
 
 
-def test_a_table_has_the_same_bags_on_every_shard() -> None:
+def reference_bags(sizes: tuple[int, ...], hotness: tuple[int, ...]) -> list[np.ndarray]:
+    """MLPerf's reference's one-hot-to-multi-hot tables as its ``Multihot`` makes them
+    (uniform): numpy's global generator seeded 0, each table's ids then its draws."""
+    np.random.seed(0)
+    out = []
+    for rows, h in zip(sizes, hotness, strict=True):
+        drawn = np.random.randint(0, rows, size=(rows, h - 1))
+        out.append(np.concatenate((np.arange(rows)[:, None], drawn), axis=-1))
+    return out
+
+
+def test_mlperf_draws_are_the_reference_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn a block of rows at a time (here 4), kept for some tables only, the same ids as
+    the reference's one call a table, tables before them and of one id a bag included."""
+    sizes, hot = (9, 3, 13, 1, 6), (3, 1, 4, 2, 2)
+    ref = reference_bags(sizes, hot)
+    monkeypatch.setattr(multihot, "_DRAW_ROWS", 4)
+    for kept in ({0, 1, 2, 3, 4}, {2}, {4, 1}, set()):
+        got = mlperf_draws(sizes, hot, kept)
+        assert sorted(got) == sorted(t for t in kept if hot[t] > 1)
+        for t, d in got.items():
+            assert d.dtype == torch.int32 and np.array_equal(d.numpy(), ref[t][:, 1:])
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_mlperf_bags_are_the_materialized_datasets(shards: int) -> None:
+    """Each id's bag with ``bag_draws="mlperf"``: the row of the reference's table that its
+    materialized multi-hot day holds for that id (on any rank, and on column shards, which
+    share their table's bags), and the lookup sums those rows."""
+    ref = reference_bags(CFG.table_sizes, HOT)
+    ids, mine = one_hot(64, 5), [0, 2, 3]
+    tables = [t * shards + c for t in mine for c in range(shards)]
+    arch = SparseArch(CFG, tables, seed=0, hotness=HOT, shards=shards, bag_draws="mlperf")
+    assert arch.multi_hot is not None
+    whole = [t // shards for t in tables]
+    got = arch.multi_hot.ids(ids[:, whole])
+    materialized = [torch.from_numpy(ref[t][ids[:, t].numpy()]) for t in whole]
+    assert torch.equal(got, torch.cat(materialized, 1))
+    plain = SparseArch(CFG, mine, seed=0, optimizer=None)
+    bags = torch.cat([torch.from_numpy(ref[t][ids[:, t].numpy()]) for t in mine], 1)
+    want = plain.bags(bags.reshape(-1), torch.tensor([HOT[t] for t in mine]).repeat(64, 1))
+    out = arch(ids)  # (64, tables, dim / shards): a table's shards side by side
+    torch.testing.assert_close(out.reshape(64, len(mine), -1), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("draws", ["hash", "mlperf"])
+def test_a_table_has_the_same_bags_on_every_shard(draws: str) -> None:
     ids = one_hot(32, 3)
-    whole = SparseArch(CFG, [0, 1, 2, 3], seed=0, hotness=HOT)
+    whole = SparseArch(CFG, [0, 1, 2, 3], seed=0, hotness=HOT, bag_draws=draws)
     for tables in ([2], [3, 0], [1, 2]):
-        part = SparseArch(CFG, tables, seed=0, hotness=HOT)
+        part = SparseArch(CFG, tables, seed=0, hotness=HOT, bag_draws=draws)
         torch.testing.assert_close(part(ids), whole(ids)[:, tables], rtol=0, atol=0)
 
 

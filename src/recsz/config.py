@@ -29,7 +29,7 @@ from recsz.model import (
     get_preset,
 )
 from recsz.model.fiited import RULES
-from recsz.model.multihot import parse_hotness
+from recsz.model.multihot import BAG_DRAWS, parse_hotness
 from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import LRSchedule
 from recsz.model.sharding import column_shards
@@ -39,14 +39,14 @@ from recsz.model.sharding import column_shards
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
 
-CONFIG_VERSION = 16  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 17  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
 # --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards;
-# 16: --init-from
+# 16: --init-from; 17: --multi-hot-draws
 
 
 @dataclass
@@ -151,6 +151,15 @@ class ModelOptions:
         "",
         "ids per bag of each feature, made from its one-hot id as MLPerf's DLRM-DCNv2 makes "
         "multi-hot Criteo: '' (one), mlperf (its 26 sizes, 214 ids a sample), K or h1,...,hT",
+    )
+    multi_hot_draws: str = opt(
+        "hash",
+        "where a bag's other ids come from: hash (of table, slot and id: nothing held) or "
+        "mlperf (MLPerf's reference's draws, numpy seeded 0: with TorchRec's one-hot days "
+        "and the dcnv2 preset, the bags of its materialized multi-hot Criteo; each rank "
+        "holds its tables' draws, rows x (bag - 1) int32: 15.8 GB for dcnv2's feature 20, "
+        "over a minute to draw)",
+        BAG_DRAWS,
     )
     seed: int = opt(0, "model init, data order, synthetic teacher")
     eval_every: int = opt(0, "steps between evaluations (0: only at the end)", ge=0)

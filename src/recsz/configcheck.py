@@ -58,6 +58,10 @@ def refused(cfg: TrainConfig) -> None:
 
         read(cfg.init_from).check(model)
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
+    if not bags and cfg.multi_hot_draws != "hash":
+        raise ValueError(
+            f"--multi-hot-draws {cfg.multi_hot_draws} draws bags: it needs --multi-hot"
+        )
     if bags and cfg.tt_tables:
         raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
     if bags and cfg.fiited_mask_backward:

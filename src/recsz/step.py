@@ -98,7 +98,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     hot = cfg.hotness()
     dtype = TABLE_DTYPES[cfg.table_dtype]
     mine = plan.tables_of(ranks.rank)
-    sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype, cfg.column_shards)
+    sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype, cfg.column_shards,
+                        cfg.multi_hot_draws)  # fmt: skip
     sparse = sparse.to(ranks.device)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None

@@ -26,7 +26,7 @@ TERABYTE_COUNTS = (
 )  # fmt: skip
 
 # MLPerf's DLRM-DCNv2 reference: its tables' rows (Criteo 1TB, capped at 40M; its
-# ``--num_embeddings_per_feature``).
+# ``--num_embeddings_per_feature``), the dcnv2 preset's as they are.
 MLPERF_DCNV2_ROWS = (
     40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
     2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
@@ -140,8 +140,7 @@ _PRESETS: dict[str, tuple[Any, ...]] = {
         "terabyte dims with tables hashed to 50k rows, for the link benchmarks",
     ),
     "dcnv2": (
-        (MLPERF_DCNV2_ROWS, 40_000_000, 1, 128, (512, 256, 128), (1024, 1024, 512, 256, 1),
-         "dcn"),
+        (MLPERF_DCNV2_ROWS, None, 1, 128, (512, 256, 128), (1024, 1024, 512, 256, 1), "dcn"),
         65536, 0.005, 0.005, "rowwise_adagrad", "adagrad",
         "MLPerf's DLRM-DCNv2 reference (its shapes, 3 cross layers of rank 512, Adagrad at "
         "0.005 on both parts, batch 65536); its bags: --multi-hot mlperf",
@@ -156,5 +155,8 @@ def get_preset(name: str) -> Preset:
     if name not in _PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     (counts, cap, oversize, dim, bottom, top, inter), *defaults = _PRESETS[name]
-    model = ModelConfig(table_sizes_for(counts, cap, oversize), dim, bottom, top, interaction=inter)
+    # cap None: the counts are the rows, as they are (dcnv2: MLPerf's, whose ids are a
+    # preprocessed day's modulo these, and whose bags' draws take them)
+    rows = counts if cap is None else table_sizes_for(counts, cap, oversize)
+    model = ModelConfig(rows, dim, bottom, top, interaction=inter)
     return Preset(model, *defaults)

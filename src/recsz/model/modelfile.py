@@ -24,7 +24,7 @@ from recsz.model.config import ModelConfig
 #: what the file holds: this string, the model's shape and its state dict
 FORMAT = "recsz-torchrec-dlrm/1"
 EBC = "sparse_arch.embedding_bag_collection.embedding_bags"
-#: the shape's keys, beside "format", "model", "hotness" and "state_dict"
+#: the shape's keys, beside "format", "model", "hotness", "bag_draws" and "state_dict"
 SHAPE = ("table_sizes", "emb_dim", "dense_in_features", "dense_arch_layer_sizes",
          "over_arch_layer_sizes", "dcn_num_layers", "dcn_low_rank_dim")  # fmt: skip
 
@@ -34,8 +34,12 @@ def table_key(t: int) -> str:
     return f"{EBC}.t_cat_{t}.weight"
 
 
-def shape_of(cfg: ModelConfig, hotness: Sequence[int] | None = None) -> dict[str, Any]:
-    """The file's description of ``cfg``'s model (TorchRec's constructor arguments)."""
+def shape_of(
+    cfg: ModelConfig, hotness: Sequence[int] | None = None, draws: str = "hash"
+) -> dict[str, Any]:
+    """The file's description of ``cfg``'s model (TorchRec's constructor arguments), and
+    the bags it was trained on (``hotness`` ids, their other ids ``draws``:
+    :mod:`recsz.model.multihot`), which its inputs are made into."""
     return {
         "format": FORMAT,
         "model": "DLRM_DCN" if cfg.interaction == "dcn" else "DLRM",
@@ -47,6 +51,7 @@ def shape_of(cfg: ModelConfig, hotness: Sequence[int] | None = None) -> dict[str
         "dcn_num_layers": cfg.dcn_layers,
         "dcn_low_rank_dim": cfg.dcn_rank,
         "hotness": None if hotness is None else list(hotness),
+        "bag_draws": None if hotness is None else draws,
     }
 
 

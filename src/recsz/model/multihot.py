@@ -5,16 +5,20 @@ facebookresearch/dlrm's ``torchrec_dlrm``, its reference) trains on bags instead
 bag of an id holds ``hotness[t]`` ids, the id itself first, the others drawn uniformly
 from the table, once, for every id. A bag is then a function of the one-hot id, so the
 batch keeps its one-hot ids (B, T) and the bags are made where they are looked up
-(:class:`recsz.model.tables.SparseArch`), with fixed-size tensor operations and no table of
-bags in memory: the other ids come from a hash of (table, slot, id), the same on every
-rank and device. Id-aware traffic stays exact: one vector per distinct one-hot id is one
-vector per distinct bag.
+(:class:`recsz.model.tables.SparseArch`), with fixed-size tensor operations. Where the
+other ids come from (``--multi-hot-draws``): by default a hash of (table, slot, id), the
+same on every rank and device, with no table of bags in memory; or ``mlperf``, the
+reference's own draws (:func:`mlperf_draws`: numpy's legacy generator seeded 0, table
+after table), which its materialized multi-hot Criteo (``day_N_sparse_multi_hot.npz``) holds:
+with the one-hot days it was made from, the same bags. Id-aware traffic stays exact either
+way: one vector per distinct one-hot id is one vector per distinct bag.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,6 +26,10 @@ from torch import nn
 MLPERF_HOTNESS = (
     3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1,
 )  # fmt: skip
+
+#: where a bag's other ids come from (``--multi-hot-draws``)
+BAG_DRAWS = ("hash", "mlperf")
+_DRAW_ROWS = 1 << 20  # rows of draws made at a time (the same stream as one call)
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # a 32-bit integer hash's multiplier: products stay below 2^59 in int64
@@ -65,6 +73,29 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def mlperf_draws(
+    sizes: Sequence[int], hotness: Sequence[int], kept: Collection[int]
+) -> dict[int, torch.Tensor]:
+    """The other ids of the bags of tables ``kept``, as MLPerf's reference draws them
+    (``torchrec_dlrm/multi_hot.py``, uniform): numpy's legacy generator seeded 0, then for
+    every table in order ``randint(0, rows, (rows, hotness - 1))``; table t's bag of id i is
+    i, then row i of its draws. Each kept table's draws as int32 (rows, hotness - 1); the
+    tables before the last one kept are drawn too (the stream passes through them), a block
+    of rows at a time, and dropped. About 50M ids a second: a table of 40M rows and bags of
+    100 (feature 20 of the dcnv2 preset) takes over a minute and 15.8 GB."""
+    draws, gen = {}, np.random.RandomState(0)
+    for t in range(max(kept, default=-1) + 1):
+        rows, extra = sizes[t], hotness[t] - 1
+        held = torch.empty(rows, extra, dtype=torch.int32) if t in kept and extra else None
+        for at in range(0, rows if extra else 0, _DRAW_ROWS):
+            block = gen.randint(0, rows, size=(min(_DRAW_ROWS, rows - at), extra))
+            if held is not None:
+                held[at : at + len(block)] = torch.from_numpy(block)
+        if held is not None:
+            draws[t] = held
+    return draws
+
+
 def _salt(table: int, slot: int) -> int:
     return int(mix32(torch.tensor((table * 1_000_003 + slot * 7919) & _M32)))
 
@@ -79,6 +110,8 @@ class Bags(nn.Module):
         hotness: ids per bag of every table of the model (global).
         sizes: rows of each of ``tables``.
         offsets: first row of each of ``tables`` in the weight buffer.
+        draws: where a bag's other ids come from: None, the hash; else each table's
+            (:func:`mlperf_draws`), held here on the tables' device.
     """
 
     col: torch.Tensor  # (H,) each id's one-hot column
@@ -87,6 +120,9 @@ class Bags(nn.Module):
     base: torch.Tensor  # (H,) first row of each id's table in the weight buffer
     first: torch.Tensor  # (H,) the bag's first id: the one-hot id itself
     bag_start: torch.Tensor  # (tables,) where each table's bag starts in a sample's H ids
+    drawn: torch.Tensor  # every table's draws, flat (int32; empty: the hash draws)
+    stride: torch.Tensor  # (H,) ids drawn a row of each id's table (0 for first ids)
+    drawn_at: torch.Tensor  # (H,) where each id's table's draws start, plus its slot
 
     def __init__(
         self,
@@ -94,26 +130,43 @@ class Bags(nn.Module):
         hotness: Sequence[int],
         sizes: Sequence[int],
         offsets: Sequence[int],
+        draws: dict[int, torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
-        per_id: list[tuple[int, int, int, int, bool]] = []
+        at: dict[int, int] = {}  # where each table's draws start in the flat buffer
+        end = 0
+        for t in dict.fromkeys(tables):  # a table once (its column shards share its bags)
+            if draws is not None and t in draws:
+                at[t], end = end, end + int(draws[t].numel())
+        per_id: list[tuple[int, int, int, int, bool, int, int]] = []
         starts = []
         for j, t in enumerate(tables):
             starts.append(len(per_id))
-            per_id += [(j, _salt(t, k), sizes[j], offsets[j], k == 0) for k in range(hotness[t])]
+            per_id += [
+                (j, _salt(t, k), sizes[j], offsets[j], k == 0, (hotness[t] - 1) * (k > 0),
+                 at.get(t, 0) + max(k - 1, 0))
+                for k in range(hotness[t])
+            ]  # fmt: skip
         self.width = len(per_id)  # H: ids per sample, every table's bag side by side
         columns = zip(*per_id, strict=True)
-        for name, values in zip(("col", "salt", "size", "base", "first"), columns, strict=True):
+        names = ("col", "salt", "size", "base", "first", "stride", "drawn_at")
+        for name, values in zip(names, columns, strict=True):
             dtype = torch.bool if name == "first" else torch.int64
             self.register_buffer(name, torch.tensor(values, dtype=dtype), persistent=False)
         self.register_buffer("bag_start", torch.tensor(starts, dtype=torch.int64), persistent=False)
+        flat = [draws[t].reshape(-1) for t in at] if draws is not None else []
+        drawn = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int32)
+        self.register_buffer("drawn", drawn, persistent=False)
 
     def ids(self, one_hot: torch.Tensor) -> torch.Tensor:
         """(B, H): each sample's bags, table after table; a bag's first id is the
-        one-hot id, the others are drawn from its table by the hash."""
+        one-hot id, the others are drawn from its table (by the hash, or its draws' row)."""
         ids = one_hot.index_select(1, self.col)
-        lo = (ids ^ (ids >> 32)) & _M32
-        drawn = torch.remainder(mix32(mix32(lo) ^ self.salt), self.size)
+        if self.drawn.numel():  # (a first id reads the table's first draw, not taken)
+            drawn = self.drawn[ids * self.stride + self.drawn_at].long()
+        else:
+            lo = (ids ^ (ids >> 32)) & _M32
+            drawn = torch.remainder(mix32(mix32(lo) ^ self.salt), self.size)
         return torch.where(self.first, ids, drawn)
 
     def rows(self, one_hot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from recsz.devicepath import device_path
 from recsz.model.config import ModelConfig
 from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
-from recsz.model.multihot import Bags
+from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttrec import TTSpec, TTTables
 
@@ -70,6 +70,8 @@ class SparseArch(nn.Module):
         fiited: the dense tables as a FIITED chunk store that prunes dimensions.
         hotness: ids per bag of every table of the model (None: one), the bags made from
             each one-hot id as MLPerf's multi-hot Criteo (:mod:`recsz.model.multihot`).
+        bag_draws: where a bag's other ids come from: "hash" or "mlperf" (the reference's
+            draws, held for the tables here: :func:`recsz.model.multihot.mlperf_draws`).
         dtype: what the dense tables' rows are stored in (float32, or float16 / bfloat16:
             half the memory; looked up into float32, a bag's rows summed in float32;
             updated in float32 and rounded stochastically,
@@ -98,6 +100,7 @@ class SparseArch(nn.Module):
         hotness: Sequence[int] | None = None,
         dtype: torch.dtype = torch.float32,
         shards: int = 1,
+        bag_draws: str = "hash",
     ) -> None:
         super().__init__()
         if fiited is not None and dtype != torch.float32:
@@ -145,7 +148,12 @@ class SparseArch(nn.Module):
         self.register_buffer("offsets", start[:-1].clone(), persistent=False)
         self.multi_hot: Bags | None = None
         if hotness is not None and any(hotness[t] > 1 for t in whole):  # a table's shards: its bags
-            self.multi_hot = Bags(whole, hotness, self.sizes, start[:-1].tolist())
+            draws = (
+                mlperf_draws(cfg.table_sizes, hotness, set(whole))
+                if bag_draws == "mlperf"
+                else None
+            )
+            self.multi_hot = Bags(whole, hotness, self.sizes, start[:-1].tolist(), draws)
         self.register_buffer("rows", torch.tensor(self.sizes, dtype=torch.int64), persistent=False)
         state = optimizer.new_state(weight) if optimizer else torch.zeros(0)  # none with a store
         self.register_buffer("optimizer_state", state)

@@ -15,7 +15,8 @@ inference.
 Its inputs are recsz's: dense features as log(1 + count) (what ``recsz.data`` makes), each
 category's id as recsz hashed it (``recsz.data.criteo``; a preprocessed day's ids modulo
 the table's rows), one id a bag; with ``--multi-hot`` each id's bag as
-``recsz.model.multihot.Bags`` makes it (the file records the hotness).
+``recsz.model.multihot.Bags`` makes it (the file records the hotness and the draws: with
+``mlperf``'s, the bags of MLPerf's reference).
 """
 
 from __future__ import annotations
@@ -55,11 +56,12 @@ def exported(
     tables: list[torch.Tensor],
     mlps: list[torch.Tensor],
     hotness: Sequence[int] | None = None,
+    draws: str = "hash",
 ) -> dict[str, Any]:
     """What ``recsz export`` writes (:mod:`recsz.model.modelfile`): the shape
     :func:`load_dlrm` builds, and its state dict (``mlps``:
-    :meth:`recsz.model.DenseArch.torchrec_mlps`)."""
-    shape = modelfile.shape_of(cfg, hotness)
+    :meth:`recsz.model.DenseArch.torchrec_mlps`); the bags' ``hotness`` and ``draws``."""
+    shape = modelfile.shape_of(cfg, hotness, draws)
     names = _mlp_names(_module(shape, torch.device("meta")))
     if len(names) != len(mlps):
         raise ValueError(
@@ -85,11 +87,17 @@ def load_dlrm(path: str | Path, device: str | torch.device = "cpu") -> nn.Module
     return model.to(device)
 
 
-def save_dlrm(model: nn.Module, path: str | Path, hotness: Sequence[int] | None = None) -> None:
+def save_dlrm(
+    model: nn.Module,
+    path: str | Path,
+    hotness: Sequence[int] | None = None,
+    draws: str = "hash",
+) -> None:
     """Write TorchRec's ``DLRM`` or ``DLRM_DCN`` (unsharded; or a module holding it as
     ``.model``, as TorchRec's ``DLRMTrain``) as a model file, which ``recsz train
     --init-from`` starts a run from: its tables in their order as tables 0, 1, ... (one
-    feature a table, one dim), its MLPs; ``hotness``: the bags it was trained on, if any."""
+    feature a table, one dim), its MLPs; ``hotness``: the bags it was trained on, if any
+    (``draws``: "mlperf" for those of MLPerf's reference, :mod:`recsz.model.multihot`)."""
     from torchrec.models.dlrm import DLRM, DLRM_DCN
 
     inner = getattr(model, "model", model) if not isinstance(model, DLRM) else model
@@ -115,7 +123,7 @@ def save_dlrm(model: nn.Module, path: str | Path, hotness: Sequence[int] | None 
     tables = [ebc.embedding_bags[c.name].weight.detach() for c in configs]
     params = dict(inner.named_parameters())
     mlps = [params[n].detach() for n in _mlp_names(inner)]
-    torch.save(exported(cfg, tables, mlps, hotness), path)
+    torch.save(exported(cfg, tables, mlps, hotness, draws), path)
 
 
 def _mlp_names(model: nn.Module) -> list[str]:
@@ -170,7 +178,7 @@ def main(argv: list[str]) -> int:
         model = r.cfg.model()
         tables = tables_of(r.parts, model.n_tables)
         mlps = r.parts.dense_module.torchrec_mlps()
-        blob = exported(model, tables, mlps, r.cfg.hotness())
+        blob = exported(model, tables, mlps, r.cfg.hotness(), r.cfg.multi_hot_draws)
         part = out.with_name(out.name + ".part")  # a file cut short is never taken for it
         torch.save(blob, part)
         part.replace(out)
