@@ -462,3 +462,17 @@ def test_bench_warmstart_runs_each_day_and_exports(tmp_path: Path, criteo_ragged
     assert rows["warm"]["steps"] == rows["cold"]["steps"] == 3  # 300 rows, batches of 100
     assert rows["warm"]["auc"] != rows["cold"]["auc"]
     assert "warm - cold AUC per seed" in out.with_suffix(".md").read_text()
+
+
+def test_bench_bags_draws_plans_and_looks_up_both_ways(tmp_path: Path) -> None:
+    """bench_bags.py without its training runs: the draws' rate, dcnv2's plan by it (the
+    rank of feature 20 holds its 40M x 99 draws), both lookups; the table is written."""
+    out = tmp_path / "bags.json"
+    assert _bench("bench_bags").main(["--quick", "--no-pace", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    plan = {r["world"]: r for r in rows if r["part"] == "plan"}
+    assert plan[8]["max_held_gb"] == pytest.approx(40e6 * 99 * 4 / 1e9)
+    assert plan[1]["max_held_gb"] == pytest.approx(plan[1]["total_gb"])
+    looked = {r["draws"]: r for r in rows if r["part"] == "lookup"}
+    assert looked["hash"]["draws_mb"] == 0 < looked["mlperf"]["draws_mb"]
+    assert "| dcnv2 on W ranks |" in out.with_suffix(".md").read_text()

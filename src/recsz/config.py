@@ -158,7 +158,7 @@ class ModelOptions:
         "mlperf (MLPerf's reference's draws, numpy seeded 0: with TorchRec's one-hot days "
         "and the dcnv2 preset, the bags of its materialized multi-hot Criteo; each rank "
         "holds its tables' draws, rows x (bag - 1) int32: 15.8 GB for dcnv2's feature 20, "
-        "over a minute to draw)",
+        "drawn in about a minute)",
         BAG_DRAWS,
     )
     seed: int = opt(0, "model init, data order, synthetic teacher")
