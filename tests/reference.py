@@ -1,9 +1,11 @@
 """The plain torch quantizer that the fused CPU kernels (recsz.codecs.kernels) are held to,
 value for value (tests/test_kernels.py); its own properties: tests/test_stages.py. And
-one table's bound from a policy (the trainer asks for many tables at once)."""
+one table's bound from a policy (the trainer asks for many tables at once), and MLPerf's
+reference's bags."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from recsz.codecs import blockformat as bf
@@ -97,3 +99,14 @@ def plan_indices(p: bp.Plan) -> dict[str, torch.Tensor]:
         "bgid": spread(groups, t["nb"], p.blocks).to(torch.int32),
         "refg": spread(groups, t["nrb"], p.ref_blocks).to(torch.int32),
     }
+
+
+def reference_bags(sizes: tuple[int, ...], hotness: tuple[int, ...]) -> list[np.ndarray]:
+    """MLPerf's reference's one-hot-to-multi-hot tables as its ``Multihot`` makes them
+    (uniform): numpy's global generator seeded 0, each table's ids then its draws."""
+    np.random.seed(0)
+    out = []
+    for rows, h in zip(sizes, hotness, strict=True):
+        drawn = np.random.randint(0, rows, size=(rows, h - 1))
+        out.append(np.concatenate((np.arange(rows)[:, None], drawn), axis=-1))
+    return out

@@ -15,6 +15,7 @@ from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import ModelConfig, RowOptimizer, SparseArch, multihot
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, mlperf_draws, parse_hotness
 from recsz.model.rowopt import sum_by_row
+from tests.reference import reference_bags
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
 HOT = (3, 1, 5, 2)
@@ -99,17 +100,6 @@ def test_drawn_ids_are_uniform_and_differ_by_table_and_slot() -> None:
     assert float(buckets.min()) > 0.98 * float(buckets.mean())  # uniform within 2%
     assert float((got[:, 1:9] == got[:, 10:18]).double().mean()) < 1e-4  # tables differ
     assert float((got[:, 1] == got[:, 2]).double().mean()) < 1e-4  # so do slots
-
-
-def reference_bags(sizes: tuple[int, ...], hotness: tuple[int, ...]) -> list[np.ndarray]:
-    """MLPerf's reference's one-hot-to-multi-hot tables as its ``Multihot`` makes them
-    (uniform): numpy's global generator seeded 0, each table's ids then its draws."""
-    np.random.seed(0)
-    out = []
-    for rows, h in zip(sizes, hotness, strict=True):
-        drawn = np.random.randint(0, rows, size=(rows, h - 1))
-        out.append(np.concatenate((np.arange(rows)[:, None], drawn), axis=-1))
-    return out
 
 
 def test_mlperf_draws_are_the_reference_generators(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from recsz.data import npydays
 from recsz.data.source import ArraySource, Part, make_source
 from recsz.model import get_preset
+from recsz.model.multihot import MLPERF_HOTNESS
 from recsz.train import main
 from tests.conftest import SHARED_DATA
 
@@ -161,3 +162,78 @@ def test_a_directory_of_neither_form_says_what_it_lacks(tmp_path: Path) -> None:
     (tmp_path / "day_0_sparse.npy").write_bytes(b"")  # no dense file: not TorchRec's days
     with pytest.raises(FileNotFoundError, match=r"no meta\.json .* and no day_N_dense\.npy"):
         make_source(str(tmp_path), SIZES, seed=0)
+
+
+# ---- MLPerf's materialized multi-hot days -------------------------------------------------
+def _materialized(tmp: Path, draws_seed: int = 0, compressed: bool = False) -> tuple[Path, Path]:
+    """Two days of random raw categories, as one-hot days and as MLPerf's materializer
+    writes them (each feature's bags: its reference table's rows of the ids, numpy seeded
+    ``draws_seed``; dense and labels copied): (one-hot dir, materialized dir)."""
+    from tests.reference import reference_bags
+
+    state = np.random.get_state()
+    if draws_seed:
+        np.random.seed(draws_seed)  # another stream: reference_bags reseeds 0, so draw here
+        tables = [np.c_[np.arange(n), np.random.randint(0, n, (n, h - 1))]
+                  for n, h in zip(SIZES, MLPERF_HOTNESS, strict=True)]  # fmt: skip
+    else:
+        tables = reference_bags(SIZES, MLPERF_HOTNESS)
+    np.random.set_state(state)
+    rng = np.random.default_rng(1)
+    one, mat = tmp / "one_hot", tmp / "materialized"
+    one.mkdir(parents=True)
+    mat.mkdir(parents=True)
+    for day, rows in enumerate((3000, 1000)):
+        raw = rng.integers(0, 2**31, (rows, 26), dtype=np.int64)
+        for d in (one, mat):
+            np.save(d / f"day_{day}_dense.npy", rng.random((rows, 13), dtype=np.float32))
+            np.save(d / f"day_{day}_labels.npy", rng.integers(0, 2, (rows, 1), dtype=np.int32))
+        np.save(one / f"day_{day}_sparse.npy", raw)
+        bags = {str(j): tables[j][raw[:, j] % SIZES[j]].astype(np.int32) for j in range(26)}
+        save = np.savez_compressed if compressed else np.savez
+        save(mat / f"day_{day}_sparse_multi_hot.npz", **bags)
+    for day in (0, 1):  # the same dense features and labels in both
+        for k in ("dense", "labels"):
+            shutil.copy(one / f"day_{day}_{k}.npy", mat / f"day_{day}_{k}.npy")
+    return one, mat
+
+
+def test_materialized_days_read_as_their_one_hot_days(tmp_path: Path) -> None:
+    """The materialized form's first ids are the one-hot days' ids (categories modulo the
+    rows), batch for batch; and with MLPerf's draws a run on either trains alike."""
+    one, mat = _materialized(tmp_path)
+    a, b = make_source(str(one), SIZES, seed=1), make_source(str(mat), SIZES, seed=1)
+    for step in (0, 5):
+        x, y = a.train_batch(step, 128), b.train_batch(step, 128)
+        assert torch.equal(x.ids, y.ids) and torch.equal(x.dense, y.dense)
+    assert torch.equal(torch.cat([e.ids for e in a.eval_batches(300)]),
+                       torch.cat([e.ids for e in b.eval_batches(300)]))  # fmt: skip
+    runs = []
+    for d in (one, mat):
+        out = tmp_path / d.name
+        argv = ["--data", str(d), "--steps", "4", "--batch-size", "128", "--no-progress",
+                "--multi-hot", "mlperf", "--multi-hot-draws", "mlperf",
+                "--out", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        runs.append(json.loads((out / "summary.json").read_text()))
+    assert runs[0]["auc"] == runs[1]["auc"] and runs[0]["logloss"] == runs[1]["logloss"]
+
+
+def test_materialized_days_need_the_runs_bags_to_be_theirs(tmp_path: Path) -> None:
+    """Refused by name, before any rank starts: hashed bags, other sizes, bags of another
+    draw, a compressed archive."""
+    from recsz.config import TrainConfig
+
+    _, mat = _materialized(tmp_path / "a")
+    spec = ",".join(map(str, MLPERF_HOTNESS))
+    with pytest.raises(ValueError, match=f"bags of {spec} ids; train on it with --multi-hot"):
+        TrainConfig(data=str(mat), multi_hot="mlperf")
+    with pytest.raises(ValueError, match=r"day_0_sparse_multi_hot\.npz: MLPerf's materialized"):
+        TrainConfig(data=str(mat), multi_hot="2", multi_hot_draws="mlperf")
+    TrainConfig(data=str(mat), multi_hot="mlperf", multi_hot_draws="mlperf")
+    _, other = _materialized(tmp_path / "b", draws_seed=7)
+    with pytest.raises(ValueError, match="feature 0's bags are not MLPerf's reference's draws"):
+        TrainConfig(data=str(other), multi_hot="mlperf", multi_hot_draws="mlperf")
+    _, packed = _materialized(tmp_path / "c", compressed=True)
+    with pytest.raises(ValueError, match="array 0 is compressed"):
+        TrainConfig(data=str(packed), multi_hot="mlperf", multi_hot_draws="mlperf")

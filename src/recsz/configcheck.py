@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recsz.codecs.base import EB_MAX, EB_MIN
+from recsz.data.npydays import check_bags, holds_days
 
 if TYPE_CHECKING:
     from recsz.codecs import Codec
@@ -57,6 +59,9 @@ def refused(cfg: TrainConfig) -> None:
         from recsz.model.modelfile import read
 
         read(cfg.init_from).check(model)
+    for days in (cfg.data, cfg.eval_data):  # materialized multi-hot days: the same bags
+        if days and days != "synthetic" and Path(days).is_dir() and holds_days(Path(days)):
+            check_bags(Path(days), model.table_sizes, cfg.hotness(), cfg.multi_hot_draws)
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
     if not bags and cfg.multi_hot_draws != "hash":
         raise ValueError(

@@ -6,11 +6,19 @@
 memory-mapped and the days are read one after another as one set, so Terabyte's 24 days
 (~1 TB) are not converted or copied; a category becomes the id ``value % table rows``, as
 TorchRec's ``num_embeddings_per_feature`` hashing does (0, missing, stays 0).
+
+A day may hold MLPerf DLRM-DCNv2's materialized multi-hot form instead of its sparse
+``.npy``: ``day_N_sparse_multi_hot.npz``, one (rows, hotness) array a feature whose first
+column is the one-hot id (the rest is a function of it: MLPerf's reference's draws,
+:mod:`recsz.model.multihot`); those ids are read, each array memory-mapped inside the
+(uncompressed) archive. The run must then make the same bags (:func:`check_bags`).
 """
 
 from __future__ import annotations
 
 import re
+import struct
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -35,7 +43,8 @@ def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
         raise FileNotFoundError(f"{d}: no day_N_dense.npy (TorchRec's preprocessed Criteo days)")
     files: dict[str, list[np.ndarray]] = {k: [] for k in _KINDS}
     for day in days:
-        got = {k: _open(d / f"day_{day}_{k}.npy") for k in _KINDS}
+        got = {k: _open(d / f"day_{day}_{k}.npy") for k in _KINDS if k != "sparse"}
+        got["sparse"] = _sparse(d, day)
         rows = {k: a.shape[0] for k, a in got.items()}
         if len(set(rows.values())) != 1:
             raise ValueError(f"{d}: day {day}'s files hold different row counts {rows}")
@@ -52,6 +61,101 @@ def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
     )
     # Array-likes: what a source reads of an array (runs of rows, rows, a column).
     return Arrays(*(cast(np.ndarray, f) for f in fields))
+
+
+def _sparse(d: Path, day: int) -> Any:
+    """A day's (rows, 26) one-hot ids: its sparse ``.npy``, or else the first ids of its
+    materialized multi-hot ``.npz``."""
+    npz = d / f"day_{day}_sparse_multi_hot.npz"
+    if (d / f"day_{day}_sparse.npy").exists() or not npz.exists():
+        return _open(d / f"day_{day}_sparse.npy")
+    return FirstIds(npz)
+
+
+def bag_widths(d: Path) -> tuple[tuple[int, ...], Path] | None:
+    """The ids a bag of each feature in ``d``'s first materialized multi-hot day, and its
+    file (None: the days are one-hot)."""
+    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+    got = _sparse(d, days[0]) if days else None
+    return (got.widths, got.path) if isinstance(got, FirstIds) else None
+
+
+def check_bags(
+    d: Path, table_sizes: Sequence[int], hotness: Sequence[int] | None, draws: str
+) -> None:
+    """A ValueError naming the file where ``d``'s materialized multi-hot days hold other
+    bags than the run makes: other sizes, or bags not MLPerf's reference's draws (those of
+    its first rows' ids below 2^20 of the first table with bags, checked against them)."""
+    from recsz.model.multihot import mlperf_first_draws
+
+    found = bag_widths(d)
+    if found is None:
+        return
+    widths, path = found
+    spec = ",".join(map(str, widths))
+    if tuple(hotness or ()) != widths or draws != "mlperf":
+        raise ValueError(f"{path}: MLPerf's materialized bags of {spec} ids; train on it with "
+                         f"--multi-hot {spec} --multi-hot-draws mlperf (the same bags, made "
+                         f"from its first ids)")  # fmt: skip
+    t, want = mlperf_first_draws(table_sizes, widths, 1 << 20)
+    bags = FirstIds(path).members[t][:10_000]
+    ids = bags[:, 0].astype(np.int64)
+    seen = ids < len(want)
+    if not np.array_equal(bags[seen, 1:], want[ids[seen]]):
+        raise ValueError(f"{path}: feature {t}'s bags are not MLPerf's reference's draws "
+                         "(numpy seeded 0, uniform) over these tables' rows")  # fmt: skip
+
+
+class FirstIds:
+    """A materialized multi-hot day's one-hot ids: the first id of each feature's bag, read
+    by rows as a (rows, 26) array, from each feature's array memory-mapped in the archive."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.members = _members(path)
+        lengths = {len(m) for m in self.members}
+        if len(lengths) != 1:
+            raise ValueError(f"{path}: its features hold different row counts {lengths}")
+        self.shape = (lengths.pop(), N_CAT)
+        self.dtype = self.members[0].dtype
+        self.widths = tuple(int(m.shape[1]) for m in self.members)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, rows: Any) -> np.ndarray:
+        return np.stack([m[rows, 0] for m in self.members], 1)
+
+
+def _members(path: Path) -> list[np.ndarray]:
+    """Features 0..25 of an ``np.savez`` archive (stored, not compressed), memory-mapped."""
+    out: list[np.ndarray] = []
+    try:
+        with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+            for j in range(N_CAT):
+                info = z.NameToInfo.get(f"{j}.npy")
+                if info is None:
+                    raise ValueError(f"{path}: no array {j} (a materialized day holds 0..25)")
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{path}: array {j} is compressed; only np.savez's stored "
+                                     "arrays are read where they lie")  # fmt: skip
+                f.seek(info.header_offset + 26)  # the local header: its name's and extra's lengths
+                name, extra = struct.unpack("<HH", f.read(4))
+                f.seek(info.header_offset + 30 + name + extra)
+                major, _ = np.lib.format.read_magic(f)
+                read = (
+                    np.lib.format.read_array_header_1_0
+                    if major == 1
+                    else np.lib.format.read_array_header_2_0
+                )
+                shape, fortran, dtype = read(f)
+                if fortran or len(shape) != 2 or not np.issubdtype(dtype, np.integer):
+                    raise ValueError(f"{path}: array {j} is {dtype} {shape}, expected integer "
+                                     "(rows, ids a bag)")  # fmt: skip
+                out.append(np.memmap(path, dtype, "r", offset=f.tell(), shape=shape))
+    except (zipfile.BadZipFile, OSError, struct.error) as e:
+        raise ValueError(f"{path}: not an .npz archive numpy wrote ({e})") from e
+    return out
 
 
 def _open(path: Path) -> np.ndarray:

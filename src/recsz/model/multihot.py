@@ -99,6 +99,16 @@ def mlperf_draws(
     return draws
 
 
+def mlperf_first_draws(
+    sizes: Sequence[int], hotness: Sequence[int], count: int
+) -> tuple[int, np.ndarray]:
+    """The first table with bags, and :func:`mlperf_draws`' of its first ``count`` rows
+    (the stream's first ids: a check of a materialized day draws nothing else)."""
+    t = next(t for t, h in enumerate(hotness) if h > 1)
+    n = min(count, sizes[t])
+    return t, np.random.RandomState(0).randint(0, sizes[t], (n, hotness[t] - 1), np.int32)
+
+
 def _salt(table: int, slot: int) -> int:
     return int(mix32(torch.tensor((table * 1_000_003 + slot * 7919) & _M32)))
 
