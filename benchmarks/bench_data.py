@@ -18,7 +18,9 @@ batches: results/issue13/session7/run2). Five parts, side by side in one run:
 2. **A file's training order** (``--data-order``): a preprocessed file of ``--order-rows``
    rows (written from the generator), read in the rows' permutation and in the batches'
    (the file in the page cache: what the order costs beyond the disk); and the same rows
-   as TorchRec's preprocessed days (two ``day_N_*.npy`` triples, read where they lie).
+   as TorchRec's preprocessed days (two ``day_N_*.npy`` triples, read where they lie), and
+   as MLPerf's materialized multi-hot days made from those (``day_N_sparse_multi_hot.npz``,
+   MLPerf's bag sizes: 214 ids a sample, of which the reader reads the 26 first).
 3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
    ``--parse-copies`` copies of the real sample, compiled, and with every line through
    ``parse_line`` (as the reader was before the thirty-first session); and `recsz
@@ -60,6 +62,7 @@ from recsz.data import criteo, preprocessed, synthetic
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, SyntheticSource, make_source
 from recsz.model import get_preset
+from recsz.model.multihot import MLPERF_HOTNESS, mlperf_draws
 from recsz.model.sharding import plan_tables
 from recsz.train import run
 
@@ -117,6 +120,26 @@ def npy_days(data: Path, out: Path, days: int = 2) -> Path:
         np.save(out / f"day_{k}_dense.npy", np.asarray(a.dense[lo:hi], dtype=np.float32))
         np.save(out / f"day_{k}_sparse.npy", np.asarray(a.cats[lo:hi], dtype=np.int64))
         np.save(out / f"day_{k}_labels.npy", np.asarray(a.labels[lo:hi], np.int32)[:, None])
+    return out
+
+
+def npz_days(days: Path, sizes: list[int]) -> Path:
+    """``days`` (TorchRec's one-hot days) as MLPerf's materializer writes their multi-hot
+    form beside them (``day_N_sparse_multi_hot.npz``: each feature's bags, MLPerf's sizes,
+    its reference's draws), in a directory of their own with the dense and label files."""
+    out = days.parent / "materialized"
+    out.mkdir()
+    draws = mlperf_draws(sizes, MLPERF_HOTNESS, range(len(sizes)))
+    for sparse in sorted(days.glob("day_*_sparse.npy")):
+        day = sparse.name[: -len("_sparse.npy")]
+        ids = np.load(sparse) % np.asarray(sizes)
+        bags = {}
+        for j in range(len(sizes)):
+            first = ids[:, j : j + 1].astype(np.int32)
+            bags[str(j)] = np.c_[first, draws[j][ids[:, j]].numpy()] if j in draws else first
+        np.savez(out / f"{day}_sparse_multi_hot.npz", **bags)
+        for k in ("dense", "labels"):
+            shutil.copy(days / f"{day}_{k}.npy", out / f"{day}_{k}.npy")
     return out
 
 
@@ -312,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += orders(big, list(sizes), max(batches), args.steps)
             days = npy_days(big, Path(tmp) / "days")  # the same rows, as TorchRec's days
             rows += orders(days, list(sizes), max(batches), args.steps, "TorchRec .npy days")
+            mat = npz_days(days, list(sizes))  # and as MLPerf's materialized multi-hot days
+            rows += orders(mat, list(sizes), max(batches), args.steps, "MLPerf .npz days")
         if "ranks" in only:
             worlds = [int(w) for w in args.worlds.split(",")]
             parted: list[tuple[str, DataSource]] = [("synthetic", SyntheticSource(sizes, 0))]

@@ -145,6 +145,10 @@ def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
     assert ("making", "synthetic, kept", "thread") in made
     assert ("making", "synthetic, hashed", "loop") in made
     assert {("order", "rows"), ("order", "batches")} <= {(p, w) for p, _, w in made}
+    assert {s for p, s, _ in made if p == "order"} == {
+        f"{kind}, 2,400 rows"
+        for kind in ("recsz preprocess", "TorchRec .npy days", "MLPerf .npz days")
+    }
     for src in ("synthetic", "file, rows"):
         assert {("ranks", f"{src}, 4 ranks", w) for w in ("whole", "part")} <= made
     if (ROOT.parent / "shared" / "data").exists():
