@@ -113,6 +113,11 @@ def test_mlperf_draws_are_the_reference_generators(monkeypatch: pytest.MonkeyPat
         assert sorted(got) == sorted(t for t in kept if hot[t] > 1)
         for t, d in got.items():
             assert d.dtype == torch.int32 and np.array_equal(d.numpy(), ref[t][:, 1:])
+    whole = mlperf_draws(sizes, hot, range(5))  # held by the bags as drawn: no second copy
+    bags = Bags([2, 0], hot, [13, 9], [0, 13], whole)
+    assert bags.drawn.data_ptr() == whole.flat.data_ptr()
+    with pytest.raises(ValueError, match=r"no draws of tables \[0\]"):
+        Bags([2, 0], hot, [13, 9], [0, 13], mlperf_draws(sizes, hot, {2}))
 
 
 @pytest.mark.parametrize("shards", [1, 2])

@@ -73,29 +73,42 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def mlperf_draws(
-    sizes: Sequence[int], hotness: Sequence[int], kept: Collection[int]
-) -> dict[int, torch.Tensor]:
+class Draws(dict[int, torch.Tensor]):
+    """Tables' draws, each table's (rows, hotness - 1) int32 a view into one flat buffer
+    (``flat``, table t's from ``at[t]``), which :class:`Bags` holds as it is."""
+
+    def __init__(self, flat: torch.Tensor, at: dict[int, int], shapes: dict[int, tuple[int, int]]):
+        super().__init__(
+            (t, flat[a : a + r * e].view(r, e)) for t, a in at.items() for r, e in [shapes[t]]
+        )
+        self.flat, self.at = flat, at
+
+
+def mlperf_draws(sizes: Sequence[int], hotness: Sequence[int], kept: Collection[int]) -> Draws:
     """The other ids of the bags of tables ``kept``, as MLPerf's reference draws them
     (``torchrec_dlrm/multi_hot.py``, uniform): numpy's legacy generator seeded 0, then for
     every table in order ``randint(0, rows, (rows, hotness - 1))``; table t's bag of id i is
-    i, then row i of its draws. Each kept table's draws as int32 (rows, hotness - 1); the
-    tables before the last one kept are drawn too (the stream passes through them), a block
-    of rows at a time, and dropped. About 100M ids a second here: a table of 40M rows and
-    bags of 100 (feature 20 of the dcnv2 preset) takes 40 s and holds 15.8 GB."""
-    draws, gen = {}, np.random.RandomState(0)
+    i, then row i of its draws. The kept tables' draws as int32, written into one buffer as
+    they are drawn; the tables before the last one kept are drawn too (the stream passes
+    through them), a block of rows at a time, and dropped. About 100M ids a second here: a
+    table of 40M rows and bags of 100 (feature 20 of the dcnv2 preset) takes 40 s and holds
+    15.8 GB."""
+    mine = sorted(t for t in set(kept) if hotness[t] > 1)
+    shapes = {t: (sizes[t], hotness[t] - 1) for t in mine}
+    at, end = {}, 0
+    for t in mine:
+        at[t], end = end, end + shapes[t][0] * shapes[t][1]
+    draws = Draws(torch.empty(end, dtype=torch.int32), at, shapes)
+    gen = np.random.RandomState(0)
     for t in range(max(kept, default=-1) + 1):
         rows, extra = sizes[t], hotness[t] - 1
         if rows > np.iinfo(np.int32).max:
             raise ValueError(f"--multi-hot-draws mlperf holds int32 ids: table {t} has {rows} rows")
-        held = torch.empty(rows, extra, dtype=torch.int32) if t in kept and extra else None
-        for at in range(0, rows if extra else 0, _DRAW_ROWS):
-            n = min(_DRAW_ROWS, rows - at)  # (as int32: the same draws, half the bytes)
+        for start in range(0, rows if extra else 0, _DRAW_ROWS):
+            n = min(_DRAW_ROWS, rows - start)  # (as int32: the same draws, half the bytes)
             block = gen.randint(0, rows, size=(n, extra), dtype=np.int32)
-            if held is not None:
-                held[at : at + len(block)] = torch.from_numpy(block)
-        if held is not None:
-            draws[t] = held
+            if t in draws:
+                draws[t][start : start + n] = torch.from_numpy(block)
     return draws
 
 
@@ -123,8 +136,9 @@ class Bags(nn.Module):
         hotness: ids per bag of every table of the model (global).
         sizes: rows of each of ``tables``.
         offsets: first row of each of ``tables`` in the weight buffer.
-        draws: where a bag's other ids come from: None, the hash; else each table's
-            (:func:`mlperf_draws`), held here on the tables' device.
+        draws: where a bag's other ids come from: None, the hash; else the tables' draws
+            (:func:`mlperf_draws`: every table of ``tables`` with bags), held here as they
+            are (moved with the tables to their device).
     """
 
     col: torch.Tensor  # (H,) each id's one-hot column
@@ -143,14 +157,12 @@ class Bags(nn.Module):
         hotness: Sequence[int],
         sizes: Sequence[int],
         offsets: Sequence[int],
-        draws: dict[int, torch.Tensor] | None = None,
+        draws: Draws | None = None,
     ) -> None:
         super().__init__()
-        at: dict[int, int] = {}  # where each table's draws start in the flat buffer
-        end = 0
-        for t in dict.fromkeys(tables):  # a table once (its column shards share its bags)
-            if draws is not None and t in draws:
-                at[t], end = end, end + int(draws[t].numel())
+        at = draws.at if draws is not None else {}  # where each table's draws start
+        if draws is not None and (missed := [t for t in tables if hotness[t] > 1 and t not in at]):
+            raise ValueError(f"no draws of tables {sorted(set(missed))}, whose bags need them")
         per_id: list[tuple[int, int, int, int, bool, int, int]] = []
         starts = []
         for j, t in enumerate(tables):
@@ -167,8 +179,7 @@ class Bags(nn.Module):
             dtype = torch.bool if name == "first" else torch.int64
             self.register_buffer(name, torch.tensor(values, dtype=dtype), persistent=False)
         self.register_buffer("bag_start", torch.tensor(starts, dtype=torch.int64), persistent=False)
-        flat = [draws[t].reshape(-1) for t in at] if draws is not None else []
-        drawn = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int32)
+        drawn = draws.flat if draws is not None else torch.zeros(0, dtype=torch.int32)
         self.register_buffer("drawn", drawn, persistent=False)
 
     def ids(self, one_hot: torch.Tensor) -> torch.Tensor:
