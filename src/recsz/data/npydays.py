@@ -72,38 +72,31 @@ def _sparse(d: Path, day: int) -> Any:
     return FirstIds(npz)
 
 
-def bag_widths(d: Path) -> tuple[tuple[int, ...], Path] | None:
-    """The ids a bag of each feature in ``d``'s first materialized multi-hot day, and its
-    file (None: the days are one-hot)."""
-    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
-    got = _sparse(d, days[0]) if days else None
-    return (got.widths, got.path) if isinstance(got, FirstIds) else None
-
-
 def check_bags(
     d: Path, table_sizes: Sequence[int], hotness: Sequence[int] | None, draws: str
 ) -> None:
-    """A ValueError naming the file where ``d``'s materialized multi-hot days hold other
-    bags than the run makes: other sizes, or bags not MLPerf's reference's draws (those of
-    its first rows' ids below 2^20 of the first table with bags, checked against them)."""
+    """A ValueError naming the file where ``d``'s materialized multi-hot days (its first)
+    hold other bags than the run makes: other sizes, or bags not MLPerf's reference's draws
+    (those of its first rows' ids below 2^20 of the first table with bags, checked against
+    them); nothing for one-hot days."""
     from recsz.model.multihot import mlperf_first_draws
 
-    found = bag_widths(d)
-    if found is None:
+    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+    first = _sparse(d, days[0]) if days else None
+    if not isinstance(first, FirstIds):
         return
-    widths, path = found
-    spec = ",".join(map(str, widths))
-    if tuple(hotness or ()) != widths or draws != "mlperf":
-        raise ValueError(f"{path}: MLPerf's materialized bags of {spec} ids; train on it with "
-                         f"--multi-hot {spec} --multi-hot-draws mlperf (the same bags, made "
-                         f"from its first ids)")  # fmt: skip
-    t, want = mlperf_first_draws(table_sizes, widths, 1 << 20)
-    bags = FirstIds(path).members[t][:10_000]
+    spec = ",".join(map(str, first.widths))
+    if tuple(hotness or ()) != first.widths or draws != "mlperf":
+        raise ValueError(f"{first.path}: MLPerf's materialized bags of {spec} ids; train on it "
+                         f"with --multi-hot {spec} --multi-hot-draws mlperf (the same bags, "
+                         f"made from its first ids)")  # fmt: skip
+    t, want = mlperf_first_draws(table_sizes, first.widths, 1 << 20)
+    bags = first.members[t][:10_000]
     ids = bags[:, 0].astype(np.int64)
     seen = ids < len(want)
     if not np.array_equal(bags[seen, 1:], want[ids[seen]]):
-        raise ValueError(f"{path}: feature {t}'s bags are not MLPerf's reference's draws "
-                         "(numpy seeded 0, uniform) over these tables' rows")  # fmt: skip
+        raise ValueError(f"{first.path}: feature {t}'s bags are not MLPerf's reference's "
+                         "draws (numpy seeded 0, uniform) over these tables' rows")  # fmt: skip
 
 
 class FirstIds:
