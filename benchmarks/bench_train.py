@@ -185,6 +185,7 @@ DMP_OPTS = (
     "--synthetic-eval",
     "--eval-batch-size",
     "--multi-hot",
+    "--multi-hot-draws",
     "--emb-lr",
     "--interaction",
 )
@@ -415,6 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--multi-hot", default="", help="recsz train's --multi-hot, for every run (DMP's too)"
     )
+    ap.add_argument(
+        "--multi-hot-draws",
+        default="hash",
+        help="recsz train's --multi-hot-draws, for every run (DMP's bags the same)",
+    )
     ap.add_argument("--emb-lr", help="the tables' learning rate, every run (default: preset's)")
     ap.add_argument(
         "--interaction",
@@ -473,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prefetch",
         "0",
         *(("--multi-hot", a.multi_hot) if a.multi_hot else ()),
+        *(("--multi-hot-draws", a.multi_hot_draws) if a.multi_hot_draws != "hash" else ()),
         *(("--emb-lr", a.emb_lr) if a.emb_lr else ()),
         *(("--interaction", a.interaction) if a.interaction != "dot" else ()),
     ]

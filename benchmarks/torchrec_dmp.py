@@ -43,7 +43,7 @@ from recsz.comm.dp_hooks import DP_MODES
 from recsz.config import TrainConfig
 from recsz.data.source import Part, make_source
 from recsz.model.config import ModelConfig, dense_optimizer
-from recsz.model.multihot import Bags, parse_hotness
+from recsz.model.multihot import Bags, mlperf_draws, parse_hotness
 
 # Bytes per element on the wire for each precision (MX4: 4-bit values plus one shared
 # 8-bit exponent per 32 elements).
@@ -200,6 +200,9 @@ def main() -> None:
     ap.add_argument("--synthetic-eval", type=int, default=8192)
     ap.add_argument("--eval-batch-size", type=int, default=4096)
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
+    ap.add_argument(
+        "--multi-hot-draws", default="hash", help="recsz train's: the same bags' other ids"
+    )
     ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: ours)")
     ap.add_argument("--interaction", default="dot", help="recsz train's: dot or dcn (DLRM_DCN)")
     ap.add_argument("--out", required=True)
@@ -263,7 +266,10 @@ def main() -> None:
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]
     b = a.batch_size // world
     hotness = parse_hotness(a.multi_hot, n_tables) or (1,) * n_tables
-    bags = Bags(range(n_tables), hotness, mcfg.table_sizes, [0] * n_tables)  # ours
+    draws = None
+    if a.multi_hot_draws == "mlperf":  # MLPerf's reference's bags, as ours then are
+        draws = mlperf_draws(mcfg.table_sizes, hotness, range(n_tables))
+    bags = Bags(range(n_tables), hotness, mcfg.table_sizes, [0] * n_tables, draws)  # ours
 
     loss_fn = torch.nn.BCEWithLogitsLoss()
     train_s = 0.0
