@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from recsz.model import RowOptimizer, SparseArch, get_preset
-from recsz.model.multihot import MLPERF_HOTNESS, Bags, mlperf_draws
+from recsz.model.multihot import MLPERF_HOTNESS, Bags, draws_nbytes, mlperf_draws
 from recsz.model.sharding import plan_tables
 from recsz.train import main as train_main
 
@@ -59,7 +59,7 @@ def plan_rows(rate: float, worlds: list[int]) -> list[dict]:
             mine = [t for t, o in enumerate(owners) if o == r]
             drawn = sum(extra[: max(mine) + 1]) if mine else 0
             waits.append(drawn / rate)
-            held.append(4 * sum(extra[t] for t in mine) / 1e9)
+            held.append(draws_nbytes(m.table_sizes, MLPERF_HOTNESS, mine) / 1e9)
         out.append({"part": "plan", "world": w, "max_wait_s": max(waits),
                     "max_held_gb": max(held), "total_gb": 4 * sum(extra) / 1e9})  # fmt: skip
     return out

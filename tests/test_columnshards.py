@@ -252,3 +252,29 @@ def test_a_rank_recuts_only_the_shards_it_holds(kind: str, k_old: int, k_new: in
             state = torch.cat([pieces[t * k_old + i]["optimizer_state"] for i in range(k_old)], 1)
             cols = slice(c * width, (c + 1) * width)
             assert torch.equal(some[j]["optimizer_state"], state[:, cols])
+
+
+def test_the_plan_counts_mlperfs_draws_on_each_rank_of_a_tables_shards(tmp_path, capsys) -> None:
+    """`recsz plan --multi-hot mlperf --multi-hot-draws mlperf`: a table's draws (rows x
+    (bag - 1) int32) on every rank holding a shard of it, in what the rank holds; none with
+    the hashed bags."""
+    from recsz.cli import main as cli
+    from recsz.model import get_preset
+    from recsz.model.multihot import MLPERF_HOTNESS
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--preset", "dcnv2", "--nproc", "8", "--column-shards", "2",
+            "--multi-hot", "mlperf", "--json", str(out)]  # fmt: skip
+    assert cli(argv) == 0
+    assert all(r["draws_bytes"] == 0 for r in json.loads(out.read_text())["ranks"])
+    assert cli([*argv, "--multi-hot-draws", "mlperf"]) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    m = get_preset("dcnv2").model
+    sizes, dim = column_shards(m.table_sizes, m.emb_dim, 2)
+    owners = plan_tables(sizes, dim, 8)
+    for r, load in enumerate(ranks):
+        mine = {t // 2 for t, o in enumerate(owners) if o == r}
+        want = sum(4 * m.table_sizes[t] * (MLPERF_HOTNESS[t] - 1) for t in mine)
+        assert load["draws_bytes"] == want
+    assert max(r["draws_bytes"] for r in ranks) >= 4 * 40_000_000 * 99  # feature 20 and more
+    assert "bags' draws GB" in capsys.readouterr().out

@@ -108,17 +108,20 @@ def _preprocess(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     """``recsz plan``: the table-wise plan of a run's tables on ``--nproc`` ranks (no
-    training): each rank's tables, rows, table and row-optimizer bytes, and share of the
-    forward all-to-all's bytes."""
+    training): each rank's tables, rows, table and row-optimizer bytes (and with
+    ``--multi-hot-draws mlperf`` its tables' draws), and share of the forward all-to-all's
+    bytes."""
     import json
     from dataclasses import replace
 
     from recsz.config import TrainConfig
     from recsz.fields import parser
+    from recsz.model.multihot import draws_nbytes
     from recsz.model.rowopt import TABLE_DTYPES
     from recsz.model.sharding import plan_tables, rank_loads
 
-    flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer")
+    flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
+             "multi_hot_draws")  # fmt: skip
     p = parser(TrainConfig, "recsz plan", "Where a run's tables would lie on --nproc ranks, "
                "and what each rank would hold and send (no training).", only=flags,
                otherwise="recsz train's")  # fmt: skip
@@ -130,16 +133,24 @@ def _plan(argv: list[str]) -> int:
     sizes, dim = cfg.sharded_tables()
     optimizer = cfg.resolved("emb_optimizer")
     value = TABLE_DTYPES[cfg.table_dtype].itemsize
-    loads = rank_loads(sizes, dim, plan_tables(sizes, dim, world), world, value, optimizer)
+    owners = plan_tables(sizes, dim, world)
+    loads = rank_loads(sizes, dim, owners, world, value, optimizer)
+    hot, k = cfg.hotness(), cfg.column_shards
+    for r, x in enumerate(loads):  # MLPerf's draws: a table's once on each rank of its shards
+        mine = [t // k for t, o in enumerate(owners) if o == r]
+        drawn = hot is not None and cfg.multi_hot_draws == "mlperf"
+        x["draws_bytes"] = draws_nbytes(cfg.model().table_sizes, hot or (), mine) if drawn else 0
     gb = 1e9
     print(f"recsz plan: preset {cfg.preset}, {world} rank(s), {len(sizes)} tables of dim {dim} "
           f"({cfg.column_shards} column shard(s) a table), {cfg.table_dtype} rows, "
           f"{optimizer}")  # fmt: skip
-    print("  rank  tables        rows   tables GB  optimizer GB  forward bytes share")
+    print("  rank  tables        rows   tables GB  optimizer GB  bags' draws GB  forward bytes "
+          "share")  # fmt: skip
     for r, x in enumerate(loads):
         print(f"  {r:4d}  {x['tables']:6d}  {x['rows']:10d}  {x['table_bytes'] / gb:10.2f}  "
-              f"{x['optimizer_bytes'] / gb:12.2f}  {x['send_share']:19.3f}")  # fmt: skip
-    held = [x["table_bytes"] + x["optimizer_bytes"] for x in loads]
+              f"{x['optimizer_bytes'] / gb:12.2f}  {x['draws_bytes'] / gb:14.2f}  "
+              f"{x['send_share']:19.3f}")  # fmt: skip
+    held = [x["table_bytes"] + x["optimizer_bytes"] + x["draws_bytes"] for x in loads]
     print(f"  most a rank {max(held) / gb:.2f} GB, mean {sum(held) / world / gb:.2f} GB; "
           f"{sum(1 for x in loads if not x['tables'])} rank(s) hold no table; largest share "
           f"of the forward bytes {max(x['send_share'] for x in loads):.3f} (even: "

@@ -112,6 +112,11 @@ def mlperf_draws(sizes: Sequence[int], hotness: Sequence[int], kept: Collection[
     return draws
 
 
+def draws_nbytes(sizes: Sequence[int], hotness: Sequence[int], tables: Collection[int]) -> int:
+    """What :func:`mlperf_draws` holds for ``tables`` (each once: int32 ids)."""
+    return 4 * sum(sizes[t] * (hotness[t] - 1) for t in set(tables))
+
+
 def mlperf_first_draws(
     sizes: Sequence[int], hotness: Sequence[int], count: int
 ) -> tuple[int, np.ndarray]:
