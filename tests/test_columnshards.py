@@ -259,8 +259,10 @@ def test_the_plan_counts_mlperfs_draws_on_each_rank_of_a_tables_shards(tmp_path,
     (bag - 1) int32) on every rank holding a shard of it, in what the rank holds; none with
     the hashed bags."""
     from recsz.cli import main as cli
+    from recsz.config import TrainConfig
     from recsz.model import get_preset
     from recsz.model.multihot import MLPERF_HOTNESS
+    from recsz.step import table_owners
 
     out = tmp_path / "plan.json"
     argv = ["plan", "--preset", "dcnv2", "--nproc", "8", "--column-shards", "2",
@@ -270,8 +272,10 @@ def test_the_plan_counts_mlperfs_draws_on_each_rank_of_a_tables_shards(tmp_path,
     assert cli([*argv, "--multi-hot-draws", "mlperf"]) == 0
     ranks = json.loads(out.read_text())["ranks"]
     m = get_preset("dcnv2").model
-    sizes, dim = column_shards(m.table_sizes, m.emb_dim, 2)
-    owners = plan_tables(sizes, dim, 8)
+    cfg = TrainConfig(preset="dcnv2", column_shards=2, multi_hot="mlperf",
+                      multi_hot_draws="mlperf", batch_size=8)  # fmt: skip
+    owners = table_owners(cfg, 8)  # the run's plan: each shard charged its table's draws
+    assert owners != plan_tables(*column_shards(m.table_sizes, m.emb_dim, 2), 8)
     for r, load in enumerate(ranks):
         mine = {t // 2 for t, o in enumerate(owners) if o == r}
         want = sum(4 * m.table_sizes[t] * (MLPERF_HOTNESS[t] - 1) for t in mine)

@@ -118,7 +118,8 @@ def _plan(argv: list[str]) -> int:
     from recsz.fields import parser
     from recsz.model.multihot import draws_nbytes
     from recsz.model.rowopt import TABLE_DTYPES
-    from recsz.model.sharding import plan_tables, rank_loads
+    from recsz.model.sharding import rank_loads
+    from recsz.step import table_owners
 
     flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
              "multi_hot_draws")  # fmt: skip
@@ -133,7 +134,7 @@ def _plan(argv: list[str]) -> int:
     sizes, dim = cfg.sharded_tables()
     optimizer = cfg.resolved("emb_optimizer")
     value = TABLE_DTYPES[cfg.table_dtype].itemsize
-    owners = plan_tables(sizes, dim, world)
+    owners = table_owners(cfg, world)  # the run's plan (TT tables charged their cores)
     loads = rank_loads(sizes, dim, owners, world, value, optimizer)
     hot, k = cfg.hotness(), cfg.column_shards
     for r, x in enumerate(loads):  # MLPerf's draws: a table's once on each rank of its shards

@@ -38,6 +38,7 @@ from recsz.config import TrainConfig
 from recsz.data.source import Batch, Part
 from recsz.model import DenseArch, RowOptimizer, SparseArch, dense_optimizer, tt_parameters
 from recsz.model.fiited import HeldMask
+from recsz.model.multihot import draws_nbytes
 from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import plan_tables
@@ -74,24 +75,38 @@ class Parts:
         return m
 
 
+def table_owners(cfg: TrainConfig, world: int) -> list[int]:
+    """Each (sharded) table's rank under ``cfg`` on ``world`` ranks (-1: replicated TT
+    tables, on every rank, out of the plan and of the all-to-all): the planner's, each table
+    charged what its rank will hold for it, in rows of the tables' width and dtype: a TT
+    table its cores; with MLPerf's bag draws (``--multi-hot-draws mlperf``) a table's draws
+    beside its rows, on each of its shards (each holds them)."""
+    tt, hot = cfg.tt_spec(), cfg.hotness()
+    local = tt.replicated if tt is not None else frozenset()
+    sizes, dim = cfg.sharded_tables()  # (--column-shards: each table's shards)
+    row_bytes = dim * TABLE_DTYPES[cfg.table_dtype].itemsize
+    charged = {}
+    for t, n in enumerate(sizes):
+        if t in local:
+            continue
+        if tt is not None and t in tt.tables:
+            n = -(-tt_parameters(n, dim, tt.rank, tt.cores) // dim)
+        if hot is not None and cfg.multi_hot_draws == "mlperf":
+            whole = t // cfg.column_shards
+            n += -(-draws_nbytes(cfg.model().table_sizes, hot, [whole]) // row_bytes)
+        charged[t] = n
+    owners = [-1] * len(sizes)
+    for t, r in zip(charged, plan_tables(list(charged.values()), dim, world), strict=True):
+        owners[t] = r
+    return owners
+
+
 def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     mcfg = cfg.model()
     tt = cfg.tt_spec()
     local = tt.replicated if tt is not None else frozenset()
-    sizes, dim = cfg.sharded_tables()  # (--column-shards: each table's shards)
-    # A TT table is charged what its cores hold, as rows of the table's width; replicated
-    # ones are on every rank, out of the plan (owner -1) and of the all-to-all.
-    charged = {
-        t: -(-tt_parameters(n, dim, tt.rank, tt.cores) // dim)
-        if tt is not None and t in tt.tables
-        else n
-        for t, n in enumerate(sizes)
-        if t not in local
-    }
-    owners = [-1] * len(sizes)
-    planned = plan_tables(list(charged.values()), dim, ranks.world)
-    for t, r in zip(charged, planned, strict=True):
-        owners[t] = r
+    sizes, _ = cfg.sharded_tables()
+    owners = table_owners(cfg, ranks.world)
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     fiited = cfg.fiited_spec()
