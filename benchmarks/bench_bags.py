@@ -5,9 +5,10 @@
 
 (a) **draws**: ``mlperf_draws`` of one table of ``--rows`` rows and bags of 100 ids
     (MLPerf's feature 20): ids drawn a second, one process. Then the dcnv2 preset's tables
-    (MLPerf's rows and bags) on W ranks of the planner's table-wise plan, by arithmetic on
+    (MLPerf's rows and bags) on W ranks, by arithmetic on
     that rate: the longest a rank draws before its first step (the draws pass through every
-    table before the last it holds) and the most a rank holds (GB of int32 draws).
+    table before the last it holds) and the most a rank holds (GB of int32 draws), on the
+    run's plan (``step.table_owners``: each table charged its draws).
 (b) **lookup**: the bench preset's 26 tables (50k rows, dim 64) with MLPerf's bags, one
     process, ``--batch`` samples: the bags' ids alone, and the pooled lookup with its fused
     row-wise Adagrad update (forward + backward), hashed against drawn (median ms of 20).
@@ -29,9 +30,10 @@ from pathlib import Path
 
 import torch
 
+from recsz.config import TrainConfig
 from recsz.model import RowOptimizer, SparseArch, get_preset
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, draws_nbytes, mlperf_draws
-from recsz.model.sharding import plan_tables
+from recsz.step import table_owners
 from recsz.train import main as train_main
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +55,9 @@ def plan_rows(rate: float, worlds: list[int]) -> list[dict]:
     extra = [n * (h - 1) for n, h in zip(m.table_sizes, MLPERF_HOTNESS, strict=True)]
     out = []
     for w in worlds:
-        owners = plan_tables(list(m.table_sizes), m.emb_dim, w)
+        cfg = TrainConfig(preset="dcnv2", multi_hot="mlperf", multi_hot_draws="mlperf",
+                          batch_size=w)  # fmt: skip
+        owners = table_owners(cfg, w)  # the run's plan (its tables charged their draws)
         waits, held = [], []
         for r in range(w):
             mine = [t for t, o in enumerate(owners) if o == r]
