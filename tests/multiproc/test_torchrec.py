@@ -179,7 +179,8 @@ def _worker(rank: int, store: str, out: str) -> None:
                                     fwd_eb=EB, bwd_eb=EB, eb_mode="abs",
                                     check_bounds=True)  # fmt: skip
     model = _dmp(lossy, plan_of)
-    res["lossy"] = _train(model, rank)
+    on_device = os.environ.get(DEVICE_PATH_ON_CPU) == "1"
+    res["lossy"] = _train(model, rank, 2 if on_device else STEPS)  # (Triton's interpreter)
     res["bytes"] = rt.comm_bytes(model)
     with torch.no_grad():  # evaluation: neither counted nor fed to the policies
         model(_batch(0, rank)[0]).wait()
@@ -201,9 +202,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     finally:
         sharder_module.COMPRESSED["grid_shard"] = carried
     res["pipeline"] = _pipeline(rank, plan_of)
-    if os.environ.get(DEVICE_PATH_ON_CPU) == "1":
-        res["reads"] = _our_host_reads(rank, plan_of)
-    res["damaged"] = _damaged_forward(rank, plan_of)
+    counted = None
+    if on_device:
+        res["reads"], counted = _our_host_reads(rank, plan_of)
+    res["damaged"] = _damaged_forward(rank, plan_of, counted)
     res["dense"] = _dense(rank, plan_of)
     res["feature_processed"] = _feature_processed(rank, plan_of)
     res["managed_collision"] = _managed_collision(rank)
@@ -215,9 +217,9 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
+def _our_host_reads(rank: int, plan_of: dict) -> tuple[list[tuple[int, str]], torch.nn.Module]:
     """Steps 2-3 of our sharder on the GPU's path: the host reads recsz makes (what a GPU
-    would wait for; TorchRec's own input dist is not counted), and where."""
+    would wait for; TorchRec's own input dist is not counted), and where; and the model."""
     import recsz.torchrec as rt
     from recsz.policy import base
     from tests.hostreads import counting, mark
@@ -234,18 +236,21 @@ def _our_host_reads(rank: int, plan_of: dict) -> list[tuple[int, str]]:
             y = model(kjt).wait().values()
             (y * w).sum().backward()
             got.append(c.ours_after_input_dist())
-    return got[2:]
+    return got[2:], model
 
 
-def _damaged_forward(rank: int, plan_of: dict) -> tuple[str, str]:
-    """Step 1's forward payloads, every one received on both ranks, with a byte flipped:
-    (where the error came: "forward" or "backward", its message)."""
+def _damaged_forward(rank: int, plan_of: dict, model: torch.nn.Module | None) -> tuple[str, str]:
+    """A step's forward payloads (after step 0 of a model of our sharder, hybrid both ways,
+    or ``model``, such a model trained further), every one received on both ranks, with a
+    byte flipped: (where the error came: "forward" or "backward", its message)."""
     import recsz.torchrec as rt
 
-    sharder = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
-                                      fwd_eb=EB, bwd_eb=EB, eb_mode="abs")  # fmt: skip
-    model = _dmp(sharder, plan_of)
-    _train(model, rank, 1)
+    if model is None:
+        sharder = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid",
+                                          eb_policy="fixed", fwd_eb=EB, bwd_eb=EB,
+                                          eb_mode="abs")  # fmt: skip
+        model = _dmp(sharder, plan_of)
+        _train(model, rank, 1)
     kjt, w = _batch(1, rank)
     return damaged_step(
         rank, lambda: model(kjt).wait().values(), lambda y: (y * w).sum().backward()
@@ -703,7 +708,8 @@ def test_lossy_outputs_within_the_bound_and_bytes_counted(ranks: list[dict]) -> 
     for res in ranks:
         first = (res["lossy"][0] - res["stock"][0]).abs().max()
         assert 0 < first <= EB  # same weights at step 0: the forward bound
-        later = (res["lossy"][-1] - res["stock"][-1]).abs().max()
+        steps = len(res["lossy"])  # (fewer on the GPU's path: Triton's interpreter)
+        later = (res["lossy"][-1] - res["stock"][steps - 1]).abs().max()
         assert later < 0.05  # bounded gradients: the tables stay near stock's
         sent = res["bytes"]
         assert 0.5 < sent["max_err"]["fwd"] <= 1 and 0.5 < sent["max_err"]["bwd"] <= 1
