@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -237,3 +239,13 @@ def test_materialized_days_need_the_runs_bags_to_be_theirs(tmp_path: Path) -> No
     _, packed = _materialized(tmp_path / "c", compressed=True)
     with pytest.raises(ValueError, match="array 0 is compressed"):
         TrainConfig(data=str(packed), multi_hot="mlperf", multi_hot_draws="mlperf")
+    npz = mat / "day_0_sparse_multi_hot.npz"
+    with zipfile.ZipFile(npz) as z:  # array 3's own header damaged (its magic)
+        at = z.getinfo("3.npy").header_offset
+    with npz.open("r+b") as f:
+        f.seek(at + 26)
+        name, extra = struct.unpack("<HH", f.read(4))
+        f.seek(at + 30 + name + extra)
+        f.write(b"XXXX")
+    with pytest.raises(ValueError, match=r"multi_hot\.npz: array 3 is not a \.npy array"):
+        TrainConfig(data=str(mat), multi_hot="mlperf", multi_hot_draws="mlperf")

@@ -135,13 +135,16 @@ def _members(path: Path) -> list[np.ndarray]:
                 f.seek(info.header_offset + 26)  # the local header: its name's and extra's lengths
                 name, extra = struct.unpack("<HH", f.read(4))
                 f.seek(info.header_offset + 30 + name + extra)
-                major, _ = np.lib.format.read_magic(f)
-                read = (
-                    np.lib.format.read_array_header_1_0
-                    if major == 1
-                    else np.lib.format.read_array_header_2_0
-                )
-                shape, fortran, dtype = read(f)
+                try:
+                    major, _ = np.lib.format.read_magic(f)
+                    read = (
+                        np.lib.format.read_array_header_1_0
+                        if major == 1
+                        else np.lib.format.read_array_header_2_0
+                    )
+                    shape, fortran, dtype = read(f)
+                except ValueError as e:
+                    raise ValueError(f"{path}: array {j} is not a .npy array ({e})") from e
                 if fortran or len(shape) != 2 or not np.issubdtype(dtype, np.integer):
                     raise ValueError(f"{path}: array {j} is {dtype} {shape}, expected integer "
                                      "(rows, ids a bag)")  # fmt: skip
