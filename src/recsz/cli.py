@@ -136,11 +136,11 @@ def _plan(argv: list[str]) -> int:
     value = TABLE_DTYPES[cfg.table_dtype].itemsize
     owners = table_owners(cfg, world)  # the run's plan (TT tables charged their cores)
     loads = rank_loads(sizes, dim, owners, world, value, optimizer)
-    hot, k = cfg.hotness(), cfg.column_shards
+    hot, k, whole = cfg.hotness(), cfg.column_shards, cfg.model().table_sizes
+    drawn = hot is not None and cfg.multi_hot_draws == "mlperf"
     for r, x in enumerate(loads):  # MLPerf's draws: a table's once on each rank of its shards
         mine = [t // k for t, o in enumerate(owners) if o == r]
-        drawn = hot is not None and cfg.multi_hot_draws == "mlperf"
-        x["draws_bytes"] = draws_nbytes(cfg.model().table_sizes, hot or (), mine) if drawn else 0
+        x["draws_bytes"] = draws_nbytes(whole, hot or (), mine) if drawn else 0
     gb = 1e9
     print(f"recsz plan: preset {cfg.preset}, {world} rank(s), {len(sizes)} tables of dim {dim} "
           f"({cfg.column_shards} column shard(s) a table), {cfg.table_dtype} rows, "

@@ -85,16 +85,17 @@ def table_owners(cfg: TrainConfig, world: int) -> list[int]:
     local = tt.replicated if tt is not None else frozenset()
     sizes, dim = cfg.sharded_tables()  # (--column-shards: each table's shards)
     row_bytes = dim * TABLE_DTYPES[cfg.table_dtype].itemsize
+    whole = cfg.model().table_sizes
+    drawn = [0] * len(whole)  # each whole table's draws, in rows of its shards
+    if hot is not None and cfg.multi_hot_draws == "mlperf":
+        drawn = [-(-draws_nbytes(whole, hot, [t]) // row_bytes) for t in range(len(whole))]
     charged = {}
     for t, n in enumerate(sizes):
         if t in local:
             continue
         if tt is not None and t in tt.tables:
             n = -(-tt_parameters(n, dim, tt.rank, tt.cores) // dim)
-        if hot is not None and cfg.multi_hot_draws == "mlperf":
-            whole = t // cfg.column_shards
-            n += -(-draws_nbytes(cfg.model().table_sizes, hot, [whole]) // row_bytes)
-        charged[t] = n
+        charged[t] = n + drawn[t // cfg.column_shards]
     owners = [-1] * len(sizes)
     for t, r in zip(charged, plan_tables(list(charged.values()), dim, world), strict=True):
         owners[t] = r

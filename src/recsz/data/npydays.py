@@ -36,9 +36,14 @@ def holds_days(d: Path) -> bool:
     return not (d / "meta.json").exists() and any(_DAY.fullmatch(p.name) for p in d.iterdir())
 
 
+def _days(d: Path) -> list[int]:
+    """The numbers of ``d``'s days (those with a dense file), in order."""
+    return sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+
+
 def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
     """The days of ``d``, in day order, as one set of rows (memory-mapped)."""
-    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+    days = _days(d)
     if not days:
         raise FileNotFoundError(f"{d}: no day_N_dense.npy (TorchRec's preprocessed Criteo days)")
     files: dict[str, list[np.ndarray]] = {k: [] for k in _KINDS}
@@ -81,7 +86,7 @@ def check_bags(
     them); nothing for one-hot days."""
     from recsz.model.multihot import mlperf_first_draws
 
-    days = sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
+    days = _days(d)
     first = _sparse(d, days[0]) if days else None
     if not isinstance(first, FirstIds):
         return
