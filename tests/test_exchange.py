@@ -215,10 +215,29 @@ def test_every_field_has_a_flag_with_its_default() -> None:
             assert flags[f.name].help.startswith(f.metadata["help"]), f.name
             # A default is said once: by the help, or as the field's value.
             said = flags[f.name].help.count("(default:")
-            assert said == (f.default is not None or "(default:" in f.metadata["help"]), f.name
-            if f.default is not None and said and "(default:" not in f.metadata["help"]:
+            shown = f.default not in (None, "")  # an empty default: the help says what it is
+            assert said == (shown or "(default:" in f.metadata["help"]), f.name
+            if shown and said and "(default:" not in f.metadata["help"]:
                 assert flags[f.name].help.endswith(f"(default: {f.default})"), f.name
     assert parse_train_args([]) == TrainConfig()
+
+
+def test_recsz_train_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    """`recsz train --help` (through the entry point, which first finds the flags given)
+    prints the full parser's help: its description and every default."""
+    from recsz.train import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Train DLRM with a compressed embedding all-to-all." in out
+    assert "(default: )" not in out
+    assert f"(default: {TrainConfig().fwd_eb})" in out
+    with pytest.raises(SystemExit) as done:  # a bad flag: named by recsz train's parser
+        main(["--fwd-eb", "x"])
+    assert done.value.code == 2
+    assert "recsz train: error: argument --fwd-eb" in capsys.readouterr().err
 
 
 def test_the_help_groups_the_flags_as_the_config_does() -> None:

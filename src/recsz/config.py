@@ -364,7 +364,10 @@ NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "config_ver
 
 
 def given_args(argv: list[str]) -> dict[str, Any]:
-    """The flags ``argv`` gives, by field (parsed, not yet checked together)."""
+    """The flags ``argv`` gives, by field (parsed, not yet checked together). Parsed by
+    :func:`build_parser` first, so that ``--help`` shows every flag's default and a bad
+    flag is named as `recsz train` names it."""
+    build_parser().parse_args(argv)
     names = tuple(f.name for f in fields(TrainConfig) if f.metadata["cli"])
     return vars(parser(TrainConfig, "recsz train", "", only=names).parse_args(argv))
 

@@ -76,7 +76,7 @@ def parser(
             help_text += f" ({_limits_text(f.metadata['limits'])})"
         if some:
             help_text += f" (default: {otherwise})"
-        elif f.default is not None and "(default:" not in help_text:  # else the help says it
+        elif f.default not in (None, "") and "(default:" not in help_text:  # else the help says it
             help_text += f" (default: {f.default})"
         kw: dict[str, Any] = (
             {"help": help_text} if some else {"default": f.default, "help": help_text}
