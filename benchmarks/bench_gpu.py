@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from recsz import stepgraph
+from recsz.codecs import blockcpu, get_codec
 from recsz.codecs import blockformat as bf
-from recsz.codecs import get_codec
 from recsz.comm import EmbeddingExchange
 from recsz.comm.direction import Direction
 from recsz.comm.stats import ShardPlan
@@ -196,12 +196,10 @@ def codec_rows(
         y = dec()[0]
         eb_row = torch.repeat_interleave(ebs, b)
         err = ((y.double() - rows_in.double()).abs().amax(1) / eb_row).max()
-        same = None
-        if b <= 2048:  # the numpy reference packs block by block: slow on big steps
-            trimmed, _ = codec.encode_segments(groups, ebs)
-            lay = bf.Layout(name, 0, dim, tuple(sizes), codec.dedup != "off")
-            ref = bf.encode_group(lay, rows_in.cpu().numpy(), ebs.cpu().numpy())
-            same = trimmed[0].cpu().numpy().tobytes() == ref
+        trimmed, _ = codec.encode_segments(groups, ebs)  # the CPU coder's bytes?
+        lay = bf.Layout(name, 0, dim, tuple(sizes), codec.dedup != "off")
+        ref = blockcpu.encode_group(lay, rows_in.cpu().numpy(), ebs.cpu().numpy())
+        same = trimmed[0].cpu().numpy().tobytes() == ref
         saved = raw - sent
         out.append(
             {

@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsz.codecs import PayloadError, blockcoder, get_codec
+from recsz.codecs import PayloadError, blockcoder, blockcpu, get_codec
 from recsz.codecs import blockformat as bf
 from recsz.codecs.blocks import decode_segments, encode_segments
 from recsz.comm import EmbeddingExchange
@@ -27,11 +27,12 @@ from recsz.comm.stats import ShardPlan
 from recsz.policy import FixedBound, rangekernel
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds, to_absolute
+from tests import blockref
+from tests.blockref import adversarial
 from tests.common import bound_violation, extreme_case, run_without_host_sync
 from tests.reference import one_bound, plan_indices
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-SPECIALS = [np.nan, np.inf, -np.inf, 3.0e38, -3.0e38, 1e-45, 1e-39, -0.0]
 #: The kernels' work per program (and the range kernel's rows): the GPU's, the
 #: interpreter's, and one so small that these tests' chunks cross many programs.
 LAUNCHES = {
@@ -59,20 +60,6 @@ def kernels(lays, xs, ebs, device):
     xt = [torch.from_numpy(x).to(device) for x in xs]
     buf, base, used = blockcoder.encode(lays, xt, torch.from_numpy(ebs).to(device))
     return [buf[b : b + int(n)] for b, n in zip(base, used.tolist(), strict=True)]
-
-
-def adversarial(rng: np.random.Generator, rows: int, dim: int, eb: float) -> np.ndarray:
-    """Rows with exact ties at half-steps, repeats, specials, and codes at every width."""
-    kind = rng.integers(0, 4, (rows, dim))
-    half = (rng.integers(-40, 40, (rows, dim)) + 0.5) * 2 * eb  # exact ties (x / 2eb + 1/2)
-    wide = rng.integers(-(2**24), 2**24, (rows, dim)) * 2 * eb * rng.random((rows, 1))
-    x = np.where(kind == 0, half, np.where(kind == 1, wide, rng.standard_normal((rows, dim))))
-    x = x.astype(np.float32)
-    if rows > 2:
-        x[rng.integers(0, rows, rows // 2)] = x[0]  # many repeats of one row
-    spots = rng.random((rows, dim)) < 0.03
-    x[spots] = rng.choice(np.array(SPECIALS, np.float32), int(spots.sum()))
-    return x
 
 
 def check_within(x: np.ndarray, y: np.ndarray, eb_row: np.ndarray) -> None:
@@ -111,14 +98,14 @@ def adversarial_groups(device: str, dim: int, dedup: bool) -> None:
         ebl.append(ebs)
     got = kernels(lays, xs, np.concatenate(ebl), device)
     for lay, x, ebs, p in zip(lays, xs, ebl, got, strict=True):
-        ref = bf.encode_group(lay, x, ebs)
+        ref = blockcpu.encode_group(lay, x, ebs)
         assert p.cpu().numpy().tobytes() == ref
-        _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
+        _, y, _ = blockcpu.decode_group(np.frombuffer(ref, np.uint8))
         check_within(x, y, np.repeat(ebs, lay.seg_rows))
     rows, _, ok = blockcoder.decode(got, lays)
     assert ok.all()
     for p, r in zip(got, rows, strict=True):
-        _, y, _ = bf.decode_group(p.cpu().numpy())
+        _, y, _ = blockcpu.decode_group(p.cpu().numpy())
         assert np.array_equal(r.cpu().numpy().view(np.uint32), y.view(np.uint32))
 
 
@@ -133,9 +120,9 @@ def test_kernels_match_the_reference_on_random_extreme_chunks(seed: int) -> None
     ebs = np.array([eb])
     with launched("tiny"):
         (p,) = kernels([lay], [x], ebs, "cpu")
-    ref = bf.encode_group(lay, x, ebs)
+    ref = blockcpu.encode_group(lay, x, ebs)
     assert p.numpy().tobytes() == ref
-    _, y, _ = bf.decode_group(np.frombuffer(ref, np.uint8))
+    _, y, _ = blockcpu.decode_group(np.frombuffer(ref, np.uint8))
     check_within(x, y, np.full(x.shape[0], eb))
 
 
@@ -180,9 +167,9 @@ def test_all_duplicate_rows_cost_little_and_decode_exactly(dim: int) -> None:
     x = np.concatenate([x, np.zeros((7, dim), np.float32)])
     lay = bf.Layout("hybrid", 0, dim, (256, 7), True)
     ebs = np.array([1e-3, 1e-3])
-    p = bf.encode_group(lay, x, ebs)
+    p = blockcpu.encode_group(lay, x, ebs)
     assert len(p) < x.nbytes / 20
-    _, y, _ = bf.decode_group(np.frombuffer(p, np.uint8))
+    _, y, _ = blockcpu.decode_group(np.frombuffer(p, np.uint8))
     assert (np.abs(y - x) <= 1e-3).all() and (y[:256] == y[0]).all()
     (got,) = kernels([lay], [x], ebs, "cpu")
     assert got.numpy().tobytes() == p
@@ -235,7 +222,7 @@ def test_exact_ties_where_a_multiply_rounds_otherwise(device: str, eb: float) ->
     assert (np.floor(x64 * (0.5 / eb) + 0.5) != np.floor(x64 / (2 * eb) + 0.5)).any()
     lay = bf.Layout("hybrid", 0, 4, (len(x),), False)
     (got,) = kernels([lay], [x], np.array([eb]), device)
-    assert got.cpu().numpy().tobytes() == bf.encode_group(lay, x, np.array([eb]))
+    assert got.cpu().numpy().tobytes() == blockcpu.encode_group(lay, x, np.array([eb]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -255,12 +242,12 @@ def test_rows_of_one_hash_but_other_bits_stay_literal(device: str) -> None:
     bits = np.stack([b, a, a, b, c, a, b])
     x = bits.view(np.float32)
     piece = np.zeros(len(x), np.int64)
-    ref_dup = bf.duplicates(bits.view(np.int32), piece, np.ones(len(x), bool))
+    ref_dup = blockref.duplicates(bits.view(np.int32), piece, np.ones(len(x), bool))
     assert ref_dup.tolist() == [-1, -1, -1, 0, -1, -1, 0]  # a and b collide; a never copies
     lay = bf.Layout("hybrid", 0, dim, (len(x),), True)
     ebs = np.array([1e-3])
     (got,) = kernels([lay], [x], ebs, device)
-    assert got.cpu().numpy().tobytes() == bf.encode_group(lay, x, ebs)
+    assert got.cpu().numpy().tobytes() == blockcpu.encode_group(lay, x, ebs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -268,7 +255,7 @@ def test_damaged_payloads_are_rejected(device: str) -> None:
     rng = np.random.default_rng(5)
     x = adversarial(rng, 20, 16, 0.01)
     lay = bf.Layout("hybrid", 0, 16, (12, 8), True)
-    good = bf.encode_group(lay, x, np.array([0.01, 0.02]))
+    good = blockcpu.encode_group(lay, x, np.array([0.01, 0.02]))
     c = get_codec("hybrid", coder="blocks")
     for i in range(0, len(good), 7):
         bad = bytearray(good)
@@ -329,8 +316,8 @@ def test_trimmed_payloads_outlive_the_next_call_of_their_shapes(device: str, mon
         groups = [(xs[0].to(device), [4, 6]), (xs[1].to(device), [3])]
         sent.append((xs, encode_segments("hybrid", True, groups, ebs.to(device))[0]))
     for xs, payloads in sent:
-        refs = [bf.encode_group(lays[0], xs[0].numpy(), ebs[:2].numpy()),
-                bf.encode_group(lays[1], xs[1].numpy(), ebs[2:].numpy())]  # fmt: skip
+        refs = [blockcpu.encode_group(lays[0], xs[0].numpy(), ebs[:2].numpy()),
+                blockcpu.encode_group(lays[1], xs[1].numpy(), ebs[2:].numpy())]  # fmt: skip
         assert [p.cpu().numpy().tobytes() for p in payloads] == refs
 
 
@@ -467,4 +454,4 @@ def test_kernels_keep_equal_rows_of_different_segments_apart(dim: int) -> None:
         ebl.append(np.full(len(segs), 1e-3))
     got = kernels(lays, xs, np.concatenate(ebl), "cpu")
     for lay, x, ebs, p in zip(lays, xs, ebl, got, strict=True):
-        assert p.numpy().tobytes() == bf.encode_group(lay, x, ebs)
+        assert p.numpy().tobytes() == blockcpu.encode_group(lay, x, ebs)

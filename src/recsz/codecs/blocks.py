@@ -1,6 +1,6 @@
 """Format-3 payloads for a codec: groups of segments in, one payload per group out, on
 the tensors' device (CUDA: the Triton kernels of :mod:`recsz.codecs.blockcoder`; CPU: the
-numpy reference of :mod:`recsz.codecs.blockformat`, which writes the same bytes).
+compiled loops of :mod:`recsz.codecs.blockcpu`, which write the same bytes).
 
 A *group* is what one destination gets in one step: the rows of several tables (its
 segments), each table under its own bound. The exchange hands every group of a direction
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from recsz.codecs import blockcpu
 from recsz.codecs import blockformat as bf
 from recsz.codecs.checks import read_sizes
 from recsz.codecs.payload import DTYPES, PayloadError
@@ -65,11 +66,8 @@ def encode_segments(
         out, k = [], 0
         for lay, x in zip(lays, xs, strict=True):
             n = len(lay.seg_rows)
-            out.append(
-                torch.frombuffer(
-                    bytearray(bf.encode_group(lay, x.numpy(), e[k : k + n])), dtype=torch.uint8
-                )
-            )
+            payload = blockcpu.encode_group(lay, x.numpy(), e[k : k + n])
+            out.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
             k += n
         return out, torch.tensor([p.numel() for p in out], dtype=torch.int64)
     from recsz.codecs import blockcoder
@@ -102,7 +100,7 @@ def decode_segments(
     if not _kernels(dev):
         out = []
         for i, p in enumerate(payloads):
-            lay, y, _ = bf.decode_group(p.detach().cpu().numpy())
+            lay, y, _ = blockcpu.decode_group(p.detach().cpu().numpy())
             if lay.codec != codec:
                 raise PayloadError(f"payload {i} was made by codec {lay.codec!r}, not {codec!r}")
             if expect is not None and lay != expect[i]:
