@@ -26,37 +26,44 @@ OK, BAD_LITERALS, BAD_REFERENCE = 0, 1, 2
 
 
 @njit(cache=True, nogil=True)
-def _dedup(bits, piece, segs, mult):
+def _dedup(bits, piece, first, segs, mult):
     """Each padded row's earlier row of its segment with the same bits (-1: none; the
-    pad rows after ``bits``' are never deduplicated)."""
+    pad rows after ``bits``' are never deduplicated). One small hash table a segment
+    (its keys are the segment's alone), so it stays in cache."""
     n, d = bits.shape  # the rows before the padding
+    rep = np.full(piece.size, -1, np.int64)
+    most = 0
+    for s in range(segs):
+        most = max(most, first[s + 1] - first[s])
     cap = 1
-    while cap < 2 * n:
+    while cap < 2 * most:
         cap *= 2
     keys = np.empty(cap, np.int64)
-    first = np.full(cap, -1, np.int64)
-    rep = np.full(piece.size, -1, np.int64)
-    for i in range(n):
-        h = np.int64(0)
-        row = bits[i]
-        for j in range(d):
-            h += np.int64(row[j]) * mult[j]
-        key = (h & 0xFFFFFFFF) | (piece[i] << 32)
-        s = (key * np.int64(-7046029254386353131)) >> 40  # Fibonacci hashing
-        s &= cap - 1
-        while first[s] >= 0 and keys[s] != key:
-            s = (s + 1) & (cap - 1)
-        if first[s] < 0:
-            keys[s], first[s] = key, i
-            continue
-        f = bits[first[s]]
-        same = True
-        for j in range(d):
-            if row[j] != f[j]:
-                same = False
-                break
-        if same:
-            rep[i] = first[s]
+    held = np.empty(cap, np.int64)
+    for s in range(segs):
+        lo, hi = first[s], min(first[s + 1], n)
+        size = 1
+        while size < 2 * (hi - lo):
+            size *= 2
+        held[:size] = -1
+        for i in range(lo, hi):
+            h = np.int64(0)
+            row = bits[i]
+            for j in range(d):
+                h += np.int64(row[j]) * mult[j]
+            key = (h & 0xFFFFFFFF) | (np.int64(s) << 32)
+            at = ((key * np.int64(-7046029254386353131)) >> 40) & (size - 1)  # Fibonacci
+            while held[at] >= 0 and keys[at] != key:
+                at = (at + 1) & (size - 1)
+            if held[at] < 0:
+                keys[at], held[at] = key, i
+                continue
+            f = bits[held[at]]
+            diff = np.uint32(0)
+            for j in range(d):  # no early exit: the loop vectorizes, and most rows match
+                diff |= row[j] ^ f[j]
+            if diff == 0:
+                rep[i] = held[at]
     return rep
 
 
@@ -138,12 +145,12 @@ def _quantize(xr, eb, zz, bad):
     for j in range(xr.size):
         v = np.float64(xr[j])
         qf = np.floor(v / step + 0.5)
-        ok = abs(qf) <= bf.QMAX  # False for NaN
+        ok = abs(qf) <= bf.QMAX  # False for NaN; & not `and`: no branches, the loop vectorizes
         qs = qf if ok else 0.0
         prod = qs * step
-        ok = ok and abs(prod) <= bf.F32_MAX
+        ok &= abs(prod) <= bf.F32_MAX
         y = np.float64(np.float32(prod if ok else 0.0))
-        ok = ok and abs(v - y) <= eb
+        ok &= abs(v - y) <= eb
         q = np.int32(qs if ok else 0.0)  # |q| <= QMAX: int32 converts in vector lanes
         zz[j] = np.uint32((q << np.int32(1)) ^ (q >> np.int32(31)))
         bad[j] = not ok
@@ -158,37 +165,34 @@ def _encode(x, piece, first, ebs, segs, dedup, mult, ref_blocks):
     bits = x.view(np.uint32)
     lit = np.ones(npad, np.bool_)
     refs = np.zeros(ref_blocks * bf.LANES, np.uint32)
+    rank = np.arange(npad + 1)  # literal rows before each row (and in all)
     if dedup:
-        rep = _dedup(bits, piece, segs, mult)
-        rank = np.empty(npad, np.int64)
-        r = 0
+        rep = _dedup(bits, piece, first, segs, mult)
         for i in range(npad):
-            rank[i] = r
             lit[i] = rep[i] < 0
-            r += lit[i]
+            rank[i + 1] = rank[i] + lit[i]
         for i in range(npad):
             if not lit[i]:
                 refs[i] = rank[rep[i]] - rank[first[piece[i]]] + 1
-    nl = int(lit.sum())
+    nl = rank[npad]
     nc = -(-nl * d // bf.LANES)
-    zz = np.zeros(nc * bf.LANES, np.uint32)
-    bad = np.zeros(nc * bf.LANES, np.bool_)
-    k = 0
+    # The literal rows side by side (then zeros): each segment's one run to quantize,
+    # and a raw block's words as they are.
+    xl = np.zeros(nc * bf.LANES, np.float32)
     for i in range(n):
         if lit[i]:
-            _quantize(x[i], ebs[piece[i]], zz[k : k + d], bad[k : k + d])
-            k += d
+            o, row = xl[rank[i] * d : (rank[i] + 1) * d], x[i]
+            for j in range(d):
+                o[j] = row[j]
+    zz = np.zeros(nc * bf.LANES, np.uint32)
+    bad = np.zeros(nc * bf.LANES, np.bool_)
+    for s in range(segs):
+        a, b = rank[first[s]] * d, rank[first[s + 1]] * d
+        _quantize(xl[a:b], ebs[s], zz[a:b], bad[a:b])
     raw = np.empty(nc, np.bool_)
     for b in range(nc):
         raw[b] = bad[b * bf.LANES : (b + 1) * bf.LANES].any()
-    xb = zz  # a raw block's words: the rows' bits (only read where a block is raw)
-    if raw.any() or (zz.size and zz.max() >> bf.MAX_WIDTH):
-        xb = np.zeros(nc * bf.LANES, np.uint32)
-        k = 0
-        for i in range(n):
-            if lit[i]:
-                xb[k : k + d] = bits[i]
-                k += d
+    xb = xl.view(np.uint32)
     widths = np.zeros(ref_blocks + nc, np.uint8)
     data = np.empty((ref_blocks + nc) * bf.LANES, np.uint32)
     o = _pack(refs, np.zeros(ref_blocks, np.bool_), refs, widths, 0, data, 0)
@@ -274,7 +278,7 @@ def _dequantize(zz, eb, y):
 def _decode(vals, widths, nr, nl, d, piece, first, ebs, segs, dedup, rows):
     """(status, rows x D float32) of a payload's block values (status: OK or what is
     wrong)."""
-    out = np.zeros((rows, d), np.float32)
+    out = np.empty((rows, d), np.float32)
     npad = piece.size
     src = np.empty(npad, np.int64)
     rank = np.empty(npad, np.int64)
@@ -305,7 +309,9 @@ def _decode(vals, widths, nr, nl, d, piece, first, ebs, segs, dedup, rows):
             e = min(k + bf.LANES, nl * d)
             y[k:e] = rawf[k:e]
     for i in range(rows):
-        out[i] = y[src[i] * d : (src[i] + 1) * d]
+        o, row = out[i], y[src[i] * d : (src[i] + 1) * d]
+        for j in range(d):  # not a slice assignment: numba's checks overlap, then copies twice
+            o[j] = row[j]
     return OK, out
 
 
