@@ -176,7 +176,7 @@ def codec_rows(
     )
     t_bounds = timed(lambda: absolute_bounds([REL] * n_tables, "rel", t), repeats)
     for name in ["hybrid", "quant"]:
-        # On the CPU (a dry run) the codec's format-3 path is the numpy reference.
+        # On the CPU (a dry run) the codec's format-3 path is the CPU coder (blockcpu).
         codec = get_codec(name) if DEV.type == "cuda" else get_codec(name, coder="blocks")
         groups = [(rows_in, sizes)]
 

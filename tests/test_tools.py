@@ -181,7 +181,7 @@ def test_bench_accuracy_hook_sweep_plans_every_setting() -> None:
 
 
 def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
-    """The GPU benchmark's own logic, run on the CPU (the reference coder), tiny."""
+    """The GPU benchmark's own logic, run on the CPU (the CPU coder), tiny."""
     bench_gpu = _bench("bench_gpu")
     out = tmp_path / "gpu.json"
     argv = ["--device", "cpu", "--quick", "--batch", "128", "--json-out", str(out)]

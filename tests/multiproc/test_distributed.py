@@ -182,7 +182,7 @@ def test_the_gpu_path_between_ranks_trains_as_the_reference(
     buffers' plans and checks; id-aware traffic changes the groups' shapes every step,
     fixed-size traffic reuses its plans; the eb hook's gradient buckets), and the casts'
     format 4 with no sizes exchanged. 2 ranks train exactly as with the host path (format
-    3's numpy reference; format 1), but for the eb hook, whose host path is format 1:
+    3's CPU coder; format 1), but for the eb hook, whose host path is format 1:
     decoded, its values and format 3's differ in the last bits (measured: the tables by
     at most 2e-10 after 4 steps)."""
     ref = run(tmp_path / "ref", *flags, "--steps", "4", nproc=2)

@@ -2,7 +2,7 @@
 
 The bytes are those of :mod:`recsz.codecs.blockformat` (which defines them) and of the
 GPU's Triton kernels (:mod:`recsz.codecs.blockcoder`), so CPU and GPU ranks exchange
-payloads; tests hold this coder to a plain numpy reference (``tests/reference.py``) and
+payloads; tests hold this coder to a plain numpy reference (``tests/blockref.py``) and
 the kernels to this coder, byte for byte.
 
 A row's repeat is found through a hash table of each key's first row (key: the row's

@@ -2,7 +2,7 @@
 :mod:`recsz.codecs.blockformat`; index spaces and the device functions shared with the
 decoding kernels: :mod:`recsz.codecs.blocklayout`; :mod:`recsz.codecs.blockcoder` launches
 these in order). They run on a GPU, and on the CPU under ``TRITON_INTERPRET=1``, where CI
-checks them against the numpy reference.
+checks them against the CPU coder (:mod:`recsz.codecs.blockcpu`).
 
 Floating point: the only products are q x 2eb, each rounded before any sum (no fused
 multiply-add can change a result); x / 2eb is a correctly rounded float64 division.

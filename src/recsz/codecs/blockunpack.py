@@ -1,7 +1,8 @@
 """Triton kernels of the format-3 block coder that read payloads: headers, widths, blocks,
 references, rows, and one verdict per payload (:mod:`recsz.codecs.blocklayout` names the
 index spaces, :mod:`recsz.codecs.blockkernels` makes the payloads). They run on a GPU, and
-on the CPU under ``TRITON_INTERPRET=1``, where CI checks them against the numpy reference."""
+on the CPU under ``TRITON_INTERPRET=1``, where CI checks them against the CPU coder
+(:mod:`recsz.codecs.blockcpu`)."""
 
 from __future__ import annotations
 
