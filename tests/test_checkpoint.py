@@ -185,3 +185,20 @@ def test_a_resumed_run_takes_the_flags_it_is_not_given(tmp_path: Path) -> None:
     assert not (tmp_path / "src").exists()
     with pytest.raises(ValueError, match=r"another configuration \(fwd_codec: 'hybrid' -> 'none'"):
         main(["--resume", str(moved), "--steps", "8", "--fwd-codec", "none"])
+
+
+def test_a_run_without_checkpoints_says_why_it_has_no_model(tmp_path: Path) -> None:
+    """Trained without --checkpoint-every: resume, evaluate and export name the flag that
+    keeps a model, not only the missing directory."""
+    from recsz import evaluation
+
+    out = tmp_path / "plain"
+    train(out, "--checkpoint-every", "0")
+    why = "trained without --checkpoint-every, so it kept no model"
+    with pytest.raises(FileNotFoundError, match=f"--resume {out}.*{why}"):
+        main([*BASE, "--resume", str(out)])
+    with pytest.raises(FileNotFoundError, match=why):
+        evaluation.chosen(out)
+    (tmp_path / "other").mkdir()  # not a run at all: the directory it lacks
+    with pytest.raises(FileNotFoundError, match=r"no complete checkpoint \(RUN/checkpoints"):
+        evaluation.chosen(tmp_path / "other")

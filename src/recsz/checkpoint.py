@@ -173,6 +173,21 @@ def _record(d: Path) -> dict[str, Any]:
     return meta
 
 
+def nothing_kept(run: Path) -> str:
+    """Why ``run`` has no complete checkpoint to read: one trained without
+    ``--checkpoint-every`` kept none."""
+    try:
+        every = json.loads((run / "config.json").read_text()).get("checkpoint_every")
+    except (OSError, ValueError, AttributeError):
+        every = None
+    if every == 0:
+        return (
+            f"{run} was trained without --checkpoint-every, so it kept no model (train with "
+            "--checkpoint-every N: the last step is always among them)"
+        )
+    return f"{run}: no complete checkpoint (RUN/checkpoints/step-N)"
+
+
 def record(resume: Path) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint ``resume`` names (a run: its newest complete one whose record is
     intact) and its record, the files not yet verified (the load does); None if none."""
@@ -232,9 +247,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     number of ranks is resharded (:func:`_restore_resharded`)."""
     done = _named(run_dir)
     if not done:
-        raise FileNotFoundError(
-            f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
-        )
+        raise FileNotFoundError(f"--resume {nothing_kept(run_dir)}")
     for d in reversed(done):
         try:
             step, world, shards, saved = _check(d, cfg, ranks)

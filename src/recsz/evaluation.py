@@ -198,7 +198,7 @@ def chosen(run: Path) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``run`` names (a run: its newest complete one) and its record."""
     found = checkpoint.record(run)
     if found is None:
-        raise FileNotFoundError(f"{run}: no complete checkpoint (RUN/checkpoints/step-N)")
+        raise FileNotFoundError(checkpoint.nothing_kept(run))
     return found
 
 
