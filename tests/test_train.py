@@ -135,6 +135,45 @@ def test_device_flag_is_checked() -> None:
         main(["--device", "tpu"])
 
 
+def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> None:
+    """A host's ranks' tables are held to its memory (what they would hold: rows and the
+    row optimizer's state, counted as the plan counts them), in the launcher before any
+    rank starts, and in each rank before its tables are made (a torchrun job's ranks)."""
+    import os
+
+    from recsz.ranks import Ranks
+    from recsz.step import held_bytes, refuse_tables_that_cannot_fit, table_owners
+
+    cfg = TrainConfig(preset="bench", nproc=2, emb_optimizer="rowwise_adagrad")
+    owners = table_owners(cfg, 2)
+    need = held_bytes(cfg, owners, 2)
+    sizes = cfg.model().table_sizes
+    assert sum(need) == sum(n * 64 * 4 + n * 4 for n in sizes)  # rows, and a float a row
+    for r in (0, 1):
+        assert need[r] == sum(sizes[t] * 260 for t, o in enumerate(owners) if o == r)
+    page = os.sysconf("SC_PAGE_SIZE")
+    real = os.sysconf
+    small = sum(need) // page - 1  # one page short of both ranks' tables
+    monkeypatch.setattr(os, "sysconf", lambda k: small if k == "SC_PHYS_PAGES" else real(k))
+    made = []
+    monkeypatch.setattr("recsz.step.SparseArch", lambda *a, **k: made.append(a))
+    gb = f"{sum(need) / 1e9:.1f} GB"
+    with pytest.raises(ValueError, match=f"ranks 0-1 .* need {gb}, more than this host's"):
+        main(["--preset", "bench", "--nproc", "2", "--steps", "1"])  # the launcher
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match="--tt-tables K"):  # a rank of a torchrun job
+        refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # alone on its host: it fits
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(ValueError, match=f"rank 0's tables need {sum(need) / 1e9:.1f} GB"):
+        main(["--preset", "bench", "--steps", "1"])  # one process: in the rank
+    assert not made  # refused before any table was made
+
+
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
 def test_one_gpu_training_matches_cpu(tmp_path: Path) -> None:
     """The same run on the GPU and on the CPU, lossless codec: the same losses up to float

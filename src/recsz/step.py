@@ -19,6 +19,7 @@ single-process run measures exactly the codec the distributed one uses.
 from __future__ import annotations
 
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from recsz.model.fiited import HeldMask
 from recsz.model.multihot import draws_nbytes
 from recsz.model.rowopt import TABLE_DTYPES
 from recsz.model.schedule import ScheduledRates
-from recsz.model.sharding import plan_tables
+from recsz.model.sharding import optimizer_row_bytes, plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
 from recsz.ranks import Ranks
@@ -78,9 +79,20 @@ class Parts:
 def table_owners(cfg: TrainConfig, world: int) -> list[int]:
     """Each (sharded) table's rank under ``cfg`` on ``world`` ranks (-1: replicated TT
     tables, on every rank, out of the plan and of the all-to-all): the planner's, each table
-    charged what its rank will hold for it, in rows of the tables' width and dtype: a TT
-    table its cores; with MLPerf's bag draws (``--multi-hot-draws mlperf``) a table's draws
-    beside its rows, on each of its shards (each holds them)."""
+    charged what its rank will hold for it (:func:`_charged_rows`)."""
+    charged = _charged_rows(cfg)
+    sizes, dim = cfg.sharded_tables()
+    owners = [-1] * len(sizes)
+    for t, r in zip(charged, plan_tables(list(charged.values()), dim, world), strict=True):
+        owners[t] = r
+    return owners
+
+
+def _charged_rows(cfg: TrainConfig) -> dict[int, int]:
+    """Each sharded table's load, in rows of the tables' width and dtype (replicated TT
+    tables: none): its rows, a TT table its cores; with MLPerf's bag draws
+    (``--multi-hot-draws mlperf``) a table's draws beside its rows, on each of its shards
+    (each holds them)."""
     tt, hot = cfg.tt_spec(), cfg.hotness()
     local = tt.replicated if tt is not None else frozenset()
     sizes, dim = cfg.sharded_tables()  # (--column-shards: each table's shards)
@@ -96,10 +108,57 @@ def table_owners(cfg: TrainConfig, world: int) -> list[int]:
         if tt is not None and t in tt.tables:
             n = -(-tt_parameters(n, dim, tt.rank, tt.cores) // dim)
         charged[t] = n + drawn[t // cfg.column_shards]
-    owners = [-1] * len(sizes)
-    for t, r in zip(charged, plan_tables(list(charged.values()), dim, world), strict=True):
-        owners[t] = r
-    return owners
+    return charged
+
+
+def held_bytes(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
+    """What each of ``world`` ranks holds for its tables under ``owners``, in bytes: their
+    charged rows (:func:`_charged_rows`) and the row optimizer's state of a plain table's."""
+    sizes, dim = cfg.sharded_tables()
+    tt = cfg.tt_spec()
+    row = dim * TABLE_DTYPES[cfg.table_dtype].itemsize
+    state = optimizer_row_bytes(cfg.resolved("emb_optimizer"), dim)
+    out = [0] * world
+    for t, n in _charged_rows(cfg).items():
+        plain = tt is None or t not in tt.tables
+        out[owners[t]] += n * row + (sizes[t] * state if plain else 0)
+    return out
+
+
+#: what makes tables fit: on a host (its ranks' together), on a GPU (its rank's)
+_HOST_ROOM = (
+    "spread them over more hosts (recsz plan --nproc N prints each rank's share), halve "
+    "them (--table-dtype fp16) or compress the largest (--tt-tables K)"
+)
+_GPU_ROOM = (
+    "spread them over more ranks (recsz plan --nproc N prints each rank's share), split the "
+    "large ones (--column-shards K), halve them (--table-dtype fp16) or compress the largest "
+    "(--tt-tables K)"
+)
+
+
+def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ranks) -> None:
+    """Before any table is made: ValueError where this host's ranks' tables (each rank
+    builds its own in host memory, at once) need more than the host's memory, or this
+    rank's more than its GPU's; what it would hold, not what is free (other ranks may be
+    allocating)."""
+    need, gb = held_bytes(cfg, owners, ranks.world), 1e9
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+    first = ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
+    host = need[first : first + local]
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if sum(host) > have:
+        who = f"rank {first}'s tables" if len(host) == 1 else (
+            f"the tables of this host's ranks {first}-{first + len(host) - 1} "
+            f"({', '.join(f'{x / gb:.1f}' for x in host)} GB)")  # fmt: skip
+        raise ValueError(f"{who} need {sum(host) / gb:.1f} GB, more than this host's "
+                         f"{have / gb:.1f} GB of memory: {_HOST_ROOM}")  # fmt: skip
+    if ranks.device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(ranks.device)
+        if need[ranks.rank] > gpu.total_memory:
+            raise ValueError(f"rank {ranks.rank}'s tables need {need[ranks.rank] / gb:.1f} GB, "
+                             f"more than its GPU's {gpu.total_memory / gb:.1f} GB ({gpu.name}): "
+                             f"{_GPU_ROOM}")  # fmt: skip
 
 
 def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
@@ -108,6 +167,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     local = tt.replicated if tt is not None else frozenset()
     sizes, _ = cfg.sharded_tables()
     owners = table_owners(cfg, ranks.world)
+    refuse_tables_that_cannot_fit(cfg, owners, ranks)
     plan = ShardPlan(owners, ranks.world)
     emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
     fiited = cfg.fiited_spec()

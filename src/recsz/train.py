@@ -24,7 +24,14 @@ from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.model import get_preset, modelfile
 from recsz.ranks import Ranks, keep_freed_memory, launch, worker
-from recsz.step import build_parts, rank_part, share_chunk_counts, train_step
+from recsz.step import (
+    build_parts,
+    rank_part,
+    refuse_tables_that_cannot_fit,
+    share_chunk_counts,
+    table_owners,
+    train_step,
+)
 from recsz.stepgraph import graphed
 
 SYNTHETIC_DEFAULT_STEPS = 1000
@@ -236,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     # Resumed: the flags not given are the run's.
     cfg = resumed_config(given, found[1]["config"]) if found else parse_train_args(argv)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
+        refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
         return launch(cfg.nproc, argv)
     return worker(lambda: run(cfg), as_main=__name__ == "__main__")
 
