@@ -139,9 +139,7 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     """A host's ranks' tables are held to its memory (what they would hold: rows and the
     row optimizer's state, counted as the plan counts them), in the launcher before any
     rank starts, and in each rank before its tables are made (a torchrun job's ranks)."""
-    import os
-
-    from recsz.ranks import Ranks
+    from recsz.ranks import Ranks, host_memory
     from recsz.step import held_bytes, refuse_tables_that_cannot_fit, table_owners
 
     cfg = TrainConfig(preset="bench", nproc=2, emb_optimizer="rowwise_adagrad")
@@ -151,27 +149,25 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     assert sum(need) == sum(n * 64 * 4 + n * 4 for n in sizes)  # rows, and a float a row
     for r in (0, 1):
         assert need[r] == sum(sizes[t] * 260 for t, o in enumerate(owners) if o == r)
-    page = os.sysconf("SC_PAGE_SIZE")
-    real = os.sysconf
-    small = sum(need) // page - 1  # one page short of both ranks' tables
-    monkeypatch.setattr(os, "sysconf", lambda k: small if k == "SC_PHYS_PAGES" else real(k))
+    monkeypatch.setattr("recsz.step.host_memory", lambda: sum(need) - 1)  # a byte short
     made = []
     monkeypatch.setattr("recsz.step.SparseArch", lambda *a, **k: made.append(a))
     gb = f"{sum(need) / 1e9:.1f} GB"
-    with pytest.raises(ValueError, match=f"ranks 0-1 .* need {gb}, more than this host's"):
+    with pytest.raises(MemoryError, match=f"ranks 0-1 .* need {gb}, more than this host's"):
         main(["--preset", "bench", "--nproc", "2", "--steps", "1"])  # the launcher
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(ValueError, match="--tt-tables K"):  # a rank of a torchrun job
+    with pytest.raises(MemoryError, match="--tt-tables K"):  # a rank of a torchrun job
         refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # alone on its host: it fits
     monkeypatch.setenv("LOCAL_RANK", "0")
     refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("LOCAL_RANK")
-    with pytest.raises(ValueError, match=f"rank 0's tables need {sum(need) / 1e9:.1f} GB"):
+    with pytest.raises(MemoryError, match=f"rank 0's tables need {sum(need) / 1e9:.1f} GB"):
         main(["--preset", "bench", "--steps", "1"])  # one process: in the rank
     assert not made  # refused before any table was made
+    assert 0 < host_memory() < 1 << 50
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")

@@ -25,9 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     try:
         return _run(cmd, rest)
-    except (ValueError, OSError, IndexError) as e:
-        # Bad input (flags, files, data lines, payloads from a rank): the message names the
-        # problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it anyway.
+    except (ValueError, OSError, IndexError, MemoryError) as e:
+        # Bad input (flags, files, data lines, payloads from a rank, what cannot fit): the
+        # message names the problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it.
         if os.environ.get("RECSZ_TRACEBACK"):
             raise
         print(f"recsz {cmd}: error: {e}", file=sys.stderr)

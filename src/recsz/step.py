@@ -45,7 +45,7 @@ from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import optimizer_row_bytes, plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
-from recsz.ranks import Ranks
+from recsz.ranks import Ranks, host_memory
 
 # DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
 # `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
@@ -138,7 +138,7 @@ _GPU_ROOM = (
 
 
 def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ranks) -> None:
-    """Before any table is made: ValueError where this host's ranks' tables (each rank
+    """Before any table is made: MemoryError where this host's ranks' tables (each rank
     builds its own in host memory, at once) need more than the host's memory, or this
     rank's more than its GPU's; what it would hold, not what is free (other ranks may be
     allocating)."""
@@ -146,17 +146,17 @@ def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ra
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
     first = ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
     host = need[first : first + local]
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    have = host_memory()
     if sum(host) > have:
         who = f"rank {first}'s tables" if len(host) == 1 else (
             f"the tables of this host's ranks {first}-{first + len(host) - 1} "
             f"({', '.join(f'{x / gb:.1f}' for x in host)} GB)")  # fmt: skip
-        raise ValueError(f"{who} need {sum(host) / gb:.1f} GB, more than this host's "
+        raise MemoryError(f"{who} need {sum(host) / gb:.1f} GB, more than this host's "
                          f"{have / gb:.1f} GB of memory: {_HOST_ROOM}")  # fmt: skip
     if ranks.device.type == "cuda":
         gpu = torch.cuda.get_device_properties(ranks.device)
         if need[ranks.rank] > gpu.total_memory:
-            raise ValueError(f"rank {ranks.rank}'s tables need {need[ranks.rank] / gb:.1f} GB, "
+            raise MemoryError(f"rank {ranks.rank}'s tables need {need[ranks.rank] / gb:.1f} GB, "
                              f"more than its GPU's {gpu.total_memory / gb:.1f} GB ({gpu.name}): "
                              f"{_GPU_ROOM}")  # fmt: skip
 
