@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="synthetic traffic, 2 repeats")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=2048, help="the synthetic group's rows a table")
     ap.add_argument("--json-out", default="bench_out/blockcpu.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg = BenchConfig(quick=a.quick)
+    cfg = BenchConfig(quick=a.quick, synth_batch=a.batch)
     traffic = {"synth": groups_of(synth_traffic(64, cfg), 26)}
     real = None if a.quick else real_traffic(cfg)
     if real is not None:

@@ -480,3 +480,17 @@ def test_bench_bags_draws_plans_and_looks_up_both_ways(tmp_path: Path) -> None:
     looked = {r["draws"]: r for r in rows if r["part"] == "lookup"}
     assert looked["hash"]["draws_mb"] == 0 < looked["mlperf"]["draws_mb"]
     assert "| dcnv2 on W ranks |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_blockcpu_compares_the_coders_on_the_same_bytes(tmp_path: Path) -> None:
+    """bench_blockcpu.py, tiny: each way within its bounds, the compiled coder's payloads
+    the numpy reference's size (the same bytes), format 1 beside them."""
+    out = tmp_path / "blockcpu.json"
+    assert _bench("bench_blockcpu").main(["--quick", "--batch", "64", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["way"] for r in rows} == {"format 1 (hybrid)", "format 3 compiled",
+                                        "format 3 numpy (before)"}  # fmt: skip
+    assert all(r["max_err_over_eb"] <= 1.0 and r["ratio"] > 1 for r in rows)
+    for rel in (0.01, 0.03):
+        ratio = {r["way"]: r["ratio"] for r in rows if r["eb_rel"] == rel}
+        assert ratio["format 3 compiled"] == ratio["format 3 numpy (before)"]
