@@ -215,6 +215,7 @@ def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> No
     sizes, dim = column_shards(m.table_sizes, m.emb_dim, 4)
     owners = plan_tables(sizes, dim, 64)
     assert [r["tables"] for r in ranks] == [owners.count(r) for r in range(64)]
+    assert all(r["held_bytes"] == r["table_bytes"] + r["optimizer_bytes"] for r in ranks)
     with pytest.raises(SystemExit, match="2"):
         cli(["plan", "--lr", "0.1"])  # not a flag of the plan: argparse's usage error
     assert cli(["plan", "--column-shards", "3"]) == 2  # named: does not divide dim 16
@@ -281,4 +282,7 @@ def test_the_plan_counts_mlperfs_draws_on_each_rank_of_a_tables_shards(tmp_path,
         want = sum(4 * m.table_sizes[t] * (MLPERF_HOTNESS[t] - 1) for t in mine)
         assert load["draws_bytes"] == want
     assert max(r["draws_bytes"] for r in ranks) >= 4 * 40_000_000 * 99  # feature 20 and more
+    for load in ranks:  # the columns add up to what a run holds the rank to (step.held_bytes)
+        parts = load["table_bytes"] + load["optimizer_bytes"] + load["draws_bytes"]
+        assert load["held_bytes"] == parts
     assert "bags' draws GB" in capsys.readouterr().out

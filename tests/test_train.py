@@ -139,6 +139,7 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     """A host's ranks' tables are held to its memory (what they would hold: rows and the
     row optimizer's state, counted as the plan counts them), in the launcher before any
     rank starts, and in each rank before its tables are made (a torchrun job's ranks)."""
+    from recsz.model import tt_parameters
     from recsz.ranks import Ranks, host_memory
     from recsz.step import held_bytes, refuse_tables_that_cannot_fit, table_owners
 
@@ -149,6 +150,12 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     assert sum(need) == sum(n * 64 * 4 + n * 4 for n in sizes)  # rows, and a float a row
     for r in (0, 1):
         assert need[r] == sum(sizes[t] * 260 for t, o in enumerate(owners) if o == r)
+    tt_cfg = TrainConfig(preset="bench", tt_tables=3, emb_optimizer="rowwise_adagrad")
+    spec = tt_cfg.tt_spec()
+    assert spec is not None and len(spec.tables) == 3
+    cores = sum(4 * tt_parameters(sizes[t], 64, spec.rank, spec.cores) for t in spec.tables)
+    plain = sum(n * 260 for t, n in enumerate(sizes) if t not in spec.tables)
+    assert sum(held_bytes(tt_cfg, table_owners(tt_cfg, 2), 2)) == plain + cores  # TT: cores
     monkeypatch.setattr("recsz.step.host_memory", lambda: sum(need) - 1)  # a byte short
     made = []
     monkeypatch.setattr("recsz.step.SparseArch", lambda *a, **k: made.append(a))

@@ -119,7 +119,7 @@ def _plan(argv: list[str]) -> int:
     from recsz.model.multihot import draws_nbytes
     from recsz.model.rowopt import TABLE_DTYPES
     from recsz.model.sharding import rank_loads
-    from recsz.step import table_owners
+    from recsz.step import held_bytes, table_owners
 
     flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
              "multi_hot_draws")  # fmt: skip
@@ -151,7 +151,9 @@ def _plan(argv: list[str]) -> int:
         print(f"  {r:4d}  {x['tables']:6d}  {x['rows']:10d}  {x['table_bytes'] / gb:10.2f}  "
               f"{x['optimizer_bytes'] / gb:12.2f}  {x['draws_bytes'] / gb:14.2f}  "
               f"{x['send_share']:19.3f}")  # fmt: skip
-    held = [x["table_bytes"] + x["optimizer_bytes"] + x["draws_bytes"] for x in loads]
+    held = held_bytes(cfg, owners, world)  # what a run holds each rank to (step.py)
+    for x, h in zip(loads, held, strict=True):
+        x["held_bytes"] = h
     print(f"  most a rank {max(held) / gb:.2f} GB, mean {sum(held) / world / gb:.2f} GB; "
           f"{sum(1 for x in loads if not x['tables'])} rank(s) hold no table; largest share "
           f"of the forward bytes {max(x['send_share'] for x in loads):.3f} (even: "

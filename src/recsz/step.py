@@ -112,16 +112,27 @@ def _charged_rows(cfg: TrainConfig) -> dict[int, int]:
 
 
 def held_bytes(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
-    """What each of ``world`` ranks holds for its tables under ``owners``, in bytes: their
-    charged rows (:func:`_charged_rows`) and the row optimizer's state of a plain table's."""
+    """What each of ``world`` ranks holds for its tables under ``owners``, in bytes: a
+    plain table's rows and their row optimizer's state, a TT table's cores (float32), and
+    with MLPerf's bag draws its tables' draws (once a rank, however many shards of a table
+    it holds). What `recsz plan` prints, a rank a row."""
     sizes, dim = cfg.sharded_tables()
-    tt = cfg.tt_spec()
-    row = dim * TABLE_DTYPES[cfg.table_dtype].itemsize
+    tt, hot = cfg.tt_spec(), cfg.hotness()
     state = optimizer_row_bytes(cfg.resolved("emb_optimizer"), dim)
+    row = dim * TABLE_DTYPES[cfg.table_dtype].itemsize + state
     out = [0] * world
-    for t, n in _charged_rows(cfg).items():
-        plain = tt is None or t not in tt.tables
-        out[owners[t]] += n * row + (sizes[t] * state if plain else 0)
+    mine: list[set[int]] = [set() for _ in range(world)]
+    for t, r in enumerate(owners):
+        if r < 0:  # replicated TT tables: out of the plan
+            continue
+        if tt is not None and t in tt.tables:
+            out[r] += 4 * tt_parameters(sizes[t], dim, tt.rank, tt.cores)
+        else:
+            out[r] += sizes[t] * row
+        mine[r].add(t // cfg.column_shards)
+    if hot is not None and cfg.multi_hot_draws == "mlperf":
+        whole = cfg.model().table_sizes
+        out = [x + draws_nbytes(whole, hot, m) for x, m in zip(out, mine, strict=True)]
     return out
 
 
