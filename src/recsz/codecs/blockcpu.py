@@ -140,7 +140,8 @@ def _pack(vals, raw, xsrc, widths, at, data, o):
 
 @njit(cache=True, nogil=True)
 def _quantize(xr, eb, zz, bad):
-    """One row's zig-zagged codes and misses (the reference's float64 steps, branch-free)."""
+    """Zig-zagged codes and misses of values under one bound (the reference's float64
+    steps, branch-free)."""
     step = 2.0 * eb
     for j in range(xr.size):
         v = np.float64(xr[j])
@@ -298,7 +299,7 @@ def _decode(vals, widths, nr, nl, d, piece, first, ebs, segs, dedup, rows):
     y = np.empty(nl * d, np.float32)
     codes = vals[nr * bf.LANES :]
     for i in range(npad):
-        if src[i] == rank[i] and (not dedup or vals[i] == 0):
+        if src[i] == rank[i]:  # a literal row (a reference points before its row)
             eb = ebs[piece[i]] if piece[i] < segs else 1.0
             k = rank[i] * d
             _dequantize(codes[k : k + d], eb, y[k : k + d])
