@@ -56,6 +56,7 @@ timeout 240 python3 benchmarks/bench_gpu.py "${args[@]}" 2>&1 | grep -v Warn | t
 #    and its classification run eagerly); then the trainer's default, id-aware traffic
 #    (sizes change every step: eager coder, a few syncs), the MLPs under torch.compile
 #    (--compile), then in bfloat16 (--dense-dtype bf16), then on MLPerf's multi-hot bags,
+#    (hashed, then MLPerf's own draws: --multi-hot-draws mlperf, gathered on the GPU),
 #    then with half-precision tables (--table-dtype fp16: stochastic rounding on the GPU),
 #    then with every table in 4 column shards (--column-shards 4: 104 tables of dim 16).
 #    The default runs ("none", "hybrid") evaluate 2^20 held-out samples (eval_s: the
@@ -64,7 +65,8 @@ fixed="--no-id-dedup --no-bwd-coalesce"
 mh="--multi-hot mlperf --emb-lr 0.01"  # MLPerf's bags, 214 ids a sample
 for run in "none $fixed" "none $fixed --cuda-graph" "hybrid $fixed" \
     "hybrid $fixed --cuda-graph" none hybrid "hybrid --compile" "none --dense-dtype bf16" \
-    "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh" "none --interaction dcn" \
+    "hybrid --dense-dtype bf16" "none $mh" "hybrid $mh" "hybrid $mh --multi-hot-draws mlperf" \
+    "none --interaction dcn" \
     "hybrid --interaction dcn" "hybrid --compress auto" "hybrid --table-dtype fp16" \
     "hybrid --column-shards 4"; do
     c=${run%% *}
