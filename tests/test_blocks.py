@@ -265,7 +265,10 @@ def test_damaged_payloads_are_rejected(device: str) -> None:
             decode_segments([t], "hybrid", [lay] if i % 2 else None)
         with pytest.raises(PayloadError):
             c.decode(t)
-        assert not kernel_flags(t, lay)  # the kernels' checks, on whichever device
+        # The kernels' checks, on whichever device: every flip in the header and widths,
+        # one in three in the data (interpreted on the CPU: 0.15 s a payload).
+        if i < lay.data_at(0) + 8 or device != "cpu" or i % 3 == 0:
+            assert not kernel_flags(t, lay)
     for cut in (0, 7, 40, len(good) - 4):
         t = torch.tensor(list(good[:cut]), dtype=torch.uint8).to(device)
         with pytest.raises(PayloadError):
