@@ -403,6 +403,7 @@ def test_a_raw_file_too_large_for_the_hosts_memory_is_refused_before_it_is_read(
     import gzip
 
     import recsz.data.source as source
+    from recsz import hostmemory
 
     out = tmp_path / "bin"
     preprocessed.preprocess(criteo_10k, out, SIZES, progress=False)
@@ -411,19 +412,19 @@ def test_a_raw_file_too_large_for_the_hosts_memory_is_refused_before_it_is_read(
     size = criteo_10k.stat().st_size
     need = source.RAW_READ_BYTES_PER_BYTE * size
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * need) + 1)
+    monkeypatch.setattr(hostmemory, "available", lambda: int(4 * need) + 1)
     assert len(source.make_source(str(criteo_10k), SIZES, seed=0).arrays) == 9_999
-    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * need) - 1)
+    monkeypatch.setattr(hostmemory, "available", lambda: int(4 * need) - 1)
     parsed = []
     monkeypatch.setattr(criteo, "read", lambda *a, **k: parsed.append(a))
     with pytest.raises(MemoryError, match=r"--data .*head10k\.tsv: .* 4 rank\(s\).*preprocess"):
         source.make_source(str(criteo_10k), SIZES, seed=0)
     gz_need = source.RAW_READ_BYTES_PER_BYTE * source.GZIP_TEXT_PER_BYTE * zipped.stat().st_size
-    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * gz_need) - 1)
+    monkeypatch.setattr(hostmemory, "available", lambda: int(4 * gz_need) - 1)
     with pytest.raises(MemoryError, match=r"--eval-data .*day_0\.gz"):  # its text: 4x the file
         source.make_source(str(out), SIZES, seed=0, eval_data=str(zipped))
     both = need + gz_need  # each fits alone on the 4 ranks, not the two together
-    monkeypatch.setattr(source, "_available_bytes", lambda: int(4 * both) - 1)
+    monkeypatch.setattr(hostmemory, "available", lambda: int(4 * both) - 1)
     with pytest.raises(MemoryError, match=r"--data .*head10k\.tsv, --eval-data .*day_0\.gz"):
         source.make_source(str(criteo_10k), SIZES, seed=0, eval_data=str(zipped))
     assert not parsed

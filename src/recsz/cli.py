@@ -116,10 +116,9 @@ def _plan(argv: list[str]) -> int:
 
     from recsz.config import TrainConfig
     from recsz.fields import parser
-    from recsz.model.multihot import draws_nbytes
     from recsz.model.rowopt import TABLE_DTYPES
     from recsz.model.sharding import rank_loads
-    from recsz.step import held_bytes, table_owners
+    from recsz.step import held_bytes, rank_draws, table_owners
 
     flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
              "multi_hot_draws")  # fmt: skip
@@ -136,11 +135,8 @@ def _plan(argv: list[str]) -> int:
     value = TABLE_DTYPES[cfg.table_dtype].itemsize
     owners = table_owners(cfg, world)  # the run's plan (TT tables charged their cores)
     loads = rank_loads(sizes, dim, owners, world, value, optimizer)
-    hot, k, whole = cfg.hotness(), cfg.column_shards, cfg.model().table_sizes
-    drawn = hot is not None and cfg.multi_hot_draws == "mlperf"
-    for r, x in enumerate(loads):  # MLPerf's draws: a table's once on each rank of its shards
-        mine = [t // k for t, o in enumerate(owners) if o == r]
-        x["draws_bytes"] = draws_nbytes(whole, hot or (), mine) if drawn else 0
+    for x, d in zip(loads, rank_draws(cfg, owners, world), strict=True):
+        x["draws_bytes"] = d  # MLPerf's draws: a table's once on each rank of its shards
     gb = 1e9
     print(f"recsz plan: preset {cfg.preset}, {world} rank(s), {len(sizes)} tables of dim {dim} "
           f"({cfg.column_shards} column shard(s) a table), {cfg.table_dtype} rows, "

@@ -143,19 +143,6 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def host_memory() -> int:
-    """The memory this host gives its ranks, in bytes: its physical memory, or less where
-    this process's cgroup (v2: a container's limit) sets less. What it holds, not what is
-    free now: ranks that start together check it while others allocate."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        return min(total, int(limit)) if limit != "max" else total
-    except (OSError, ValueError):
-        return total
-
-
 def keep_freed_memory(mmap_from: int = 32 << 20, trim_from: int = 1 << 30) -> bool:
     """Let glibc's malloc keep for the next step what a step frees. By default it maps
     every block from 128 KiB afresh (the bound grows only as such blocks are freed) and

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from recsz import hostmemory
 from recsz.codecs import get_codec
 from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
@@ -45,7 +46,7 @@ from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import optimizer_row_bytes, plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
-from recsz.ranks import Ranks, host_memory
+from recsz.ranks import Ranks
 
 # DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
 # `broadcast_buffers` warns it is deprecated), `broadcast_buffers` before it (torch 2.11 on
@@ -117,11 +118,10 @@ def held_bytes(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
     with MLPerf's bag draws its tables' draws (once a rank, however many shards of a table
     it holds). What `recsz plan` prints, a rank a row."""
     sizes, dim = cfg.sharded_tables()
-    tt, hot = cfg.tt_spec(), cfg.hotness()
+    tt = cfg.tt_spec()
     state = optimizer_row_bytes(cfg.resolved("emb_optimizer"), dim)
     row = dim * TABLE_DTYPES[cfg.table_dtype].itemsize + state
-    out = [0] * world
-    mine: list[set[int]] = [set() for _ in range(world)]
+    out = rank_draws(cfg, owners, world)
     for t, r in enumerate(owners):
         if r < 0:  # replicated TT tables: out of the plan
             continue
@@ -129,11 +129,21 @@ def held_bytes(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
             out[r] += 4 * tt_parameters(sizes[t], dim, tt.rank, tt.cores)
         else:
             out[r] += sizes[t] * row
-        mine[r].add(t // cfg.column_shards)
-    if hot is not None and cfg.multi_hot_draws == "mlperf":
-        whole = cfg.model().table_sizes
-        out = [x + draws_nbytes(whole, hot, m) for x, m in zip(out, mine, strict=True)]
     return out
+
+
+def rank_draws(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
+    """The bytes of MLPerf's bag draws (``--multi-hot-draws mlperf``) each rank holds under
+    ``owners``: a table's once on each rank holding any of its shards; none otherwise."""
+    hot = cfg.hotness()
+    if hot is None or cfg.multi_hot_draws != "mlperf":
+        return [0] * world
+    whole = cfg.model().table_sizes
+    mine: list[set[int]] = [set() for _ in range(world)]
+    for t, r in enumerate(owners):
+        if r >= 0:
+            mine[r].add(t // cfg.column_shards)
+    return [draws_nbytes(whole, hot, m) for m in mine]
 
 
 #: what makes tables fit: on a host (its ranks' together), on a GPU (its rank's)
@@ -157,7 +167,7 @@ def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ra
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
     first = ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
     host = need[first : first + local]
-    have = host_memory()
+    have = hostmemory.total()
     if sum(host) > have:
         who = f"rank {first}'s tables" if len(host) == 1 else (
             f"the tables of this host's ranks {first}-{first + len(host) - 1} "

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from recsz import hostmemory
 from recsz.data import criteo, npydays, preprocessed
 from recsz.data.criteo import FIELDS
 from recsz.data.synthetic import SyntheticCriteo
@@ -349,7 +350,7 @@ def _check_room(raws: list[tuple[str, Path]]) -> None:
     together in this host's available memory on every local rank (each reads its own
     copy): an out-of-memory kill in the middle of a run names nothing; a preprocessed
     directory is memory-mapped once."""
-    available = _available_bytes() if raws else None
+    available = hostmemory.available() if raws else None
     if available is None:
         return
     text = sum(p.stat().st_size * (GZIP_TEXT_PER_BYTE if p.suffix == ".gz" else 1)
@@ -365,22 +366,3 @@ def _check_room(raws: list[tuple[str, Path]]) -> None:
             f"(`recsz preprocess FILE DIR`) and give DIR instead (memory-mapped, shared "
             "by the ranks)"
         )
-
-
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo, or less where this process's cgroup (v2: a container's
-    limit) leaves less; None where neither is known."""
-    got = []
-    try:
-        with open("/proc/meminfo") as f:
-            got += [int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")]
-    except (OSError, ValueError):
-        pass
-    try:
-        cg = Path("/sys/fs/cgroup")
-        limit = (cg / "memory.max").read_text().strip()
-        if limit != "max":
-            got.append(int(limit) - int((cg / "memory.current").read_text()))
-    except (OSError, ValueError):
-        pass
-    return min(got) if got else None
