@@ -477,35 +477,45 @@ def main(argv: list[str] | None = None) -> int:
     real = torch.load(args.traffic) if args.traffic and args.traffic.exists() else None
     rows: list[dict] = []
     probes: list = []
+    printed = 0  # rows printed as they came
+    result["codecs"] = rows
+    result["train"] = []
+
+    def save() -> None:
+        """The rows so far (a check cut short by its time limit keeps them)."""
+        for r in [*rows, *result["train"]]:
+            r["device"] = result["device"]
+        if args.json_out:
+            args.json_out.write_text(json.dumps(result, indent=1))
+
     for bs in batches:
         synth = synthetic_step(bs)
         rows += codec_rows(synth, "synthetic", repeats, cpu_hybrid_ratio(synth), probes)
         if real is not None and bs <= real["pooled"].shape[0]:
             cpu_ratio = real["cpu_hybrid_ratio"].get(bs, float("nan"))
             rows += codec_rows(real["pooled"][:bs], "real Criteo", repeats, cpu_ratio, probes)
+        print_rows(rows[-(len(rows) - printed) :])
+        printed = len(rows)
         if args.sweep:
             result.setdefault("sweep", []).extend(sweep_rows(synth, "synthetic", repeats))
-    for r in rows:
-        r["device"] = result["device"]
-    result["codecs"] = rows
-    result["train"] = []
+        save()
     for bs in [] if args.no_train else batches:
         steps = 3 if DEV.type == "cpu" else 20
         largest = bs == max(batches) and DEV.type == "cuda"  # compiling on a CPU: minutes
         result["train"] += train_rows(bs, steps, probes, largest=largest)
+        save()
     for run in probes:  # last: the profiler's hooks may slow whatever runs after it
         run()
+        save()
     for r in result["train"]:
-        r["device"] = result["device"]
         print(
             f"train b={r['batch']:5} {r['config']:10} {r['step_ms']:8.2f} ms "
             f"x{r['step_ratio']:.3f} of none (x{r['ratio_vs_direct']:.3f} of direct) "
             f"syncs {r['syncs_per_step']} "
             f"GPU busy {r.get('gpu_busy', float('nan')):.2f}"
         )
-    print_rows(rows)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(result, indent=1))
+    print_rows(rows)  # (again, the probes' columns with them)
+    save()
     return 0
 
 
@@ -516,8 +526,8 @@ def print_rows(rows: list[dict]) -> None:
             f"dec {r['decode_gbps']:8.1f} GB/s ratio {r['ratio']:6.2f}"
             + (
                 f" (cpu {r['cpu_hybrid_ratio']:.2f}) err/eb {r['max_err_over_eb']:.3f} "
-                f"syncs {r['syncs_per_step']} launches {r['launches_encode']}/"
-                f"{r['launches_decode']} break-even {r['break_even_gbit']:.0f} Gbit/s "
+                f"syncs {r.get('syncs_per_step', '-')} launches {r.get('launches_encode', '-')}/"
+                f"{r.get('launches_decode', '-')} break-even {r['break_even_gbit']:.0f} Gbit/s "
                 f"same-bytes {r['same_bytes_as_cpu_reference']}"
                 if "bounds_ms" in r
                 else ""

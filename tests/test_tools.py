@@ -5,7 +5,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -195,6 +197,52 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     assert 0 < hybrid["max_err_over_eb"] <= 1
     assert [r["config"] for r in result["train"]] == bench_gpu.TRAIN_CONFIGS
     assert all("step_ratio" in r and "gpu_busy" in r for r in result["train"])
+
+
+def test_gpu_train_records_each_run_as_it_ends(tmp_path: Path) -> None:
+    """The GPU check's trainer runs (tiny, on the CPU): a summary, an error or a skip a
+    line, in the issues' order; a restarted process runs only what the log lacks."""
+    gpu_train = _bench("gpu_train")
+    names = [n for n, _ in gpu_train.runs()]
+    assert names[:4] == ["none_fixed", "hybrid_fixed", "none_fixed_graph", "hybrid_fixed_graph"]
+    only = ["--only", "hybrid_fixed,none_fixed_graph", "--dry"]
+    assert gpu_train.main([str(tmp_path), *only]) == 0
+    log = tmp_path / "train.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["hybrid_fixed", "none_fixed_graph"]
+    assert rows[0]["summary"]["samples_per_s_steady"] > 0 and "per_table" not in rows[0]["summary"]
+    assert "--cuda-graph" in rows[1]["error"]  # (a GPU's alone)
+    late = ["--only", "hybrid_fixed,none,hybrid", "--dry", "--deadline", "0"]
+    assert gpu_train.main([str(tmp_path), *late]) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["name"] for r in rows[2:]] == ["none", "hybrid"]  # hybrid_fixed: done
+    assert all("budget" in r["skipped"] for r in rows[2:])
+    with pytest.raises(SystemExit):
+        gpu_train.main([str(tmp_path), "--only", "nonesuch"])
+
+
+def test_gpu_check_ends_within_its_budget_in_few_files(tmp_path: Path) -> None:
+    """gpu_check.sh on the CPU (every run refused: no GPU): the device's limits hold, the
+    whole check within BUDGET and at most 8 files back; a part the budget leaves out says so."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = str(ROOT / "benchmarks" / "gpu_check.sh")
+    out = tmp_path / "out"
+    for budget, parts in [("60", "train"), ("25", "tests")]:
+        env.update(BUDGET=budget, PARTS=parts)
+        t0 = time.monotonic()
+        subprocess.run(["bash", script, str(out)], cwd=ROOT, env=env, check=True,
+                       capture_output=True, timeout=120)  # fmt: skip
+        assert time.monotonic() - t0 < int(budget) + 5
+    files = [f for f in out.rglob("*") if f.is_file()]
+    assert len(files) <= 8, files
+    env_txt = (out / "env.txt").read_text()
+    assert "part train: rc 0" in env_txt and "part tests: skipped" in env_txt
+    rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == len(_bench("gpu_train").runs())
+    assert "no CUDA device" in rows[0]["error"]  # (a loaded machine may skip the last)
+    assert all("no CUDA device" in r.get("error", "") or "budget" in r.get("skipped", "")
+               for r in rows)  # fmt: skip
+    assert rows[0]["name"] in (out / "train.txt").read_text()
 
 
 def test_bench_train_runs_torchrec_dmp_anchor(tmp_path: Path) -> None:
