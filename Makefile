@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 TORCHREC := $(VENV)/.torchrec-1.8.0-iopath
 
-.PHONY: demo test lint bench anchors clean
+.PHONY: demo test lint bench anchors gpu-prep clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -42,6 +42,15 @@ anchors: $(TORCHREC)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_codecs.py --quick
+
+# What a session with a lent GPU carries (carry: [".whl", ".traffic"]), made here first: the
+# pure-Python extras the GPU image lacks, as wheels for its Python 3.12, and real traffic
+# (../shared/data does not travel). Then: bash benchmarks/gpu_check.sh $$OUT .traffic/real.pt
+gpu-prep: $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl "zstandard==0.25.0" "lz4==4.4.5"
+	$(BIN)/python benchmarks/bench_gpu.py --save-traffic .traffic/real.pt
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

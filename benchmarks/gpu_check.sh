@@ -22,10 +22,10 @@
 #   train.jsonl, train.txt, train.log   benchmarks/gpu_train.py: the trainer at batch 8192,
 #               one process for all its runs (a line each as it ends), side by side
 #
-# The GPU image has torch and Triton but not this project's pure-Python extras: carry
-# wheels for Python 3.12 in .whl/ (zstandard>=0.25, lz4; see /work/.library/device/README.md)
-# and the real traffic saved here by `python benchmarks/bench_gpu.py --save-traffic F`
-# (../shared/data does not travel).
+# The GPU image has torch, Triton and numba but not zstandard or lz4, and ../shared/data does
+# not travel: `make gpu-prep` puts their wheels (Python 3.12) in .whl/ and the real traffic in
+# .traffic/real.pt (28 MB with the tree: the carry limit is 64 MiB); then carry both:
+#   run(command="bash benchmarks/gpu_check.sh $OUT .traffic/real.pt", carry=[".whl", ".traffic"])
 set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [TRAFFIC_FILE]}
 traffic=${2:-}
