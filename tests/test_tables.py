@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from recsz.model import ModelConfig, RowOptimizer, SparseArch
-from recsz.model.tables import init_table
+from recsz.model.tableinit import init_table
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
 
@@ -194,24 +194,3 @@ def test_bad_input_is_named() -> None:
         arch.bags(torch.tensor([0]), torch.tensor([[1, 1]]))
     with pytest.raises(ValueError, match="not one of"):
         RowOptimizer("adam", 0.1)
-
-
-@pytest.mark.parametrize("block", [1, 7, 50, 64])
-def test_a_table_drawn_in_blocks_is_the_one_drawn_at_once(
-    block: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """init_table draws INIT_ROWS rows at a time (a column shard never holds its whole
-    table): the same values as one draw of every row, whole or a shard's columns, and
-    rounded once into half-precision rows."""
-    from recsz.model import tables as tables_module
-
-    rows, dim, seed, t = 50, 12, 3, 5
-    g = torch.Generator().manual_seed(seed * 1009 + t)
-    bound = (1.0 / rows) ** 0.5
-    once = torch.empty(rows, dim).uniform_(-bound, bound, generator=g)
-    monkeypatch.setattr(tables_module, "INIT_ROWS", block)
-    assert torch.equal(init_table(rows, dim, seed, t), once)
-    assert torch.equal(init_table(rows, dim, seed, t, slice(4, 8)), once[:, 4:8])
-    half = torch.empty(rows, 4, dtype=torch.float16)
-    init_table(rows, dim, seed, t, slice(8, 12), out=half)
-    assert torch.equal(half, once[:, 8:12].half())

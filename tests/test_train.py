@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -167,6 +168,12 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(MemoryError, match="--tt-tables K"):  # a rank of a torchrun job
         refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))
+    # GPUs' rows are made on the GPU: the host holds none of them (each GPU is held to its
+    # own memory, in a CUDA rank)
+    with monkeypatch.context() as mp:
+        mp.setattr("torch.cuda.is_available", lambda: True)
+        on_gpus = dataclasses.replace(cfg, device="cuda")
+    refuse_tables_that_cannot_fit(on_gpus, owners, Ranks(1, 2))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # alone on its host: it fits
     monkeypatch.setenv("LOCAL_RANK", "0")
     refuse_tables_that_cannot_fit(cfg, owners, Ranks(1, 2))

@@ -159,14 +159,16 @@ _GPU_ROOM = (
 
 
 def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ranks) -> None:
-    """Before any table is made: MemoryError where this host's ranks' tables (each rank
-    builds its own in host memory, at once) need more than the host's memory, or this
-    rank's more than its GPU's; what it would hold, not what is free (other ranks may be
-    allocating)."""
+    """Before any table is made: MemoryError where this host's ranks' tables need more than
+    the host's memory (the ranks make theirs at once: on the CPU all they hold, for GPUs
+    what passes through the host, MLPerf's bag draws; the rows are made on the GPU), or
+    this rank's more than its GPU's; what they would hold, not what is free (other ranks
+    may be allocating)."""
     need, gb = held_bytes(cfg, owners, ranks.world), 1e9
+    on_host = rank_draws(cfg, owners, ranks.world) if cfg.device == "cuda" else need
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
     first = ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
-    host = need[first : first + local]
+    host = on_host[first : first + local]
     have = hostmemory.total()
     if sum(host) > have:
         who = f"rank {first}'s tables" if len(host) == 1 else (
@@ -196,8 +198,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     dtype = TABLE_DTYPES[cfg.table_dtype]
     mine = plan.tables_of(ranks.rank)
     sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype, cfg.column_shards,
-                        cfg.multi_hot_draws)  # fmt: skip
-    sparse = sparse.to(ranks.device)
+                        cfg.multi_hot_draws, ranks.device)  # fmt: skip
+    sparse = sparse.to(ranks.device)  # (what was made on the host: TT cores, draws, indices)
     replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
     init = cfg.resolved("mlp_init")

@@ -22,40 +22,8 @@ from recsz.model.config import ModelConfig
 from recsz.model.fiited import FiitedLookup, FiitedSpec, FiitedStore
 from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
+from recsz.model.tableinit import init_table
 from recsz.model.ttrec import TTSpec, TTTables
-
-#: rows drawn at a time when a table starts: a column shard never holds its whole table
-#: (one of MLPerf's 40M-row tables at dim 128 is 20 GB), nor half-precision rows a float32
-#: copy of theirs
-INIT_ROWS = 1 << 16
-
-
-def init_table(
-    rows: int,
-    dim: int,
-    seed: int,
-    table: int,
-    columns: slice = slice(None),
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The initial weights of one table (its ``columns``: a column shard's), a function of
-    (seed, table) only, written into ``out`` (rows x the columns, any float dtype: each
-    value rounded to it once) or a new float32 tensor.
-
-    Seeding per table makes a table's start independent of which rank owns it, or of how
-    its columns are split, so the sharded model starts exactly where the single-process
-    one does. Uniform in +-sqrt(1/rows) as in facebookresearch/dlrm. Drawn :data:`INIT_ROWS`
-    rows at a time: the CPU generator's values come in the same order, so the table is the
-    one a single draw of all its rows makes (tested).
-    """
-    g = torch.Generator().manual_seed(seed * 1009 + table)
-    bound = (1.0 / rows) ** 0.5
-    if out is None:
-        out = torch.empty(rows, len(range(dim)[columns]))
-    for a in range(0, rows, INIT_ROWS):
-        block = torch.empty(min(rows - a, INIT_ROWS), dim).uniform_(-bound, bound, generator=g)
-        out[a : a + len(block)] = block[:, columns]
-    return out
 
 
 class SparseArch(nn.Module):
@@ -80,6 +48,10 @@ class SparseArch(nn.Module):
             of its own here (``tables`` index them: shard c of table t is t * shards + c),
             D / shards wide, looked up with table t's ids (and bags), started as table t's
             columns (:func:`recsz.model.sharding.column_shards`; no TT or FIITED tables).
+        device: where the dense tables' rows (and their optimizer's state) are made, in
+            place (:func:`recsz.model.tableinit.init_table`): a GPU's never pass through
+            the host. The rest is made on the CPU and moved by ``.to()`` (FIITED's store
+            too: its rows start on the CPU).
     """
 
     offsets: torch.Tensor  # (|dense tables|,) each table's first row in ``weight``
@@ -101,6 +73,7 @@ class SparseArch(nn.Module):
         dtype: torch.dtype = torch.float32,
         shards: int = 1,
         bag_draws: str = "hash",
+        device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
         if fiited is not None and dtype != torch.float32:
@@ -120,7 +93,8 @@ class SparseArch(nn.Module):
         self.dense_bytes = 4 * self.dim * sum(cfg.table_sizes[t // shards] for t in self.tables)
         start = torch.tensor([0, *self.sizes], dtype=torch.int64).cumsum(0)
         held = dtype if fiited is None else torch.float32  # (FIITED's store: float32 rows)
-        weight = torch.empty(int(start[-1]), self.dim, dtype=held)
+        made_on = torch.device(device) if fiited is None else torch.device("cpu")
+        weight = torch.empty(int(start[-1]), self.dim, dtype=held, device=made_on)
         for j, t in enumerate(self.dense_tables):
             c = t % shards
             cols = slice(c * self.dim, (c + 1) * self.dim) if shards > 1 else slice(None)
