@@ -77,6 +77,50 @@ def test_every_byte_flip_changes_the_digest_checked(run_dir: Path) -> None:
         assert not ok, f"flip at byte {i} of meta.json goes unnoticed"
 
 
+@pytest.mark.parametrize("size", [0, 1, 63, 64, 65, 200, 256])
+def test_a_file_s_digest_is_its_pieces_digest(
+    size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SHA-256 over each piece's SHA-256 (pieces of 64 bytes here, hashed on threads), or
+    one SHA-256 of the whole file (a record written before the pieces)."""
+    import hashlib
+
+    monkeypatch.setattr(checkpoint, "_PIECE", 64)
+    data = random.Random(size).randbytes(size)
+    f = tmp_path / "f"
+    f.write_bytes(data)
+    pieces = [data[i : i + 64] for i in range(0, max(size, 1), 64)]
+    want = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+    assert checkpoint._digest(f) == want
+    assert checkpoint._digest(f, None) == hashlib.sha256(data).hexdigest()
+
+
+def test_a_record_from_before_the_pieces_still_resumes(run_dir: Path, tmp_path: Path) -> None:
+    """A record without "digest" holds one SHA-256 of each whole file; an unknown way of
+    digesting is named."""
+    import hashlib
+    import shutil
+
+    for how, ok in [(None, True), ("sha3-of-something", False)]:
+        dst = tmp_path / f"old-{how}"
+        shutil.copytree(run_dir, dst)
+        d = checkpoint.complete(dst)[-1]
+        meta = json.loads((d / "meta.json").read_text())
+        del meta["digest"]
+        if how is None:
+            meta["files"] = {n: hashlib.sha256((d / n).read_bytes()).hexdigest()
+                             for n in meta["files"]}  # fmt: skip
+        else:
+            meta["digest"] = how
+        meta["checksum"] = checkpoint.record_digest(meta)
+        (d / "meta.json").write_text(json.dumps(meta))
+        if ok:
+            assert train(dst, "--steps", "6", "--resume", str(dst))["steps"] == 6
+        else:
+            with pytest.raises(ValueError, match="digest 'sha3-of-something' unknown"):
+                main([*BASE, "--steps", "6", "--resume", str(dst)])
+
+
 def test_fallback_resumes_from_the_last_intact_checkpoint(run_dir: Path, tmp_path: Path) -> None:
     bad = flipped(run_dir, tmp_path, 100)
     with pytest.raises(ValueError, match="--resume-fallback"):

@@ -4,7 +4,8 @@ Layout: RUN/checkpoints/step-000000120/{rank-0.pt, rank-1.pt, ..., meta.json}. E
 is written under a temporary name and renamed (the temporary file is removed if the write
 fails), and rank 0 writes ``meta.json`` only after all ranks have renamed theirs (a
 barrier). ``meta.json`` holds the step, the world size, the configuration, its fingerprint,
-the SHA-256 of every rank's file and its own, so a checkpoint whose files were damaged, truncated
+the digest of every rank's file (SHA-256 of its pieces' SHA-256, hashed on several
+threads: :data:`DIGEST`) and its own, so a checkpoint whose files were damaged, truncated
 or swapped for another run's is refused with the file named. A directory without
 ``meta.json`` (a crash mid-write) is ignored. After each save only the newest
 ``keep_checkpoints`` complete checkpoints stay.
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,12 +60,43 @@ def fingerprint(cfg: TrainConfig) -> str:
     return _json_sha256({k: v for k, v in cfg.to_dict().items() if k not in _MAY_CHANGE})[:16]
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+#: how a rank file's digest is made (``meta.json``'s "digest"): SHA-256 over the SHA-256 of
+#: each of its pieces of :data:`_PIECE` bytes, the pieces read and hashed on several threads
+#: at once (hashlib leaves the GIL while it hashes). Records without it (written before)
+#: hold one SHA-256 of the whole file.
+DIGEST = "sha256-of-64MiB-pieces"
+_PIECE = 64 << 20
+
+
+def _digest(path: Path, how: str | None = DIGEST) -> str:
+    """``path``'s digest made ``how``; None: one SHA-256 of the whole file, read through."""
+    if how is None:
+        return _sha256(path, 0, None).hex()
+    if how != DIGEST:
+        raise CheckpointError(f"{path}: digest {how!r} unknown to this recsz (it makes {DIGEST})")
+    size = path.stat().st_size
+    starts = range(0, max(size, 1), _PIECE)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks of a host hash at once
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, min(len(starts), (cores or 1) // local))
+    with ThreadPoolExecutor(threads) as pool:
+        pieces = pool.map(lambda at: _sha256(path, at, min(_PIECE, size - at)), starts)
+        return hashlib.sha256(b"".join(pieces)).hexdigest()
+
+
+def _sha256(path: Path, at: int, n: int | None) -> bytes:
+    """SHA-256 of ``n`` bytes of ``path`` from ``at`` (None: to its end)."""
+    h, buf = hashlib.sha256(), bytearray(1 << 20)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        f.seek(at)
+        while n is None or n > 0:
+            got = f.readinto(view if n is None else view[: min(len(buf), n)])
+            if not got:
+                break
+            h.update(view[:got])
+            n = None if n is None else n - got
+    return h.digest()
 
 
 def record_digest(meta: dict[str, Any]) -> str:
@@ -118,6 +151,7 @@ def save(
             "world_size": ranks.world,
             "fingerprint": fingerprint(cfg),
             "files": {f"rank-{r}.pt": h for r, h in enumerate(digests)},
+            "digest": DIGEST,
             "config": cfg.to_dict(),
         }
         meta["checksum"] = record_digest(meta)
@@ -222,7 +256,7 @@ def _check(
         f = d / f"rank-{r}.pt"
         if not f.exists():
             raise CheckpointError(f"{f}: missing")
-        if _digest(f) != files.get(f.name):
+        if _digest(f, meta.get("digest")) != files.get(f.name):
             raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
     if same:
         return step, world, shards, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}
