@@ -91,8 +91,8 @@ def test_a_file_s_digest_is_its_pieces_digest(
     f.write_bytes(data)
     pieces = [data[i : i + 64] for i in range(0, max(size, 1), 64)]
     want = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
-    assert checkpoint._digest(f) == want
-    assert checkpoint._digest(f, None) == hashlib.sha256(data).hexdigest()
+    assert checkpoint.digest(f) == want
+    assert checkpoint.digest(f, None) == hashlib.sha256(data).hexdigest()
 
 
 def test_a_record_from_before_the_pieces_still_resumes(run_dir: Path, tmp_path: Path) -> None:
@@ -246,3 +246,46 @@ def test_a_run_without_checkpoints_says_why_it_has_no_model(tmp_path: Path) -> N
     (tmp_path / "other").mkdir()  # not a run at all: the directory it lacks
     with pytest.raises(FileNotFoundError, match=r"no complete checkpoint \(RUN/checkpoints"):
         evaluation.chosen(tmp_path / "other")
+
+
+def test_checkpoints_are_written_while_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank's file is written from a snapshot by a thread (made slow here: training
+    takes steps meanwhile, changing every tensor the file holds) and completed at the next
+    logged step: resuming from it ends where the straight run does. A crash before the
+    completion loses that checkpoint, and the run resumes from the one before. Where the
+    host's free memory would not hold the snapshot, the live state is written at once."""
+    import time
+
+    from recsz import checkpointwrite, hostmemory
+
+    run_of = checkpointwrite._Write.run
+    threads: list[str] = []
+
+    def slow(self: object, state: dict) -> None:
+        threads.append(__import__("threading").current_thread().name)
+        time.sleep(0.3)
+        run_of(self, state)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpointwrite._Write, "run", slow)
+    monkeypatch.setattr(hostmemory, "available", lambda: 1 << 40)
+    flags = ["--steps", "8", "--log-every", "4"]
+    straight = train(tmp_path / "straight", *flags)
+    assert threads == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
+    kept = [d.name for d in checkpoint.complete(tmp_path / "straight")]
+    assert kept == ["step-000000004", "step-000000006", "step-000000008"]  # keep 3
+    crashed = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train(crashed, *flags, "--inject-failure", "0:5")
+    # step 2's completed at step 4's row; step 4's would have been at step 8's
+    assert [d.name for d in checkpoint.complete(crashed)] == ["step-000000002"]
+    assert not list(crashed.rglob("*.tmp"))
+    resumed = train(crashed, *flags, "--resume", str(crashed))
+    for k in ("auc", "logloss", "bytes_payload"):
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+    threads.clear()
+    monkeypatch.setattr(hostmemory, "available", lambda: 1000)
+    train(tmp_path / "tight", *flags)
+    assert threads == ["MainThread"] * 4
+    assert len(checkpoint.complete(tmp_path / "tight")) == 3

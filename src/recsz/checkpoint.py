@@ -1,4 +1,5 @@
 """Checkpoints: each rank saves what it owns; a marker written last makes one complete.
+This module reads them (and names their layout); :mod:`recsz.checkpointwrite` writes them.
 
 Layout: RUN/checkpoints/step-000000120/{rank-0.pt, rank-1.pt, ..., meta.json}. Every file
 is written under a temporary name and renamed (the temporary file is removed if the write
@@ -17,7 +18,6 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,7 +68,7 @@ DIGEST = "sha256-of-64MiB-pieces"
 _PIECE = 64 << 20
 
 
-def _digest(path: Path, how: str | None = DIGEST) -> str:
+def digest(path: Path, how: str | None = DIGEST) -> str:
     """``path``'s digest made ``how``; None: one SHA-256 of the whole file, read through."""
     if how is None:
         return _sha256(path, 0, None).hex()
@@ -102,75 +102,6 @@ def _sha256(path: Path, at: int, n: int | None) -> bytes:
 def record_digest(meta: dict[str, Any]) -> str:
     """SHA-256 of a checkpoint record without its own checksum (canonical JSON)."""
     return _json_sha256({k: v for k, v in meta.items() if k != "checksum"})
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """``write(tmp_path)`` then rename; the temporary file never outlives a failure."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, f"cannot write checkpoint file {path}: {e.strerror}") from e
-        raise
-
-
-def save(
-    out: Path,
-    parts: Parts,
-    cfg: TrainConfig,
-    ranks: Ranks,
-    step: int,
-    counters: dict[str, Any],
-) -> Path:
-    """Write this rank's state at ``step`` (and ``counters``: the run's totals so far, so a
-    resumed run reports the whole run); rank 0 completes the checkpoint and prunes."""
-    d = out / "checkpoints" / f"step-{step:09d}"
-    d.mkdir(parents=True, exist_ok=True)
-    state = {
-        "rank": ranks.rank,
-        "tables": parts.sparse.tables,
-        "sparse": parts.sparse.state_dict(),
-        "dense": parts.dense_module.state_dict(),
-        "dense_opt": parts.dense_opt.state_dict(),
-        "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
-        "switch": parts.exchange.switch.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "dp": parts.dp.state_dict(),
-        "stats": parts.exchange.stats,
-        "counters": counters,
-    }
-    f = d / f"rank-{ranks.rank}.pt"
-    _atomic_write(f, lambda tmp: torch.save(state, tmp))
-    digests = ranks.gather(_digest(f))
-    if ranks.rank == 0:
-        meta = {
-            "step": step,
-            "world_size": ranks.world,
-            "fingerprint": fingerprint(cfg),
-            "files": {f"rank-{r}.pt": h for r, h in enumerate(digests)},
-            "digest": DIGEST,
-            "config": cfg.to_dict(),
-        }
-        meta["checksum"] = record_digest(meta)
-        _atomic_write(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
-        _prune(out / "checkpoints", cfg.keep_checkpoints)
-    ranks.barrier()
-    return d
-
-
-def _prune(base: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints (0: all); drop incomplete ones older
-    than the newest complete one."""
-    done = complete(base.parent)
-    if not done:
-        return
-    drop = done[:-keep] if keep else []
-    drop += [p for p in base.iterdir() if p.is_dir() and p not in done and p.name < done[-1].name]
-    for p in drop:
-        shutil.rmtree(p, ignore_errors=True)
 
 
 def complete(run_dir: Path) -> list[Path]:
@@ -256,7 +187,7 @@ def _check(
         f = d / f"rank-{r}.pt"
         if not f.exists():
             raise CheckpointError(f"{f}: missing")
-        if _digest(f, meta.get("digest")) != files.get(f.name):
+        if digest(f, meta.get("digest")) != files.get(f.name):
             raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
     if same:
         return step, world, shards, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from recsz import checkpoint, report
+from recsz.checkpointwrite import Saver
 from recsz.config import TrainConfig, given_args, parse_train_args, resumed_config
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
@@ -46,6 +47,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         keep_freed_memory()
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
+    saver: Saver | None = None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
         bsz = cfg.resolved("batch_size")
@@ -128,6 +130,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         part = rank_part(parts, ranks)  # what the step reads
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
+        saver = Saver(out, cfg, ranks)
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
@@ -156,6 +159,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 warm = (train_s, done)
             row: dict[str, Any] = {}
             if logged:
+                saver.complete()  # the checkpoint written since the last row, if any
                 recs = gathered()
                 if bad := report.diverged(recs):  # every rank sees the same: all stop here
                     msg = f"the loss is not finite on rank(s) {bad} by step {done}"
@@ -177,15 +181,16 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 run_totals = {"train_s": train_s, "data_s": data_s, "eval_s": eval_s,
                               "target_reached": reached}  # fmt: skip
                 parts.exchange.settle()  # no step whose payloads failed their checks is saved
-                checkpoint.save(out, parts, cfg, ranks, done, run_totals)
+                saver.save(parts, done, run_totals)
             if reached is not None:
                 break
         bar.close()
         if reached is None:
-            ev = evaluate(parts, source, cfg, steps, ranks)
+            ev = evaluate(parts, source, cfg, steps, ranks)  # (the last checkpoint written)
             eval_s += ev["eval_s"]
         else:  # the model the target's evaluation saw
             steps = reached["step"]
+        saver.complete()
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
@@ -223,6 +228,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         ok = True
         return summary
     finally:
+        if saver is not None and not ok:
+            saver.abandon()
         ranks.close(ok)
 
 

@@ -1,0 +1,182 @@
+"""Writing checkpoints while training goes on.
+
+At a checkpoint's step each rank copies its state into host memory (the snapshot: the
+training that goes on cannot change it; on a GPU one copy to the host), then a thread writes
+it to the rank's file (under a temporary name, renamed when whole) and digests it while the
+steps go on. The checkpoint is completed (every rank's digest gathered, rank 0's record,
+``meta.json``, written last, old checkpoints pruned) at the next step all ranks take for it:
+the next logged step (``--log-every``), the next checkpoint, or the run's end. Until then it
+is an incomplete directory, which a resume passes over (a crash before loses it, and resumes
+from the one before). Where the host's free memory would not hold the snapshot, a rank
+writes its live state at once instead, training waiting for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from recsz import hostmemory
+from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest
+
+if TYPE_CHECKING:
+    from recsz.config import TrainConfig
+    from recsz.ranks import Ranks
+    from recsz.step import Parts
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """``write(tmp_path)`` then rename; the temporary file never outlives a failure."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise OSError(e.errno, f"cannot write checkpoint file {path}: {e.strerror}") from e
+        raise
+
+
+def rank_state(parts: Parts, ranks: Ranks, counters: dict[str, Any]) -> dict[str, Any]:
+    """What a rank's file holds (live: its tensors are the training's own)."""
+    return {
+        "rank": ranks.rank,
+        "tables": parts.sparse.tables,
+        "sparse": parts.sparse.state_dict(),
+        "dense": parts.dense_module.state_dict(),
+        "dense_opt": parts.dense_opt.state_dict(),
+        "policies": {k: p.state_dict() for k, p in parts.exchange.policies.items()},
+        "switch": parts.exchange.switch.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "dp": parts.dp.state_dict(),
+        "stats": parts.exchange.stats,
+        "counters": counters,
+    }
+
+
+def snapshot(obj: Any) -> Any:
+    """``obj`` with every tensor copied into host memory and everything else deep-copied:
+    nothing the training changes afterwards reaches it."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in ``obj`` (dicts, lists and tuples of them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+@dataclass
+class _Write:
+    """One rank's file of one checkpoint: its step and, once written, its digest or why
+    it could not be written."""
+
+    step: int
+    path: Path
+    thread: threading.Thread | None = None
+    result: dict[str, str] = field(default_factory=dict)
+
+    def run(self, state: dict[str, Any]) -> None:
+        try:
+            atomic_write(self.path, lambda tmp: torch.save(state, tmp))
+            self.result["digest"] = digest(self.path)
+        except BaseException as e:  # named on every rank when the checkpoint completes
+            self.result["error"] = f"{type(e).__name__}: {e}"
+
+
+class Saver:
+    """A run's checkpoints, each written in the background and completed later
+    (:meth:`complete`, which every rank calls at the same steps)."""
+
+    def __init__(self, out: Path | None, cfg: TrainConfig, ranks: Ranks) -> None:
+        self.out, self.cfg, self.ranks = out, cfg, ranks  # out: None, no checkpoints
+        self.pending: _Write | None = None
+        self.in_background = 0  # (counted: the tests, the benchmark)
+
+    def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
+        """Start this rank's file of the checkpoint at ``step`` (the last one completed
+        first)."""
+        self.complete()
+        assert self.out is not None, "a run without a directory keeps no checkpoints"
+        d = self.out / "checkpoints" / f"step-{step:09d}"
+        d.mkdir(parents=True, exist_ok=True)
+        live = rank_state(parts, self.ranks, counters)
+        self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
+        free = hostmemory.available()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks snapshot at once
+        if free is None or tensor_bytes(live) * local * 1.25 > free:
+            write.run(live)  # no room for a copy: the live state, training waiting
+            return
+        write.thread = threading.Thread(
+            target=write.run, args=(snapshot(live),), name=f"checkpoint-{step}"
+        )
+        write.thread.start()
+        self.in_background += 1
+
+    def complete(self) -> Path | None:
+        """Complete the checkpoint started last, if any: wait for this rank's file, gather
+        every rank's digest (an error names each rank that could not write), and rank 0
+        writes the record and prunes. Every rank calls it at the same steps."""
+        write, self.pending = self.pending, None
+        if write is None:
+            return None
+        if write.thread is not None:
+            write.thread.join()
+        results = self.ranks.gather(write.result)
+        failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
+        if failed:
+            raise OSError(f"cannot write checkpoint step {write.step}: " + "; ".join(failed))
+        d = write.path.parent
+        if self.ranks.rank == 0 and self.out is not None:
+            meta = {
+                "step": write.step,
+                "world_size": self.ranks.world,
+                "fingerprint": fingerprint(self.cfg),
+                "files": {f"rank-{r}.pt": res["digest"] for r, res in enumerate(results)},
+                "digest": DIGEST,
+                "config": self.cfg.to_dict(),
+            }
+            meta["checksum"] = record_digest(meta)
+            atomic_write(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
+            prune(self.out / "checkpoints", self.cfg.keep_checkpoints)
+        self.ranks.barrier()
+        return d
+
+    def abandon(self) -> None:
+        """A failed run: wait for this rank's file (whole, or no file), never completing
+        the checkpoint (no collective: the ranks may be gone)."""
+        write, self.pending = self.pending, None
+        if write is not None and write.thread is not None:
+            write.thread.join()
+
+
+def prune(base: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (0: all); drop incomplete ones older
+    than the newest complete one."""
+    done = complete(base.parent)
+    if not done:
+        return
+    drop = done[:-keep] if keep else []
+    drop += [p for p in base.iterdir() if p.is_dir() and p not in done and p.name < done[-1].name]
+    for p in drop:
+        shutil.rmtree(p, ignore_errors=True)
