@@ -199,6 +199,18 @@ def test_bench_gpu_dry_run_on_cpu(tmp_path: Path) -> None:
     assert all("step_ratio" in r and "gpu_busy" in r for r in result["train"])
 
 
+def test_bench_checkpoint_tiny(tmp_path: Path) -> None:
+    """Checkpoints' cost to the loop, both ways (tiny): rows, and the way at once took no
+    thread."""
+    bench = _bench("bench_checkpoint")
+    out = tmp_path / "ck.json"
+    argv = ["--preset", "tiny", "--steps", "2", "--every", "2", "--batch-size", "32"]
+    assert bench.main([*argv, "--repeats", "1", "--json-out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["way"] for r in rows] == list(bench.WAYS)
+    assert all(r["checkpoints"] == 1 and r["file_gb"] > 0 and r["stall_s"] > 0 for r in rows)
+
+
 def test_gpu_train_records_each_run_as_it_ends(tmp_path: Path) -> None:
     """The GPU check's trainer runs (tiny, on the CPU): a summary, an error or a skip a
     line, in the issues' order; a restarted process runs only what the log lacks."""
