@@ -58,9 +58,10 @@ def one_run(way: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         if way == "at once":
             hostmemory.available = lambda: 0  # no room for the copy
         t0 = time.perf_counter()
+        every = str(args.every)
         train(["--preset", args.preset, "--steps", str(args.steps), "--batch-size",
-               str(args.batch_size), "--checkpoint-every", str(args.every), "--log-every",
-               str(args.every), "--synthetic-eval", "4096", "--no-progress", "--out", str(out)])  # fmt: skip
+               str(args.batch_size), "--checkpoint-every", every, "--log-every", every,
+               "--synthetic-eval", "4096", "--no-progress", "--out", str(out)])  # fmt: skip
         wall = time.perf_counter() - t0
     finally:
         for name, f in real.items():
