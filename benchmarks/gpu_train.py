@@ -7,9 +7,11 @@ each feature that has never run on a GPU. One process: the imports, the CUDA con
 the coder's compiled kernels are paid once, not once a run (about 5 s each here).
 
 Each run's summary (or its error, or "skipped" where the deadline would pass) is appended
-to ``OUT/train.jsonl`` as it ends, so a check cut short keeps what ran. A run that leaves
-the GPU unusable (an illegal address poisons the process's CUDA context) ends the process
-with :data:`RESTART`; `gpu_check.sh` then starts it again for the runs not yet recorded.
+to ``OUT/train.jsonl`` as it ends, so a check cut short keeps what ran (the runs' own
+directories go to ``--runs``: what OUT holds comes back from the device, 8 files at most).
+A run that leaves the GPU unusable (an illegal address poisons the process's CUDA context)
+ends the process with :data:`RESTART`; `gpu_check.sh` then starts it again for the runs not
+yet recorded.
 
     python benchmarks/gpu_train.py OUT --deadline EPOCH_S [--only NAME,...] [--dry]
     python benchmarks/gpu_train.py OUT --table     # the runs OUT holds, side by side
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -131,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="these runs (names, comma-separated)")
     ap.add_argument("--dry", action="store_true", help="tiny, on the CPU")
     ap.add_argument("--table", action="store_true", help="only print the runs OUT holds")
+    runs_dir = Path(tempfile.gettempdir()) / "recsz_gpu"
+    why = "the runs' directories (not OUT: a device call returns 8 files)"
+    ap.add_argument("--runs", type=Path, default=runs_dir, help=why)
     args = ap.parse_args(argv)
     log = args.out / "train.jsonl"
     if args.table:
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rest in wanted:
         if name in seen:
             continue
-        argv_run = flags(name, rest, args.out, args.dry)
+        argv_run = flags(name, rest, args.runs, args.dry)
         entry: dict[str, Any] = {"name": name, "flags": argv_run}
         start = time.time()
         if args.deadline - start < RUN_S:

@@ -217,9 +217,11 @@ def test_gpu_train_records_each_run_as_it_ends(tmp_path: Path) -> None:
     gpu_train = _bench("gpu_train")
     names = [n for n, _ in gpu_train.runs()]
     assert names[:4] == ["none_fixed", "hybrid_fixed", "none_fixed_graph", "hybrid_fixed_graph"]
-    only = ["--only", "hybrid_fixed,none_fixed_graph", "--dry"]
+    only = ["--only", "hybrid_fixed,none_fixed_graph", "--dry", "--runs", str(tmp_path / "runs")]
     assert gpu_train.main([str(tmp_path), *only]) == 0
     log = tmp_path / "train.jsonl"
+    assert (tmp_path / "runs" / "hybrid_fixed" / "summary.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs", "train.jsonl"]
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["name"] for r in rows] == ["hybrid_fixed", "none_fixed_graph"]
     assert rows[0]["summary"]["samples_per_s_steady"] > 0 and "per_table" not in rows[0]["summary"]
