@@ -1,18 +1,18 @@
 """What a checkpoint costs the training loop: written in the background against at once.
 
     python benchmarks/bench_checkpoint.py [--preset kaggle] [--steps 20] [--every 5]
-        [--batch-size 2048] [--repeats 2] [--json-out ...]
+        [--batch-size 2048] [--repeats 2] [--device cpu|cuda] [--json-out ...]
 
-One process trains ``--steps`` steps of synthetic data, a checkpoint every ``--every`` steps
-(and a metrics row, where the background write completes). "background": the default (the
-state copied to host memory, a thread writes and digests it); "at once": the live state
-written and digested before training goes on (what happens where the host's free memory
-cannot hold the copy; and, with one SHA-256 of the whole file instead of the pieces', what
-every checkpoint did before). Per way: the seconds the loop spent in the checkpoint's calls
-(copy, or write and digest; then the completion: waiting for the thread, the record), the
-wall seconds of the run, and the rank file's size. Then the file's digest both ways: one
-SHA-256 read through, and the pieces' on this host's cores. Ways alternate within each
-repeat. Prints a table and writes JSON.
+One process trains ``--steps`` steps of synthetic data on ``--device``, a checkpoint every
+``--every`` steps (and a metrics row, where the background write completes). "background":
+the GPU's default (the state copied to host memory, a thread writes and digests it); "at
+once": the CPU's default, the live state written and digested before training goes on (with
+one SHA-256 of the whole file instead of the pieces', what every checkpoint did before).
+Per way: the seconds the loop spent in the checkpoint's calls (copy, or write and digest;
+then the completion: waiting for the thread, the record), the wall seconds of the run, and
+the rank file's size. Then the file's digest both ways: one SHA-256 read through, and the
+pieces' on this host's cores. Ways alternate within each repeat. Prints a table and writes
+JSON.
 """
 
 from __future__ import annotations
@@ -51,22 +51,23 @@ def one_run(way: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
         return call
 
-    available = hostmemory.available
+    available, default = hostmemory.available, checkpointwrite.in_background
     try:
         for name in spent:
             setattr(saver, name, timed(name))
-        if way == "at once":
-            hostmemory.available = lambda: 0  # no room for the copy
+        checkpointwrite.in_background = lambda device: way == "background"
+        hostmemory.available = lambda: 1 << 50  # (the copy fits)
         t0 = time.perf_counter()
         every = str(args.every)
-        train(["--preset", args.preset, "--steps", str(args.steps), "--batch-size",
+        train(["--device", args.device, "--preset", args.preset, "--steps", str(args.steps),
+               "--batch-size",
                str(args.batch_size), "--checkpoint-every", every, "--log-every", every,
                "--synthetic-eval", "4096", "--no-progress", "--out", str(out)])  # fmt: skip
         wall = time.perf_counter() - t0
     finally:
         for name, f in real.items():
             setattr(saver, name, f)
-        hostmemory.available = available
+        hostmemory.available, checkpointwrite.in_background = available, default
     f = checkpoint.complete(out)[-1] / "rank-0.pt"
     n = args.steps // args.every
     return {"way": way, "checkpoints": n, "file_gb": f.stat().st_size / 1e9, "wall_s": wall,
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json-out", default=str(HERE / "results" / "checkpoint.json"))
     args = ap.parse_args(argv)
     rows: list[dict[str, Any]] = []

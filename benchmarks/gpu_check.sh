@@ -2,13 +2,14 @@
 # Everything a session with a lent GPU should run, in one device call.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [TRAFFIC_FILE]
-#   BUDGET=420 PARTS="bench tests train" (the defaults; a rerun names fewer parts)
+#   BUDGET=420 PARTS="bench tests train checkpoint" (the defaults; a rerun names fewer)
 #
 # The device's limits shape it: a lease is 15 minutes with the machine's start, one call 10,
 # and 8 files come back. So the whole check ends within BUDGET seconds (420: a rerun of a
 # part still fits the lease), each part under a time limit of its own and of what is left,
 # most wanted first (the codec issue's numbers, the CUDA tests, then the trainer's runs,
-# the trainer issue's first); results are written as they come, in at most 7 files:
+# the trainer issue's first, then a checkpoint's cost); results are written as they
+# come, in at most 7 files:
 #   env.txt     the card and versions, then each part's seconds and exit status (or why
 #               it was skipped)
 #   bench.txt, gpu.json   benchmarks/bench_gpu.py (codec GB/s, ratio, syncs, launches,
@@ -20,8 +21,9 @@
 #               against eager steps, prefetched batches while the GPU lags, the syncs
 #               counted on the CPU, --compress auto's timing, metrics, half tables,
 #               tables made on the GPU as on the CPU
-#   train.jsonl, train.txt, train.log   benchmarks/gpu_train.py: the trainer at batch 8192,
-#               one process for all its runs (a line each as it ends), side by side
+#   train.jsonl, train.log   benchmarks/gpu_train.py: the trainer at batch 8192, one
+#               process for all its runs (a line each as it ends), side by side at the end
+#   checkpoint.txt   benchmarks/bench_checkpoint.py on the GPU: background against at once
 #
 # The GPU image has torch, Triton and numba but not zstandard or lz4, and ../shared/data does
 # not travel: `make gpu-prep` puts their wheels (Python 3.12) in .whl/ and the real traffic in
@@ -31,7 +33,7 @@ set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [TRAFFIC_FILE]}
 traffic=${2:-}
 budget=${BUDGET:-420}
-parts=${PARTS:-bench tests train}
+parts=${PARTS:-bench tests train checkpoint}
 end=$(($(date +%s) + budget))  # the whole check's end, seconds since the epoch
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src
@@ -68,13 +70,13 @@ part() {
 # 1. Codec throughput, ratio, syncs, launches, break-even and the training step ratio.
 bench_args=(--json-out "$out/gpu.json")
 [ -n "$traffic" ] && bench_args+=(--traffic "$traffic")
-part bench 170 bash -c 'python3 benchmarks/bench_gpu.py "$@" 2>&1 | grep -v Warn | tee "'"$out"'/bench.txt"' \
+part bench 170 bash -c 'set -o pipefail; python3 benchmarks/bench_gpu.py "$@" 2>&1 | grep -v Warn | tee "'"$out"'/bench.txt"' \
     _ "${bench_args[@]}"
 
 # 2. The CUDA tests; each under a minute where pytest-timeout is there (the GPU image has it).
 per_test=()
 python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 60)
-part tests 120 bash -c 'python3 -m pytest -q -rfE -p no:cacheprovider "$@" 2>&1 | tee "'"$out"'/tests.txt"' \
+part tests 120 bash -c 'set -o pipefail; python3 -m pytest -q -rfE -p no:cacheprovider "$@" 2>&1 | tee "'"$out"'/tests.txt"' \
     _ "${per_test[@]}" tests/test_blocks.py tests/test_castframe.py tests/test_policy.py \
     tests/test_model.py tests/test_dp_hooks.py tests/test_exchange.py tests/test_stepgraph.py \
     tests/test_synthetic.py tests/test_host_syncs.py tests/test_switch.py tests/test_metrics.py \
@@ -91,5 +93,11 @@ part train 400 bash -c '
         rc=${PIPESTATUS[0]}
     done
     exit $rc' "$out"
-python3 benchmarks/gpu_train.py "$out" --table | tee "$out/train.txt"
+python3 benchmarks/gpu_train.py "$out" --table | tee -a "$out/train.log"
+
+# 4. What a checkpoint costs the loop on a GPU: written in the background (the GPU's way)
+#    against at once (the CPU's), a 4.3 GB state (kaggle preset) every 10 steps.
+part checkpoint 120 bash -c 'set -o pipefail; python3 benchmarks/bench_checkpoint.py --device cuda --preset kaggle \
+    --steps 40 --every 10 --batch-size 8192 --repeats 1 --json-out /tmp/recsz_gpu/checkpoint.json \
+    2>&1 | grep -v Warn | tee "'"$out"'/checkpoint.txt"'
 echo "gpu_check: ${SECONDS} s" | tee -a "$out/env.txt"

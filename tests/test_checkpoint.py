@@ -251,11 +251,12 @@ def test_a_run_without_checkpoints_says_why_it_has_no_model(tmp_path: Path) -> N
 def test_checkpoints_are_written_while_training_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each rank's file is written from a snapshot by a thread (made slow here: training
-    takes steps meanwhile, changing every tensor the file holds) and completed at the next
-    logged step: resuming from it ends where the straight run does. A crash before the
-    completion loses that checkpoint, and the run resumes from the one before. Where the
-    host's free memory would not hold the snapshot, the live state is written at once."""
+    """On a GPU (taken here by the CPU) each rank's file is written from a snapshot by a
+    thread (made slow here: training takes steps meanwhile, changing every tensor the file
+    holds) and completed at the next logged step: resuming from it ends where the straight
+    run does. A crash before the completion loses that checkpoint, and the run resumes from
+    the one before. Where the host's free memory would not hold the snapshot, or on the CPU,
+    the live state is written at once."""
     import time
 
     from recsz import checkpointwrite, hostmemory
@@ -270,6 +271,9 @@ def test_checkpoints_are_written_while_training_goes_on(
 
     monkeypatch.setattr(checkpointwrite._Write, "run", slow)
     monkeypatch.setattr(hostmemory, "available", lambda: 1 << 40)
+    cpu_s = checkpointwrite.in_background
+    assert not cpu_s(torch.device("cpu")) and cpu_s(torch.device("cuda", 0))
+    monkeypatch.setattr(checkpointwrite, "in_background", lambda device: True)
     flags = ["--steps", "8", "--log-every", "4"]
     straight = train(tmp_path / "straight", *flags)
     assert threads == ["checkpoint-2", "checkpoint-4", "checkpoint-6", "checkpoint-8"]
@@ -289,3 +293,8 @@ def test_checkpoints_are_written_while_training_goes_on(
     train(tmp_path / "tight", *flags)
     assert threads == ["MainThread"] * 4
     assert len(checkpoint.complete(tmp_path / "tight")) == 3
+    threads.clear()
+    monkeypatch.setattr(hostmemory, "available", lambda: 1 << 40)
+    monkeypatch.setattr(checkpointwrite, "in_background", cpu_s)
+    train(tmp_path / "cpu", *flags)
+    assert threads == ["MainThread"] * 4

@@ -256,7 +256,7 @@ def test_gpu_check_ends_within_its_budget_in_few_files(tmp_path: Path) -> None:
     assert "no CUDA device" in rows[0]["error"]  # (a loaded machine may skip the last)
     assert all("no CUDA device" in r.get("error", "") or "budget" in r.get("skipped", "")
                for r in rows)  # fmt: skip
-    assert rows[0]["name"] in (out / "train.txt").read_text()
+    assert rows[0]["name"] in (out / "train.log").read_text()  # the runs side by side
 
 
 def test_bench_train_runs_torchrec_dmp_anchor(tmp_path: Path) -> None:
