@@ -246,7 +246,7 @@ def test_gpu_check_ends_within_its_budget_in_few_files(tmp_path: Path) -> None:
         t0 = time.monotonic()
         subprocess.run(["bash", script, str(out)], cwd=ROOT, env=env, check=True,
                        capture_output=True, timeout=120)  # fmt: skip
-        assert time.monotonic() - t0 < int(budget) + 5
+        assert time.monotonic() - t0 < int(budget) + 30  # (the end: the table, ~5 s)
     files = [f for f in out.rglob("*") if f.is_file()]
     assert len(files) <= 8, files
     env_txt = (out / "env.txt").read_text()
