@@ -88,6 +88,14 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def _room_for_a_copy(state: dict[str, Any]) -> bool:
+    """Whether the host's free memory holds a copy of ``state`` on each of its ranks (they
+    copy theirs at once), a quarter to spare."""
+    free = hostmemory.available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return free is not None and tensor_bytes(state) * local * 1.25 <= free
+
+
 def in_background(device: torch.device) -> bool:
     """Whether a rank on ``device`` writes its checkpoints in the background."""
     return device.type == "cuda"
@@ -118,7 +126,6 @@ class Saver:
     def __init__(self, out: Path | None, cfg: TrainConfig, ranks: Ranks) -> None:
         self.out, self.cfg, self.ranks = out, cfg, ranks  # out: None, no checkpoints
         self.pending: _Write | None = None
-        self.in_background = 0  # (counted: the tests, the benchmark)
 
     def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed
@@ -129,17 +136,13 @@ class Saver:
         d.mkdir(parents=True, exist_ok=True)
         live = rank_state(parts, self.ranks, counters)
         self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
-        free = hostmemory.available()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks snapshot at once
-        room = free is not None and tensor_bytes(live) * local * 1.25 <= free
-        if not (room and in_background(self.ranks.device)):
-            write.run(live)  # no room for a copy: the live state, training waiting
+        if not (in_background(self.ranks.device) and _room_for_a_copy(live)):
+            write.run(live)  # the live state, training waiting
             return
         write.thread = threading.Thread(
             target=write.run, args=(snapshot(live),), name=f"checkpoint-{step}"
         )
         write.thread.start()
-        self.in_background += 1
 
     def complete(self) -> Path | None:
         """Complete the checkpoint started last, if any: wait for this rank's file, gather
