@@ -64,7 +64,8 @@ def init_table(
         out = torch.empty(rows, len(cols))
     if tuple(out.shape) != (rows, len(cols)):
         raise ValueError(f"out is {tuple(out.shape)}, the table's columns {(rows, len(cols))}")
-    bound = (1.0 / rows) ** 0.5
+    bound = (1.0 / rows) ** 0.5  # the float32 steps' two constants, both paths':
+    scale, lo = np.float32(2 * bound * _UNIT), np.float32(bound)
     key = table_key(seed, table)
     compiled = not device_path(out.device)
     if compiled:  # as many threads as torch's (torchrun: 1 a rank where a host has several)
@@ -75,18 +76,18 @@ def init_table(
         if compiled:
             direct = dst.dtype == torch.float32 and dst.is_contiguous()
             block = dst if direct else torch.empty(dst.shape)
-            _fill(block.detach().numpy(), a, dim, cols.start, np.uint64(key),
-                  np.float32(2 * bound * _UNIT), np.float32(bound))  # fmt: skip
+            _fill(block.detach().numpy(), a, dim, cols.start, np.uint64(key), scale, lo)
         else:
-            block = _values(a, len(dst), dim, cols, key, bound, out.device)
+            block = _values(a, len(dst), dim, cols, key, scale, lo, out.device)
         if block is not dst:
             dst.copy_(block)
     return out
 
 
 def _values(
-    row0: int, n: int, dim: int, cols: range, key: int, bound: float, device: torch.device
-) -> torch.Tensor:
+    row0: int, n: int, dim: int, cols: range, key: int, scale: np.float32, lo: np.float32,
+    device: torch.device,
+) -> torch.Tensor:  # fmt: skip
     """Rows ``row0 .. row0 + n`` (float32, the columns ``cols``) by torch's operations on
     ``device``: int64 arithmetic wraps as uint64's does; shifts are made logical by masks."""
     at = torch.arange(row0, row0 + n, dtype=torch.int64, device=device).mul_(dim).unsqueeze(1)
@@ -98,13 +99,13 @@ def _values(
     x ^= (x >> 31) & ((1 << 33) - 1)
     top = ((x >> 40) & 0xFFFFFF).float()  # exact: 24 bits
     # float32 steps, each rounded once (the scalars are float32 in torch's kernels)
-    return top.mul_(float(np.float32(2 * bound * _UNIT))).sub_(float(np.float32(bound)))
+    return top.mul_(float(scale)).sub_(float(lo))
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _fill(
     out: np.ndarray, row0: int, dim: int, col0: int, key: np.uint64, scale: np.float32,
-    bound: np.float32,
+    lo: np.float32,
 ) -> None:  # fmt: skip
     """The compiled :func:`_values`, written into ``out`` (float32, rows x columns)."""
     n, c = out.shape
@@ -115,4 +116,4 @@ def _fill(
             x = (x ^ (x >> np.uint64(30))) * np.uint64(_MIX1)
             x = (x ^ (x >> np.uint64(27))) * np.uint64(_MIX2)
             x = x ^ (x >> np.uint64(31))
-            out[i, j] = np.float32(x >> np.uint64(40)) * scale - bound
+            out[i, j] = np.float32(x >> np.uint64(40)) * scale - lo
