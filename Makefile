@@ -52,14 +52,15 @@ gpu-prep: $(STAMP)
 		--platform manylinux2014_x86_64 -d .whl "zstandard==0.25.0" "lz4==4.4.5"
 	$(BIN)/python benchmarks/bench_gpu.py --save-traffic .traffic/real.pt
 
-# The GPU image's torch (2.11 and its triton 3.6; PyPI's CUDA build, ~5 GB, which runs on the
-# CPU here) in a venv of its own, before a lent GPU spends its minutes on what that release
-# does differently: the suite (less TorchRec's anchors: fbgemm 1.8 does not load on 2.11, and
-# the GPU image has no TorchRec), then the GPU check's trainer runs, tiny, down the GPU's code
-# path under Triton's interpreter (the --cuda-graph runs refuse the CPU, as they should).
+# The GPU image's Python and torch (3.12 where there is one; torch 2.11 and its triton 3.6,
+# PyPI's CUDA build, ~5 GB, which runs on the CPU here) in a venv of its own, before a lent
+# GPU spends its minutes on what they do differently: the suite (less TorchRec's anchors:
+# fbgemm 1.8 does not load on 2.11, and the GPU image has no TorchRec), then the GPU check's
+# trainer runs, tiny, down the GPU's code path under Triton's interpreter (the --cuda-graph
+# runs refuse the CPU, as they should).
 GPU_BIN := .venv-gpu/bin
 gpu-torch:
-	@test -x $(GPU_BIN)/python || $(PY) -m venv .venv-gpu || python3 -m venv .venv-gpu
+	@test -x $(GPU_BIN)/python || python3.12 -m venv .venv-gpu || $(PY) -m venv .venv-gpu
 	$(GPU_BIN)/python -m pip install --quiet torch==2.11.0 triton==3.6.0 -e '.[baselines]' \
 		pytest pytest-xdist hypothesis scikit-learn
 	$(GPU_BIN)/python -m pytest -q -n auto -p no:cacheprovider -k "not tr-" tests

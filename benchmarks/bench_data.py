@@ -22,7 +22,8 @@ batches: results/issue13/session7/run2). Five parts, side by side in one run:
    as MLPerf's materialized multi-hot days made from those (``day_N_sparse_multi_hot.npz``,
    MLPerf's bag sizes: 214 ids a sample, of which the reader reads the 26 first).
 3. **Parsing raw lines** (`recsz preprocess`, ``--data FILE``): lines/s of the reader on
-   ``--parse-copies`` copies of the real sample, compiled, and with every line through
+   ``--parse-copies`` copies of the real sample, compiled (on one thread, and on the
+   threads a reader takes here: ``criteo.parse_threads``), and with every line through
    ``parse_line`` (as the reader was before the thirty-first session); and `recsz
    preprocess` of four such files, one at a time and two at once (``--jobs 2``), with the
    most bytes its output directory held at once over the output's.
@@ -183,18 +184,21 @@ def parsing(raw: Path, copies: int, tmp: Path, sizes: list[int]) -> list[dict]:
 
     rows = []
     criteo.read(raw, sizes)  # the kernels compiled (or loaded from numba's cache)
-    for way, fn in (("compiled", compiled), ("parse_line", none_compiled)):
+    many = criteo.parse_threads()
+    ways = [("compiled, 1 thread", compiled, 1), (f"compiled, {many} threads", compiled, many),
+            ("parse_line", none_compiled, 1)]  # fmt: skip
+    for way, fn, threads in ways:
         criteo.parse_lines = fn
         try:
             t = time.perf_counter()
-            n = len(criteo.read(big, sizes))
+            n = sum(len(b) for b in criteo.iter_blocks(big, sizes, threads=threads))
             rate = n / (time.perf_counter() - t)
         finally:
             criteo.parse_lines = compiled
         mb = big.stat().st_size / 2**20 * rate / n
         rows.append({"part": "parse", "source": f"{n:,} real lines", "batch": 0, "way": way,
                      "samples_per_s": rate, "MiB_per_s": mb})  # fmt: skip
-        print(f"  parse {way:10s} {rate:12,.0f} lines/s ({mb:.1f} MiB/s)", flush=True)
+        print(f"  parse {way:20s} {rate:12,.0f} lines/s ({mb:.1f} MiB/s)", flush=True)
     for jobs in (1, 2):  # four such files into one set, one at a time and two at once
         out = tmp / f"jobs{jobs}"
         with peak_bytes(out) as peak:

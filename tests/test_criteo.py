@@ -516,12 +516,19 @@ def _by_parse_line(data: bytes, sizes: list[int], labeled: bool = True) -> tuple
 
 
 def _by_iter_blocks(
-    tmp_path: Path, data: bytes, sizes: list[int], chunk: int, labeled: bool = True
+    tmp_path: Path,
+    data: bytes,
+    sizes: list[int],
+    chunk: int,
+    labeled: bool = True,
+    threads: int = 1,
 ) -> list:
     p = tmp_path / "f.tsv"
     p.write_bytes(data)
     stats = criteo.ParseStats()
-    blocks = criteo.iter_blocks(p, sizes, 7, True, stats, chunk_bytes=chunk, labeled=labeled)
+    blocks = criteo.iter_blocks(
+        p, sizes, 7, True, stats, chunk_bytes=chunk, labeled=labeled, threads=threads
+    )
     return [
         (_label(float(y)), d.tolist(), c.tolist())
         for b in blocks
@@ -541,6 +548,7 @@ def test_the_compiled_parser_reads_the_real_samples_as_parse_line(
     want, errors = _by_parse_line(data, SIZES)
     assert not errors
     assert _by_iter_blocks(tmp_path, data, SIZES, 1 << 16) == want
+    assert _by_iter_blocks(tmp_path, data, SIZES, 1 << 14, threads=3) == want  # pieces at once
 
 
 ODD = ["", "-", "+3", " 4", "1" * 19, "1" * 18, "-" + "9" * 18, "-" + "9" * 19, "0x1f", "1_0",
@@ -588,19 +596,21 @@ def _line(draw: st.DrawFn) -> str:
     lines=st.lists(_line(), min_size=1, max_size=10),
     chunk=st.sampled_from([8, 300, 1 << 16]),
     labeled=st.booleans(),
+    threads=st.sampled_from([1, 3]),
 )
 def test_the_compiled_parser_takes_what_parse_line_takes(
-    lines, chunk, labeled, tmp_path_factory
+    lines, chunk, labeled, threads, tmp_path_factory
 ) -> None:
     """Generated lines, well-formed or not (signs, spaces, prefixes, long fields, stripped or
     extra fields, carriage returns, blank lines), in chunks that cut lines anywhere, with a
     label or in the test layout (the same lines, their first field cut): the samples are
-    parse_line's, and a line it refuses is skipped (--skip-bad-lines)."""
+    parse_line's, and a line it refuses is skipped (--skip-bad-lines); the same on several
+    threads."""
     if not labeled:
         lines = [line.split("\t", 1)[1] if "\t" in line else line for line in lines]
     data = "".join(lines).encode()
     want, _ = _by_parse_line(data, SIZES, labeled)
-    got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk, labeled)
+    got = _by_iter_blocks(tmp_path_factory.mktemp("p"), data, SIZES, chunk, labeled, threads)
     assert got == want
 
 
@@ -651,16 +661,43 @@ def test_the_layouts_name_each_others_lines(criteo_10k: Path, tmp_path: Path) ->
         criteo.read(test, SIZES, labeled=False)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("chunk", [100, 1000, 1 << 24])
 def test_a_bad_line_is_named_by_its_line_whatever_the_chunks(
-    tmp_path: Path, criteo_ragged: Path, chunk: int
+    tmp_path: Path, criteo_ragged: Path, chunk: int, threads: int
 ) -> None:
     lines = criteo_ragged.read_text().splitlines()
     lines[41] = "x" + lines[41][1:]
+    lines[700] = "y" + lines[700][1:]  # the first bad line is named, on any thread
     bad = tmp_path / "b.tsv"
     bad.write_text("\n".join(lines))
     with pytest.raises(CriteoFormatError, match=r"b\.tsv:42: field 1 \(label\)"):
-        list(criteo.iter_blocks(bad, SIZES, chunk_bytes=chunk))
+        list(criteo.iter_blocks(bad, SIZES, chunk_bytes=chunk, threads=threads))
+
+
+def test_a_reader_left_early_ends_its_threads(criteo_10k: Path) -> None:
+    """A consumer that stops after one block (an evaluation that fails, a --target-auc
+    reached) leaves no parsing thread behind once the reader is closed."""
+    import threading
+
+    def parsing() -> int:
+        return sum(t.name.startswith("recsz-parse") for t in threading.enumerate())
+
+    blocks = criteo.iter_blocks(criteo_10k, SIZES, block_rows=100, chunk_bytes=1 << 12, threads=3)
+    assert len(next(blocks)) == 100
+    assert parsing() > 0
+    blocks.close()
+    assert parsing() == 0
+
+
+def test_parse_threads_share_the_cores_among_a_hosts_ranks(monkeypatch) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert criteo.parse_threads() == min(criteo.PARSE_THREADS, cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores * 2))
+    assert criteo.parse_threads() == 1
 
 
 def test_a_damaged_or_truncated_gzip_file_is_named(criteo_10k: Path, tmp_path: Path) -> None:

@@ -22,8 +22,11 @@ import io
 import math
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -32,6 +35,10 @@ from recsz.data.fastparse import parse_lines
 N_DENSE = 13
 N_CAT = 26
 N_FIELDS = 1 + N_DENSE + N_CAT
+
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 class CriteoFormatError(ValueError):
@@ -178,37 +185,33 @@ def iter_blocks(
     stats: ParseStats | None = None,
     chunk_bytes: int = 1 << 24,
     labeled: bool = True,
+    threads: int | None = None,
 ) -> Iterator[Arrays]:
     """Stream a raw Criteo file as blocks of ``block_rows`` samples (the last: the rest);
     ``labeled`` False: a file of Criteo's test layout (no labels; NaN in their place).
 
     Reads ``chunk_bytes`` at a time, so any file size streams in bounded memory. The
     lines of the usual form are parsed in compiled code (:mod:`recsz.data.fastparse`), the
-    others by :func:`parse_line`, which pads them or names what is wrong.
+    pieces of whole lines on ``threads`` threads at once (default :func:`parse_threads`),
+    the others by :func:`parse_line`, which pads them or names what is wrong, in the
+    file's order: the samples and the errors do not depend on ``threads``.
     """
     if len(table_sizes) != N_CAT:
         raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
     stats = stats if stats is not None else ParseStats()
     sizes = np.asarray(table_sizes, dtype=np.int64)
+    threads = parse_threads() if threads is None else threads
+
+    def compiled(piece: tuple[bytes, int]) -> tuple[np.ndarray, ...]:
+        return parse_lines(np.frombuffer(piece[0], np.uint8), sizes, labeled)
+
     pending: Arrays | None = None  # parsed, not yet yielded
-    lineno = 0
     opener = gzip.open if str(path).endswith(".gz") else open  # Terabyte's days: day_N.gz
     with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
-        rest = b""
-        while True:
-            chunk = _read_chunk(f, chunk_bytes, path, lineno)
-            data = rest + chunk
-            cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines; at the end all
-            data, rest = data[:cut], data[cut:]
-            if not data:
-                if chunk:
-                    continue  # a line longer than a chunk: read on
-                break
+        pieces = _whole_lines(f, chunk_bytes, path)
+        for (data, first), parsed in _in_order(compiled, pieces, threads):
             stats.bytes += len(data)
-            blk, lines = _parse_chunk(
-                data, path, lineno, sizes, table_sizes, skip_bad_lines, stats, labeled
-            )
-            lineno += lines
+            blk = _finish(parsed, data, path, first, table_sizes, skip_bad_lines, stats, labeled)
             if pending is not None:
                 blk = Arrays(
                     *(np.concatenate([getattr(pending, f), getattr(blk, f)]) for f in FIELDS)
@@ -222,6 +225,58 @@ def iter_blocks(
         yield pending
 
 
+#: the most threads one reader parses with (a file's pieces are read one after another)
+PARSE_THREADS = 8
+
+
+def parse_threads() -> int:
+    """The threads a reader parses with: this process's cores shared by the host's ranks
+    (``LOCAL_WORLD_SIZE``, each parses its copy), at most :data:`PARSE_THREADS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(PARSE_THREADS, (cores or 1) // ranks))
+
+
+def _whole_lines(
+    f: io.BufferedIOBase, chunk_bytes: int, path: str | os.PathLike[str]
+) -> Iterator[tuple[bytes, int]]:
+    """The file's bytes as pieces of whole lines of about ``chunk_bytes`` (the last: the
+    rest, which may lack its newline), each with the count of lines before it."""
+    rest, lines = b"", 0
+    while True:
+        chunk = _read_chunk(f, chunk_bytes, path, lines)
+        data = rest + chunk
+        cut = data.rfind(b"\n") + 1 if chunk else len(data)  # whole lines; at the end all
+        data, rest = data[:cut], data[cut:]
+        if not data:
+            if chunk:
+                continue  # a line longer than a chunk: read on
+            return
+        yield data, lines
+        lines += data.count(b"\n")
+
+
+def _in_order(fn: Callable[[T], R], items: Iterator[T], threads: int) -> Iterator[tuple[T, R]]:
+    """Each item with ``fn`` of it, in the items' order, ``fn`` run on ``threads`` threads
+    (items taken at most ``threads`` ahead of the one yielded: bounded memory)."""
+    if threads <= 1:
+        yield from ((item, fn(item)) for item in items)
+        return
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="recsz-parse")
+    ahead: deque[tuple[T, Future[R]]] = deque()
+    try:
+        for item in items:
+            ahead.append((item, pool.submit(fn, item)))
+            if len(ahead) > threads:
+                first, done = ahead.popleft()
+                yield first, done.result()
+        while ahead:
+            first, done = ahead.popleft()
+            yield first, done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _read_chunk(f: io.BufferedIOBase, size: int, path: str | os.PathLike[str], lines: int) -> bytes:
     """The next ``size`` bytes of ``f``; a gzipped file cut short or damaged is named, with
     the lines read before (not a traceback of the gzip module's)."""
@@ -233,19 +288,20 @@ def _read_chunk(f: io.BufferedIOBase, size: int, path: str | os.PathLike[str], l
         ) from None
 
 
-def _parse_chunk(
+def _finish(
+    parsed: tuple[np.ndarray, ...],
     data: bytes,
     path: str | os.PathLike[str],
     first_line: int,
-    sizes: np.ndarray,
     table_sizes: Sequence[int],
     skip_bad_lines: bool,
     stats: ParseStats,
     labeled: bool,
-) -> tuple[Arrays, int]:
-    """The samples of the whole lines ``data`` (line ``first_line + 1`` first), and its
-    lines' count."""
-    labels, dense, ids, ok, starts = parse_lines(np.frombuffer(data, np.uint8), sizes, labeled)
+) -> Arrays:
+    """The samples of the whole lines ``data`` (line ``first_line + 1`` first) from their
+    compiled parse (:func:`recsz.data.fastparse.parse_lines`): the lines it left parsed by
+    :func:`parse_line` and the bad ones named or skipped."""
+    labels, dense, ids, ok, starts = parsed
     keep = ok.copy()
     for i in np.flatnonzero(~ok):  # the lines the compiled path left to parse_line
         raw = data[starts[i] : starts[i + 1]]
@@ -270,8 +326,8 @@ def _parse_chunk(
         labels[i], dense[i], ids[i], keep[i] = y, d, c, True
     stats.lines += int(keep.sum())
     if keep.all():
-        return Arrays(dense, ids, labels), len(ok)
-    return Arrays(dense[keep], ids[keep], labels[keep]), len(ok)
+        return Arrays(dense, ids, labels)
+    return Arrays(dense[keep], ids[keep], labels[keep])
 
 
 def _rows(a: Arrays, start: int, stop: int) -> Arrays:

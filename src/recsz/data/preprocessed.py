@@ -23,6 +23,7 @@ from recsz.data.criteo import (
     CriteoFormatError,
     ParseStats,
     iter_blocks,
+    parse_threads,
     skipped_note,
 )
 
@@ -107,10 +108,16 @@ def _write_parallel(
         ahead: deque[Future] = deque()
         waiting = iter(range(len(raws)))
 
+        threads = max(1, parse_threads() // min(jobs, len(raws)))  # the cores, not each's
+
         def submit() -> None:
             i = next(waiting, None)
             if i is not None:
-                ahead.append(pool.submit(_write, [raws[i]], parts[i], table_sizes, skip_bad_lines))
+                ahead.append(
+                    pool.submit(
+                        _write, [raws[i]], parts[i], table_sizes, skip_bad_lines, False, threads
+                    )
+                )
 
         for _ in range(jobs):
             submit()
@@ -135,8 +142,10 @@ def _write(
     table_sizes: Sequence[int],
     skip_bad_lines: bool,
     progress: bool = False,
+    threads: int | None = None,
 ) -> tuple[ParseStats, list[int]]:
-    """The rows of ``raws``, in order, written to ``files``; the counts, the rows of each."""
+    """The rows of ``raws``, in order, written to ``files`` (each parsed on ``threads``:
+    :func:`recsz.data.criteo.iter_blocks`'); the counts, the rows of each."""
     from tqdm import tqdm
 
     gzipped = any(str(r).endswith(".gz") for r in raws)  # its bytes read are not its size
@@ -151,7 +160,10 @@ def _write(
     ):  # fmt: skip
         for one in raws:
             before = stats.lines
-            for blk in iter_blocks(one, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats):
+            blocks = iter_blocks(
+                one, table_sizes, skip_bad_lines=skip_bad_lines, stats=stats, threads=threads
+            )
+            for blk in blocks:
                 fd.write(blk.dense.astype("<f4").tobytes())
                 fc.write(blk.cats.astype("<i4").tobytes())
                 fl.write(blk.labels.astype("<f4").tobytes())
