@@ -182,8 +182,10 @@ def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:
     more = ("--steps", "6", "--resume", str(tmp_path / "other"))
     again = train(tmp_path / "other", *more, "--mlp-init", "torch", "--host-memory", "return")
     assert again["auc"] == pytest.approx(straight["auc"], rel=1e-6)
-    with pytest.raises(ValueError, match=r"another configuration \(emb_lr: None -> 0.2\)"):
-        main([*BASE, *more, "--emb-lr", "0.2"])
+    with pytest.raises(ValueError, match=r"another configuration \(emb_lr: None -> 0.2\)\Z"):
+        main([*BASE, *more, "--emb-lr", "0.2"])  # no hint of --resume-fallback: it would not do
+    with pytest.raises(ValueError, match=r"step-0+6 was written with another configuration"):
+        main([*BASE, *more, "--emb-lr", "0.2", "--resume-fallback"])  # the newest named
 
 
 def test_resume_from_a_named_checkpoint(run_dir: Path, tmp_path: Path) -> None:

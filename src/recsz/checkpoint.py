@@ -51,6 +51,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file."""
 
 
+class OtherConfiguration(CheckpointError):
+    """A checkpoint written with another configuration: so is every older one of its run
+    (a run resumes only with its own), so ``--resume-fallback`` does not pass it over."""
+
+
 def _json_sha256(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
@@ -179,7 +184,7 @@ def _check(
         saved, now = meta.get("config", {}), cfg.to_dict()
         diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
         detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
-        raise CheckpointError(
+        raise OtherConfiguration(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
         )
     same = world == ranks.world and shards == cfg.column_shards
@@ -216,14 +221,18 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
     for d in reversed(done):
         try:
             step, world, shards, saved = _check(d, cfg, ranks)
-            err = ""
+            err, other = "", False
         except CheckpointError as e:
-            err = str(e)
-        errors = list(dict.fromkeys(e for e in ranks.gather(err) if e))  # each once
+            err, other = str(e), isinstance(e, OtherConfiguration)
+        said = ranks.gather((err, other))
+        errors = list(dict.fromkeys(e for e, _ in said if e))  # each once
         if not errors:
             break
-        if not cfg.resume_fallback or d == done[0]:
-            hint = "" if cfg.resume_fallback else " (--resume-fallback: the last intact one)"
+        other = any(o for _, o in said)  # no older checkpoint would do
+        if not cfg.resume_fallback or d == done[0] or other:
+            hint = (
+                "" if cfg.resume_fallback or other else " (--resume-fallback: the last intact one)"
+            )
             raise CheckpointError("; ".join(errors) + hint)
         if ranks.rank == 0:
             print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
