@@ -59,8 +59,10 @@ gpu-prep: $(STAMP)
 # trainer runs, tiny, down the GPU's code path under Triton's interpreter (the --cuda-graph
 # runs refuse the CPU, as they should).
 GPU_BIN := .venv-gpu/bin
+GPU_PY  ?= $(firstword $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) python3.12)
 gpu-torch:
-	@test -x $(GPU_BIN)/python || python3.12 -m venv .venv-gpu || $(PY) -m venv .venv-gpu
+	@test -x $(GPU_BIN)/python || $(GPU_PY) -m venv .venv-gpu || $(PY) -m venv .venv-gpu
+	$(GPU_BIN)/python --version
 	$(GPU_BIN)/python -m pip install --quiet torch==2.11.0 triton==3.6.0 -e '.[baselines]' \
 		pytest pytest-xdist hypothesis scikit-learn
 	$(GPU_BIN)/python -m pytest -q -n auto -p no:cacheprovider -k "not tr-" tests
