@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from recsz.codecs import available_codecs, castframe, get_codec
 from recsz.codecs.framing import frame, unframe
 from recsz.codecs.payload import PayloadError
+from recsz.comm import ids as ids_module
 from recsz.comm.direction import Direction
 from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.ids import distinct_pairs, distinct_slices, unique_first
@@ -197,6 +198,29 @@ def test_evaluation_feeds_neither_policy_nor_counters() -> None:
     with torch.no_grad():
         ex.start_forward(pooled, 1, ids).wait()
     assert spy.observed == seen and dict(ex.stats.raw) == raw
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_a_lone_ranks_evaluation_sorts_no_ids_where_nothing_is_coded(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One rank evaluating through an identity codec: its rows go whole, no distinct ids
+    sought (a lossless codec still sends one row per distinct id); the same rows, and
+    training afterwards finds its ids again."""
+    ex = one_rank(codec, BoundPolicy(), id_dedup=True, coalesce=True)
+    sorted_cols = []
+    real = ids_module.distinct_slices
+    monkeypatch.setattr(ids_module, "distinct_slices", lambda c: sorted_cols.append(c) or real(c))
+    pooled, ids = batch(3)
+    ex.train(False)
+    with torch.no_grad():
+        assert torch.equal(ex.start_forward(pooled.detach(), 0, ids).wait(), pooled.detach())
+    assert len(sorted_cols) == (codec != "none")
+    ex.train(True)
+    emb = ex.start_forward(pooled, 1, ids.clone()).wait()
+    emb.sum().backward()
+    assert torch.equal(emb, pooled.detach()) and len(sorted_cols) == 1 + (codec != "none")
+    assert ex.stats.ratio("bwd") > 2  # the gradients coalesced by id
 
 
 def test_bounded_codec_without_a_bound_is_refused() -> None:
@@ -471,6 +495,13 @@ def _three_rank_exchange(rank: int, world: int, init: str, out: str) -> None:
         return real(output, inp, *a, **k)
 
     dist.all_to_all_single = counting  # type: ignore[assignment]
+    sorts, real_distinct = {"slices": 0}, ids_module.distinct_slices
+
+    def sorting(cols):  # type: ignore[no-untyped-def]
+        sorts["slices"] += len(cols)
+        return real_distinct(cols)
+
+    ids_module.distinct_slices = sorting
     owners = [0, 1, 2, 0, 1, 1]  # rank 1 holds three tables, the others fewer
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 5, (12, 6), generator=g)  # b = 4: uneven distinct counts
@@ -491,7 +522,12 @@ def _three_rank_exchange(rank: int, world: int, init: str, out: str) -> None:
         pooled = torch.stack([table[t, ids[:, t]] for t in mine], 1).requires_grad_()
         emb = ex.start_forward(pooled, 0, ids).wait()
         (emb * grad).sum().backward()
-        got[codec] = (emb.detach(), pooled.grad, sizes_exchanged - before)
+        n = sizes_exchanged - before
+        ex.train(False)
+        sorted_before = sorts["slices"]
+        with torch.no_grad():  # an evaluation's forward: the same rows
+            ev = ex.start_forward(pooled.detach(), 1, ids.clone()).wait()
+        got[codec] = (emb.detach(), pooled.grad, n, ev, sorts["slices"] - sorted_before)
     torch.save(got, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
 
@@ -507,11 +543,14 @@ def test_casts_cross_three_ranks_without_exchanging_sizes(tmp_path) -> None:  # 
              nprocs=world)  # fmt: skip
     for rank in range(world):
         got = torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False)
-        emb, grad, n = got["zstd"]
+        emb, grad, n = got["zstd"][:3]
         assert n == 2  # the sizes of each direction
         assert got["none"][2] == got["fp16"][2] == 0
         assert torch.equal(got["none"][0], emb) and torch.equal(got["none"][1], grad)
         assert torch.equal(got["fp16"][0], emb.half().float())
+        # Evaluating, the rank's own rows skip an identity codec whole: its slice unsorted.
+        assert all(torch.equal(got[c][3], got[c][0]) for c in got)
+        assert (got["none"][4], got["fp16"][4], got["zstd"][4]) == (4, 5, 5)
         torch.testing.assert_close(got["fp16"][1], grad, rtol=2e-3, atol=1e-3)
 
 

@@ -127,24 +127,31 @@ class Slices:
         self._of: dict[tuple[int, int], Distinct] = {}
         self._index = Indices()
 
-    def distinct(self, ids: torch.Tensor, samples: int, owner: int) -> Distinct:
+    def distinct(self, ids: torch.Tensor, samples: int, owner: int, own: bool = True) -> Distinct:
         """The distinct ids of one slice of the global batch ``ids``. A batch's are
         computed at once, the first time one is asked for: every slice this rank sends or
         receives (the forward and the backward of a step need the same ones; on a GPU, one
-        host read for all)."""
+        host read for all); the rank's own slice only with ``own`` (asked for later, it is
+        computed alone: an evaluation's forward never needs it)."""
         if self._batch is None or self._batch[0] is not ids or self._batch[1] != ids._version:
             w, r = self.world, self.rank
             keys = sorted({(d, r) for d in range(w)} | {(r, s) for s in range(w)})
-            b = ids.shape[0] // w
-            cols = [
-                ids[s * b : (s + 1) * b].index_select(
-                    1, self._index(self.plan.tables_of(o), ids.device)
-                )
-                for s, o in keys
-            ]  # an index made once: a list would be copied to a GPU from pageable memory
+            keys = [k for k in keys if own or k != (r, r)]
             self._batch = (ids, ids._version)
-            self._of = dict(zip(keys, distinct_slices(cols), strict=True))
-        return self._of[(samples, owner)]
+            self._of = dict(zip(keys, distinct_slices(self._cols(ids, keys)), strict=True))
+        key = (samples, owner)
+        if key not in self._of:
+            self._of[key] = distinct_slices(self._cols(ids, [key]))[0]
+        return self._of[key]
+
+    def _cols(self, ids: torch.Tensor, keys: list[tuple[int, int]]) -> list[torch.Tensor]:
+        """Each (sample owner, table owner) slice's ids."""
+        b, index = ids.shape[0] // self.world, self._index  # made once: a list would be
+        # copied to a GPU from pageable memory each time
+        return [
+            ids[s * b : (s + 1) * b].index_select(1, index(self.plan.tables_of(o), ids.device))
+            for s, o in keys
+        ]
 
     def sizes(self, dedup: bool, ids: torch.Tensor, samples: int, owner: int) -> list[int]:
         """Rows of each table of a slice on the wire: its distinct ids' (``dedup``) or its
