@@ -256,6 +256,20 @@ def test_compiled_dense_arch_equals_eager_and_waits_outside_the_graph() -> None:
     assert Pending.waited == 2 and not Pending.traced
 
 
+def test_the_trainer_starts_without_torch_compiles_machinery() -> None:
+    """torch.compile's dynamo (1.5 s of a process's start here) is imported only by
+    --compile: not by the commands' modules, in a process of their own."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, recsz.cli, recsz.train, recsz.evaluation, recsz.prediction, recsz.step; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 @pytest.mark.parametrize("interaction", ["dot", "dcn"])
 def test_bf16_dense_arch_follows_fp32_and_keeps_fp32_state(interaction: str) -> None:
     """--dense-dtype bf16: logits within bfloat16's rounding of float32's and returned as

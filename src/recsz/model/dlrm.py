@@ -16,7 +16,7 @@ an all-to-all between them without the model knowing about communication.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -155,10 +155,9 @@ class CrossNet(nn.Module):
         return x
 
 
-@torch.compiler.disable
 def _received(pending: Awaitable) -> torch.Tensor:
     """The embeddings of an exchange in flight (never traced by torch.compile: it is
-    communication and the codecs' own kernels)."""
+    communication and the codecs' own kernels; :meth:`DenseArch.compile`)."""
     return pending.wait()
 
 
@@ -196,6 +195,13 @@ class DenseArch(nn.Module):
         self.local = local if local is not None and local.tables else None
         at = torch.tensor(self.local.tables if self.local else [], dtype=torch.int64)
         self.register_buffer("local_pos", at, persistent=False)
+        self._received: Callable[[Awaitable], torch.Tensor] = _received
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile in place, the exchange's wait left out of the graph (wrapped only
+        here: ``torch.compiler.disable`` imports dynamo, 1.5 s of every process's start)."""
+        self._received = torch.compiler.disable(_received)
+        super().compile(*args, **kwargs)
 
     def mlp_parameters(self) -> list[nn.Parameter]:
         """The MLPs' parameters and the cross layers' (the local tables have optimizers of
@@ -253,7 +259,7 @@ class DenseArch(nn.Module):
         """
         with self._autocast(dense):
             x = self.bottom(dense)  # (B, D)
-        e: torch.Tensor = emb if isinstance(emb, torch.Tensor) else _received(emb)
+        e: torch.Tensor = emb if isinstance(emb, torch.Tensor) else self._received(emb)
         e = e.reshape(e.shape[0], self.n_features - 1, -1)  # a table's column shards side by side
         if self.local is not None:
             assert ids is not None, "local tables need the samples' ids"
