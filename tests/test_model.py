@@ -257,8 +257,9 @@ def test_compiled_dense_arch_equals_eager_and_waits_outside_the_graph() -> None:
 
 
 def test_the_trainer_starts_without_torch_compiles_machinery() -> None:
-    """torch.compile's dynamo (1.5 s of a process's start here) is imported only by
-    --compile: not by the commands' modules, in a process of their own."""
+    """torch.compile's dynamo (1.5 s of a process's start here) is not imported with the
+    commands' modules, in a process of their own (--compile imports it, as building a
+    torch optimizer does: `recsz plan` builds none)."""
     import subprocess
     import sys
 

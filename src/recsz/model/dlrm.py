@@ -199,7 +199,7 @@ class DenseArch(nn.Module):
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
         """torch.compile in place, the exchange's wait left out of the graph (wrapped only
-        here: ``torch.compiler.disable`` imports dynamo, 1.5 s of every process's start)."""
+        here: ``torch.compiler.disable`` imports dynamo, 1.5 s of a start here)."""
         self._received = torch.compiler.disable(_received)
         super().compile(*args, **kwargs)
 
