@@ -147,20 +147,23 @@ def test_id_aware_traffic_reads_the_host_once_a_step(monkeypatch: pytest.MonkeyP
         assert reads == 1, f"step {k + 3}: {where}"
 
 
-@pytest.mark.parametrize(("ids", "per_batch"), [(False, 0), (True, 1)])
+@pytest.mark.parametrize(
+    ("codec", "ids", "per_batch"), [("hybrid", False, 0), ("hybrid", True, 1), ("none", True, 0)]
+)
 def test_an_evaluation_reads_the_host_once_not_once_a_batch(
-    ids: bool, per_batch: int, monkeypatch: pytest.MonkeyPatch
+    codec: str, ids: bool, per_batch: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The predictions and labels stay on the device until the three numbers: an
     evaluation of 8 batches reads the host as often as one of 2, but for the id-aware
-    forward's one read a batch (it read two more a batch, copying both to the host)."""
+    forward's one read a batch (it read two more a batch, copying both to the host); a
+    lone rank's rows through ``none`` go whole: no distinct ids, no read."""
     from types import SimpleNamespace
 
     from recsz.data import source as source_module
     from recsz.evaluation import evaluate
 
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
-    parts, ranks = trainer_parts("hybrid", "cpu", ids=ids)
+    parts, ranks = trainer_parts(codec, "cpu", ids=ids)
     state = [*parts.sparse.state_dict().values(), *parts.dense.state_dict().values()]
     state += [*parts.sparse.parameters(), *parts.dense.parameters()]
     to = source_module.Batch.to
