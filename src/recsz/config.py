@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from recsz.commoptions import DenseCommOptions, ExchangeOptions
 from recsz.configcheck import refused
 from recsz.data.source import DATA_ORDERS, EVAL_FRACTION
-from recsz.fields import check, opt, parser
+from recsz.fields import blamed, check, flag, opt, parser, read_values
 from recsz.model import (
     DENSE_OPTIMIZERS,
     INTERACTIONS,
@@ -349,13 +350,21 @@ class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
         return cls(**d)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `recsz train` flags: one per TrainConfig field."""
-    return parser(TrainConfig, "recsz train", "Train DLRM with a compressed embedding all-to-all.")
+def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The `recsz train` flags: one per TrainConfig field (``only``: these, no defaults),
+    and --config."""
+    p = parser(TrainConfig, "recsz train", "Train DLRM with a compressed embedding all-to-all.",
+               only)  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="a run's config.json, or a JSON / TOML "
+                   "(.toml) file of options (batch_size = 4096): flags given override it; "
+                   "--out comes from the command line")  # fmt: skip
+    return p
 
 
 def parse_train_args(argv: list[str] | None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))
+    """`recsz train`'s configuration: each flag of ``argv`` given, else --config's file's
+    value, else the field's default."""
+    return configured(given_args(sys.argv[1:] if argv is None else argv))
 
 
 #: what a resumed run never takes from the run it resumes: where it resumes from and
@@ -364,12 +373,29 @@ NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "config_ver
 
 
 def given_args(argv: list[str]) -> dict[str, Any]:
-    """The flags ``argv`` gives, by field (parsed, not yet checked together). Parsed by
-    :func:`build_parser` first, so that ``--help`` shows every flag's default and a bad
-    flag is named as `recsz train` names it."""
+    """The flags ``argv`` gives, by field (parsed, not yet checked together), and
+    ``config``: --config's file, if given. Parsed by :func:`build_parser` first, so that
+    ``--help`` shows every flag's default and a bad flag is named as `recsz train` names it."""
     build_parser().parse_args(argv)
     names = tuple(f.name for f in fields(TrainConfig) if f.metadata["cli"])
-    return vars(parser(TrainConfig, "recsz train", "", only=names).parse_args(argv))
+    return vars(build_parser(names).parse_args(argv))
+
+
+def configured(given: dict[str, Any]) -> TrainConfig:
+    """The flags ``given`` (:func:`given_args`) over the values of their ``config`` file (a
+    run's record: the places in :data:`NOT_RESUMED` its own, not taken; elsewhere refused)."""
+    given = dict(given)
+    if (path := given.pop("config", None)) is None:
+        return TrainConfig(**given)
+    values = read_values(TrainConfig, path)
+    record = values.pop("config_version", None) is not None
+    for k in set(NOT_RESUMED) & set(values):
+        if values.pop(k) is not None and not record:
+            raise ValueError(f"{path}: {k!r} is the command line's ({flag(k)}), not a file's")
+    try:
+        return TrainConfig.from_dict({**values, **given})
+    except ValueError as e:
+        raise blamed(e, {k: v for k, v in values.items() if k not in given}, path) from None
 
 
 def resumed_config(given: dict[str, Any], saved: dict[str, Any]) -> TrainConfig:

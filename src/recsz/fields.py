@@ -1,15 +1,21 @@
 """Typed dataclass fields that carry their command line: each declared once, with its
-default, help and allowed values (:func:`opt`); :func:`check` holds an instance to them and
-:func:`parser` makes the flags, so a flag, its default and its help cannot drift apart."""
+default, help and allowed values (:func:`opt`); :func:`check` holds an instance to them,
+:func:`parser` makes the flags, so a flag, its default and its help cannot drift apart, and
+:func:`read_values` reads them from a JSON or TOML file, typed as the flags are."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import inspect
+import json
 import math
 import operator
+import re
+import tomllib
 import types
 from dataclasses import field, fields
+from pathlib import Path
 from typing import Any, get_type_hints
 
 _LIMITS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<=")}
@@ -102,3 +108,53 @@ def _groups(cls: type, p: argparse.ArgumentParser) -> dict[str, Any]:
         group = p.add_argument_group(title)
         at.update((name, group) for name in inspect.get_annotations(k))
     return at
+
+
+def read_values(cls: type, path: str) -> dict[str, Any]:
+    """Values of the dataclass ``cls``'s fields from the file ``path``: a JSON object, or
+    TOML (``.toml``) ``name = value`` lines; a name is a field's or its flag's (``batch_size``
+    or ``batch-size``). A ValueError names the file, and the line or the name, for text that
+    does not parse, an unknown name or a value of another type than the field's."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FileNotFoundError(f"{path}: {e.strerror}") from None
+    toml = path.endswith(".toml")
+    try:
+        raw = tomllib.loads(text) if toml else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not {'TOML' if toml else 'JSON'}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: wants an object of options, got {type(raw).__name__}")
+    hints, out = get_type_hints(cls), {}
+    for key, v in raw.items():
+        name = key.replace("-", "_")
+        if name not in hints:
+            near = difflib.get_close_matches(name, list(hints), 1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"{path}: {key!r} is not an option{hint}")
+        out[name] = _typed(v, hints[name], f"{path}: {key}")
+    return out
+
+
+def _typed(v: Any, kind: Any, where: str) -> Any:
+    """``v`` as a value of the field type ``kind`` (an int where a float goes), or a
+    ValueError naming ``where``."""
+    optional = isinstance(kind, types.UnionType)  # X | None
+    if optional:
+        if v is None:
+            return None
+        kind = next(a for a in kind.__args__ if a is not type(None))
+    if kind is float and type(v) is int:
+        return float(v)
+    if type(v) is kind:  # (True is no int here)
+        return v
+    wants = kind.__name__ + (" or null" if optional else "")
+    raise ValueError(f"{where}: wants {wants}, got {v!r}")
+
+
+def blamed(error: ValueError, values: dict[str, Any], where: str) -> ValueError:
+    """``error``, naming ``where`` (a file) if it names the flag of one of ``values`` (what
+    came from there)."""
+    named = [flag(k) for k in values if re.search(re.escape(flag(k)) + r"(?![\w-])", str(error))]
+    return ValueError(f"{error} ({', '.join(named)}: {where})") if named else error

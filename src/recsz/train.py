@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from recsz import checkpoint, report
 from recsz.checkpointwrite import Saver
-from recsz.config import TrainConfig, given_args, parse_train_args, resumed_config
+from recsz.config import TrainConfig, configured, given_args, resumed_config
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
@@ -246,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `recsz train`; tests call it with a list of flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
     given = given_args(argv)
+    if given.get("resume") and "config" in given:
+        raise ValueError("--config with --resume: a resumed run's configuration is its own")
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.
-    cfg = resumed_config(given, found[1]["config"]) if found else parse_train_args(argv)
+    cfg = resumed_config(given, found[1]["config"]) if found else configured(given)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
