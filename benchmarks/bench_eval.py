@@ -3,7 +3,7 @@ of another revision side by side.
 
     python benchmarks/bench_eval.py [--old DIR] [--sizes 1e6,1e7,3e7] [--worlds 1,2]
         [--presets tiny,bench] [--n-eval N] [--eval-batches 16384] [--repeats 3]
-        [--raw-lines 1e6] [--json-out PATH]
+        [--rounds 1] [--raw-lines 1e6] [--json-out PATH]
 
 (a) **metrics**: AUC, logloss and accuracy of N predictions on the host, as the trainer
     computed them before (scikit-learn on float64 copies, after ``np.unique`` of the
@@ -12,7 +12,8 @@ of another revision side by side.
     RSS after, less before); the AUC's and logloss's differences.
 (b) **evaluation**: ``recsz.evaluation.evaluate`` of the ``--n-eval`` synthetic held-out
     samples (global batches of each of ``--eval-batches``) on W gloo ranks of one host,
-    timed on rank 0 (median of ``--repeats`` after one untimed), with this checkout's
+    timed on rank 0 (median of ``--repeats`` after one untimed, in each of ``--rounds``
+    processes, the trees taken in turn), with this checkout's
     code and with ``--old``'s (a checkout of another revision, e.g. ``git worktree add
     /tmp/old REV``): the same model, codec ``none``, the evaluation path alone. Before
     the thirty-third session every rank made every batch whole, copied its predictions
@@ -21,8 +22,8 @@ of another revision side by side.
 (c) **a raw file**: ``recsz evaluate RUN --eval-data FILE`` of ``--raw-lines`` real Criteo
     lines (the 10k sample of ``../shared/data`` repeated), and ``recsz predict RUN TEST``
     of the same lines with their labels cut (Criteo's test layout), one process each, with
-    this checkout's code and ``--old``'s (which has no ``predict``): seconds (median of
-    ``--repeats``) and the process's peak host memory. Before the thirty-fifth session
+    this checkout's code and ``--old``'s (which has no ``predict``), in turn: seconds
+    (median of ``--repeats``) and the process's peak host memory. Before the thirty-fifth session
     the file was read whole into arrays; now it is streamed a batch at a time.
 Prints a table and writes JSON (default benchmarks/results/eval.json).
 """
@@ -39,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from results_io import write_results
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
@@ -142,20 +145,23 @@ def eval_rows(
     n_eval: int,
     repeats: int,
     batches: list[int],
+    rounds: int = 1,
 ) -> list[dict]:
     rows = []
     trees = {"new": SRC} | ({"old": Path(old) / "src"} if old else {})
     for preset, w, batch in ((p, w, b) for p in presets for w in worlds for b in batches):
-        got: dict[str, dict] = {}
-        for name, src in trees.items():
-            out = Path(f"/tmp/bench_eval_{os.getpid()}_{name}.json")
-            env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                    str(w), "--master-port", str(29700 + w), __file__, "--eval-child",
-                    preset, str(n_eval), str(repeats), str(out), str(batch)]  # fmt: skip
-            subprocess.run(argv, check=True, env=env, capture_output=True)
-            got[name] = json.loads(out.read_text())
-            out.unlink()
+        got: dict[str, dict] = {name: {"times": []} for name in trees}
+        for _ in range(rounds):  # the trees in turn, a process each a round
+            for name, src in trees.items():
+                out = Path(f"/tmp/bench_eval_{os.getpid()}_{name}.json")
+                env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+                argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                        str(w), "--master-port", str(29700 + w), __file__, "--eval-child",
+                        preset, str(n_eval), str(repeats), str(out), str(batch)]  # fmt: skip
+                subprocess.run(argv, check=True, env=env, capture_output=True)
+                one = json.loads(out.read_text())
+                got[name] = {"times": got[name]["times"] + one["times"], "auc": one["auc"]}
+                out.unlink()
         row = {"part": "evaluation", "preset": preset, "world": w, "samples": n_eval,
                "eval_batch": batch}  # fmt: skip
         for name, g in got.items():
@@ -204,18 +210,18 @@ def raw_rows(old: str | None, lines: int, repeats: int, work: Path) -> list[dict
     rows = []
     for what, argv in commands.items():
         row: dict = {"part": "raw", "what": what, "lines": lines}
-        for name, src in trees.items():
-            if name == "old" and what == "predict":
-                continue  # (no `recsz predict` before)
-            env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-            got = []
-            for _ in range(repeats):
+        runs = {n: src for n, src in trees.items() if n == "new" or what != "predict"}
+        got: dict[str, list[dict]] = {name: [] for name in runs}  # (no `recsz predict` before)
+        for _ in range(repeats):  # the trees taken in turn: the machine's drift hits both
+            for name, src in runs.items():
+                env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
                 cmd = [sys.executable, __file__, "--raw-child", json.dumps(argv)]
                 out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
-                got.append(json.loads(out.stdout.strip().splitlines()[-1]))
-                assert got[-1]["rc"] == 0, (name, what, out.stderr[-2000:])
-            row[f"{name}_s"] = statistics.median(g["s"] for g in got)
-            row[f"{name}_peak_gb"] = max(g["peak_gb"] for g in got)
+                got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                assert got[name][-1]["rc"] == 0, (name, what, out.stderr[-2000:])
+        for name, g in got.items():
+            row[f"{name}_s"] = statistics.median(x["s"] for x in g)
+            row[f"{name}_peak_gb"] = max(x["peak_gb"] for x in g)
         rows.append(row)
         print(json.dumps(row))
     return rows
@@ -266,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presets", default="tiny,bench")
     ap.add_argument("--n-eval", type=int, default=200_000)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="evaluation: processes a tree, in turn")
     ap.add_argument("--eval-batches", default="16384", help="global evaluation batches")
     ap.add_argument("--raw-lines", type=float, default=1e6, help="(c): lines (0: none)")
     ap.add_argument("--json-out", default=str(HERE / "results" / "eval.json"))
@@ -283,13 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         preset, n, repeats, out, batch = a.eval_child
         eval_child(preset, int(n), int(repeats), out, int(batch))
         return 0
-    from results_io import write_results
-
     sizes = [int(float(s)) for s in a.sizes.split(",") if s]
     worlds = [int(w) for w in a.worlds.split(",") if w]
     rows = metrics_rows(sizes, a.repeats)
     evals = [int(b) for b in a.eval_batches.split(",")]
-    rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats, evals)
+    rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats, evals, a.rounds)
     with tempfile.TemporaryDirectory() as work:
         rows += raw_rows(a.old, int(a.raw_lines), a.repeats, Path(work))
     write_results(rows, a.json_out, table(rows))
