@@ -294,6 +294,8 @@ class EmbeddingExchange:
         # One gather of all blocks' rows into the (b, T, D) layout the model reads: each
         # (sample, table) names its row; tables no rank sends read a zero row at the end.
         n_tables, sent_by = len(self.plan.owners), [blk for blk in received if blk.tables]
+        if whole and self.mine == list(range(n_tables)):  # a lone rank's rows, as they were
+            return received[self.rank].rows.view(b, n_tables, dim).float()
         parts = [blk.rows for blk in sent_by]
         index = torch.full((n_tables, b), sum(len(r) for r in parts), device=ids.device)
         at = 0
