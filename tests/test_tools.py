@@ -155,7 +155,10 @@ def test_bench_data_times_each_source_and_the_trainer(tmp_path: Path) -> None:
         assert {("ranks", f"{src}, 4 ranks", w) for w in ("whole", "part")} <= made
     if (ROOT.parent / "shared" / "data").exists():
         parsed = {w for p, _, w in made if p == "parse"}
-        assert {"compiled, 1 thread", "parse_line"} <= parsed and len(parsed) == 3
+        from recsz.data.criteo import parse_threads
+
+        many = parse_threads()  # one core: 1 thread timed once
+        assert {"compiled, 1 thread", "parse_line"} <= parsed and len(parsed) == 2 + (many > 1)
     trained = [r for r in rows if r["part"] == "trainer"]
     assert len(trained) == 2 and trained[0]["auc"] == trained[1]["auc"]  # the same batches
     assert all(r["samples_per_s"] > 0 for r in rows)
