@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -80,6 +81,19 @@ def test_unique_first_matches_a_plain_reference(ids: list[int]) -> None:
     assert uniq.tolist() == distinct
     assert first.tolist() == [ids.index(v) for v in distinct]
     assert [distinct[i] for i in inv.tolist()] == ids
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(200, 20_000), k=st.integers(1, 300))
+def test_unique_first_of_many_repeats_finds_each_ids_first_position(
+    seed: int, n: int, k: int
+) -> None:
+    """Long runs of repeated ids (an unstable sort reorders their positions)."""
+    ids = np.random.default_rng(seed).integers(0, k, n) << int(seed % 41)
+    inv, first, uniq = unique_first(torch.from_numpy(ids))
+    distinct, at = np.unique(ids, return_index=True)  # at: each one's first position
+    assert np.array_equal(uniq.numpy(), distinct) and np.array_equal(first.numpy(), at)
+    assert np.array_equal(distinct[inv.numpy()], ids)
 
 
 # ---- one rank: the whole exchange against a plain reference -----------------------------

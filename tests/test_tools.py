@@ -560,3 +560,12 @@ def test_bench_blockcpu_compares_the_coders_on_the_same_bytes(tmp_path: Path) ->
     for rel in (0.01, 0.03):
         ratio = {r["way"]: r["ratio"] for r in rows if r["eb_rel"] == rel}
         assert ratio["format 3 compiled"] == ratio["format 3 numpy (before)"]
+
+
+def test_bench_ids_times_both_sorts_on_the_same_answers(tmp_path: Path) -> None:
+    out = tmp_path / "ids.json"
+    assert _bench("bench_ids").main(["--batches", "64,300", "--repeats", "2",
+                                      "--json-out", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())
+    real = (ROOT.parent / "shared" / "data").exists()
+    assert len(rows) == 2 * (1 + real) and all(r["now_ms"] > 0 < r["distinct"] for r in rows)

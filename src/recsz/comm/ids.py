@@ -3,7 +3,7 @@
 Id-aware traffic sends one row per distinct id of each table in sorted id order; the
 sample owner and the table owner each derive the same order from the ids they both hold.
 :func:`distinct_pairs` does every table of a (sample owner, table owner) slice in one pass;
-on the CPU :func:`unique_first` is a numpy stable argsort and one scan (~10x faster than
+on the CPU :func:`unique_first` is numpy's argsort and one scan (~10x faster than
 ``torch.unique(return_inverse=True)`` on 1k ids). :func:`distinct_slices` does all the
 slices of a step: on a GPU in one pass with one host read (their counts), where slice by
 slice each would read its smallest and largest id, unique count and table counts back (5
@@ -27,14 +27,16 @@ def unique_first(col: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     n = col.numel()
     if not device_path(col.device) and n:
         a = col.numpy()
-        order = np.argsort(a, kind="stable")  # stable: a group's first entry is its first id
+        order = np.argsort(a)  # numpy's vectorized sort: 2x a stable one's pace, 1k-16k ids
         s = a[order]
         new = np.empty(n, dtype=bool)
         new[0] = True
         np.not_equal(s[1:], s[:-1], out=new[1:])
+        starts = np.flatnonzero(new)
         inv = np.empty(n, dtype=np.int64)
         inv[order] = np.cumsum(new) - 1
-        return torch.from_numpy(inv), torch.from_numpy(order[new]), torch.from_numpy(s[new])
+        at = np.minimum.reduceat(order, starts)  # a group's smallest position: its first
+        return torch.from_numpy(inv), torch.from_numpy(at), torch.from_numpy(s[starts])
     uniq, inv = torch.unique(col, sorted=True, return_inverse=True)
     first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=col.device)
     first.scatter_reduce_(0, inv, torch.arange(n, device=col.device), reduce="amin")
