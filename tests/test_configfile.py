@@ -1,5 +1,6 @@
-"""`recsz train --config FILE`: a run's config.json or a JSON / TOML file of options, under
-the flags given; bad files named by file and line or option."""
+"""`recsz train`'s configuration: its flags, and `--config FILE` (a run's config.json or a
+JSON / TOML file of options) under the flags given; bad files named by file and line or
+option."""
 
 from __future__ import annotations
 
@@ -18,12 +19,30 @@ def _toml(values: dict[str, object]) -> str:
     return "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())  # scalars only
 
 
+#: a few options of each type
+OPTIONS = {
+    "steps": st.integers(1, 10**6),
+    "eb": st.floats(1e-6, 1.0),
+    "dedup": st.booleans(),
+    "codec": st.sampled_from(["none", "hybrid", "fp16", "zstd"]),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(**OPTIONS)
+def test_flags_round_trip_through_the_config(
+    steps: int, eb: float, dedup: bool, codec: str
+) -> None:
+    argv = ["--steps", str(steps), "--fwd-eb", repr(eb), "--fwd-codec", codec]
+    argv.append("--id-dedup" if dedup else "--no-id-dedup")
+    cfg = parse_train_args(argv)
+    assert (cfg.steps, cfg.fwd_eb, cfg.id_dedup, cfg.fwd_codec) == (steps, eb, dedup, codec)
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
 @settings(max_examples=25, deadline=None)
 @given(
-    steps=st.integers(1, 10**6),
-    eb=st.floats(1e-6, 1.0),
-    dedup=st.booleans(),
-    codec=st.sampled_from(["none", "hybrid", "fp16", "zstd"]),
+    **OPTIONS,
     lr=st.one_of(st.none(), st.integers(1, 9), st.floats(1e-4, 10.0)),
     toml=st.booleans(),
     dashes=st.booleans(),

@@ -297,23 +297,6 @@ def test_the_help_groups_the_flags_as_the_config_does() -> None:
     assert sum(len(g._group_actions) for g in groups) == others
 
 
-@settings(max_examples=20, deadline=None)
-@given(
-    steps=st.integers(1, 10**6),
-    eb=st.floats(1e-6, 1.0),
-    dedup=st.booleans(),
-    codec=st.sampled_from(["none", "hybrid", "fp16", "zstd"]),
-)
-def test_flags_round_trip_through_the_config(
-    steps: int, eb: float, dedup: bool, codec: str
-) -> None:
-    argv = ["--steps", str(steps), "--fwd-eb", repr(eb), "--fwd-codec", codec]
-    argv.append("--id-dedup" if dedup else "--no-id-dedup")
-    cfg = parse_train_args(argv)
-    assert (cfg.steps, cfg.fwd_eb, cfg.id_dedup, cfg.fwd_codec) == (steps, eb, dedup, codec)
-    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
-
-
 def test_a_failure_to_inject_is_read_before_any_rank_starts() -> None:
     assert parse_train_args(["--inject-failure", "1:3"]).failure_at() == (1, 3)
     assert parse_train_args([]).failure_at() is None
