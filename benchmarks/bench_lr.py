@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results_io import write_results  # noqa: E402
 
 #: name: flags (the rate and the schedule; "{w}" a tenth of the steps, "{s}" / "{d}" the
 #: decay's start and steps: the second half)
@@ -85,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(list(CONFIGS)[:7]))
     ap.add_argument("--json-out", default=str(HERE / "results" / "lr.json"))
     a = ap.parse_args(argv)
-    from results_io import write_results
-
     rows = []
     for seed in (int(s) for s in a.seeds.split(",")):
         for name in a.configs.split(","):
