@@ -79,6 +79,9 @@ def test_a_runs_config_json_trains_the_run_again(tmp_path: Path) -> None:
     assert main([*flags, "--out", str(tmp_path / "a")]) == 0
     record = str(tmp_path / "a" / "config.json")
     assert main(["--config", record, "--out", str(tmp_path / "b")]) == 0
+    assert parse_train_args(["--config", str(tmp_path / "a")]) == parse_train_args(
+        ["--config", record]
+    )  # a run's directory: its record
     a, b = (json.loads((tmp_path / r / "config.json").read_text()) for r in "ab")
     assert a.pop("out") != b.pop("out") and a == b
     rows = {r: (tmp_path / r / "metrics.jsonl").read_text().splitlines() for r in "ab"}

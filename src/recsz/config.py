@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -355,9 +356,9 @@ def build_parser(only: tuple[str, ...] | None = None) -> argparse.ArgumentParser
     and --config."""
     p = parser(TrainConfig, "recsz train", "Train DLRM with a compressed embedding all-to-all.",
                only)  # fmt: skip
-    p.add_argument("--config", metavar="FILE", help="a run's config.json, or a JSON / TOML "
-                   "(.toml) file of options (batch_size = 4096): flags given override it; "
-                   "--out comes from the command line")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="a run's directory or config.json, or a "
+                   "JSON / TOML (.toml) file of options (batch_size = 4096): flags given "
+                   "override it; --out comes from the command line")  # fmt: skip
     return p
 
 
@@ -387,6 +388,8 @@ def configured(given: dict[str, Any]) -> TrainConfig:
     given = dict(given)
     if (path := given.pop("config", None)) is None:
         return TrainConfig(**given)
+    if os.path.isdir(path):  # a run's directory: its record
+        path = os.path.join(path, "config.json")
     values = read_values(TrainConfig, path)
     record = values.pop("config_version", None) is not None
     for k in set(NOT_RESUMED) & set(values):
