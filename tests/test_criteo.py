@@ -721,3 +721,29 @@ def test_a_damaged_or_truncated_gzip_file_is_named(criteo_10k: Path, tmp_path: P
     plain.write_bytes(criteo_10k.read_bytes()[:1000])  # named .gz, not gzip
     with pytest.raises(CriteoFormatError, match=r"day_1\.gz: .*after line 0: Not a gzipped"):
         criteo.read(plain, SIZES)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 30), limit=st.integers(1, 5), workers=st.integers(1, 4))
+def test_in_order_yields_in_order_taking_at_most_its_limit_ahead(
+    n: int, limit: int, workers: int
+) -> None:
+    """The ordered map under the parser's threads and `recsz preprocess --jobs`: every
+    item's result in the items' order; while the consumer holds item k, exactly the items
+    up to k + limit - 1 are taken (the disk's bound for preprocess's parts)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    taken: list[int] = []
+
+    def items():  # type: ignore[no-untyped-def]
+        for i in range(n):
+            taken.append(i)
+            yield i
+
+    with ThreadPoolExecutor(workers) as pool:
+        got = 0
+        for k, (i, r) in enumerate(criteo.in_order(lambda x: x * x, items(), pool, limit)):
+            assert (i, r) == (k, k * k)
+            assert len(taken) == min(n, k + limit)
+            got += 1
+    assert got == n == len(taken)

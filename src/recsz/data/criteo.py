@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import math
 import os
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -209,7 +210,7 @@ def iter_blocks(
     opener = gzip.open if str(path).endswith(".gz") else open  # Terabyte's days: day_N.gz
     with opener(path, "rb") as f:  # bytes: a bad byte is one bad line, not a lost position
         pieces = _whole_lines(f, chunk_bytes, path)
-        for (data, first), parsed in _in_order(compiled, pieces, threads):
+        for (data, first), parsed in _parsed(compiled, pieces, threads):
             stats.bytes += len(data)
             blk = _finish(parsed, data, path, first, table_sizes, skip_bad_lines, stats, labeled)
             if pending is not None:
@@ -256,23 +257,30 @@ def _whole_lines(
         lines += data.count(b"\n")
 
 
-def _in_order(fn: Callable[[T], R], items: Iterator[T], threads: int) -> Iterator[tuple[T, R]]:
-    """Each item with ``fn`` of it, in the items' order, ``fn`` run on ``threads`` threads
-    (items taken at most ``threads`` ahead of the one yielded: bounded memory)."""
+def in_order(
+    fn: Callable[[T], R], items: Iterable[T], pool: Executor, limit: int
+) -> Iterator[tuple[T, R]]:
+    """Each of ``items`` with ``fn`` of it, in the items' order, ``fn`` run on ``pool``: at
+    most ``limit`` items taken and not yet done with, the one the consumer holds counted
+    (the next is taken when the consumer asks for the one after it): bounded memory, or
+    disk (``recsz preprocess``'s parts)."""
+    rest = iter(items)
+    ahead = deque((x, pool.submit(fn, x)) for x in itertools.islice(rest, limit))
+    while ahead:
+        item, done = ahead.popleft()
+        yield item, done.result()
+        ahead.extend((x, pool.submit(fn, x)) for x in itertools.islice(rest, 1))
+
+
+def _parsed(fn: Callable[[T], R], pieces: Iterator[T], threads: int) -> Iterator[tuple[T, R]]:
+    """:func:`in_order` on ``threads`` threads (each parsing while the reader finishes the
+    piece before); one: in this thread."""
     if threads <= 1:
-        yield from ((item, fn(item)) for item in items)
+        yield from ((p, fn(p)) for p in pieces)
         return
     pool = ThreadPoolExecutor(threads, thread_name_prefix="recsz-parse")
-    ahead: deque[tuple[T, Future[R]]] = deque()
     try:
-        for item in items:
-            ahead.append((item, pool.submit(fn, item)))
-            if len(ahead) > threads:
-                first, done = ahead.popleft()
-                yield first, done.result()
-        while ahead:
-            first, done = ahead.popleft()
-            yield first, done.result()
+        yield from in_order(fn, pieces, pool, threads + 1)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

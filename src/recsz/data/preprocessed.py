@@ -8,6 +8,7 @@ Terabyte's 4 billion) never has to fit in memory. :func:`preprocess` streams raw
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from recsz.data.criteo import (
     Arrays,
     CriteoFormatError,
     ParseStats,
+    in_order,
     iter_blocks,
     parse_threads,
     skipped_note,
@@ -95,35 +97,20 @@ def _write_parallel(
     each part, once it and those before it are done, appended to ``files`` (the first one
     renamed) and deleted while the next files are parsed, so no serial pass over the whole
     output follows the last file (Terabyte: ~700 GB), and at most ``jobs`` parts wait."""
-    from collections import deque
-    from concurrent.futures import Future, ProcessPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor
 
     from tqdm import tqdm
 
     done: list[tuple[ParseStats, list[int]]] = []
+    threads = max(1, parse_threads() // min(jobs, len(raws)))  # the cores, not each's
+    work = functools.partial(_write_one, table_sizes, skip_bad_lines, threads)
     with (
         ProcessPoolExecutor(min(jobs, len(raws))) as pool,
         tqdm(total=len(raws), unit="file", disable=not progress) as bar,
     ):
-        ahead: deque[Future] = deque()
-        waiting = iter(range(len(raws)))
-
-        threads = max(1, parse_threads() // min(jobs, len(raws)))  # the cores, not each's
-
-        def submit() -> None:
-            i = next(waiting, None)
-            if i is not None:
-                ahead.append(
-                    pool.submit(
-                        _write, [raws[i]], parts[i], table_sizes, skip_bad_lines, False, threads
-                    )
-                )
-
-        for _ in range(jobs):
-            submit()
-        while ahead:
-            done.append(ahead.popleft().result())
-            part = parts[len(done) - 1]
+        # the next file taken once a part is gone: never more than ``jobs`` on the disk
+        for (_, part), got in in_order(work, zip(raws, parts, strict=True), pool, jobs):
+            done.append(got)
             for k, path in files.items():
                 if len(done) == 1:
                     os.replace(part[k], path)
@@ -131,9 +118,16 @@ def _write_parallel(
                 with open(path, "ab") as f, open(part[k], "rb") as src:
                     shutil.copyfileobj(src, f, 1 << 24)
                 part[k].unlink()
-            submit()  # after the part is gone: never more than ``jobs`` on the disk
             bar.update(1)
     return done
+
+
+def _write_one(
+    table_sizes: Sequence[int], skip_bad_lines: bool, threads: int,
+    raw_part: tuple[str | os.PathLike[str], dict[str, Path]],
+) -> tuple[ParseStats, list[int]]:  # fmt: skip
+    """One raw file into its part (a process of :func:`_write_parallel`)."""
+    return _write([raw_part[0]], raw_part[1], table_sizes, skip_bad_lines, False, threads)
 
 
 def _write(
