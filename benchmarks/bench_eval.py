@@ -3,7 +3,7 @@ of another revision side by side.
 
     python benchmarks/bench_eval.py [--old DIR] [--sizes 1e6,1e7,3e7] [--worlds 1,2]
         [--presets tiny,bench] [--n-eval N] [--eval-batches 16384] [--repeats 3]
-        [--rounds 1] [--raw-lines 1e6] [--json-out PATH]
+        [--rounds 1] [--raw-lines 1e6] [--raw-trained FLAGS;FLAGS] [--json-out PATH]
 
 (a) **metrics**: AUC, logloss and accuracy of N predictions on the host, as the trainer
     computed them before (scikit-learn on float64 copies, after ``np.unique`` of the
@@ -24,7 +24,10 @@ of another revision side by side.
     of the same lines with their labels cut (Criteo's test layout), one process each, with
     this checkout's code and ``--old``'s (which has no ``predict``), in turn: seconds
     (median of ``--repeats``) and the process's peak host memory. Before the thirty-fifth session
-    the file was read whole into arrays; now it is streamed a batch at a time.
+    the file was read whole into arrays; now it is streamed a batch at a time. The model
+    scored: the tiny preset's, or of each ``--raw-trained`` set of training flags (e.g.
+    ``--preset bench --emb-optimizer adagrad``). Before the forty-second session scoring
+    built the optimizers and their state (exact Adagrad's: as large as the tables).
 Prints a table and writes JSON (default benchmarks/results/eval.json).
 """
 
@@ -185,7 +188,9 @@ def raw_child(argv: list[str]) -> None:
     print(json.dumps({"rc": rc, "s": s, "peak_gb": peak / 1e9}))
 
 
-def raw_rows(old: str | None, lines: int, repeats: int, work: Path) -> list[dict]:
+def raw_rows(
+    old: str | None, lines: int, repeats: int, work: Path, trained: list[str]
+) -> list[dict]:
     sample = HERE.parents[1] / "shared" / "data" / "criteo_kaggle_head10k.tsv"
     if not lines or not sample.exists():
         print(f"raw file: skipped ({sample} absent or --raw-lines 0)")
@@ -198,7 +203,7 @@ def raw_rows(old: str | None, lines: int, repeats: int, work: Path) -> list[dict
             g.write(text[i % len(text)].split("\t", 1)[1])
     run = work / "run"
     train = ["train", "--steps", "10", "--batch-size", "256", "--synthetic-eval", "512",
-             "--checkpoint-every", "10", "--no-progress", "--out", str(run)]  # fmt: skip
+             "--checkpoint-every", "10", "--no-progress", "--out", str(run), *trained]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     subprocess.run([sys.executable, "-m", "recsz.cli", *train], check=True, env=env,
                    capture_output=True)  # fmt: skip
@@ -209,9 +214,12 @@ def raw_rows(old: str | None, lines: int, repeats: int, work: Path) -> list[dict
     }
     rows = []
     for what, argv in commands.items():
-        row: dict = {"part": "raw", "what": what, "lines": lines}
-        runs = {n: src for n, src in trees.items() if n == "new" or what != "predict"}
-        got: dict[str, list[dict]] = {name: [] for name in runs}  # (no `recsz predict` before)
+        row: dict = {"part": "raw", "what": what, "lines": lines, "trained": " ".join(trained)}
+        has = (
+            (lambda src: (src / "recsz" / "prediction.py").exists()) if what == "predict" else bool
+        )
+        runs = {n: src for n, src in trees.items() if has(src)}  # (`recsz predict`: 35th session)
+        got: dict[str, list[dict]] = {name: [] for name in runs}
         for _ in range(repeats):  # the trees taken in turn: the machine's drift hits both
             for name, src in runs.items():
                 env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
@@ -255,12 +263,13 @@ def table(rows: list[dict]) -> str:
                        f"{aucs} |")  # fmt: skip
     raw = [r for r in rows if r["part"] == "raw"]
     if raw:
-        out += ["", "| command | lines | before: s, peak memory | now: s, peak memory |",
-                "|---|---|---|---|"]  # fmt: skip
+        out += ["", "| command | model trained with | lines | before: s, peak memory | now: "
+                "s, peak memory |", "|---|---|---|---|---|"]  # fmt: skip
         for r in raw:
             before = f"{r['old_s']:.1f} s, {r['old_peak_gb']:.2f} GB" if "old_s" in r else "-"
-            out.append(f"| `recsz {r['what']}` | {r['lines']:,} | {before} | "
-                       f"{r['new_s']:.1f} s, {r['new_peak_gb']:.2f} GB |")  # fmt: skip
+            out.append(f"| `recsz {r['what']}` | `{r.get('trained') or '(tiny)'}` | "
+                       f"{r['lines']:,} | {before} | {r['new_s']:.1f} s, "
+                       f"{r['new_peak_gb']:.2f} GB |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 
@@ -275,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="evaluation: processes a tree, in turn")
     ap.add_argument("--eval-batches", default="16384", help="global evaluation batches")
     ap.add_argument("--raw-lines", type=float, default=1e6, help="(c): lines (0: none)")
+    ap.add_argument("--raw-trained", default="", help="(c): the models scored, each its "
+                    "training's flags (10 steps), ';' between them ('': tiny's)")  # fmt: skip
     ap.add_argument("--json-out", default=str(HERE / "results" / "eval.json"))
     ap.add_argument("--raw-child", help=argparse.SUPPRESS)
     ap.add_argument("--metrics-child", nargs=2, help=argparse.SUPPRESS)
@@ -296,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     evals = [int(b) for b in a.eval_batches.split(",")]
     rows += eval_rows(a.old, worlds, a.presets.split(","), a.n_eval, a.repeats, evals, a.rounds)
     with tempfile.TemporaryDirectory() as work:
-        rows += raw_rows(a.old, int(a.raw_lines), a.repeats, Path(work))
+        for i, flags in enumerate(a.raw_trained.split(";")):
+            (Path(work) / str(i)).mkdir()
+            rows += raw_rows(a.old, int(a.raw_lines), a.repeats, Path(work) / str(i), flags.split())
     write_results(rows, a.json_out, table(rows))
     return 0
 

@@ -510,13 +510,17 @@ def test_bench_columns_plans_spread_the_large_tables(tmp_path: Path) -> None:
 
 def test_bench_eval_scores_a_raw_file_both_ways(tmp_path: Path, criteo_10k: Path) -> None:
     """Part (c) at a small size: `recsz evaluate --eval-data` and `recsz predict` of the
-    same lines, each in a process of its own, timed with their peak memory."""
+    same lines, each in a process of its own, timed with their peak memory, for each
+    model asked for (``--raw-trained``: the flags of each's training)."""
     out = tmp_path / "eval.json"
-    argv = ["--sizes", "", "--worlds", "", "--raw-lines", "3000", "--repeats", "1"]
+    argv = ["--sizes", "", "--worlds", "", "--raw-lines", "3000", "--repeats", "1",
+            "--raw-trained", ";--emb-optimizer sgd"]  # fmt: skip
     assert _bench("bench_eval").main([*argv, "--json-out", str(out)]) == 0
-    rows = {r["what"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"evaluate", "predict"}
+    rows = {(r["what"], r["trained"]): r for r in json.loads(out.read_text())}
+    models = ("", "--emb-optimizer sgd")
+    assert set(rows) == {(w, m) for w in ("evaluate", "predict") for m in models}
     assert all(r["lines"] == 3000 and r["new_peak_gb"] > 0 for r in rows.values())
+    assert "| `recsz predict` | `--emb-optimizer sgd` | 3,000 |" in out.with_suffix(".md").read_text()
 
 
 def test_bench_warmstart_runs_each_day_and_exports(tmp_path: Path, criteo_ragged: Path) -> None:

@@ -244,16 +244,25 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             f"checkpoint {d}: rank {ranks.rank} held tables {state['tables']}, "
             f"the plan now gives it {parts.sparse.tables}"
         )
-    parts.sparse.load_state_dict(state["sparse"])
-    parts.dense_module.load_state_dict(state["dense"])
-    parts.dense_opt.load_state_dict(state["dense_opt"])
+    _into(parts.sparse, state["sparse"], parts)
+    _into(parts.dense_module, state["dense"], parts)
+    if parts.dense_opt is not None:
+        parts.dense_opt.load_state_dict(state["dense_opt"])
+        parts.dp.load_state_dict(state["dp"])
     for k, p in parts.exchange.policies.items():
         p.load_state_dict(state["policies"][k])
     parts.exchange.stats = state["stats"]
     parts.exchange.switch.load_state_dict(state["switch"])
     torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
-    parts.dp.load_state_dict(state["dp"])
     return step, state["counters"]
+
+
+def _into(module: torch.nn.Module, state: dict[str, Any], parts: Parts) -> None:
+    """``module`` of ``parts`` loads ``state``; parts built to score (no optimizers:
+    ``build_parts(train=False)``) leave what only training reads unread."""
+    if parts.dense_opt is None:
+        state = tablestate.for_scoring(state, module.state_dict())
+    module.load_state_dict(state)
 
 
 def _restore_resharded(
@@ -287,15 +296,14 @@ def _restore_resharded(
             raise CheckpointError(f"checkpoint {d}: --column-shards {shards} -> {k}: {e}") from None
     sparse = parts.sparse
     try:
-        sparse.load_state_dict(
-            tablestate.join(pieces, sparse.tables, tt_tables, sparse.state_dict())
-        )
+        _into(sparse, tablestate.join(pieces, sparse.tables, tt_tables, sparse.state_dict()), parts)
     except KeyError as e:
         raise CheckpointError(f"checkpoint {d}: {e.args[0]}") from None
     own = old[ranks.rank % len(old)]
     # Copies: what is kept, not read into the modules' own tensors, leaves the files.
-    parts.dense_module.load_state_dict(old[0]["dense"])
-    parts.dense_opt.load_state_dict(copy.deepcopy(old[0]["dense_opt"]))
+    _into(parts.dense_module, old[0]["dense"], parts)
+    if parts.dense_opt is not None:
+        parts.dense_opt.load_state_dict(copy.deepcopy(old[0]["dense_opt"]))
     # What the bound policies learnt of each table: the forward's from the table's owner
     # (it saw the table's values of every sample, as its new owner will), the backward's
     # (of a rank's samples, every table) and the rest from rank ``rank % W``.
@@ -315,8 +323,9 @@ def _restore_resharded(
     stats = [state["stats"].recolumned(shards, k) if shards != k else state["stats"]
              for state in old]  # fmt: skip
     parts.exchange.stats = CommStats.resumed(stats, ranks.rank, ranks.world, sparse.tables)
-    dp = resumed_state([state["dp"] for state in old], ranks.rank, ranks.world)
-    parts.dp.load_state_dict(copy.deepcopy(dp))
+    if parts.dense_opt is not None:
+        dp = resumed_state([state["dp"] for state in old], ranks.rank, ranks.world)
+        parts.dp.load_state_dict(copy.deepcopy(dp))
     if ranks.rank == 0:
 
         def layout(n: int) -> str:

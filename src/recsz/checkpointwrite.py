@@ -50,6 +50,7 @@ def atomic_write(path: Path, write: Any) -> None:
 
 def rank_state(parts: Parts, ranks: Ranks, counters: dict[str, Any]) -> dict[str, Any]:
     """What a rank's file holds (live: its tensors are the training's own)."""
+    assert parts.dense_opt is not None, "parts built to score (no optimizers) are not saved"
     return {
         "rank": ranks.rank,
         "tables": parts.sparse.tables,

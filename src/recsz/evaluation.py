@@ -230,7 +230,7 @@ def restored(args: argparse.Namespace, flags: tuple[str, ...]) -> Iterator[Resto
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     try:
-        parts, _ = build_parts(cfg, ranks)
+        parts, _ = build_parts(cfg, ranks, train=False)  # no optimizers: it only scores
         step, _ = checkpoint.load(ckpt, parts, cfg, ranks)
         yield Restored(ckpt, step, cfg, on, ranks, parts)
         ok = True

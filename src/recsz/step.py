@@ -63,7 +63,8 @@ DDP_NO_BUFFER_SYNC: dict[str, Any] = (
 class Parts:
     sparse: SparseArch
     dense: nn.Module  # DenseArch, or DDP around it
-    dense_opt: torch.optim.Optimizer  # the tables' optimizer runs inside their backward
+    #: the MLPs' (the tables' runs inside their backward); None: built to score, not train
+    dense_opt: torch.optim.Optimizer | None
     exchange: EmbeddingExchange
     dp: DPComm  # the MLP gradients' exchange (DDP hook), its state and counters
     rates: ScheduledRates | None = None  # --lr-warmup-steps / --lr-decay-steps (None: constant)
@@ -112,14 +113,14 @@ def _charged_rows(cfg: TrainConfig) -> dict[int, int]:
     return charged
 
 
-def held_bytes(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
+def held_bytes(cfg: TrainConfig, owners: list[int], world: int, train: bool = True) -> list[int]:
     """What each of ``world`` ranks holds for its tables under ``owners``, in bytes: a
-    plain table's rows and their row optimizer's state, a TT table's cores (float32), and
-    with MLPerf's bag draws its tables' draws (once a rank, however many shards of a table
-    it holds). What `recsz plan` prints, a rank a row."""
+    plain table's rows and (``train``) their row optimizer's state, a TT table's cores
+    (float32), and with MLPerf's bag draws its tables' draws (once a rank, however many
+    shards of a table it holds). What `recsz plan` prints, a rank a row."""
     sizes, dim = cfg.sharded_tables()
     tt = cfg.tt_spec()
-    state = optimizer_row_bytes(cfg.resolved("emb_optimizer"), dim)
+    state = optimizer_row_bytes(cfg.resolved("emb_optimizer"), dim) if train else 0
     row = dim * TABLE_DTYPES[cfg.table_dtype].itemsize + state
     out = rank_draws(cfg, owners, world)
     for t, r in enumerate(owners):
@@ -158,13 +159,15 @@ _GPU_ROOM = (
 )
 
 
-def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ranks) -> None:
+def refuse_tables_that_cannot_fit(
+    cfg: TrainConfig, owners: list[int], ranks: Ranks, train: bool = True
+) -> None:
     """Before any table is made: MemoryError where this host's ranks' tables need more than
     the host's memory (the ranks make theirs at once: on the CPU all they hold, for GPUs
     what passes through the host, MLPerf's bag draws; the rows are made on the GPU), or
-    this rank's more than its GPU's; what they would hold, not what is free (other ranks
-    may be allocating)."""
-    need, gb = held_bytes(cfg, owners, ranks.world), 1e9
+    this rank's more than its GPU's; what they would hold (``train``: with their
+    optimizer's state), not what is free (other ranks may be allocating)."""
+    need, gb = held_bytes(cfg, owners, ranks.world, train), 1e9
     on_host = rank_draws(cfg, owners, ranks.world) if cfg.device == "cuda" else need
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
     first = ranks.rank - int(os.environ.get("LOCAL_RANK", ranks.rank))
@@ -184,15 +187,20 @@ def refuse_tables_that_cannot_fit(cfg: TrainConfig, owners: list[int], ranks: Ra
                              f"{_GPU_ROOM}")  # fmt: skip
 
 
-def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
+def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Parts, list[int]]:
+    """This rank's parts under ``cfg``, and every table's rank. ``train=False`` (to score:
+    evaluate, predict, export): no optimizer and no optimizer state (exact Adagrad's
+    doubles the tables), no DDP around the MLPs (nothing to all-reduce); a checkpoint
+    loads into them all the same (:func:`recsz.checkpoint.load`)."""
     mcfg = cfg.model()
     tt = cfg.tt_spec()
     local = tt.replicated if tt is not None else frozenset()
     sizes, _ = cfg.sharded_tables()
     owners = table_owners(cfg, ranks.world)
-    refuse_tables_that_cannot_fit(cfg, owners, ranks)
+    refuse_tables_that_cannot_fit(cfg, owners, ranks, train)
     plan = ShardPlan(owners, ranks.world)
-    emb_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
+    row_opt = RowOptimizer(cfg.resolved("emb_optimizer"), cfg.resolved("emb_lr"))
+    emb_opt = row_opt if train else None
     fiited = cfg.fiited_spec()
     hot = cfg.hotness()
     dtype = TABLE_DTYPES[cfg.table_dtype]
@@ -210,7 +218,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     switch = cfg.switch(agree=max_over(None), sync=device_sync(ranks.device))
     dp = DPComm(cfg.dp_comm, ranks.world)
     dense: nn.Module = dense_arch
-    if ranks.world > 1:
+    if ranks.world > 1 and train:
         group = dist.new_group()  # the MLP gradients' own (DPComm.group)
         dense = DDP(
             dense_arch,
@@ -223,7 +231,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
         options = cfg.dp_hook_options()
         dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
     params, lr = dense_arch.mlp_parameters(), cfg.resolved("lr")
-    dense_opt = dense_optimizer(cfg.resolved("dense_optimizer"), params, lr)
+    dense_opt = dense_optimizer(cfg.resolved("dense_optimizer"), params, lr) if train else None
     fwd, bwd = (Direction(d, cfg.codec(d), make_policy(cfg, d, len(sizes))) for d in ("fwd", "bwd"))
     # --compress auto: the plain steps' directions (lossless; a codec that takes no bound
     # never asks its policy) and the switch, which every rank's step times decide alike
@@ -245,9 +253,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks) -> tuple[Parts, list[int]]:
     )
     schedule = cfg.lr_schedule()
     rates = None
-    if not schedule.constant:  # every optimizer's rate from the one schedule, set each step
+    if not schedule.constant and dense_opt is not None:  # every rate from one schedule
         opts = [dense_opt, *sparse.tt.optimizers, *replicated.optimizers]
-        rates = ScheduledRates(schedule, emb_opt, opts)
+        rates = ScheduledRates(schedule, row_opt, opts)
     k = cfg.column_shards
     columns = None if k == 1 else torch.arange(len(sizes), device=ranks.device) // k
     return Parts(sparse, dense, dense_opt, exchange, dp, rates, columns), owners
@@ -285,9 +293,11 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Ten
     mine = batch.slice(ranks.rank * b, (ranks.rank + 1) * b)
     logits = forward(parts, mine.dense, batch.ids, step)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, mine.labels)
-    parts.dense_opt.zero_grad(set_to_none=True)
+    opt = parts.dense_opt
+    assert opt is not None, "parts built to score (build_parts(train=False)) do not train"
+    opt.zero_grad(set_to_none=True)
     loss.backward()  # also updates the tables (their optimizer is fused into it)
-    parts.dense_opt.step()
+    opt.step()
     if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
         parts.dense_module.local.step()
     return loss.detach()

@@ -56,6 +56,22 @@ def split(
     return pieces
 
 
+#: the last part of the state keys only training reads: the row optimizers' accumulators
+#: (the rows', FIITED's chunks' and the TT caches' ``state``) and the TT modules' extra
+#: state (their cores' optimizers; a cache's count of lookups since its last fill)
+_TRAINING_ONLY = ("optimizer_state", "state", "_extra_state")
+
+
+def for_scoring(state: Mapping[str, Any], template: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved module state ``state`` for a module built to score, with no optimizers
+    (``template``: its ``state_dict()``): what only training reads taken from the template
+    (empty), the rest as saved."""
+    return {
+        k: template[k] if k.rsplit(".", 1)[-1] in _TRAINING_ONLY and k in template else v
+        for k, v in state.items()
+    }
+
+
 def _rows(state: Mapping[str, Any], dense: list[int], rows: list[int]) -> list[Piece]:
     """Dense tables' rows end to end, the row optimizer's state beside them."""
     weight, opt = state["weight"], state["optimizer_state"]
