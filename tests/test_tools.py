@@ -520,7 +520,8 @@ def test_bench_eval_scores_a_raw_file_both_ways(tmp_path: Path, criteo_10k: Path
     models = ("", "--emb-optimizer sgd")
     assert set(rows) == {(w, m) for w in ("evaluate", "predict") for m in models}
     assert all(r["lines"] == 3000 and r["new_peak_gb"] > 0 for r in rows.values())
-    assert "| `recsz predict` | `--emb-optimizer sgd` | 3,000 |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert "| `recsz predict` | `--emb-optimizer sgd` | 3,000 |" in md
 
 
 def test_bench_warmstart_runs_each_day_and_exports(tmp_path: Path, criteo_ragged: Path) -> None:
