@@ -66,7 +66,8 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "max_err": dict(st.max_err),
         # Forward: the tables this rank owns; backward: every table (it sends them all).
         "tables": {"fwd": tables("fwd", ex.mine), "bwd": tables("bwd", list(st.table_raw["bwd"]))},
-        "dct_refreshes": dp.inner.refreshes if dp.mode == "dct" else None,
+        # (one rank: no DDP, no hook, nothing refreshed)
+        "dct_refreshes": dp.inner.refreshes if dp.mode == "dct" and dp.inner else None,
         "events": [
             {**e, "direction": d, "rank": rank}
             for d, p in ex.policies.items()
