@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
