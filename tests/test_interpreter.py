@@ -72,3 +72,42 @@ def test_the_cached_numpy_dtypes_are_the_interpreters() -> None:
     for t in types * 2:
         assert cached(t) == original(t), t
     assert ti._get_np_dtype is not original  # installed
+
+
+_TYPES_SCRIPT = """
+import json, triton.language as tl
+from triton.language import core
+c, tt = core.constexpr, core.tuple_type
+values = [core.tuple([1, 2, 3]), core.tuple([c(4), c(8)]), core.tuple([core.tuple([1]), c(2)]),
+          core.tuple([tl.int32, tl.float32]), core.tuple([c(1)], tt([tl.int32], ["a"]))]
+blocks = [core.block_type(tl.float32, [4, 8]), core.block_type(tl.int8, core.tuple([c(16)])),
+          core.block_type(tl.int64, [c(2), 4])]
+out = {"tuples": [[str(v.type), v.type.name, repr(v), str(v), len(v.type.types)]
+                  for v in values],
+       "blocks": [[b.name, str(b), list(b.shape), b.numel] for b in blocks],
+       "equal": [[a.type == b.type for b in values] for a in values],
+       "field": values[4].a.value}
+values[0]._setitem(1, c(7))
+out["set"] = [str(values[0].type), repr(values[0])]
+print(json.dumps(out))
+"""
+
+
+def test_the_lighter_types_are_the_front_ends_own(tmp_path) -> None:
+    """Triton's tuples, tuple types and block types made with the interpreter's lighter
+    front end (recsz.interpreter.lighter_types, installed with recsz) have the names, values,
+    hashes and equalities Triton's own give them (a process that never patched them)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    plain = subprocess.run([sys.executable, "-c", _TYPES_SCRIPT], env=env, check=True,
+                           capture_output=True, text=True).stdout  # fmt: skip
+    from triton.language import core
+
+    assert getattr(core._unwrap_shape, "_recsz", False), "the lighter front end is not installed"
+    here: dict = {}
+    exec(_TYPES_SCRIPT.replace("print(json.dumps(out))", ""), here)
+    assert json.loads(json.dumps(here["out"])) == json.loads(plain)

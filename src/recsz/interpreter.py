@@ -31,6 +31,7 @@ def install() -> None:
     if not interpreted():
         return
     try:
+        import triton
         import triton.language as tl
         from triton.runtime import interpreter as ti
     except ImportError:
@@ -69,6 +70,67 @@ def install() -> None:
     np_dtype = getattr(ti, "_get_np_dtype", None)
     if np_dtype is not None and hasattr(tl, "block_type") and hasattr(tl, "pointer_type"):
         ti._get_np_dtype = scalar_cached(np_dtype, tl)
+    lighter_types(tl.core, getattr(triton, "__version__", ""))
+
+
+def lighter_types(core: Any, version: str) -> None:
+    """Costs of Triton's front end that the interpreter pays at every operation of every
+    program (a fifth of our device-path tests' time): every tensor's shape is a
+    ``tl.tuple``, whose type (a ``tuple_type`` of each element's) is now made when first
+    read, and whose type's name (a string of every element's type) is spelled when read
+    (only messages read it); a block type unwraps its shape in one pass where it is of
+    integers (through two generic passes that build such tuples again otherwise). The
+    same values, types, names, equality and hashes, made later. Written against Triton
+    3.6's front end (the release the GPU machines and ``make`` install): another release
+    is left as it is."""
+    names = ("tuple_type", "tuple", "_unwrap_shape", "constexpr", "_type_for_tuple_values")
+    got = [getattr(core, n, None) for n in names]
+    if not version.startswith("3.6.") or any(g is None for g in got):
+        return
+    tuple_type, tl_tuple, unwrap, constexpr, type_of = got
+    if getattr(unwrap, "_recsz", False):
+        return
+
+    def tuple_type_init(self: Any, types: Any, fields: Any = None) -> None:
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def tuple_type_name(self: Any) -> str:
+        return (
+            "["
+            + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)])
+            + "]"
+        )
+
+    def tuple_init(self: Any, args: Any, type: Any = None) -> None:
+        self.values = list(args)
+        if type is not None:  # (else made when read)
+            self.type = type if isinstance(type, tuple_type) else tuple_type(type)
+
+    def tuple_value_type(self: Any) -> Any:
+        t = self.__dict__.get("_recsz_type")
+        if t is None:
+            t = self.__dict__["_recsz_type"] = type_of(self.values)
+        return t
+
+    def set_tuple_value_type(self: Any, t: Any) -> None:
+        self.__dict__["_recsz_type"] = t
+
+    def unwrap_shape(shape: Any) -> Any:
+        seq = shape.value if isinstance(shape, constexpr) else shape
+        seq = seq.values if isinstance(seq, tl_tuple) else seq
+        if isinstance(seq, list | tuple):
+            out = [s.value if isinstance(s, constexpr) else s for s in seq]
+            if all(type(s) is int for s in out):
+                return out
+        return unwrap(shape)
+
+    unwrap_shape._recsz = True  # type: ignore[attr-defined]
+    tuple_type.__init__ = tuple_type_init
+    tuple_type.name = property(tuple_type_name)
+    tl_tuple.__init__ = tuple_init
+    tl_tuple.type = property(tuple_value_type, set_tuple_value_type)
+    core._unwrap_shape = unwrap_shape
 
 
 def scalar_cached(of: Any, tl: Any) -> Any:
