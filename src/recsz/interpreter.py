@@ -84,7 +84,7 @@ def lighter_types(core: Any, version: str) -> None:
     3.6's front end (the release the GPU machines and ``make`` install): another release
     is left as it is."""
     names = ("tuple_type", "tuple", "_unwrap_shape", "constexpr", "_type_for_tuple_values")
-    got = [getattr(core, n, None) for n in names]
+    got: list[Any] = [getattr(core, n, None) for n in names]
     if not version.startswith("3.6.") or any(g is None for g in got):
         return
     tuple_type, tl_tuple, unwrap, constexpr, type_of = got
