@@ -573,3 +573,15 @@ def test_bench_ids_times_both_sorts_on_the_same_answers(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())
     real = (ROOT.parent / "shared" / "data").exists()
     assert len(rows) == 2 * (1 + real) and all(r["now_ms"] > 0 < r["distinct"] for r in rows)
+
+
+def test_bench_load_restores_both_ways(tmp_path: Path) -> None:
+    """bench_load.py in miniature (tiny, one repeat): a training run's checkpoint loaded into
+    parts built for training and to score, each in a process of its own, timed with the
+    memory it took."""
+    out = tmp_path / "load.json"
+    assert _bench("bench_load").main(["--repeats", "1", "--json-out", str(out)]) == 0
+    rows = {r["way"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"train", "score"}
+    assert all(r["new_s"] > 0 and r["new_hwm_gb"] > 0 and r["file_gb"] > 0 for r in rows.values())
+    assert "| score | `(tiny)` |" in out.with_suffix(".md").read_text()

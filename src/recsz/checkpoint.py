@@ -195,18 +195,32 @@ def _check(
         if digest(f, meta.get("digest")) != files.get(f.name):
             raise CheckpointError(f"{f}: checksum mismatch (damaged, truncated or replaced)")
     if same:
-        return step, world, shards, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt", ranks.device)}
-    return step, world, shards, {r: _read(d / f"rank-{r}.pt", None) for r in range(world)}
+        return step, world, shards, {ranks.rank: _read(d / f"rank-{ranks.rank}.pt")}
+    return step, world, shards, {r: _read(d / f"rank-{r}.pt") for r in range(world)}
 
 
-def _read(f: Path, device: torch.device | None) -> dict[str, Any]:
-    """A rank's file, onto ``device`` (None: memory-mapped on the host, read as used)."""
+def _read(f: Path) -> dict[str, Any]:
+    """A rank's file, memory-mapped on the host: read as used, its pages the file's (the
+    system's to drop), not a copy. The modules' states are copied into the modules' own
+    tensors on their device; the rest is placed there (:func:`snapshot`): so a resumed
+    run's device holds its model once, not the file's copy beside it, and what no part
+    reads (a scoring model's optimizer state) is never read."""
     try:
-        if device is None:
-            return torch.load(f, weights_only=False, map_location="cpu", mmap=True)
-        return torch.load(f, weights_only=False, map_location=device)
+        return torch.load(f, weights_only=False, map_location="cpu", mmap=True)
     except Exception as e:
         raise CheckpointError(f"{f}: cannot be loaded ({type(e).__name__}: {e})") from None
+
+
+def snapshot(obj: Any, device: torch.device | str = "cpu") -> Any:
+    """``obj`` with every tensor copied onto ``device`` (the host's memory by default) and
+    everything else deep-copied: nothing that changes the one changes the other."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device, copy=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v, device)) for k, v in obj.items())
+    if isinstance(obj, list | tuple):
+        return type(obj)(snapshot(v, device) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
@@ -244,8 +258,11 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             f"checkpoint {d}: rank {ranks.rank} held tables {state['tables']}, "
             f"the plan now gives it {parts.sparse.tables}"
         )
-    _into(parts.sparse, state["sparse"], parts)
+    _into(parts.sparse, state["sparse"], parts)  # (copied into the modules' tensors)
     _into(parts.dense_module, state["dense"], parts)
+    kept: tuple[str, ...] = ("policies", "stats", "switch", "counters")
+    kept += ("dense_opt", "dp") if parts.dense_opt is not None else ()  # (scoring: none)
+    state = snapshot({k: state[k] for k in kept}, ranks.device)  # kept as read: copies
     if parts.dense_opt is not None:
         parts.dense_opt.load_state_dict(state["dense_opt"])
         parts.dp.load_state_dict(state["dp"])
@@ -253,7 +270,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         p.load_state_dict(state["policies"][k])
     parts.exchange.stats = state["stats"]
     parts.exchange.switch.load_state_dict(state["switch"])
-    torch.set_rng_state(state["torch_rng"].cpu())  # map_location may have moved it
+    torch.set_rng_state(saved[ranks.rank]["torch_rng"].clone())
     return step, state["counters"]
 
 
@@ -303,7 +320,7 @@ def _restore_resharded(
     # Copies: what is kept, not read into the modules' own tensors, leaves the files.
     _into(parts.dense_module, old[0]["dense"], parts)
     if parts.dense_opt is not None:
-        parts.dense_opt.load_state_dict(copy.deepcopy(old[0]["dense_opt"]))
+        parts.dense_opt.load_state_dict(snapshot(old[0]["dense_opt"], ranks.device))
     # What the bound policies learnt of each table: the forward's from the table's owner
     # (it saw the table's values of every sample, as its new owner will), the backward's
     # (of a rank's samples, every table) and the rest from rank ``rank % W``.
@@ -325,7 +342,7 @@ def _restore_resharded(
     parts.exchange.stats = CommStats.resumed(stats, ranks.rank, ranks.world, sparse.tables)
     if parts.dense_opt is not None:
         dp = resumed_state([state["dp"] for state in old], ranks.rank, ranks.world)
-        parts.dp.load_state_dict(copy.deepcopy(dp))
+        parts.dp.load_state_dict(snapshot(dp, ranks.device))
     if ranks.rank == 0:
 
         def layout(n: int) -> str:

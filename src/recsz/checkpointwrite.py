@@ -15,7 +15,6 @@ already use the cores, and a writer beside them made the run slower
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -27,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from recsz import hostmemory
-from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest
+from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest, snapshot
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -64,18 +63,6 @@ def rank_state(parts: Parts, ranks: Ranks, counters: dict[str, Any]) -> dict[str
         "stats": parts.exchange.stats,
         "counters": counters,
     }
-
-
-def snapshot(obj: Any) -> Any:
-    """``obj`` with every tensor copied into host memory and everything else deep-copied:
-    nothing the training changes afterwards reaches it."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v)) for k, v in obj.items())
-    if isinstance(obj, list | tuple):
-        return type(obj)(snapshot(v) for v in obj)
-    return copy.deepcopy(obj)
 
 
 def tensor_bytes(obj: Any) -> int:
