@@ -300,3 +300,19 @@ def test_checkpoints_are_written_while_training_goes_on(
     monkeypatch.setattr(checkpointwrite, "in_background", cpu_s)
     train(tmp_path / "cpu", *flags)
     assert threads == ["MainThread"] * 4
+
+
+def test_a_snapshot_copies_every_tensor_onto_its_device() -> None:
+    """What a checkpoint's load keeps as read (the MLP hook's residuals, the optimizers'
+    state, the counters) is placed on the rank's device as copies, in dicts, lists and
+    tuples at any depth (here the meta device stands in for a GPU): nothing shares the
+    file's memory-mapped pages, nothing stays on the host beside a GPU's model."""
+    x = torch.arange(6.0)
+    state = {"eb": {"residual": {0: x, 1: [x, (x[:2], 3)]}}, "n": 4, "name": "a"}
+    moved = checkpoint.snapshot(state, torch.device("meta"))
+    assert moved["eb"]["residual"][0].device.type == "meta"
+    assert moved["eb"]["residual"][1][1][0].shape == (2,)
+    assert moved["eb"]["residual"][1][1][1] == 3 and moved["n"] == 4 and moved["name"] == "a"
+    here = checkpoint.snapshot(state)
+    here["eb"]["residual"][0][0] = 100.0  # a copy: the original is untouched
+    assert x[0] == 0 and here["eb"]["residual"][0].data_ptr() != x.data_ptr()
