@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -65,6 +67,14 @@ def _values() -> dict[str, list[str | None]]:
 VALUES = _values()
 
 
+def train(argv: list[str]) -> int:
+    """`recsz train` of ``argv``; an absolute bound wider than the data it bounds (a
+    warning recsz gives once, as it should) is not an error here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="absolute error bound", category=UserWarning)
+        return main(argv)
+
+
 @st.composite
 def option_mixes(draw: st.DrawFn) -> list[str]:
     names = draw(st.lists(st.sampled_from(sorted(VALUES)), max_size=8, unique=True))
@@ -97,10 +107,41 @@ def test_any_mix_of_options_trains_or_is_refused_up_front(
     argv = ["--steps", "3", "--batch-size", "32", "--synthetic-eval", "64", "--no-progress",
             "--log-every", "1", "--out", str(out), *mix]  # fmt: skip
     try:
-        rc = main(argv)
+        rc = train(argv)
     except ValueError:
         assert not (out / "metrics.jsonl").exists(), "refused after training began"
         return
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert math.isfinite(summary["logloss"]) and 0 <= summary["auc"] <= 1
+
+
+def _losses(run: Path) -> list[float]:
+    rows = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mix=option_mixes())
+def test_any_mix_of_options_resumes_as_it_would_have_run(
+    mix: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A run of any mix stopped at its checkpoint (step 2) and resumed to step 4 logs the
+    losses and ends at the AUC of the same run straight through (``--compress auto``
+    left out: its way follows the steps' timings, which differ run to run)."""
+    for name in ("--checkpoint-every", "--compress"):
+        if name in mix:
+            at = mix.index(name)
+            del mix[at : at + 2]
+    straight, halves = tmp_path_factory.mktemp("straight"), tmp_path_factory.mktemp("halves")
+    flags = ["--batch-size", "32", "--synthetic-eval", "64", "--no-progress", "--log-every",
+             "1", "--checkpoint-every", "2", *mix]  # fmt: skip
+    try:
+        train(["--steps", "4", "--out", str(straight), *flags])
+    except ValueError:
+        return  # refused (the test above holds it to that)
+    assert train(["--steps", "2", "--out", str(halves), *flags]) == 0
+    assert train(["--resume", str(halves), "--steps", "4", "--no-progress"]) == 0
+    assert _losses(halves) == _losses(straight)
+    want, got = (json.loads((r / "summary.json").read_text()) for r in (straight, halves))
+    assert got["auc"] == want["auc"] and got["steps"] == want["steps"]  # (--target-auc: fewer)
