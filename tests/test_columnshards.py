@@ -219,6 +219,8 @@ def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> No
     with pytest.raises(SystemExit, match="2"):
         cli(["plan", "--lr", "0.1"])  # not a flag of the plan: argparse's usage error
     assert cli(["plan", "--column-shards", "3"]) == 2  # named: does not divide dim 16
+    assert cli(["plan", "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1, got 0" in capsys.readouterr().err  # (not the batch it makes)
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])

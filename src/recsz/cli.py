@@ -128,8 +128,9 @@ def _plan(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write each rank's load to this file")
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in flags if hasattr(a, k)}
-    world = given.get("nproc", 1)
-    cfg = replace(TrainConfig(), **given, batch_size=world)  # (a batch the ranks divide)
+    cfg = TrainConfig(**given)  # each flag checked, named as given
+    world = cfg.nproc
+    cfg = replace(cfg, batch_size=world)  # (a batch the ranks divide)
     sizes, dim = cfg.sharded_tables()
     optimizer = cfg.resolved("emb_optimizer")
     value = TABLE_DTYPES[cfg.table_dtype].itemsize
