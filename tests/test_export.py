@@ -199,7 +199,7 @@ def test_tables_start_from_a_files_whole_tables(
 
 def test_init_from_is_refused_where_it_cannot_start_the_run(tmp_path: Path) -> None:
     """Before any rank starts: a file of another model (what differs named), a file that
-    is not there, TT or FIITED tables."""
+    is not there, a directory (a run's: the export named), TT or FIITED tables."""
     from recsz.config import parse_train_args
     from recsz.model import get_preset
 
@@ -215,6 +215,8 @@ def test_init_from_is_refused_where_it_cannot_start_the_run(tmp_path: Path) -> N
         parse_train_args(dcn)
     with pytest.raises(FileNotFoundError, match=r"gone\.pt: no such model file"):
         parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "gone.pt")])
+    with pytest.raises(FileNotFoundError, match=r"a directory, not a model file .*recsz export"):
+        parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path)])  # a run's, say
     for flags in (["--tt-tables", "2"], ["--fiited-budget", "0.5"]):
         with pytest.raises(ValueError, match="--init-from with --fiited-budget or --tt-tables"):
             parse_train_args(["--preset", "tiny", "--init-from", str(tmp_path / "tiny.pt"), *flags])

@@ -88,6 +88,9 @@ class ModelFile:
 def read(path: str | Path) -> ModelFile:
     """A model file, checked to be one (its tables' and MLPs' shapes included)."""
     path = Path(path)
+    if path.is_dir():  # a run (its checkpoints are not a model file)
+        export = f"`recsz export {path} --out FILE`, then --init-from FILE"
+        raise FileNotFoundError(f"{path}: a directory, not a model file (a run's model: {export})")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such model file")
     try:
