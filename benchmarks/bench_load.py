@@ -10,9 +10,10 @@ process of its own, the trees taken in turn: its parts are built (for training, 
 training) and the checkpoint loaded into them (``recsz.checkpoint.load``). Measured: the
 load's seconds, and the peak of the process's anonymous memory (``RssAnon``, sampled every
 millisecond) above what it held before the load, and its peak resident memory (``VmHWM``:
-also the file's pages it read, which the system may drop). Before the forty-second session
-a rank's file was read whole onto its device (a GPU's memory for a CUDA run) beside the
-parts it is copied into; now it is memory-mapped and read as used.
+also the file's pages it read, which the system may drop); trained with ``--device cuda``,
+also the GPU memory the load took above the model's (``torch.cuda.max_memory_allocated``).
+Before the forty-second session a rank's file was read whole onto its device (a GPU's memory
+for a CUDA run) beside the parts it is copied into; now it is memory-mapped, read as used.
 Prints a table and writes JSON (default benchmarks/results/load.json).
 """
 
@@ -49,6 +50,8 @@ def load_child(run: str, way: str) -> dict:
     import inspect
     from dataclasses import replace
 
+    import torch
+
     from recsz import checkpoint
     from recsz.config import TrainConfig
     from recsz.ranks import Ranks
@@ -56,9 +59,14 @@ def load_child(run: str, way: str) -> dict:
 
     d, meta = checkpoint.record(Path(run))  # type: ignore[misc]
     cfg = replace(TrainConfig.from_dict(meta["config"]), out=None, progress=False)
-    ranks = Ranks.from_env(60.0)
+    ranks = Ranks.from_env(60.0, cfg.device)
     scores = "train" in inspect.signature(build_parts).parameters and way == "score"
     parts, _ = build_parts(cfg, ranks, train=False) if scores else build_parts(cfg, ranks)
+    gpu = ranks.device.type == "cuda"
+    if gpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    on_gpu = torch.cuda.memory_allocated() if gpu else 0
     before, peak, done = _status("RssAnon"), [0], threading.Event()
 
     def sample() -> None:
@@ -70,12 +78,16 @@ def load_child(run: str, way: str) -> dict:
     watcher.start()
     t = time.perf_counter()
     checkpoint.load(d, parts, cfg, ranks)
+    if gpu:
+        torch.cuda.synchronize()
     s = time.perf_counter() - t
     done.set()
     watcher.join()
     peak[0] = max(peak[0], _status("RssAnon"))
+    gpu_gb = (torch.cuda.max_memory_allocated() - on_gpu) / 1e9 if gpu else None
     return {"s": s, "anon_gb": (peak[0] - before) / 1e9, "hwm_gb": _status("VmHWM") / 1e9,
-            "file_gb": (d / "rank-0.pt").stat().st_size / 1e9}  # fmt: skip
+            "file_gb": (d / "rank-0.pt").stat().st_size / 1e9, "gpu_gb": gpu_gb,
+            "device": torch.cuda.get_device_name() if gpu else "cpu"}  # fmt: skip
 
 
 def rows_for(old: str | None, flags: list[str], repeats: int, work: Path) -> list[dict]:
@@ -83,8 +95,10 @@ def rows_for(old: str | None, flags: list[str], repeats: int, work: Path) -> lis
     train = ["train", "--steps", "2", "--batch-size", "256", "--synthetic-eval", "256",
              "--checkpoint-every", "2", "--no-progress", "--out", str(run), *flags]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    subprocess.run([sys.executable, "-m", "recsz.cli", *train], check=True, env=env,
-                   capture_output=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "recsz.cli", *train], env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"training the run to load failed: {done.stderr[-1500:]}")
     trees = {"new": SRC} | ({"old": Path(old) / "src"} if old else {})
     rows = []
     for way in ("train", "score"):
@@ -95,11 +109,15 @@ def rows_for(old: str | None, flags: list[str], repeats: int, work: Path) -> lis
                 cmd = [sys.executable, __file__, "--child", str(run), way]
                 out = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True)
                 got[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        row: dict = {"way": way, "flags": " ".join(flags), "file_gb": got["new"][0]["file_gb"]}
+        first = got["new"][0]
+        row: dict = {"way": way, "flags": " ".join(flags), "file_gb": first["file_gb"],
+                     "device": first["device"]}  # fmt: skip
         for name, g in got.items():
             row[f"{name}_s"] = statistics.median(x["s"] for x in g)
             row[f"{name}_anon_gb"] = max(x["anon_gb"] for x in g)
             row[f"{name}_hwm_gb"] = max(x["hwm_gb"] for x in g)
+            if first["gpu_gb"] is not None:  # the GPU memory the load took above the model
+                row[f"{name}_gpu_gb"] = max(x["gpu_gb"] for x in g)
         rows.append(row)
         print(json.dumps(row))
     return rows
@@ -112,13 +130,15 @@ def table(rows: list[dict]) -> str:
     def cell(r: dict, name: str) -> str:
         if f"{name}_s" not in r:
             return "-"
+        gpu = f", GPU +{r[f'{name}_gpu_gb']:.2f} GB" if f"{name}_gpu_gb" in r else ""
         return (
             f"{r[f'{name}_s']:.2f} s, {r[f'{name}_anon_gb']:.2f} GB, {r[f'{name}_hwm_gb']:.2f} GB"
+            f"{gpu}"
         )
 
     for r in rows:
-        out.append(f"| {r['way']} | `{r['flags'] or '(tiny)'}` | {r['file_gb']:.2f} GB | "
-                   f"{cell(r, 'old')} | {cell(r, 'new')} |")  # fmt: skip
+        out.append(f"| {r['way']} | `{r['flags'] or '(tiny)'}` ({r['device']}) | "
+                   f"{r['file_gb']:.2f} GB | {cell(r, 'old')} | {cell(r, 'new')} |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 

@@ -2,7 +2,7 @@
 # Everything a session with a lent GPU should run, in one device call.
 #
 #   bash benchmarks/gpu_check.sh OUT_DIR [TRAFFIC_FILE]
-#   BUDGET=420 PARTS="bench tests train checkpoint" (the defaults; a rerun names fewer)
+#   BUDGET=420 PARTS="bench tests train checkpoint load" (the defaults; a rerun names fewer)
 #
 # The device's limits shape it: a lease is 15 minutes with the machine's start, one call 10,
 # and 8 files come back. So the whole check ends within BUDGET seconds (420: a rerun of a
@@ -23,7 +23,8 @@
 #               tables made on the GPU as on the CPU
 #   train.jsonl, train.log   benchmarks/gpu_train.py: the trainer at batch 8192, one
 #               process for all its runs (a line each as it ends), side by side at the end
-#   checkpoint.txt   benchmarks/bench_checkpoint.py on the GPU: background against at once
+#   checkpoint.txt   benchmarks/bench_checkpoint.py on the GPU: background against at once;
+#               then benchmarks/bench_load.py: a checkpoint's load, its GPU memory
 #
 # The GPU image has torch, Triton and numba but not zstandard or lz4, and ../shared/data does
 # not travel: `make gpu-prep` puts their wheels (Python 3.12) in .whl/ and the real traffic in
@@ -33,7 +34,7 @@ set -uo pipefail
 out=${1:?usage: gpu_check.sh OUT_DIR [TRAFFIC_FILE]}
 traffic=${2:-}
 budget=${BUDGET:-420}
-parts=${PARTS:-bench tests train checkpoint}
+parts=${PARTS:-bench tests train checkpoint load}
 end=$(($(date +%s) + budget))  # the whole check's end, seconds since the epoch
 mkdir -p "$out"
 export PYTHONPATH=$PWD/src
@@ -85,9 +86,10 @@ part tests 120 bash -c 'set -o pipefail; python3 -m pytest -q -rfE -p no:cachepr
 # 3. The trainer on one GPU at batch 8192 (benchmarks/gpu_train.py says which runs and why),
 #    each run's summary a line of train.jsonl as it ends; a process whose CUDA context a run
 #    broke is started again for the runs not yet recorded. No run starts after the time the
-#    checkpoint part needs (100 s, where it is among PARTS).
+#    checkpoint and load parts need (100 s and 50 s, where they are among PARTS).
 keep=15
-case " $parts " in *" checkpoint "*) keep=115 ;; esac
+case " $parts " in *" checkpoint "*) keep=$((keep + 100)) ;; esac
+case " $parts " in *" load "*) keep=$((keep + 50)) ;; esac
 part train 400 bash -c '
     rc=3
     while [ $rc = 3 ]; do  # 3: a run broke the CUDA context; the rest in a new process
@@ -103,4 +105,10 @@ python3 benchmarks/gpu_train.py "$out" --table | tee -a "$out/train.log"
 part checkpoint 120 bash -c 'set -o pipefail; python3 benchmarks/bench_checkpoint.py --device cuda --preset kaggle \
     --steps 40 --every 10 --batch-size 8192 --repeats 1 --json-out /tmp/recsz_gpu/checkpoint.json \
     2>&1 | grep -v Warn | tee "'"$out"'/checkpoint.txt"'
+# 5. What loading a checkpoint takes on the GPU above the model (the file memory-mapped on the
+#    host since the forty-second session: read whole onto the GPU before), its table added
+#    to checkpoint.txt.
+part load 50 bash -c 'set -o pipefail; python3 benchmarks/bench_load.py --repeats 1 \
+    --flags "--preset bench --emb-optimizer adagrad --device cuda" \
+    --json-out /tmp/recsz_gpu/load.json 2>&1 | grep -v Warn | tee -a "'"$out"'/checkpoint.txt"'
 echo "gpu_check: ${SECONDS} s" | tee -a "$out/env.txt"

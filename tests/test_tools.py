@@ -584,4 +584,4 @@ def test_bench_load_restores_both_ways(tmp_path: Path) -> None:
     rows = {r["way"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"train", "score"}
     assert all(r["new_s"] > 0 and r["new_hwm_gb"] > 0 and r["file_gb"] > 0 for r in rows.values())
-    assert "| score | `(tiny)` |" in out.with_suffix(".md").read_text()
+    assert "| score | `(tiny)` (cpu) |" in out.with_suffix(".md").read_text()
