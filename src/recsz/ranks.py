@@ -79,16 +79,18 @@ class Ranks:
 
 def worker(body: Callable[[], object], as_main: bool) -> int:
     """Run a rank's ``body`` (``recsz train``'s, ``recsz evaluate``'s): under torchrun's
-    agent, stop with it (:func:`watch_parent`); a failure names the rank. ``as_main``: the
-    process is this rank's alone (``python -m``), and leaves without C++ static
-    destructors once the job is done."""
+    agent, stop with it (:func:`watch_parent`); a launched rank's failure names the rank.
+    ``as_main``: the process is this rank's alone (``python -m``), and leaves without C++
+    static destructors once the job is done."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
         watch_parent()
     rank = os.environ.get("RANK", "0")
     try:
         body()
     except Exception as e:
-        print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        if "WORLD_SIZE" in os.environ:  # a launched rank (alone, the command says it once)
+            print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                  flush=True)  # fmt: skip
         raise
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and as_main:
         # A worker whose job is done and whose group is destroyed leaves without running
