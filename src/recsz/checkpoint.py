@@ -260,18 +260,18 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
         )
     _into(parts.sparse, state["sparse"], parts)  # (copied into the modules' tensors)
     _into(parts.dense_module, state["dense"], parts)
-    kept: tuple[str, ...] = ("policies", "stats", "switch", "counters")
-    kept += ("dense_opt", "dp") if parts.dense_opt is not None else ()  # (scoring: none)
-    state = snapshot({k: state[k] for k in kept}, ranks.device)  # kept as read: copies
+    names: tuple[str, ...] = ("policies", "stats", "switch", "counters")
+    names += ("dense_opt", "dp") if parts.dense_opt is not None else ()  # (scoring: none)
+    kept = snapshot({k: state[k] for k in names}, ranks.device)  # kept as read: copies
     if parts.dense_opt is not None:
-        parts.dense_opt.load_state_dict(state["dense_opt"])
-        parts.dp.load_state_dict(state["dp"])
+        parts.dense_opt.load_state_dict(kept["dense_opt"])
+        parts.dp.load_state_dict(kept["dp"])
     for k, p in parts.exchange.policies.items():
-        p.load_state_dict(state["policies"][k])
-    parts.exchange.stats = state["stats"]
-    parts.exchange.switch.load_state_dict(state["switch"])
-    torch.set_rng_state(saved[ranks.rank]["torch_rng"].clone())
-    return step, state["counters"]
+        p.load_state_dict(kept["policies"][k])
+    parts.exchange.stats = kept["stats"]
+    parts.exchange.switch.load_state_dict(kept["switch"])
+    torch.set_rng_state(state["torch_rng"].clone())
+    return step, kept["counters"]
 
 
 def _into(module: torch.nn.Module, state: dict[str, Any], parts: Parts) -> None:
