@@ -131,6 +131,36 @@ def test_fallback_resumes_from_the_last_intact_checkpoint(run_dir: Path, tmp_pat
     assert steps.count(3) == 1 and steps.count(4) == 1  # rerun from step 2, once each
 
 
+def test_a_row_cut_short_by_a_kill_is_dropped_on_resume(run_dir: Path, tmp_path: Path) -> None:
+    """A run killed while writing a metrics row leaves its last line cut short: resuming
+    drops it (and writes the steps after the checkpoint again); a damaged line elsewhere is
+    named by file and line, for the resume and for `recsz plot`."""
+    import shutil
+
+    from recsz.plot import plot_run
+
+    dst = tmp_path / "torn"
+    shutil.copytree(run_dir, dst)
+    log = dst / "metrics.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 5, "loss": 0.6')  # the kill's half row
+    train(dst, "--steps", "6", "--resume", str(dst))
+    steps = [json.loads(r)["step"] for r in log.read_text().splitlines()]
+    assert steps == sorted(steps) and steps.count(5) == 1 and steps[-1] == 6
+    dst = tmp_path / "damaged"  # its newest checkpoint at step 4 again
+    shutil.copytree(run_dir, dst)
+    log = dst / "metrics.jsonl"
+    lines = whole.splitlines(keepends=True)
+    log.write_text("".join([*lines[:2], '{"step": 2, "lo\n', *lines[2:]]))
+    with pytest.raises(ValueError, match=r"damaged/metrics\.jsonl, line 3: not a JSON row"):
+        main([*BASE, "--steps", "6", "--resume", str(dst)])
+    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 3: not a JSON row"):
+        plot_run(dst)
+    log.write_text("".join([*lines[:2], "[2, 3]\n", *lines[2:]]))
+    with pytest.raises(ValueError, match=r"metrics\.jsonl, line 3: not a JSON object"):
+        plot_run(dst)
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -210,6 +210,21 @@ def test_damaged_preprocessed_arrays_are_named(tmp_path: Path, criteo_ragged: Pa
             for step in range(src.steps_per_epoch(100) or 0):
                 src.train_batch(step, 100)
             list(src.eval_batches(100))
+    labels.unlink()
+    with pytest.raises(FileNotFoundError, match=r"labels\.f32: missing, named by .*meta\.json"):
+        preprocessed.load(out, SIZES)
+    meta = out / "meta.json"
+    fields = meta.read_text()
+    for text, said in (
+        ('{\n  "rows": 5', r"meta\.json, line 2: not JSON"),
+        ('{"rows": 5}', r"meta\.json: no rows and table_sizes .*KeyError"),
+        ("[1, 2]", r"meta\.json: no rows and table_sizes"),
+        (fields.replace('"rows": 1000', '"rows": -1'), r"rows -1, .*out of range"),
+    ):
+        meta.write_text(text)
+        with pytest.raises(ValueError, match=said):
+            preprocessed.load(out, SIZES)
+    meta.write_text(fields)
     labels.write_bytes(good)
     dense = out / "dense.f32"
     arr = np.frombuffer(dense.read_bytes(), "<f4").copy()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +11,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
 
+from recsz.report import read_metrics
+
 
 def _rows(run: Path) -> list[dict[str, Any]]:
     path = run / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"{run}: no metrics.jsonl (is this a run directory?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 def plot_run(run: Path) -> list[Path]:

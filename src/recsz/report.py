@@ -200,6 +200,27 @@ def _trials(switch: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl``. A last line cut short (the run killed while it
+    wrote it) is left out; any other line that is not a JSON object is a ValueError naming
+    the file and line."""
+    lines = path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not line.endswith("}"):  # torn: the row's write cut
+                break
+            raise ValueError(f"{path}, line {i}: not a JSON row ({e.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, line {i}: not a JSON object")
+        rows.append(row)
+    return rows
+
+
 class Log:
     """Writes metrics.jsonl on rank 0 only (``out`` None elsewhere)."""
 
@@ -211,8 +232,7 @@ class Log:
             return
         kept = []
         if keep_until is not None and self.path.exists():
-            rows = [json.loads(r) for r in self.path.read_text().splitlines() if r.strip()]
-            kept = [r for r in rows if r.get("step", 0) <= keep_until]
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def metrics(self, row: dict[str, Any]) -> None:

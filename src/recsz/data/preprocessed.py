@@ -14,6 +14,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -166,6 +167,23 @@ def _write(
     return stats, rows_each
 
 
+def _meta(path: Path) -> dict[str, Any]:
+    """``meta.json``'s fields, or a ValueError naming the file (and line) where they are not
+    those `recsz preprocess` writes."""
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {e.lineno}: not JSON ({e.msg})") from None
+    try:
+        rows, sizes = int(meta["rows"]), [int(t) for t in meta["table_sizes"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: no rows and table_sizes as `recsz preprocess` writes them "
+                         f"({type(e).__name__}: {e})") from None  # fmt: skip
+    if rows < 0 or any(t < 1 for t in sizes):
+        raise ValueError(f"{path}: rows {rows}, table_sizes {sizes}: out of range")
+    return meta | {"rows": rows, "table_sizes": sizes}
+
+
 def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = None) -> Arrays:
     """Memory-map a preprocessed directory; refuse one hashed into other table sizes."""
     d = Path(out_dir)
@@ -175,7 +193,7 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
             f"{d}: no meta.json (a `recsz preprocess` directory) and no day_N_dense.npy "
             f"(TorchRec's preprocessed days); run `recsz preprocess RAW.tsv {d}` first"
         )
-    meta = json.loads(meta_path.read_text())
+    meta = _meta(meta_path)
     if meta.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{meta_path}: format_version {meta.get('format_version')} unsupported")
     if table_sizes is not None and list(table_sizes) != list(meta["table_sizes"]):
@@ -185,7 +203,11 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
         )
     n = int(meta["rows"])
     for name, row_bytes in (("dense.f32", 4 * N_DENSE), ("cats.i32", 4 * N_CAT), ("labels.f32", 4)):
-        size = (d / name).stat().st_size if (d / name).exists() else -1
+        if not (d / name).exists():
+            raise FileNotFoundError(f"{d / name}: missing, named by {meta_path} (a `recsz "
+                                    "preprocess` directory holds dense.f32, cats.i32 and "
+                                    "labels.f32 beside it)")  # fmt: skip
+        size = (d / name).stat().st_size
         if size != n * row_bytes:
             raise ValueError(
                 f"{d / name}: {size} bytes, expected {n * row_bytes} for the {n} rows of "
