@@ -161,6 +161,48 @@ def test_a_row_cut_short_by_a_kill_is_dropped_on_resume(run_dir: Path, tmp_path:
         plot_run(dst)
 
 
+def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM mid-run (a scheduler's preemption): the step under way ends, a checkpoint is
+    written at it (between --checkpoint-every's), the run exits with SIGTERM's status
+    without evaluating, and SIGTERM's handler is the caller's again; resumed, the run ends
+    where a straight one does. Without a run directory (nowhere to save) SIGTERM is left alone."""
+    import os
+    import signal
+
+    import recsz.train
+
+    stepped = recsz.train.train_step
+
+    def preempted_at_3(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stepped(parts, batch, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "train_step", preempted_at_3)
+    before = signal.getsignal(signal.SIGTERM)
+    run = tmp_path / "run"
+    assert main([*BASE, "--steps", "8", "--checkpoint-every", "6", "--out", str(run)]) == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert [d.name for d in checkpoint.complete(run)] == ["step-000000004"]
+    assert not (run / "summary.json").exists()
+    monkeypatch.setattr(recsz.train, "train_step", stepped)
+    resumed = train(run, "--steps", "8", "--checkpoint-every", "6", "--resume", str(run))
+    straight = train(tmp_path / "straight", "--steps", "8", "--checkpoint-every", "6")
+    for k in ("auc", "logloss", "bytes_raw"):
+        assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
+    assert [d.name for d in checkpoint.complete(run)] == [f"step-00000000{s}" for s in (4, 6, 8)]
+    seen = []
+
+    def handler_seen(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return stepped(parts, batch, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "train_step", handler_seen)
+    assert main([*BASE]) == 0 and seen and all(h is before for h in seen)
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -289,7 +289,12 @@ def entry(argv: list[str], args: argparse.Namespace, module: str, body: Callable
         nproc = getattr(args, "nproc", None) or int(saved["world_size"])
         if nproc > 1:
             return launch(nproc, argv, module)
-    return worker(body, as_main)
+
+    def rank_body() -> int:
+        body()
+        return 0
+
+    return worker(rank_body, as_main)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,16 +77,17 @@ class Ranks:
             )
 
 
-def worker(body: Callable[[], object], as_main: bool) -> int:
-    """Run a rank's ``body`` (``recsz train``'s, ``recsz evaluate``'s): under torchrun's
-    agent, stop with it (:func:`watch_parent`); a launched rank's failure names the rank.
+def worker(body: Callable[[], int], as_main: bool) -> int:
+    """Run a rank's ``body`` (``recsz train``'s, ``recsz evaluate``'s) and return its exit
+    status: under torchrun's agent, stop with it (:func:`watch_parent`); a launched rank's
+    failure names the rank.
     ``as_main``: the process is this rank's alone (``python -m``), and leaves without C++
     static destructors once the job is done."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
         watch_parent()
     rank = os.environ.get("RANK", "0")
     try:
-        body()
+        status = body()
     except Exception as e:
         if "WORLD_SIZE" in os.environ:  # a launched rank (alone, the command says it once)
             print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
@@ -98,8 +99,8 @@ def worker(body: Callable[[], object], as_main: bool) -> int:
         # ("terminate called without an active exception") after all work had succeeded.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    return 0
+        os._exit(status)
+    return status
 
 
 def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
@@ -128,14 +129,19 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
     # stop by themselves when their agent is gone (watch_parent).
     agent = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    forwarded: list[int] = []
 
     def forward(sig: int, _frame: object) -> None:
+        forwarded.append(sig)
         agent.send_signal(sig)
 
     for sig in previous:
         signal.signal(sig, forward)
     try:
-        return agent.wait()
+        status = agent.wait()
+        # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a shell's
+        # status of a process the signal ended, not the agent's 1.
+        return 128 + forwarded[0] if status and forwarded else status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

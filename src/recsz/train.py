@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from recsz.step import (
     train_step,
 )
 from recsz.stepgraph import graphed
+from recsz.stopping import EXIT_STATUS, Stopping
 
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
@@ -48,6 +50,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     saver: Saver | None = None
+    stop: Stopping | None = None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
         bsz = cfg.resolved("batch_size")
@@ -131,6 +134,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         saver = Saver(out, cfg, ranks)
+        stop = Stopping(ranks.world) if out else None  # SIGTERM: a checkpoint, then stop
+        stopped = False
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
@@ -143,6 +148,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 lr_factor = parts.rates.at(step)
             losses.append(run_step(batch, step))
             done = step + 1
+            stopped = stop is not None and stop.agreed() and done != steps
             if fiited is not None and done % fiited.interval == 0:
                 parts.sparse.prune()
                 if cfg.fiited_mask_backward:
@@ -177,14 +183,22 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 log.metrics(row)
                 bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
             end = done == steps or reached is not None
-            if out and cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or end):
+            every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or end)
+            if out and (every or stopped):
                 run_totals = {"train_s": train_s, "data_s": data_s, "eval_s": eval_s,
                               "target_reached": reached}  # fmt: skip
                 parts.exchange.settle()  # no step whose payloads failed their checks is saved
                 saver.save(parts, done, run_totals)
-            if reached is not None:
+            if reached is not None or stopped:
                 break
         bar.close()
+        if stopped:  # asked to stop (SIGTERM): its checkpoint, no evaluation, no summary
+            saved = saver.complete()
+            if ranks.rank == 0:
+                tqdm.write(f"recsz: stopped at step {done} (SIGTERM); checkpoint {saved} "
+                           f"written: continue with `recsz train --resume {out}`")  # fmt: skip
+            ok = True
+            return {"steps": done, "stopped": True, "checkpoint": str(saved)}
         if reached is None:
             ev = evaluate(parts, source, cfg, steps, ranks)  # (the last checkpoint written)
             eval_s += ev["eval_s"]
@@ -228,6 +242,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         ok = True
         return summary
     finally:
+        if stop is not None:
+            stop.close(ok)
         if saver is not None and not ok:
             saver.abandon()
         ranks.close(ok)
@@ -251,11 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.
     cfg = resumed_config(given, found[1]["config"]) if found else configured(given)
+    if "WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out --nproc):
+        # its host's ranks recorded, which `--resume` and `--config` of the run start again
+        cfg = replace(cfg, nproc=int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc)))
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
         return launch(cfg.nproc, argv)
-    return worker(lambda: run(cfg), as_main=__name__ == "__main__")
+    return worker(lambda: EXIT_STATUS if run(cfg).get("stopped") else 0,
+                  as_main=__name__ == "__main__")  # fmt: skip
 
 
 if __name__ == "__main__":
