@@ -1,8 +1,11 @@
 """Which combinations of `recsz train`'s options no run can take: refused by name when a
-:class:`recsz.config.TrainConfig` is made, before any rank starts."""
+:class:`recsz.config.TrainConfig` is made, before any rank starts; and which options the
+rest of a configuration leaves idle (:func:`idle`): said, not refused (a sweep may set one
+flag for every run)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -141,3 +144,75 @@ def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:
         ("a learning-rate schedule", not cfg.lr_schedule().constant),  # rates held in kernels
     ]
     return [f for f, on in flags if on] + host
+
+
+def idle(cfg: TrainConfig) -> list[str]:
+    """A line for each option ``cfg`` sets away from its default that nothing in the rest of
+    ``cfg`` reads (each such option trains as its default would: tested), naming what would
+    make it act."""
+    model = cfg.model()
+    bounded = [d for d in ("fwd", "bwd") if _bounded(cfg, d)]
+    policy = cfg.eb_policy if bounded else None
+    dct = cfg.dp_comm == "dct" or any(cfg.codec(d).threshold for d in ("fwd", "bwd"))
+    dual = "--eb-policy dual with a bounded codec"
+    table_or_dual = "--eb-policy table or dual with a bounded codec"
+    when = {  # field -> (whether it acts, what would make it)
+        "eb_policy": (bool(bounded), "a bounded --fwd-codec or --bwd-codec (hybrid, quant...)"),
+        "eb_mode": (bool(bounded) and policy != "none", "a bounded codec and --eb-policy"),
+        "fwd_eb": ("fwd" in bounded and policy == "fixed",
+                   "a bounded --fwd-codec and --eb-policy fixed (table and dual: --fwd-class-eb)"),
+        "bwd_eb": ("bwd" in bounded and policy == "fixed",
+                   "a bounded --bwd-codec and --eb-policy fixed (table and dual: --bwd-class-eb)"),
+        "fwd_class_eb": ("fwd" in bounded and policy in ("table", "dual"),
+                         "a bounded --fwd-codec and --eb-policy table or dual"),
+        "bwd_class_eb": ("bwd" in bounded and policy in ("table", "dual"),
+                         "a bounded --bwd-codec and --eb-policy table or dual"),
+        "hindex_probe_steps": (policy in ("table", "dual"), table_or_dual),
+        "hindex_every": (policy in ("table", "dual"), table_or_dual),
+        "decay_schedule": (policy == "dual", dual),
+        "decay_c": (policy == "dual", dual),
+        "decay_t": (policy == "dual", dual),
+        "coder": (any(_takes_coder(cfg, d) for d in ("fwd", "bwd")),
+                  "a quantizing --fwd-codec or --bwd-codec (hybrid, quant)"),
+        "compress_trial": (cfg.compress == "auto", "--compress auto"),
+        "compress_every": (cfg.compress == "auto", "--compress auto"),
+        "powersgd_rank": (cfg.dp_comm == "powersgd", "--dp-comm powersgd"),
+        "powersgd_warmup": (cfg.dp_comm == "powersgd", "--dp-comm powersgd"),
+        "dp_codec": (cfg.dp_comm == "eb", "--dp-comm eb"),
+        "dp_eb": (cfg.dp_comm == "eb", "--dp-comm eb"),
+        "dp_eb_collective": (cfg.dp_comm == "eb", "--dp-comm eb"),
+        "dct_keep": (dct, "--dp-comm dct or --fwd-codec dct"),
+        "dct_refresh": (dct, "--dp-comm dct or --fwd-codec dct"),
+        "dcn_layers": (model.interaction == "dcn", "--interaction dcn"),
+        "dcn_rank": (model.interaction == "dcn", "--interaction dcn"),
+        "lr_decay_start": (cfg.lr_decay_steps > 0, "--lr-decay-steps"),
+        "lr_decay_power": (cfg.lr_decay_steps > 0, "--lr-decay-steps"),
+        "synthetic_eval": (cfg.data == "synthetic", "--data synthetic (a file holds its own out)"),
+        "checkpoint_every": (bool(cfg.out or cfg.resume), "--out (a run directory to write to)"),
+        "resume_fallback": (cfg.resume is not None, "--resume"),
+        "tt_cache_interval": (cfg.tt_tables > 0 and cfg.tt_cache_rows > 0,
+                              "--tt-tables and --tt-cache-rows"),
+    }  # fmt: skip
+    for name in ("tt_rank", "tt_cores", "tt_init", "tt_lr", "tt_cache_rows", "tt_placement"):
+        when[name] = (cfg.tt_tables > 0, "--tt-tables")
+    for name in ("fiited_chunk", "fiited_interval", "fiited_decay", "fiited_mask_backward",
+                 "fiited_rule"):  # fmt: skip
+        when[name] = (cfg.fiited_budget is not None, "--fiited-budget")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    return [
+        f"--{name.replace('_', '-')} {getattr(cfg, name)} does nothing without {needs}"
+        for name, (acts, needs) in when.items()
+        if not acts and getattr(cfg, name) != defaults[name]
+    ]
+
+
+def _bounded(cfg: TrainConfig, direction: str) -> bool:
+    """Whether ``direction``'s codec takes an error bound from a bound policy."""
+    codec = cfg.codec(direction)
+    return codec.error_bounded and not codec.threshold
+
+
+def _takes_coder(cfg: TrainConfig, direction: str) -> bool:
+    from recsz.codecs import takes
+
+    return takes(cfg.fwd_codec if direction == "fwd" else cfg.bwd_codec, "coder")

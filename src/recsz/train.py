@@ -21,6 +21,7 @@ from tqdm import tqdm
 from recsz import checkpoint, report
 from recsz.checkpointwrite import Saver
 from recsz.config import TrainConfig, configured, given_args, resumed_config
+from recsz.configcheck import idle
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
@@ -94,6 +95,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
         if ranks.rank == 0:
+            for line in idle(cfg):  # said, not refused: a sweep may set one flag everywhere
+                tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
             tqdm.write(
                 f"recsz: preset {cfg.preset}, data {source.name}, {ranks.world} rank(s), "
                 f"global batch {bsz}, steps {start}..{steps}, codecs "

@@ -15,6 +15,7 @@ from recsz.codecs.registry import (
     get_codec,
     get_codec_with,
     register_codec,
+    takes,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "get_codec_with",
     "parse_payload",
     "register_codec",
+    "takes",
 ]

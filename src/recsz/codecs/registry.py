@@ -38,12 +38,17 @@ def get_codec(name: str, **config: Any) -> Codec:
     return cls.from_config(config)
 
 
+def takes(name: str, option: str) -> bool:
+    """Whether codec ``name``'s constructor takes ``option`` (``coder``: the quantizing
+    codecs)."""
+    get_codec(name)  # the unknown-name error
+    return option in inspect.signature(_REGISTRY[name].__init__).parameters
+
+
 def get_codec_with(name: str, **options: Any) -> Codec:
     """:func:`get_codec` with those ``options`` the codec's constructor takes (the rest
     do not apply to it), e.g. ``coder`` for the quantizing codecs only."""
-    get_codec(name)  # the unknown-name error
-    takes = inspect.signature(_REGISTRY[name].__init__).parameters
-    return get_codec(name, **{k: v for k, v in options.items() if k in takes})
+    return get_codec(name, **{k: v for k, v in options.items() if takes(name, k)})
 
 
 def decode_payload(payload: torch.Tensor) -> torch.Tensor:
