@@ -203,6 +203,25 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     assert main([*BASE]) == 0 and seen and all(h is before for h in seen)
 
 
+def test_a_new_run_never_writes_over_another(run_dir: Path, tmp_path: Path) -> None:
+    """--out naming a directory that holds a run is refused unless the run resumes it: its
+    record, log and checkpoints stay as they were. An empty directory is taken."""
+    import shutil
+
+    dst = tmp_path / "held"
+    shutil.copytree(run_dir, dst)
+    before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+    with pytest.raises(ValueError, match=r"--out .*held already holds a run \(config\.json, "
+                       r"metrics\.jsonl, summary\.json, checkpoints\); continue it with "
+                       r"`--resume "):  # fmt: skip
+        main([*BASE, "--lr", "0.5", "--out", str(dst)])
+    with pytest.raises(ValueError, match="already holds a run"):  # resuming another run
+        main([*BASE, "--steps", "6", "--resume", str(run_dir), "--out", str(dst)])
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    (tmp_path / "empty").mkdir()
+    train(tmp_path / "empty")
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

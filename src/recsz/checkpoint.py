@@ -123,6 +123,19 @@ def run_dir_of(resume: Path) -> Path:
     return resume.parent.parent if (resume / "meta.json").exists() else resume
 
 
+def refuse_another_run(out: Path, resume: Path | None) -> None:
+    """A ValueError where ``out`` already holds a run (its record, log or checkpoints) that
+    this one would write over, unless this one resumes it."""
+    held = [n for n in ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
+            if (out / n).exists()]  # fmt: skip
+    if not held or (resume is not None and run_dir_of(resume).resolve() == out.resolve()):
+        return
+    raise ValueError(
+        f"--out {out} already holds a run ({', '.join(held)}); continue it with "
+        f"`--resume {out}`, or write this one elsewhere (another --out, or remove that one)"
+    )
+
+
 def _named(resume: Path) -> list[Path]:
     """The checkpoints ``resume`` names, oldest first: itself (``RUN/checkpoints/step-N``)
     or a run's complete ones."""

@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     if "WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out --nproc):
         # its host's ranks recorded, which `--resume` and `--config` of the run start again
         cfg = replace(cfg, nproc=int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc)))
+    if cfg.out:  # here, and in every rank before any writes (rank 0's after a collective)
+        checkpoint.refuse_another_run(Path(cfg.out), Path(cfg.resume) if cfg.resume else None)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
