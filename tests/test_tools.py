@@ -43,6 +43,20 @@ def test_cli_reports_bad_input_without_a_traceback(
         cli_main(["train", "--dct-keep", "5"])
 
 
+def test_version_names_the_package_and_what_it_runs_on(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    import torch
+
+    import recsz
+
+    assert cli_main(["--version"]) == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"recsz {recsz.__version__} (Python ")
+    assert recsz.__version__ == version("recsz")  # the package's metadata, from one place
+    assert f"torch {torch.__version__}" in said and "torchrec " in said
+
+
 def test_launch_leaves_the_rank_count_to_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[list[str]] = []
 

@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: recsz {train,evaluate,predict,export,preprocess,plan,plot} ...\n\n"
+            "usage: recsz {train,evaluate,predict,export,preprocess,plan,plot} ... | --version\n\n"
             "  train       train DLRM (recsz train --help)\n"
             "  evaluate    evaluate a run's checkpoint, on any number of ranks\n"
             "  predict     score unlabeled Criteo lines (test layout) with a run's model\n"
@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
             "  plot        plot a run directory's metrics to PNG files"
         )
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(versions())
+        return 0
     cmd, rest = argv[0], argv[1:]
     try:
         return _run(cmd, rest)
@@ -32,6 +35,27 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"recsz {cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def versions() -> str:
+    """recsz's version and those of what it runs on (for a bug report)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from recsz import __version__
+
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "absent"
+
+    cuda = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+    fbgemm = of("fbgemm-gpu") if of("fbgemm-gpu") != "absent" else of("fbgemm-gpu-cpu")
+    python = sys.version.split()[0]
+    return (f"recsz {__version__} (Python {python}, torch {torch.__version__}, {cuda}, "
+            f"triton {of('triton')}, torchrec {of('torchrec')}, fbgemm-gpu {fbgemm})")  # fmt: skip
 
 
 def _run(cmd: str, rest: list[str]) -> int:
