@@ -5,14 +5,18 @@ its ranks agree on a step, save a checkpoint there and exit with SIGTERM's statu
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from recsz import checkpoint
+from tests.multiproc.spawned import spawned
 from tests.multiproc.test_orphans import start_job
 
 pytestmark = pytest.mark.slow
@@ -47,3 +51,41 @@ def test_sigterm_saves_a_checkpoint_the_run_resumes_from(tmp_path: Path) -> None
     assert resumed["steps"] == straight["steps"] == step + 3
     for key in ("world_size", "auc", "logloss", "bytes_payload", "bytes_sent"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key
+
+
+#: the step after which each of 3 ranks is sent SIGTERM (None: never), in turn
+SKEWS = [(4, 4, 4), (2, 7, None), (None, None, 5), (0, 9, 3), (None, None, None)]
+
+
+def skewed_worker(rank: int, store: str, out: str) -> None:
+    from recsz.stopping import Stopping
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3)
+    try:
+        stops = []
+        for skew in SKEWS:
+            stop, at = Stopping(3), None
+            for step in range(12):
+                if skew[rank] == step:
+                    os.kill(os.getpid(), signal.SIGTERM)  # noted, not fatal
+                if stop.agreed():
+                    at = step
+                    break
+            stop.close(ok=True)
+            stops.append(at)
+        torch.save({"stops": stops, "handler": signal.getsignal(signal.SIGTERM)},
+                   Path(out) / f"rank{rank}.pt")  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_signalled_at_different_steps_stop_at_one() -> None:
+    """Each rank's SIGTERM at its own step: every rank stops after the same step, the one
+    after the first rank's signal (the notes combined a step late); none signalled, none
+    stops; SIGTERM's handler is the default again after each."""
+    got = spawned(skewed_worker, 3)
+    want = [None if all(s is None for s in skew) else min(s for s in skew if s is not None) + 1
+            for skew in SKEWS]  # fmt: skip
+    for r in got:
+        assert r["stops"] == want
+        assert r["handler"] == signal.SIG_DFL
