@@ -161,13 +161,19 @@ def test_a_row_cut_short_by_a_kill_is_dropped_on_resume(run_dir: Path, tmp_path:
         plot_run(dst)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device"))],
+)  # fmt: skip
 def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
     """SIGTERM mid-run (a scheduler's preemption): the step under way ends, a checkpoint is
-    written at it (between --checkpoint-every's), the run exits with SIGTERM's status
-    without evaluating, and SIGTERM's handler is the caller's again; resumed, the run ends
-    where a straight one does. Without a run directory (nowhere to save) SIGTERM is left alone."""
+    written at it (between --checkpoint-every's; on a GPU by the background writer), the run
+    exits with SIGTERM's status without evaluating, and SIGTERM's handler is the caller's
+    again; resumed, the run ends where a straight one does. Without a run directory (nowhere
+    to save) SIGTERM is left alone."""
     import os
     import signal
 
@@ -183,13 +189,14 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     monkeypatch.setattr(recsz.train, "train_step", preempted_at_3)
     before = signal.getsignal(signal.SIGTERM)
     run = tmp_path / "run"
-    assert main([*BASE, "--steps", "8", "--checkpoint-every", "6", "--out", str(run)]) == 143
+    on = ["--device", device]
+    assert main([*BASE, *on, "--steps", "8", "--checkpoint-every", "6", "--out", str(run)]) == 143
     assert signal.getsignal(signal.SIGTERM) is before
     assert [d.name for d in checkpoint.complete(run)] == ["step-000000004"]
     assert not (run / "summary.json").exists()
     monkeypatch.setattr(recsz.train, "train_step", stepped)
     resumed = train(run, "--steps", "8", "--checkpoint-every", "6", "--resume", str(run))
-    straight = train(tmp_path / "straight", "--steps", "8", "--checkpoint-every", "6")
+    straight = train(tmp_path / "straight", *on, "--steps", "8", "--checkpoint-every", "6")
     for k in ("auc", "logloss", "bytes_raw"):
         assert resumed[k] == pytest.approx(straight[k], rel=1e-6), k
     assert [d.name for d in checkpoint.complete(run)] == [f"step-00000000{s}" for s in (4, 6, 8)]
@@ -200,7 +207,7 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
         return stepped(parts, batch, step, ranks)
 
     monkeypatch.setattr(recsz.train, "train_step", handler_seen)
-    assert main([*BASE]) == 0 and seen and all(h is before for h in seen)
+    assert main([*BASE, *on]) == 0 and seen and all(h is before for h in seen)
 
 
 def test_a_new_run_never_writes_over_another(run_dir: Path, tmp_path: Path) -> None:
