@@ -11,7 +11,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -267,12 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     given = given_args(argv)
     if given.get("resume") and "config" in given:
         raise ValueError("--config with --resume: a resumed run's configuration is its own")
+    if "LOCAL_WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out
+        # --nproc): its host's ranks recorded, which `--resume` and `--config` start again
+        given["nproc"] = int(os.environ["LOCAL_WORLD_SIZE"])
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.
     cfg = resumed_config(given, found[1]["config"]) if found else configured(given)
-    if "WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out --nproc):
-        # its host's ranks recorded, which `--resume` and `--config` of the run start again
-        cfg = replace(cfg, nproc=int(os.environ.get("LOCAL_WORLD_SIZE", cfg.nproc)))
     if cfg.out:  # here, and in every rank before any writes (rank 0's after a collective)
         checkpoint.refuse_another_run(Path(cfg.out), Path(cfg.resume) if cfg.resume else None)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
