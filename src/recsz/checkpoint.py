@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 # run may move between CPU and GPU, the state is mapped on load).
 _MAY_CHANGE = {
     "steps", "resume", "resume_fallback", "out", "progress", "eval_every", "log_every",
-    "nproc", "checkpoint_every", "keep_checkpoints", "check_bounds", "dist_timeout",
+    "nproc", "max_restarts", "checkpoint_every", "keep_checkpoints", "check_bounds",
+    "dist_timeout",
     "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
     "mlp_init",  # the checkpoint's weights replace the start
     "target_auc",  # when to stop, not what trains

@@ -19,6 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: torchrun's switch off of its store shared by rendezvous rounds, whose keys a restarted
+#: job's ranks read as their own (pytorch/pytorch#135712: they then fail to connect).
+SEPARATE_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
 
 @dataclass
 class Ranks:
@@ -42,7 +46,17 @@ class Ranks:
             return cls(device=dev)
         backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
         kw: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        except RuntimeError as e:
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                raise RuntimeError(
+                    f"{e}: a job torchrun restarted, its ranks meeting in the store of the "
+                    f"attempt before: launch it with {SEPARATE_STORES}=1 (pytorch/pytorch#135712; "
+                    "`recsz train --max-restarts` does)"
+                ) from e
+            raise
         return cls(dist.get_rank(), dist.get_world_size(), dev)
 
     def gather(self, obj: Any) -> list[Any]:
@@ -103,9 +117,10 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
     return status
 
 
-def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
+def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restarts: int = 0) -> int:
     """Run ``module`` (``recsz.train``, ``recsz.evaluation``) on ``nproc`` local ranks
-    under torchrun; its agent stops all of them on any failure."""
+    under torchrun and return its exit status; its agent stops all of them on any failure,
+    then starts them again up to ``max_restarts`` times."""
     # Workers learn their count from torchrun's env (torchrun would also misread "--nproc"
     # as an abbreviation of its own flag): "--nproc N" and "--nproc=N" are left out.
     at = [i for i, a in enumerate(argv) if a == "--nproc"]
@@ -117,13 +132,15 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train") -> int:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        "--max-restarts=0",
+        f"--max-restarts={max_restarts}",
         "-m",
         module,
         *worker_argv,
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
+    if max_restarts:  # a store a round: the restarted ranks never read the last one's keys
+        env.setdefault(SEPARATE_STORES, "1")
     # The agent dies with this process (even a SIGKILL of it), and a SIGTERM or SIGINT
     # sent here is passed on: torchrun's agent then stops its workers, and the workers
     # stop by themselves when their agent is gone (watch_parent).

@@ -199,6 +199,14 @@ class JobOptions:
         ("keep", "return"),
     )
     checkpoint_every: int = opt(0, "steps between checkpoints in the run dir (0: none)", ge=0)
+    # (no new CONFIG_VERSION: it changes nothing that trains, a record without it reads 0)
+    max_restarts: int = opt(
+        0,
+        "torchrun's restarts of the job's ranks after a failure (`recsz train --nproc N`'s "
+        "launcher; torchrun's own flag where you launch it): each restart resumes from the "
+        "run's last checkpoint (--out, --checkpoint-every), or starts over where it has none",
+        ge=0,
+    )
     resume: str | None = opt(
         None,
         "run dir to continue from its last complete checkpoint, or one checkpoint "
@@ -215,5 +223,7 @@ class JobOptions:
     keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)", ge=0)
     check_bounds: bool = opt(False, "decode every payload on the sender and assert the bound")
     progress: bool = opt(True, "show a progress bar")
-    inject_failure: str | None = opt(None, "RANK:STEP: raise there (tests of fail-fast)")
+    inject_failure: str | None = opt(
+        None, "RANK:STEP: raise there (tests of fail-fast; not in a restarted job)"
+    )
     config_version: int = opt(CONFIG_VERSION, "format of this record", cli=False)

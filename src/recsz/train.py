@@ -260,6 +260,19 @@ def _eval_row(ev: dict[str, float]) -> dict[str, float]:
 _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 
 
+def _restarted(given: dict[str, Any]) -> bool:
+    """Whether torchrun started this rank again after the job failed
+    (``TORCHELASTIC_RESTART_COUNT``); if so, and its run directory holds a complete
+    checkpoint, ``given`` resumes from it (the restart runs the same command line)."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return False
+    out = given.get("out")
+    if out and not given.get("resume") and checkpoint.complete(Path(out)):
+        given["resume"] = out
+        given.pop("config", None)  # (the run's own configuration, as a resume takes it)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `recsz train`; tests call it with a list of flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -269,15 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out
         # --nproc): its host's ranks recorded, which `--resume` and `--config` start again
         given["nproc"] = int(os.environ["LOCAL_WORLD_SIZE"])
+    if restarted := _restarted(given):  # torchrun restarted the job after a failure
+        given["inject_failure"] = None  # (a test's failure: once)
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.
     cfg = resumed_config(given, found[1]["config"]) if found else configured(given)
-    if cfg.out:  # here, and in every rank before any writes (rank 0's after a collective)
+    if cfg.out and not restarted:  # here, and in every rank before any writes (rank 0's
+        # after a collective); a restarted job's is its own run
         checkpoint.refuse_another_run(Path(cfg.out), Path(cfg.resume) if cfg.resume else None)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
-        return launch(cfg.nproc, argv)
+        return launch(cfg.nproc, argv, max_restarts=cfg.max_restarts)
     return worker(lambda: EXIT_STATUS if run(cfg).get("stopped") else 0,
                   as_main=__name__ == "__main__")  # fmt: skip
 

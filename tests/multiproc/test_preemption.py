@@ -89,3 +89,32 @@ def test_ranks_signalled_at_different_steps_stop_at_one() -> None:
     for r in got:
         assert r["stops"] == want
         assert r["handler"] == signal.SIG_DFL
+
+
+def test_a_restarted_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """`--max-restarts 1`: rank 1 fails at step 5 (after the checkpoint at 4), torchrun starts
+    both ranks again, and they resume from step 4 (the failure injected once): the run ends
+    as a straight one, its log holding every step once. Failing before any checkpoint, the
+    restart starts over."""
+    base = ["--nproc", "2", "--steps", "8", "--batch-size", "64", "--synthetic-eval", "256",
+            "--log-every", "1", "--no-progress"]  # fmt: skip
+
+    def train(out: Path, *flags: str) -> dict:
+        cmd = [sys.executable, "-m", "recsz.cli", "train", *base, "--out", str(out), *flags]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((out / "summary.json").read_text()) | {"log": done.stderr}
+
+    def steps(out: Path) -> list[int]:
+        rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["step"] for r in rows if "loss" in r]
+
+    straight = train(tmp_path / "straight")
+    for fail_at, every in (("1:5", "2"), ("1:1", "4")):
+        out = tmp_path / f"failed-{fail_at.replace(':', '-')}"
+        got = train(out, "--max-restarts", "1", "--inject-failure", fail_at,
+                    "--checkpoint-every", every)  # fmt: skip
+        assert "injected failure on rank 1" in got["log"]  # it failed once, then went on
+        assert steps(out) == steps(tmp_path / "straight") == list(range(1, 9))
+        for key in ("auc", "logloss", "bytes_payload", "bytes_sent", "steps"):
+            assert got[key] == pytest.approx(straight[key], rel=1e-6), (fail_at, key)
