@@ -210,21 +210,39 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     assert main([*BASE, *on]) == 0 and seen and all(h is before for h in seen)
 
 
-def test_a_new_run_never_writes_over_another(run_dir: Path, tmp_path: Path) -> None:
-    """--out naming a directory that holds a run is refused unless the run resumes it: its
-    record, log and checkpoints stay as they were. An empty directory is taken."""
+def test_the_same_run_again_goes_on_and_another_is_refused(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out holding this run (the command line run again, as a requeued job): it goes on
+    from its last checkpoint, ending where one run would; without a checkpoint it starts
+    over. Holding another run (another configuration, or --resume naming another run): refused,
+    what it holds left as it was. An empty directory is taken."""
     import shutil
 
     dst = tmp_path / "held"
     shutil.copytree(run_dir, dst)
     before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
-    with pytest.raises(ValueError, match=r"--out .*held already holds a run \(config\.json, "
-                       r"metrics\.jsonl, summary\.json, checkpoints\); continue it with "
-                       r"`--resume "):  # fmt: skip
+    with pytest.raises(ValueError, match=r"--out .*held holds another run \(its checkpoint "
+                       r"step-000000004 was written with lr: None -> 0\.5\); continue that "
+                       r"one with `--resume "):  # fmt: skip
         main([*BASE, "--lr", "0.5", "--out", str(dst)])
     with pytest.raises(ValueError, match="already holds a run"):  # resuming another run
         main([*BASE, "--steps", "6", "--resume", str(run_dir), "--out", str(dst)])
     assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    capsys.readouterr()
+    assert main([*BASE, "--out", str(dst)]) == 0  # finished: nothing to do
+    assert "already finished" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    half = tmp_path / "half"  # stopped at step 2 of 4 (the job preempted, say)
+    train(half, "--steps", "2")
+    again = train(half)  # the job's command line again: steps 2..4
+    assert "holds this run's checkpoint at step 2: going on" in capsys.readouterr().out
+    straight = json.loads((run_dir / "summary.json").read_text())
+    for k in ("auc", "logloss", "bytes_raw"):
+        assert again[k] == pytest.approx(straight[k], rel=1e-6), k
+    bare = tmp_path / "bare"  # this run without checkpoints: it starts over
+    first = train(bare, "--checkpoint-every", "0")
+    assert train(bare, "--checkpoint-every", "0")["auc"] == first["auc"]
     (tmp_path / "empty").mkdir()
     train(tmp_path / "empty")
 

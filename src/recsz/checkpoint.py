@@ -61,6 +61,14 @@ def _json_sha256(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """Where ``cfg`` differs from the configuration ``saved`` (a run's record) in a field a
+    resumed run must share, each as ``field: saved -> now``."""
+    now = cfg.to_dict()
+    return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in sorted(now)
+            if k not in _MAY_CHANGE and saved.get(k) != now[k]]  # fmt: skip
+
+
 def fingerprint(cfg: TrainConfig) -> str:
     """A digest of the configuration fields a resumed run must share."""
     return _json_sha256({k: v for k, v in cfg.to_dict().items() if k not in _MAY_CHANGE})[:16]
@@ -124,19 +132,6 @@ def run_dir_of(resume: Path) -> Path:
     return resume.parent.parent if (resume / "meta.json").exists() else resume
 
 
-def refuse_another_run(out: Path, resume: Path | None) -> None:
-    """A ValueError where ``out`` already holds a run (its record, log or checkpoints) that
-    this one would write over, unless this one resumes it."""
-    held = [n for n in ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
-            if (out / n).exists()]  # fmt: skip
-    if not held or (resume is not None and run_dir_of(resume).resolve() == out.resolve()):
-        return
-    raise ValueError(
-        f"--out {out} already holds a run ({', '.join(held)}); continue it with "
-        f"`--resume {out}`, or write this one elsewhere (another --out, or remove that one)"
-    )
-
-
 def _named(resume: Path) -> list[Path]:
     """The checkpoints ``resume`` names, oldest first: itself (``RUN/checkpoints/step-N``)
     or a run's complete ones."""
@@ -195,9 +190,7 @@ def _check(
     step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
     shards = int(meta.get("config", {}).get("column_shards") or 1)
     if meta.get("fingerprint") != fingerprint(cfg):
-        saved, now = meta.get("config", {}), cfg.to_dict()
-        diff = sorted(k for k in now if k not in _MAY_CHANGE and saved.get(k) != now[k])
-        detail = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in diff)
+        detail = ", ".join(differences(meta.get("config", {}), cfg))
         raise OtherConfiguration(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
         )

@@ -26,6 +26,7 @@ from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.model import get_preset, modelfile
 from recsz.ranks import Ranks, keep_freed_memory, launch, worker
+from recsz.rundir import continues, refuse_another_run
 from recsz.step import (
     build_parts,
     rank_part,
@@ -260,19 +261,6 @@ def _eval_row(ev: dict[str, float]) -> dict[str, float]:
 _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 
 
-def _restarted(given: dict[str, Any]) -> bool:
-    """Whether torchrun started this rank again after the job failed
-    (``TORCHELASTIC_RESTART_COUNT``); if so, and its run directory holds a complete
-    checkpoint, ``given`` resumes from it (the restart runs the same command line)."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        return False
-    out = given.get("out")
-    if out and not given.get("resume") and checkpoint.complete(Path(out)):
-        given["resume"] = out
-        given.pop("config", None)  # (the run's own configuration, as a resume takes it)
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `recsz train`; tests call it with a list of flags."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -282,14 +270,24 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out
         # --nproc): its host's ranks recorded, which `--resume` and `--config` start again
         given["nproc"] = int(os.environ["LOCAL_WORLD_SIZE"])
-    if restarted := _restarted(given):  # torchrun restarted the job after a failure
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):  # torchrun restarted the job
         given["inject_failure"] = None  # (a test's failure: once)
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.
     cfg = resumed_config(given, found[1]["config"]) if found else configured(given)
-    if cfg.out and not restarted:  # here, and in every rank before any writes (rank 0's
-        # after a collective); a restarted job's is its own run
-        checkpoint.refuse_another_run(Path(cfg.out), Path(cfg.resume) if cfg.resume else None)
+    # --out holding a run: here, and in every rank before any writes (rank 0's after a
+    # collective). This run's checkpoints: it goes on from the last; another run's: refused.
+    if cfg.out and cfg.resume:
+        refuse_another_run(Path(cfg.out), Path(cfg.resume))
+    elif cfg.out and (step := continues(Path(cfg.out), cfg)) is not None:
+        launching = cfg.nproc > 1 and "WORLD_SIZE" not in os.environ  # (its rank 0 says it)
+        if os.environ.get("RANK", "0") == "0" and not launching:
+            print(f"recsz: {cfg.out} holds this run's checkpoint at step {step}: going on "
+                  "from it (another --out starts afresh)", flush=True)  # fmt: skip
+        given = {k: v for k, v in given.items() if k != "config"} | {"resume": cfg.out}
+        found = checkpoint.record(Path(cfg.out))
+        assert found is not None
+        cfg = resumed_config(given, found[1]["config"])
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))

@@ -1,0 +1,59 @@
+"""What a run directory (``--out``) already holds when a run starts there: nothing; this
+run, the same command line run again (a job its scheduler requeued after a preemption,
+torchrun restarted after a failure, or simply rerun), which continues from its last
+checkpoint or, without one, starts over; or another run, which is not written over."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from recsz import checkpoint
+
+if TYPE_CHECKING:
+    from recsz.config import TrainConfig
+
+#: what in a directory makes it a run's
+HELD = ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
+
+
+def continues(out: Path, cfg: TrainConfig) -> int | None:
+    """The step of this run's checkpoint in ``out`` that a new run of ``cfg`` continues from
+    (as ``--resume out``: its newest complete one, written with ``cfg``'s configuration but
+    for what a resumed run may change); None where ``out`` holds no run, or this run without
+    a checkpoint (it starts over there). A ValueError where ``out`` holds another run."""
+    held = [n for n in HELD if (out / n).exists()]
+    if not held:
+        return None
+    found = checkpoint.record(out)
+    if found is not None:
+        d, meta = found
+        if not (diff := checkpoint.differences(meta.get("config", {}), cfg)):
+            return int(meta["step"])
+        why = f"its checkpoint {d.name} was written with {', '.join(diff)}"
+    elif (out / "config.json").exists():
+        try:
+            saved = json.loads((out / "config.json").read_text())
+        except json.JSONDecodeError:
+            saved = {}
+        if not (diff := checkpoint.differences(saved, cfg)):
+            return None  # this run, never checkpointed: it starts over
+        why = f"{', '.join(diff)}" if saved else "its config.json is not JSON"
+    else:
+        why = f"it holds {', '.join(held)} without a record of its configuration"
+    raise ValueError(
+        f"--out {out} holds another run ({why}); continue that one with `--resume {out}` "
+        "(its own configuration), or write this one elsewhere (another --out, or remove it)"
+    )
+
+
+def refuse_another_run(out: Path, resume: Path) -> None:
+    """A ValueError where ``out`` holds a run other than the one ``--resume`` names, which
+    the resumed run would write over."""
+    held = [n for n in HELD if (out / n).exists()]
+    if held and checkpoint.run_dir_of(resume).resolve() != out.resolve():
+        raise ValueError(
+            f"--out {out} already holds a run ({', '.join(held)}); a run resumed from "
+            f"{resume} writes elsewhere (another --out, or remove that one)"
+        )
