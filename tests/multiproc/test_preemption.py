@@ -1,6 +1,6 @@
 """A job asked to stop (SIGTERM to `recsz train --nproc 2`, as a scheduler preempting it):
-its ranks agree on a step, save a checkpoint there and exit with SIGTERM's status; resumed
-(on the ranks the job recorded), the run ends as one never stopped."""
+its ranks agree on a step, save a checkpoint there and exit with SIGTERM's status; the job's
+command line again (a requeued job) goes on from there, and ends as one never stopped."""
 
 from __future__ import annotations
 
@@ -36,18 +36,20 @@ def test_sigterm_saves_a_checkpoint_the_run_resumes_from(tmp_path: Path) -> None
     step = meta["step"]
     assert f"step {step} " in said[0] and sorted(meta["files"]) == ["rank-0.pt", "rank-1.pt"]
     assert not (run / "summary.json").exists()  # not finished
+    assert meta["config"]["nproc"] == 2  # the launched ranks recorded (`--resume RUN`'s)
 
     def train(*flags: str) -> dict:
         cmd = [sys.executable, "-m", "recsz.cli", "train", "--no-progress", *flags]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        out = Path(flags[flags.index("--out") + 1]) if "--out" in flags else run
-        return json.loads((out / "summary.json").read_text())
+        return json.loads((Path(flags[flags.index("--out") + 1]) / "summary.json").read_text())
 
     end = str(step + 3)
-    resumed = train("--resume", str(run), "--steps", end)  # on the job's 2 ranks, as recorded
-    job = ["--batch-size", "64", "--synthetic-eval", "256", "--log-every", "100000"]
-    straight = train("--nproc", "2", "--steps", end, *job, "--out", str(tmp_path / "straight"))
+    job = ["--nproc", "2", "--batch-size", "64", "--synthetic-eval", "256", "--log-every",
+           "100000"]  # fmt: skip
+    # the job's command line again, as a scheduler requeues it (but for its steps)
+    resumed = train(*job, "--steps", end, "--dist-timeout", "30", "--out", str(run))
+    straight = train(*job, "--steps", end, "--out", str(tmp_path / "straight"))
     assert resumed["steps"] == straight["steps"] == step + 3
     for key in ("world_size", "auc", "logloss", "bytes_payload", "bytes_sent"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key
