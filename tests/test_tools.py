@@ -599,3 +599,15 @@ def test_bench_load_restores_both_ways(tmp_path: Path) -> None:
     assert set(rows) == {"train", "score"}
     assert all(r["new_s"] > 0 and r["new_hwm_gb"] > 0 and r["file_gb"] > 0 for r in rows.values())
     assert "| score | `(tiny)` (cpu) |" in out.with_suffix(".md").read_text()
+
+
+def test_bench_stopping_times_the_agreement_and_a_preempted_job(tmp_path: Path) -> None:
+    """bench_stopping.py in miniature (tiny, 50 agreements): the agreement's host time, and
+    a 2-rank job sent SIGTERM stopping with its checkpoint, then going on from it."""
+    out = tmp_path / "stopping.json"
+    argv = ["--presets", "tiny", "--calls", "50", "--json-out", str(out)]
+    assert _bench("bench_stopping").main(argv) == 0
+    agree, tiny = json.loads(out.read_text())
+    assert agree["part"] == "agreement" and 0 < agree["median_us"] <= agree["p90_us"]
+    assert tiny["preset"] == "tiny" and tiny["stopped_at_step"] >= 1
+    assert tiny["stop_s"] > 0 and tiny["checkpoint_gb"] > 0 and tiny["go_on_s"] > 0

@@ -1,0 +1,138 @@
+"""What stopping on SIGTERM costs a run, and how long a preempted job takes to stop.
+
+    python benchmarks/bench_stopping.py [--presets tiny,bench] [--steps-per-rank N]
+        [--repeats 3] [--json-out PATH]
+
+1. Every step of a run with a directory, the ranks agree on whether any was sent SIGTERM
+   (``recsz.stopping.Stopping.agreed``: an all-reduce started after the step and read
+   after the next). Timed here on 2 gloo ranks with a 2 ms "step" between calls: the host
+   time of each call (median and 90th percentile), the cost a step pays.
+2. A 2-rank job of each preset (``recsz train --nproc 2 --preset P --out DIR``) sent SIGTERM
+   once training runs: the seconds until the launcher has exited (the step under way, the
+   agreement, the checkpoint written, the ranks gone), against the 30 s torchrun's agent
+   waits before it kills its workers; the checkpoint's size; and the seconds the same
+   command line then takes to go on from it (``--steps`` one more step).
+
+Prints a table and writes JSON (default benchmarks/results/stopping.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from results_io import write_results
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parent / "src"
+
+
+def _agree_worker(rank: int, port: int, calls: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from recsz.stopping import Stopping
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    stop, spent = Stopping(2), []
+    for _ in range(calls):
+        time.sleep(0.002)  # a step
+        t0 = time.perf_counter()
+        stop.agreed()
+        spent.append(time.perf_counter() - t0)
+    stop.close(ok=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        spent.sort()
+        Path(out).write_text(json.dumps({"median_us": spent[len(spent) // 2] * 1e6,
+                                         "p90_us": spent[len(spent) * 9 // 10] * 1e6}))  # fmt: skip
+
+
+def agreement_row(calls: int) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s, tempfile.TemporaryDirectory() as tmp:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        out = str(Path(tmp) / "agree.json")
+        sys.path[:0] = [str(HERE), str(SRC)]  # where the spawned ranks find this module
+        try:
+            mp.start_processes(_agree_worker, args=(port, calls, out), nprocs=2,
+                               start_method="spawn")  # fmt: skip
+        finally:
+            del sys.path[:2]
+        got = json.loads(Path(out).read_text())
+    return {"part": "agreement", "calls": calls, **got}
+
+
+def preempted_row(preset: str, work: Path) -> dict:
+    """A 2-rank job of ``preset`` sent SIGTERM once its first metrics row is written."""
+    out = work / preset
+    flags = ["--preset", preset, "--nproc", "2", "--log-every", "1", "--no-progress",
+             "--synthetic-eval", "4096", "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "recsz.cli", "train", *flags]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    job = subprocess.Popen([*cmd, "--steps", "1000000"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    log = out / "metrics.jsonl"
+    while job.poll() is None and not (log.exists() and log.stat().st_size):
+        time.sleep(0.05)
+    t0 = time.perf_counter()
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=600)
+    stop_s = time.perf_counter() - t0
+    if job.returncode != 128 + signal.SIGTERM:
+        raise RuntimeError(f"{preset}: the job ended with {job.returncode}: {err[-1500:]}")
+    meta = json.loads(next((out / "checkpoints").glob("*/meta.json")).read_text())
+    ckpt = out / "checkpoints" / f"step-{meta['step']:09d}"
+    t0 = time.perf_counter()  # the same command line again, one step further
+    subprocess.run([*cmd, "--steps", str(meta["step"] + 1)], env=env, check=True,
+                   capture_output=True)  # fmt: skip
+    return {"part": "preempted", "preset": preset, "stopped_at_step": meta["step"],
+            "stop_s": stop_s, "checkpoint_gb": sum(f.stat().st_size for f in
+                                                   ckpt.iterdir()) / 1e9,
+            "go_on_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| what | measured |", "|---|---|"]
+    for r in rows:
+        if r["part"] == "agreement":
+            us = f"median {r['median_us']:.0f} us, 90th percentile {r['p90_us']:.0f} us"
+            out.append(f"| a step's agreement (2 gloo ranks, {r['calls']} calls) | {us} |")
+        else:
+            out.append(f"| `{r['preset']}`, 2 ranks, SIGTERM at step {r['stopped_at_step']} | "
+                       f"stopped, {r['checkpoint_gb']:.3f} GB checkpoint written, in "
+                       f"{r['stop_s']:.1f} s (torchrun's grace: 30 s); the command again "
+                       f"went on and ended a step later in {r['go_on_s']:.1f} s |")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="tiny,bench")
+    ap.add_argument("--calls", type=int, default=2000, help="agreements timed")
+    ap.add_argument("--json-out", default=str(HERE / "results" / "stopping.json"))
+    a = ap.parse_args(argv)
+    rows = [agreement_row(a.calls)]
+    print(json.dumps(rows[-1]))
+    with tempfile.TemporaryDirectory() as work:
+        for preset in [p for p in a.presets.split(",") if p]:
+            rows.append(preempted_row(preset, Path(work)))
+            print(json.dumps(rows[-1]))
+    write_results(rows, a.json_out, table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
