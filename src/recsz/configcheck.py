@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recsz.codecs.base import EB_MAX, EB_MIN
+from recsz.codecs.registry import takes
 from recsz.data.npydays import check_bags, holds_days
 
 if TYPE_CHECKING:
@@ -172,7 +173,7 @@ def idle(cfg: TrainConfig) -> list[str]:
         "decay_schedule": (policy == "dual", dual),
         "decay_c": (policy == "dual", dual),
         "decay_t": (policy == "dual", dual),
-        "coder": (any(_takes_coder(cfg, d) for d in ("fwd", "bwd")),
+        "coder": (any(takes(getattr(cfg, f"{d}_codec"), "coder") for d in ("fwd", "bwd")),
                   "a quantizing --fwd-codec or --bwd-codec (hybrid, quant)"),
         "compress_trial": (cfg.compress == "auto", "--compress auto"),
         "compress_every": (cfg.compress == "auto", "--compress auto"),
@@ -211,9 +212,3 @@ def _bounded(cfg: TrainConfig, direction: str) -> bool:
     """Whether ``direction``'s codec takes an error bound from a bound policy."""
     codec = cfg.codec(direction)
     return codec.error_bounded and not codec.threshold
-
-
-def _takes_coder(cfg: TrainConfig, direction: str) -> bool:
-    from recsz.codecs import takes
-
-    return takes(cfg.fwd_codec if direction == "fwd" else cfg.bwd_codec, "coder")

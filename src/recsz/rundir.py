@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recsz import checkpoint
 
@@ -18,11 +18,12 @@ if TYPE_CHECKING:
 HELD = ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
 
 
-def continues(out: Path, cfg: TrainConfig) -> int | None:
-    """The step of this run's checkpoint in ``out`` that a new run of ``cfg`` continues from
-    (as ``--resume out``: its newest complete one, written with ``cfg``'s configuration but
-    for what a resumed run may change); None where ``out`` holds no run, or this run without
-    a checkpoint (it starts over there). A ValueError where ``out`` holds another run."""
+def continues(out: Path, cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
+    """This run's checkpoint in ``out`` that a new run of ``cfg`` goes on from, and its
+    record (as ``--resume out`` reads them: its newest complete one, written with ``cfg``'s
+    configuration but for what a resumed run may change); None where ``out`` holds no run,
+    or this run without a checkpoint (it starts over there). A ValueError where ``out`` holds
+    another run."""
     held = [n for n in HELD if (out / n).exists()]
     if not held:
         return None
@@ -30,7 +31,7 @@ def continues(out: Path, cfg: TrainConfig) -> int | None:
     if found is not None:
         d, meta = found
         if not (diff := checkpoint.differences(meta.get("config", {}), cfg)):
-            return int(meta["step"])
+            return found
         why = f"its checkpoint {d.name} was written with {', '.join(diff)}"
     elif (out / "config.json").exists():
         try:

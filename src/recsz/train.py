@@ -199,7 +199,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             saved = saver.complete()
             if ranks.rank == 0:
                 tqdm.write(f"recsz: stopped at step {done} (SIGTERM); checkpoint {saved} "
-                           f"written: continue with `recsz train --resume {out}`")  # fmt: skip
+                           "written: the same command line again goes on from it (or "
+                           f"`recsz train --resume {out}`)")  # fmt: skip
             ok = True
             return {"steps": done, "stopped": True, "checkpoint": str(saved)}
         if reached is None:
@@ -279,14 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     # collective). This run's checkpoints: it goes on from the last; another run's: refused.
     if cfg.out and cfg.resume:
         refuse_another_run(Path(cfg.out), Path(cfg.resume))
-    elif cfg.out and (step := continues(Path(cfg.out), cfg)) is not None:
+    elif cfg.out and (found := continues(Path(cfg.out), cfg)) is not None:
         launching = cfg.nproc > 1 and "WORLD_SIZE" not in os.environ  # (its rank 0 says it)
         if os.environ.get("RANK", "0") == "0" and not launching:
-            print(f"recsz: {cfg.out} holds this run's checkpoint at step {step}: going on "
-                  "from it (another --out starts afresh)", flush=True)  # fmt: skip
+            print(f"recsz: {cfg.out} holds this run's checkpoint at step {found[1]['step']}: "
+                  "going on from it (another --out starts afresh)", flush=True)  # fmt: skip
         given = {k: v for k, v in given.items() if k != "config"} | {"resume": cfg.out}
-        found = checkpoint.record(Path(cfg.out))
-        assert found is not None
         cfg = resumed_config(given, found[1]["config"])
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
