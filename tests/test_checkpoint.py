@@ -247,6 +247,28 @@ def test_the_same_run_again_goes_on_and_another_is_refused(
     train(tmp_path / "empty")
 
 
+def test_a_finished_run_without_its_summary_is_evaluated_again(
+    run_dir: Path, tmp_path: Path
+) -> None:
+    """Stopped during its final evaluation (a preemption there), a run that trained all its
+    steps has its last checkpoint but no summary: its command line again evaluates that
+    checkpoint and writes the summary the run would have (with a summary: nothing to do)."""
+    import shutil
+
+    dst = tmp_path / "unsummarized"
+    shutil.copytree(run_dir, dst)
+    (dst / "summary.json").unlink()
+    log = dst / "metrics.jsonl"  # killed during the evaluation: its row not written either
+    kept = [r for r in log.read_text().splitlines() if "eval_auc" not in r]
+    log.write_text("".join(r + "\n" for r in kept))
+    again = train(dst)
+    want = json.loads((run_dir / "summary.json").read_text())
+    for k in ("auc", "logloss", "steps", "bytes_raw", "fwd_ratio"):
+        assert again[k] == pytest.approx(want[k], rel=1e-9), k
+    rows = [json.loads(r) for r in (dst / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_auc" in r] == [4]  # its evaluation once
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -80,7 +80,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 )
             hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
             met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
-            if steps == start or met:
+            summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
+            if met or (steps == start and summarized):
                 done_why = (
                     f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
                 )
@@ -89,6 +90,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     print(msg, flush=True)
                 ok = True
                 return {"steps": start, "already_finished": True}
+            if steps == start and ranks.rank == 0:  # no steps left: the evaluation, the summary
+                print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its "
+                      "final evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
         if out and ranks.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
