@@ -51,7 +51,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     saver: Saver | None = None
-    stop: Stopping | None = None
+    # SIGTERM from here on is noted, and acted on after a step: a checkpoint, then the end
+    stop = Stopping(ranks.world) if cfg.out or cfg.resume else None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
         bsz = cfg.resolved("batch_size")
@@ -141,7 +142,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         saver = Saver(out, cfg, ranks)
-        stop = Stopping(ranks.world) if out else None  # SIGTERM: a checkpoint, then stop
         stopped = False
         for step in range(start, steps):
             if fail_at == (ranks.rank, step):
