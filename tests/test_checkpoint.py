@@ -243,6 +243,9 @@ def test_the_same_run_again_goes_on_and_another_is_refused(
     bare = tmp_path / "bare"  # this run without checkpoints: it starts over
     first = train(bare, "--checkpoint-every", "0")
     assert train(bare, "--checkpoint-every", "0")["auc"] == first["auc"]
+    with pytest.raises(ValueError, match=r"its config\.json says lr: None -> 0\.5\); write "
+                       r"this one elsewhere"):  # (nothing to --resume from there)  # fmt: skip
+        main([*BASE, "--checkpoint-every", "0", "--lr", "0.5", "--out", str(bare)])
     (tmp_path / "empty").mkdir()
     train(tmp_path / "empty")
 

@@ -40,12 +40,13 @@ def continues(out: Path, cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None
             saved = {}
         if not (diff := checkpoint.differences(saved, cfg)):
             return None  # this run, never checkpointed: it starts over
-        why = f"{', '.join(diff)}" if saved else "its config.json is not JSON"
+        why = f"its config.json says {', '.join(diff)}" if saved else "its config.json is not JSON"
     else:
         why = f"it holds {', '.join(held)} without a record of its configuration"
+    go_on = f"continue that one with `--resume {out}` (its own configuration), or " if found else ""
     raise ValueError(
-        f"--out {out} holds another run ({why}); continue that one with `--resume {out}` "
-        "(its own configuration), or write this one elsewhere (another --out, or remove it)"
+        f"--out {out} holds another run ({why}); {go_on}write this one elsewhere (another "
+        "--out, or remove that one)"
     )
 
 
