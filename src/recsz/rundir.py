@@ -18,13 +18,18 @@ if TYPE_CHECKING:
 HELD = ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
 
 
+def _held(out: Path) -> list[str]:
+    """What of a run's :data:`HELD` ``out`` holds."""
+    return [n for n in HELD if (out / n).exists()]
+
+
 def continues(out: Path, cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None:
     """This run's checkpoint in ``out`` that a new run of ``cfg`` goes on from, and its
     record (as ``--resume out`` reads them: its newest complete one, written with ``cfg``'s
     configuration but for what a resumed run may change); None where ``out`` holds no run,
     or this run without a checkpoint (it starts over there). A ValueError where ``out`` holds
     another run."""
-    held = [n for n in HELD if (out / n).exists()]
+    held = _held(out)
     if not held:
         return None
     found = checkpoint.record(out)
@@ -53,7 +58,7 @@ def continues(out: Path, cfg: TrainConfig) -> tuple[Path, dict[str, Any]] | None
 def refuse_another_run(out: Path, resume: Path) -> None:
     """A ValueError where ``out`` holds a run other than the one ``--resume`` names, which
     the resumed run would write over."""
-    held = [n for n in HELD if (out / n).exists()]
+    held = _held(out)
     if held and checkpoint.run_dir_of(resume).resolve() != out.resolve():
         raise ValueError(
             f"--out {out} already holds a run ({', '.join(held)}); a run resumed from "

@@ -24,8 +24,8 @@ EXIT_STATUS = 128 + signal.SIGTERM
 
 
 class Stopping:
-    """SIGTERM noted in this process while the run trains (the handler before it restored
-    by :meth:`close`), and the step at which every rank has seen it (:meth:`agreed`)."""
+    """SIGTERM noted in this process from its making until :meth:`close` (which restores
+    the handler before it), and the step at which every rank has seen it (:meth:`agreed`)."""
 
     def __init__(self, world: int) -> None:
         self.world = world
