@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 import time
@@ -234,6 +235,18 @@ def test_a_run_too_short_for_a_steady_pace_prints_none(
     assert s["samples_per_s_steady"] != s["samples_per_s_steady"]  # NaN
     out = capsys.readouterr().out
     assert "samples/s" in out and "nan" not in out and "after the first steps" not in out
+
+
+def test_the_progress_bar_shows_the_last_loss_and_auc(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An evaluation's row holds no loss: the bar keeps the last loss beside the AUC, never
+    "nan" (it showed loss=nan after each mid-run evaluation)."""
+    main(["--steps", "5", "--eval-every", "2", "--log-every", "3", "--synthetic-eval", "64"])
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    assert "nan" not in bar
+    assert re.search(r"step/s, auc=0\.\d{4}\]", bar)  # step 2: an evaluation's row alone
+    assert re.search(r"step/s, loss=\d\.\d{4}, auc=0\.\d{4}\]", bar)  # step 4: both
 
 
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:

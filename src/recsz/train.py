@@ -41,6 +41,8 @@ from recsz.stopping import EXIT_STATUS, Stopping
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
 WARM_STEPS = 3
+#: What the progress bar shows, from the metrics rows that hold it: (label, row key).
+SHOWN = (("loss", "loss"), ("auc", "eval_auc"))
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             unit="step",
             leave=False,
         )
+        shown: dict[str, str] = {}
         losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
         lr_factor = 1.0
@@ -188,7 +191,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     reached = {"step": done, "auc": ev["auc"]}  # every rank's the same
             if row:
                 log.metrics(row)
-                bar.set_postfix(loss=f"{row.get('loss', float('nan')):.4f}")
+                # the last training loss and held-out AUC (a row may hold either or both)
+                shown.update({k: f"{row[c]:.4f}" for k, c in SHOWN if c in row})
+                bar.set_postfix({k: shown[k] for k, _ in SHOWN if k in shown})
             end = done == steps or reached is not None
             every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or end)
             if out and (every or stopped):
