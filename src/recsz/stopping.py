@@ -6,13 +6,24 @@ A signal reaches the ranks at slightly different moments, perhaps in different s
 rank notes it in its handler; after every step the ranks combine their notes in an
 all-reduce (MAX) started then and read after the next step, so it runs while that step does
 (on a GPU it is a gloo collective of a CPU tensor: no host sync). All ranks read the same
-result after the same step, and stop there. A rank blocked by a peer that died does not wait
-for this: the collective fails as the peer's connection closes, and the rank with it.
+result after the same step, and stop there.
+
+A rank whose peer died may never reach its next step: a gloo collective fails as the peer's
+connection closes, but one over NCCL, or with a host gone from the network, waits until
+``--dist-timeout``, and a Python handler runs only between the main thread's calls. So a
+thread watches for the signal (Python's wakeup fd) and, if the main thread then sits in one
+call for :data:`STUCK_S` without reaching the agreement, names the call and exits at once
+without a checkpoint (the job goes on from the last one), as SIGTERM's default would have,
+instead of ignoring the signal until the launcher's SIGKILL (torchrun's: 30 s later).
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -21,31 +32,88 @@ import torch.distributed as dist
 
 #: What the asked-to-stop process exits with: a shell's status of a process SIGTERM ended.
 EXIT_STATUS = 128 + signal.SIGTERM
+#: Seconds a rank asked to stop may sit in one call (the same frame at the same instruction,
+#: no step ended) before it is taken to wait on a peer that is gone. A rank's longest single
+#: calls otherwise (a checkpoint's write, rank 0's AUC of a large held-out set) come after
+#: the agreement or are its peers' waits of a few seconds.
+STUCK_S = 10.0
+_POLL_S = 0.25
 
 
 class Stopping:
     """SIGTERM noted in this process from its making until :meth:`close` (which restores
     the handler before it), and the step at which every rank has seen it (:meth:`agreed`)."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, rank: int = 0) -> None:
+        self.world, self.rank = world, rank
         self.asked = False
+        self._steps = 0  # agreements reached, the main thread's sign of life
+        self._stopping = False  # the main thread has seen the stop: it saves, let it be
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
         self._previous = signal.signal(signal.SIGTERM, self._note)
+        self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._wakeup: tuple[int, int] | None = os.pipe()
+        os.set_blocking(self._wakeup[1], False)  # (the signal's write never blocks)
+        previous_fd = signal.set_wakeup_fd(self._wakeup[1], warn_on_full_buffer=False)
+        if previous_fd != -1:  # another's (an event loop's): leave it, watch nothing
+            signal.set_wakeup_fd(previous_fd)
+            self._close_wakeup()
+            return
+        self._watcher = threading.Thread(
+            target=self._watch, args=(threading.get_ident(),), name="recsz-sigterm", daemon=True
+        )
+        self._watcher.start()
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.asked = True
 
+    def _watch(self, main: int) -> None:
+        """Wait for SIGTERM's byte on the wakeup fd; then, while the main thread has not
+        seen the stop, exit if it stays in one call for :data:`STUCK_S`."""
+        assert self._wakeup is not None
+        while True:
+            got = os.read(self._wakeup[0], 64)
+            if not got:  # closed: the run ended
+                return
+            if signal.SIGTERM in got:
+                break
+        place, since, steps = None, time.monotonic(), self._steps
+        while not self._closed.wait(_POLL_S) and not self._stopping:
+            frame = sys._current_frames().get(main)
+            if frame is None:
+                return
+            if (frame, frame.f_lasti) != place or self._steps != steps:
+                place, since, steps = (frame, frame.f_lasti), time.monotonic(), self._steps
+            elif time.monotonic() - since >= STUCK_S:
+                code = frame.f_code
+                print(f"recsz: rank {self.rank}: asked to stop (SIGTERM), but held "
+                      f"{STUCK_S:.0f} s in one call, {code.co_filename}:{frame.f_lineno} "
+                      f"({code.co_name}): a collective whose peer is gone? Exiting without a "
+                      "checkpoint (the job goes on from its last one)", file=sys.stderr,
+                      flush=True)  # fmt: skip
+                os._exit(EXIT_STATUS)
+
+    def _close_wakeup(self) -> None:
+        if self._wakeup is not None:
+            os.close(self._wakeup[1])  # the watcher's read ends (or its wait: _closed)
+            if self._watcher is not None:
+                self._watcher.join()
+            os.close(self._wakeup[0])
+            self._wakeup = None
+
     def agreed(self) -> bool:
         """Called by every rank after every step: whether the run stops here. With several
         ranks, whether any rank had been asked by the step before this one."""
+        self._steps += 1
         if self.world == 1:
+            self._stopping = self.asked
             return self.asked
         seen = False
         if self._pending is not None:
             self._pending.wait()
-            seen = bool(self._sum.item())
+            seen = self._stopping = bool(self._sum.item())
         self._sum = torch.tensor([int(self.asked)], dtype=torch.int32)
         self._pending = dist.all_reduce(self._sum, op=dist.ReduceOp.MAX, async_op=True)
         return seen
@@ -54,6 +122,10 @@ class Stopping:
         """Restore the handler; after a run that ended well, complete the last all-reduce
         (every rank started it: the group's collectives stay matched)."""
         signal.signal(signal.SIGTERM, self._previous)
+        if self._wakeup is not None:
+            signal.set_wakeup_fd(-1)
+        self._closed.set()
+        self._close_wakeup()
         pending, self._pending = self._pending, None
         if ok and pending is not None:
             pending.wait()

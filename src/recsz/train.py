@@ -54,7 +54,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ok = False
     saver: Saver | None = None
     # SIGTERM from here on is noted, and acted on after a step: a checkpoint, then the end
-    stop = Stopping(ranks.world) if cfg.out or cfg.resume else None
+    stop = Stopping(ranks.world, ranks.rank) if cfg.out or cfg.resume else None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
         bsz = cfg.resolved("batch_size")

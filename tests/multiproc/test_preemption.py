@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,66 @@ def test_a_restarted_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> Non
         assert steps(out) == steps(tmp_path / "straight") == list(range(1, 9))
         for key in ("auc", "logloss", "bytes_payload", "bytes_sent", "steps"):
             assert got[key] == pytest.approx(straight[key], rel=1e-6), (fail_at, key)
+
+
+STUCK_RANK = """
+import os, signal, sys, threading, time
+import torch, torch.distributed as dist
+from recsz import stopping
+stopping.STUCK_S = 2.0
+rank, store, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+if rank == 1:  # alive, its connection open, never in the collective: a host gone quiet
+    time.sleep(120)
+stop = stopping.Stopping(2, rank=0)
+threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+if mode == "stuck":
+    dist.all_reduce(torch.ones(1))  # waits for rank 1, in one call
+else:  # busy for longer than STUCK_S, in many calls: alive, not stuck
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        torch.ones(64).sum()
+    assert stop.asked
+    print("went on", flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["stuck", "busy"])
+def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mode: str) -> None:
+    """SIGTERM to a rank whose collective waits on a peer that neither answers nor closes its
+    connection (NCCL, a host off the network): a Python handler would never run, so the
+    watcher names the call and exits with SIGTERM's status after STUCK_S (2 s here) instead of
+    the launcher's SIGKILL 30 s later. A rank busy in many calls for longer is left alone."""
+    script = tmp_path / "rank.py"
+    script.write_text(STUCK_RANK)
+    store = str(tmp_path / "store")
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), store, mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]  # fmt: skip
+    try:
+        out, err = ranks[0].communicate(timeout=60)
+    finally:
+        ranks[1].kill()
+        ranks[1].communicate()
+    if mode == "busy":
+        assert ranks[0].returncode == 0 and out == "went on\n", err[-2000:]
+        return
+    assert ranks[0].returncode == 128 + signal.SIGTERM, err[-2000:]
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("recsz: rank 0: asked to stop (SIGTERM), but held 2 s in one call")
+    assert "distributed_c10d.py" in said and "all_reduce" in said, said
+
+
+def test_the_watcher_ends_with_its_run() -> None:
+    """close() restores SIGTERM's handler and the wakeup fd, and its thread ends."""
+    from recsz.stopping import Stopping
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = Stopping(1)
+    assert any(t.name == "recsz-sigterm" for t in threading.enumerate())
+    assert stop.agreed() is False
+    stop.close(ok=True)
+    assert not any(t.name == "recsz-sigterm" for t in threading.enumerate())
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert signal.set_wakeup_fd(-1) == -1  # none left set
