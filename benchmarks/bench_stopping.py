@@ -1,7 +1,7 @@
 """What stopping on SIGTERM costs a run, and how long a preempted job takes to stop.
 
-    python benchmarks/bench_stopping.py [--presets tiny,bench] [--steps-per-rank N]
-        [--repeats 3] [--json-out PATH]
+    python benchmarks/bench_stopping.py [--presets tiny,bench] [--calls N] [--no-held]
+        [--json-out PATH]
 
 1. Every step of a run with a directory, the ranks agree on whether any was sent SIGTERM
    (``recsz.stopping.Stopping.agreed``: an all-reduce started after the step and read
@@ -12,6 +12,10 @@
    agreement, the checkpoint written, the ranks gone), against the 30 s torchrun's agent
    waits before it kills its workers; the checkpoint's size; and the seconds the same
    command line then takes to go on from it (``--steps`` one more step).
+3. A 2-rank ``tiny`` job whose rank 1 is stopped (SIGSTOP: a peer that neither answers nor
+   closes its connection, as a host off the network) and then sent SIGTERM: the seconds until
+   rank 0, held in a collective, has exited (``recsz.stopping.STUCK_S`` after the signal;
+   before its watcher, torchrun's SIGKILL 30 s after it).
 
 Prints a table and writes JSON (default benchmarks/results/stopping.json).
 """
@@ -19,6 +23,7 @@ Prints a table and writes JSON (default benchmarks/results/stopping.json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -75,9 +80,9 @@ def agreement_row(calls: int) -> dict:
     return {"part": "agreement", "calls": calls, **got}
 
 
-def preempted_row(preset: str, work: Path) -> dict:
-    """A 2-rank job of ``preset`` sent SIGTERM once its first metrics row is written."""
-    out = work / preset
+def _training(preset: str, out: Path) -> tuple[subprocess.Popen, list[str], dict]:
+    """A 2-rank job of ``preset`` started, once its first metrics row is written; its command
+    line but for ``--steps``, and its environment."""
     flags = ["--preset", preset, "--nproc", "2", "--log-every", "1", "--no-progress",
              "--synthetic-eval", "4096", "--out", str(out)]  # fmt: skip
     cmd = [sys.executable, "-m", "recsz.cli", "train", *flags]
@@ -87,6 +92,13 @@ def preempted_row(preset: str, work: Path) -> dict:
     log = out / "metrics.jsonl"
     while job.poll() is None and not (log.exists() and log.stat().st_size):
         time.sleep(0.05)
+    return job, cmd, env
+
+
+def preempted_row(preset: str, work: Path) -> dict:
+    """A 2-rank job of ``preset`` sent SIGTERM once its first metrics row is written."""
+    out = work / preset
+    job, cmd, env = _training(preset, out)
     t0 = time.perf_counter()
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=600)
@@ -104,12 +116,55 @@ def preempted_row(preset: str, work: Path) -> dict:
             "go_on_s": time.perf_counter() - t0}  # fmt: skip
 
 
+def _workers(launcher: int) -> dict[int, int]:
+    """rank -> pid of a launched job's ranks: its agent's children, by their RANK."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    agents = {p for p, pp in parent.items() if pp == launcher}
+    ranks = {}
+    for pid in (p for p, pp in parent.items() if pp in agents):
+        env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        ranks.update({int(e[5:]): pid for e in env if e.startswith(b"RANK=")})
+    return ranks
+
+
+def _running(pid: int) -> bool:
+    try:  # a zombie has exited
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def held_row(work: Path) -> dict:
+    """A ``tiny`` job's rank 1 stopped, then SIGTERM: how long rank 0 lives on."""
+    from recsz.stopping import STUCK_S
+
+    job, _, _ = _training("tiny", work / "held")
+    ranks = _workers(job.pid)
+    os.kill(ranks[1], signal.SIGSTOP)
+    time.sleep(1.0)  # rank 0 waits on it in a collective
+    t0 = time.perf_counter()
+    job.send_signal(signal.SIGTERM)
+    while _running(ranks[0]) and time.perf_counter() - t0 < 120:
+        time.sleep(0.05)
+    exit_s = time.perf_counter() - t0
+    os.kill(ranks[1], signal.SIGKILL)  # (torchrun's agent would, 30 s after its SIGTERM)
+    job.communicate(timeout=120)
+    return {"part": "held", "preset": "tiny", "exit_s": exit_s, "stuck_s": STUCK_S}
+
+
 def table(rows: list[dict]) -> str:
     out = ["| what | measured |", "|---|---|"]
     for r in rows:
         if r["part"] == "agreement":
             us = f"median {r['median_us']:.0f} us, 90th percentile {r['p90_us']:.0f} us"
             out.append(f"| a step's agreement (2 gloo ranks, {r['calls']} calls) | {us} |")
+        elif r["part"] == "held":
+            out.append(f"| `tiny`, 2 ranks, rank 1 stopped (SIGSTOP), then SIGTERM | rank 0, held "
+                       f"in a collective, gone in {r['exit_s']:.1f} s (STUCK_S "
+                       f"{r['stuck_s']:.0f} s; torchrun's SIGKILL: 30 s) |")  # fmt: skip
         else:
             out.append(f"| `{r['preset']}`, 2 ranks, SIGTERM at step {r['stopped_at_step']} | "
                        f"stopped, {r['checkpoint_gb']:.3f} GB checkpoint written, in "
@@ -122,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="tiny,bench")
     ap.add_argument("--calls", type=int, default=2000, help="agreements timed")
+    ap.add_argument("--held", action=argparse.BooleanOptionalAction, default=True,
+                    help="a job whose rank 1 is stopped, then sent SIGTERM")  # fmt: skip
     ap.add_argument("--json-out", default=str(HERE / "results" / "stopping.json"))
     a = ap.parse_args(argv)
     rows = [agreement_row(a.calls)]
@@ -129,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         for preset in [p for p in a.presets.split(",") if p]:
             rows.append(preempted_row(preset, Path(work)))
+            print(json.dumps(rows[-1]))
+        if a.held:
+            rows.append(held_row(Path(work)))
             print(json.dumps(rows[-1]))
     write_results(rows, a.json_out, table(rows))
     return 0
