@@ -95,3 +95,18 @@ def test_a_run_says_its_idle_options_once(
     assert "--dct-keep 0.5 does nothing without --dp-comm dct" in err
     assert "--tt-rank 4 does nothing without --tt-tables" in err
     assert idle(TrainConfig()) == []
+
+
+@pytest.mark.parametrize("hook", [["--dp-comm", "eb", "--dp-eb", "0.1"],
+                                  ["--dp-comm", "powersgd", "--powersgd-rank", "4"]])  # fmt: skip
+def test_the_mlp_hooks_are_idle_on_one_rank(tmp_path: Path, hook: list[str]) -> None:
+    """One rank holds the only copy of the MLPs: the gradients' hook and its options are said
+    (both), the run trains as without them; on 2 ranks they act."""
+    cfg = configured(given_args([*BASE, *hook]))
+    said = idle(cfg, world=1)
+    assert [line.split()[0] for line in said] == [hook[0], hook[2]], said
+    assert said[1].endswith(f"without --dp-comm {hook[1]} on 2 or more ranks")
+    assert idle(cfg, world=2) == idle(cfg) == []
+    plain, run = summary(tmp_path, "plain", []), summary(tmp_path, "hook", hook)
+    for key in ("auc", "logloss", "bytes_payload", "allreduce_bytes"):
+        assert run.get(key) == plain.get(key), key

@@ -147,14 +147,16 @@ def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:
     return [f for f, on in flags if on] + host
 
 
-def idle(cfg: TrainConfig) -> list[str]:
+def idle(cfg: TrainConfig, world: int | None = None) -> list[str]:
     """A line for each option ``cfg`` sets away from its default that nothing in the rest of
-    ``cfg`` reads (each such option trains as its default would: tested), naming what would
-    make it act."""
+    ``cfg`` reads, on ``world`` ranks where given (each such option trains as its default
+    would: tested), naming what would make it act."""
     model = cfg.model()
+    ranks = world is None or world > 1  # one rank: no MLP gradients to exchange
+    on = "" if ranks else " on 2 or more ranks"
     bounded = [d for d in ("fwd", "bwd") if _bounded(cfg, d)]
     policy = cfg.eb_policy if bounded else None
-    dct = cfg.dp_comm == "dct" or any(cfg.codec(d).threshold for d in ("fwd", "bwd"))
+    dct = (cfg.dp_comm == "dct" and ranks) or any(cfg.codec(d).threshold for d in ("fwd", "bwd"))
     dual = "--eb-policy dual with a bounded codec"
     table_or_dual = "--eb-policy table or dual with a bounded codec"
     when = {  # field -> (whether it acts, what would make it)
@@ -177,13 +179,14 @@ def idle(cfg: TrainConfig) -> list[str]:
                   "a quantizing --fwd-codec or --bwd-codec (hybrid, quant)"),
         "compress_trial": (cfg.compress == "auto", "--compress auto"),
         "compress_every": (cfg.compress == "auto", "--compress auto"),
-        "powersgd_rank": (cfg.dp_comm == "powersgd", "--dp-comm powersgd"),
-        "powersgd_warmup": (cfg.dp_comm == "powersgd", "--dp-comm powersgd"),
-        "dp_codec": (cfg.dp_comm == "eb", "--dp-comm eb"),
-        "dp_eb": (cfg.dp_comm == "eb", "--dp-comm eb"),
-        "dp_eb_collective": (cfg.dp_comm == "eb", "--dp-comm eb"),
-        "dct_keep": (dct, "--dp-comm dct or --fwd-codec dct"),
-        "dct_refresh": (dct, "--dp-comm dct or --fwd-codec dct"),
+        "dp_comm": (ranks, "2 or more ranks (one holds the only copy of the MLPs)"),
+        "powersgd_rank": (cfg.dp_comm == "powersgd" and ranks, f"--dp-comm powersgd{on}"),
+        "powersgd_warmup": (cfg.dp_comm == "powersgd" and ranks, f"--dp-comm powersgd{on}"),
+        "dp_codec": (cfg.dp_comm == "eb" and ranks, f"--dp-comm eb{on}"),
+        "dp_eb": (cfg.dp_comm == "eb" and ranks, f"--dp-comm eb{on}"),
+        "dp_eb_collective": (cfg.dp_comm == "eb" and ranks, f"--dp-comm eb{on}"),
+        "dct_keep": (dct, f"--dp-comm dct{on} or --fwd-codec dct"),
+        "dct_refresh": (dct, f"--dp-comm dct{on} or --fwd-codec dct"),
         "dcn_layers": (model.interaction == "dcn", "--interaction dcn"),
         "dcn_rank": (model.interaction == "dcn", "--interaction dcn"),
         "lr_decay_start": (cfg.lr_decay_steps > 0, "--lr-decay-steps"),

@@ -102,7 +102,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
         if ranks.rank == 0:
-            for line in idle(cfg):  # said, not refused: a sweep may set one flag everywhere
+            for line in idle(cfg, ranks.world):  # said, not refused: a sweep sets flags for all
                 tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
             tqdm.write(
                 f"recsz: preset {cfg.preset}, data {source.name}, {ranks.world} rank(s), "
