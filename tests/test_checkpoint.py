@@ -272,6 +272,63 @@ def test_a_finished_run_without_its_summary_is_evaluated_again(
     assert [r["step"] for r in rows if "eval_auc" in r] == [4]  # its evaluation once
 
 
+def test_an_evaluation_due_at_a_checkpoint_follows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint of a step where an evaluation is due is written before it, so a job
+    stopped or killed during that evaluation goes on from that step: resumed, it evaluates
+    there first (its row missing from the log), or not (the row there); every way ends with
+    a straight run's numbers and each evaluation's row once."""
+    import os
+    import shutil
+    import signal
+
+    import recsz.train
+
+    every = ["--steps", "6", "--eval-every", "2", "--checkpoint-every", "2"]
+
+    def evals(run: Path) -> list[tuple[int, float]]:
+        rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["eval_auc"]) for r in rows if "eval_auc" in r]
+
+    straight = train(tmp_path / "straight", *every)
+    want = evals(tmp_path / "straight")
+    assert [s for s, _ in want] == [2, 4, 6]
+    stepped = recsz.train.train_step
+
+    def stopped_at_4(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
+        if step == 3:  # the step that ends at 4, where an evaluation is due
+            os.kill(os.getpid(), signal.SIGTERM)
+        return stepped(parts, batch, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "train_step", stopped_at_4)
+    run = tmp_path / "stopped"
+    assert main([*BASE, *every, "--out", str(run)]) == 143
+    assert [s for s, _ in evals(run)] == [2]  # the stop skipped the evaluation at 4
+    monkeypatch.setattr(recsz.train, "train_step", stepped)
+    failed = tmp_path / "failed"  # the evaluation at 4 logged, then a failure in step 5
+    shutil.copytree(run, tmp_path / "stopped-target")
+    assert shutil.copytree(run, failed) and train(run, *every) and evals(run) == want
+    with pytest.raises(RuntimeError, match="injected failure"):
+        main([*BASE, *every, "--out", str(failed), "--inject-failure", "0:4"])
+    assert [s for s, _ in evals(failed)] == [2, 4]
+    assert [d.name for d in checkpoint.complete(failed)][-1] == "step-000000004"
+    again = train(failed, *every)
+    assert evals(failed) == want  # not evaluated at 4 again
+    for k in ("auc", "logloss", "steps", "bytes_raw"):
+        assert again[k] == pytest.approx(straight[k], rel=1e-9), k
+    # its target met by the evaluation after a checkpoint: the same line again ends there
+    target = ["--target-auc", str(want[1][1] - 1e-9)]
+    reached = train(tmp_path / "target", *every, *target)
+    assert reached["reached_target_at"] == 4 and evals(tmp_path / "target") == want[:2]
+    assert main([*BASE, *every, *target, "--out", str(tmp_path / "target")]) == 0
+    assert evals(tmp_path / "target") == want[:2]
+    # stopped before the evaluation that meets the target: resumed, it evaluates and ends
+    resumed = train(tmp_path / "stopped-target", *every, *target)
+    assert resumed["reached_target_at"] == 4 and evals(tmp_path / "stopped-target") == want[:2]
+    assert resumed["auc"] == pytest.approx(reached["auc"], rel=1e-9)
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -221,6 +221,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def logged_eval(out: Path, step: int) -> dict[str, Any] | None:
+    """The evaluation row of ``step`` in ``out``'s metrics.jsonl (its last), or None."""
+    path = out / "metrics.jsonl"
+    rows = read_metrics(path) if path.exists() else []
+    return next((r for r in reversed(rows) if r.get("step") == step and "eval_auc" in r), None)
+
+
 class Log:
     """Writes metrics.jsonl on rank 0 only (``out`` None elsewhere)."""
 

@@ -70,6 +70,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         parts, owners = build_parts(cfg, ranks)
         out = Path(cfg.out) if cfg.out else None
         start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)
+        evaluate_first = False  # resumed where an evaluation was due and did not end
         if cfg.init_from and not cfg.resume:  # a warm start: the weights, no more
             started = modelfile.read(cfg.init_from)
             parts.sparse.start_from(started.tables)
@@ -82,6 +83,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     f"--steps {steps} is below the step of the checkpoint resumed ({start})"
                 )
             hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
+            due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
+            if counters.get("eval_due") and due:  # saved before its step's evaluation
+                got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
+                evaluate_first = got is None  # cut short (a stop, a kill) before its row
+                counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
+                if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
+                    hit = {"step": start, "auc": got["eval_auc"]}
             met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
             summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
             if met or (steps == start and summarized):
@@ -124,6 +132,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         lr_factor = 1.0
         eval_s = counters.get("eval_s", 0.0)  # every evaluation's seconds
         reached: dict[str, Any] | None = None  # --target-auc: the evaluation that reached it
+        reached_ev: dict[str, Any] = {}  # (its numbers)
         warm: tuple[float, int] | None = None  # train_s and step after the first steps
 
         def gathered() -> list[dict]:
@@ -145,8 +154,29 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         saver = Saver(out, cfg, ranks)
+
+        def evaluated(at: int) -> dict[str, Any]:
+            """The held-out evaluation after step ``at`` (its metrics row's fields); where it
+            meets --target-auc, ``reached``."""
+            nonlocal eval_s, reached, reached_ev
+            ev = evaluate(parts, source, cfg, at, ranks)
+            eval_s += ev["eval_s"]
+            if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
+                reached, reached_ev = {"step": at, "auc": ev["auc"]}, ev  # every rank's alike
+            return _eval_row(ev)
+
+        def save(at: int, eval_due: bool) -> None:
+            """A checkpoint of step ``at``; ``eval_due``: written before the evaluation due
+            there (a run resumed from it evaluates first, unless the log holds its row)."""
+            run_totals = {"train_s": train_s, "data_s": data_s, "eval_s": eval_s,
+                          "target_reached": reached, "eval_due": eval_due}  # fmt: skip
+            parts.exchange.settle()  # no step whose payloads failed their checks is saved
+            saver.save(parts, at, run_totals)
+
         stopped = False
-        for step in range(start, steps):
+        if evaluate_first:
+            log.metrics({"step": start, **evaluated(start)})
+        for step in range(start, steps if reached is None else start):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
             # data_s: the time spent waiting for a batch (making it, without --prefetch).
@@ -183,24 +213,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 row = {"step": done, **report.summarize(recs, done, bsz)}
                 if parts.rates is not None:
                     row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
-            if cfg.eval_every and done % cfg.eval_every == 0 and done != steps:
-                ev = evaluate(parts, source, cfg, done, ranks)
-                eval_s += ev["eval_s"]
-                row = {"step": done, **row, **_eval_row(ev)}
-                if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
-                    reached = {"step": done, "auc": ev["auc"]}  # every rank's the same
+            due = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != steps
+            every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps)
+            if out and (every or stopped):  # before the evaluation due here: a job stopped
+                save(done, due)  # during it goes on from this step, and evaluates it first
+            if due and not stopped:
+                row = {"step": done, **row, **evaluated(done)}
+                if reached is not None and out and not every:  # resuming it ends here
+                    save(done, False)
             if row:
                 log.metrics(row)
                 # the last training loss and held-out AUC (a row may hold either or both)
                 shown.update({k: f"{row[c]:.4f}" for k, c in SHOWN if c in row})
                 bar.set_postfix({k: shown[k] for k, _ in SHOWN if k in shown})
-            end = done == steps or reached is not None
-            every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or end)
-            if out and (every or stopped):
-                run_totals = {"train_s": train_s, "data_s": data_s, "eval_s": eval_s,
-                              "target_reached": reached}  # fmt: skip
-                parts.exchange.settle()  # no step whose payloads failed their checks is saved
-                saver.save(parts, done, run_totals)
             if reached is not None or stopped:
                 break
         bar.close()
@@ -216,7 +241,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             ev = evaluate(parts, source, cfg, steps, ranks)  # (the last checkpoint written)
             eval_s += ev["eval_s"]
         else:  # the model the target's evaluation saw
-            steps = reached["step"]
+            steps, ev = reached["step"], reached_ev
         saver.complete()
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
