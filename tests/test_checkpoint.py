@@ -273,7 +273,7 @@ def test_a_finished_run_without_its_summary_is_evaluated_again(
 
 
 def test_an_evaluation_due_at_a_checkpoint_follows_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The checkpoint of a step where an evaluation is due is written before it, so a job
     stopped or killed during that evaluation goes on from that step: resumed, it evaluates
@@ -309,6 +309,8 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     failed = tmp_path / "failed"  # the evaluation at 4 logged, then a failure in step 5
     shutil.copytree(run, tmp_path / "stopped-target")
     assert shutil.copytree(run, failed) and train(run, *every) and evals(run) == want
+    said = capsys.readouterr().out
+    assert "the evaluation due at step 4 did not end before the run stopped" in said
     with pytest.raises(RuntimeError, match="injected failure"):
         main([*BASE, *every, "--out", str(failed), "--inject-failure", "0:4"])
     assert [s for s, _ in evals(failed)] == [2, 4]

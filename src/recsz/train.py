@@ -175,6 +175,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         stopped = False
         if evaluate_first:
+            if ranks.rank == 0:
+                tqdm.write(f"recsz: the evaluation due at step {start} did not end before the "
+                           "run stopped: evaluating it first")  # fmt: skip
             log.metrics({"step": start, **evaluated(start)})
         for step in range(start, steps if reached is None else start):
             if fail_at == (ranks.rank, step):
