@@ -306,15 +306,15 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert main([*BASE, *every, "--out", str(run)]) == 143
     assert [s for s, _ in evals(run)] == [2]  # the stop skipped the evaluation at 4
     monkeypatch.setattr(recsz.train, "train_step", stepped)
-    failed = tmp_path / "failed"  # the evaluation at 4 logged, then a failure in step 5
     shutil.copytree(run, tmp_path / "stopped-target")
-    assert shutil.copytree(run, failed) and train(run, *every) and evals(run) == want
+    assert train(run, *every) and evals(run) == want
     said = capsys.readouterr().out
     assert "the evaluation due at step 4 did not end before the run stopped" in said
+    failed = tmp_path / "failed"  # the evaluation at 4 logged, then a failure in step 5
     with pytest.raises(RuntimeError, match="injected failure"):
         main([*BASE, *every, "--out", str(failed), "--inject-failure", "0:4"])
     assert [s for s, _ in evals(failed)] == [2, 4]
-    assert [d.name for d in checkpoint.complete(failed)][-1] == "step-000000004"
+    assert [d.name for d in checkpoint.complete(failed)][-1] == "step-000000004"  # whole
     again = train(failed, *every)
     assert evals(failed) == want  # not evaluated at 4 again
     for k in ("auc", "logloss", "steps", "bytes_raw"):

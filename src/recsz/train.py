@@ -218,8 +218,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
             due = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != steps
             every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps)
-            if out and (every or stopped):  # before the evaluation due here: a job stopped
-                save(done, due)  # during it goes on from this step, and evaluates it first
+            if out and (every or stopped):  # before the evaluation due here, and complete:
+                save(done, due)  # a job stopped or killed during it goes on from this step
+                if due and not stopped:  # (and evaluates first; on a GPU the evaluation
+                    saver.complete()  # waits for the background write)
             if due and not stopped:
                 row = {"step": done, **row, **evaluated(done)}
                 if reached is not None and out and not every:  # resuming it ends here
