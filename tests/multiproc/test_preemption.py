@@ -137,9 +137,11 @@ threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
 if mode == "stuck":
     dist.all_reduce(torch.ones(1))  # waits for rank 1, in one call
 else:  # busy for longer than STUCK_S, in many calls: alive, not stuck
+    def work():  # (each call a frame of its own, as a step's are)
+        return torch.ones(64).sum()
     t0 = time.monotonic()
     while time.monotonic() - t0 < 5:
-        torch.ones(64).sum()
+        work()
     assert stop.asked
     print("went on", flush=True)
     os._exit(0)
