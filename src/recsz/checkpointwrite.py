@@ -15,6 +15,7 @@ already use the cores, and a writer beside them made the run slower
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from recsz.config import TrainConfig
     from recsz.ranks import Ranks
     from recsz.step import Parts
+    from recsz.stopping import Stopping
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -111,9 +113,14 @@ class Saver:
     """A run's checkpoints, each written in the background and completed later
     (:meth:`complete`, which every rank calls at the same steps)."""
 
-    def __init__(self, out: Path | None, cfg: TrainConfig, ranks: Ranks) -> None:
+    def __init__(
+        self, out: Path | None, cfg: TrainConfig, ranks: Ranks, stop: Stopping | None = None
+    ) -> None:
         self.out, self.cfg, self.ranks = out, cfg, ranks  # out: None, no checkpoints
         self.pending: _Write | None = None
+        # a write, or the wait for one, is one long call: no sign of a peer gone to SIGTERM's
+        # watcher (stopping.py)
+        self._writing = stop.writing if stop is not None else contextlib.nullcontext
 
     def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed
@@ -124,12 +131,12 @@ class Saver:
         d.mkdir(parents=True, exist_ok=True)
         live = rank_state(parts, self.ranks, counters)
         self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
-        if not (in_background(self.ranks.device) and _room_for_a_copy(live)):
-            write.run(live)  # the live state, training waiting
-            return
-        write.thread = threading.Thread(
-            target=write.run, args=(snapshot(live),), name=f"checkpoint-{step}"
-        )
+        with self._writing():
+            if not (in_background(self.ranks.device) and _room_for_a_copy(live)):
+                write.run(live)  # the live state, training waiting
+                return
+            state = snapshot(live)  # (a large table's copy: one call)
+        write.thread = threading.Thread(target=write.run, args=(state,), name=f"checkpoint-{step}")
         write.thread.start()
 
     def complete(self) -> Path | None:
@@ -140,7 +147,8 @@ class Saver:
         if write is None:
             return None
         if write.thread is not None:
-            write.thread.join()
+            with self._writing():
+                write.thread.join()
         results = self.ranks.gather(write.result)
         failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
         if failed:

@@ -19,11 +19,13 @@ instead of ignoring the signal until the launcher's SIGKILL (torchrun's: 30 s la
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -49,6 +51,7 @@ class Stopping:
         self.asked = False
         self._steps = 0  # agreements reached, the main thread's sign of life
         self._stopping = False  # the main thread has seen the stop: it saves, let it be
+        self._writing = 0  # inside writing(): a checkpoint's write, let it be
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
         self._previous = signal.signal(signal.SIGTERM, self._note)
@@ -65,6 +68,16 @@ class Stopping:
             target=self._watch, args=(threading.get_ident(),), name="recsz-sigterm", daemon=True
         )
         self._watcher.start()
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        """A checkpoint's write (or the wait for one): one long call of this rank's own,
+        no sign of a peer gone; the watcher leaves it be."""
+        self._writing += 1
+        try:
+            yield
+        finally:
+            self._writing -= 1
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.asked = True
@@ -84,7 +97,7 @@ class Stopping:
             frame = sys._current_frames().get(main)
             if frame is None:
                 return
-            if (frame, frame.f_lasti) != place or self._steps != steps:
+            if (frame, frame.f_lasti) != place or self._steps != steps or self._writing:
                 place, since, steps = (frame, frame.f_lasti), time.monotonic(), self._steps
             elif time.monotonic() - since >= STUCK_S:
                 code = frame.f_code

@@ -153,7 +153,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         part = rank_part(parts, ranks)  # what the step reads
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
-        saver = Saver(out, cfg, ranks)
+        saver = Saver(out, cfg, ranks, stop)
 
         def evaluated(at: int) -> dict[str, Any]:
             """The held-out evaluation after step ``at`` (its metrics row's fields); where it
