@@ -35,10 +35,11 @@ import torch.distributed as dist
 #: What the asked-to-stop process exits with: a shell's status of a process SIGTERM ended.
 EXIT_STATUS = 128 + signal.SIGTERM
 #: Seconds a rank asked to stop may sit in one call (the same frame at the same instruction,
-#: no step ended) before it is taken to wait on a peer that is gone. A rank's longest single
-#: calls otherwise (a checkpoint's write, rank 0's AUC of a large held-out set) come after
-#: the agreement or are its peers' waits of a few seconds.
+#: no step ended) before it is taken to wait on a peer that is gone; or 3 times its longest
+#: step yet, if longer (a wait for a slow peer's step). A checkpoint's write is exempt
+#: (:meth:`Stopping.writing`).
 STUCK_S = 10.0
+STEPS_LONG = 3
 _POLL_S = 0.25
 
 
@@ -50,6 +51,8 @@ class Stopping:
         self.world, self.rank = world, rank
         self.asked = False
         self._steps = 0  # agreements reached, the main thread's sign of life
+        self._last: float | None = None  # when the last was
+        self._longest = 0.0  # the longest time between two
         self._stopping = False  # the main thread has seen the stop: it saves, let it be
         self._writing = 0  # inside writing(): a checkpoint's write, let it be
         self._sum = torch.zeros(1, dtype=torch.int32)
@@ -84,7 +87,8 @@ class Stopping:
 
     def _watch(self, main: int) -> None:
         """Wait for SIGTERM's byte on the wakeup fd; then, while the main thread has not
-        seen the stop, exit if it stays in one call for :data:`STUCK_S`."""
+        seen the stop, exit if it stays in one call for :data:`STUCK_S` (or
+        :data:`STEPS_LONG` times its longest step)."""
         assert self._wakeup is not None
         while True:
             got = os.read(self._wakeup[0], 64)
@@ -99,10 +103,10 @@ class Stopping:
                 return
             if (frame, frame.f_lasti) != place or self._steps != steps or self._writing:
                 place, since, steps = (frame, frame.f_lasti), time.monotonic(), self._steps
-            elif time.monotonic() - since >= STUCK_S:
+            elif time.monotonic() - since >= (held := max(STUCK_S, STEPS_LONG * self._longest)):
                 code = frame.f_code
                 print(f"recsz: rank {self.rank}: asked to stop (SIGTERM), but held "
-                      f"{STUCK_S:.0f} s in one call, {code.co_filename}:{frame.f_lineno} "
+                      f"{held:.0f} s in one call, {code.co_filename}:{frame.f_lineno} "
                       f"({code.co_name}): a collective whose peer is gone? Exiting without a "
                       "checkpoint (the job goes on from its last one)", file=sys.stderr,
                       flush=True)  # fmt: skip
@@ -120,6 +124,10 @@ class Stopping:
         """Called by every rank after every step: whether the run stops here. With several
         ranks, whether any rank had been asked by the step before this one."""
         self._steps += 1
+        now = time.monotonic()
+        if self._last is not None:
+            self._longest = max(self._longest, now - self._last)
+        self._last = now
         if self.world == 1:
             self._stopping = self.asked
             return self.asked

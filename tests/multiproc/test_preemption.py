@@ -132,7 +132,9 @@ rank, store, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
 if rank == 1:  # alive, its connection open, never in the collective: a host gone quiet
     time.sleep(120)
-stop = stopping.Stopping(2, rank=0)
+stop = stopping.Stopping(1 if mode == "slow steps" else 2, rank=0)
+if mode == "slow steps":  # two steps 1.2 s apart: 3 x 1.2 s in one call is no hang
+    stop.agreed(), time.sleep(1.2), stop.agreed()
 threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
 if mode == "stuck":
     dist.all_reduce(torch.ones(1))  # waits for rank 1, in one call
@@ -143,22 +145,24 @@ else:
         t0 = time.monotonic()
         while time.monotonic() - t0 < 5:
             work()
-    else:  # one long call of its own: a checkpoint's write
+    elif mode == "writing":  # one long call of its own: a checkpoint's write
         with stop.writing():
             time.sleep(5)
+    else:
+        time.sleep(3)
     assert stop.asked
     print("went on", flush=True)
     os._exit(0)
 """
 
 
-@pytest.mark.parametrize("mode", ["stuck", "busy", "writing"])
+@pytest.mark.parametrize("mode", ["stuck", "busy", "writing", "slow steps"])
 def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mode: str) -> None:
     """SIGTERM to a rank whose collective waits on a peer that neither answers nor closes its
     connection (NCCL, a host off the network): a Python handler would never run, so the
     watcher names the call and exits with SIGTERM's status after STUCK_S (2 s here) instead of
     the launcher's SIGKILL 30 s later. A rank busy in many calls for longer, or writing a
-    checkpoint in one, is left alone."""
+    checkpoint in one, or in one call shorter than 3 of its steps, is left alone."""
     script = tmp_path / "rank.py"
     script.write_text(STUCK_RANK)
     store = str(tmp_path / "store")
