@@ -120,13 +120,16 @@ class Stopping:
             os.close(self._wakeup[0])
             self._wakeup = None
 
-    def agreed(self) -> bool:
+    def agreed(self, began: float | None = None) -> bool:
         """Called by every rank after every step: whether the run stops here. With several
-        ranks, whether any rank had been asked by the step before this one."""
+        ranks, whether any rank had been asked by the step before this one. ``began``: when
+        the step began (``time.monotonic()``; else the last call's time), so that an
+        evaluation or a checkpoint between steps does not count as one."""
         self._steps += 1
         now = time.monotonic()
-        if self._last is not None:
-            self._longest = max(self._longest, now - self._last)
+        began = began if began is not None else self._last
+        if began is not None:
+            self._longest = max(self._longest, now - began)
         self._last = now
         if self.world == 1:
             self._stopping = self.asked

@@ -183,6 +183,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
             # data_s: the time spent waiting for a batch (making it, without --prefetch).
+            began = time.monotonic()  # (the step's length: Stopping's patience)
             t0 = time.perf_counter()
             batch = next(batches)
             data_s += time.perf_counter() - t0
@@ -191,7 +192,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 lr_factor = parts.rates.at(step)
             losses.append(run_step(batch, step))
             done = step + 1
-            stopped = stop is not None and stop.agreed() and done != steps
+            stopped = stop is not None and stop.agreed(began) and done != steps
             if fiited is not None and done % fiited.interval == 0:
                 parts.sparse.prune()
                 if cfg.fiited_mask_backward:
