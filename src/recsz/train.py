@@ -78,32 +78,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             out = out or checkpoint.run_dir_of(Path(cfg.resume))
-            if steps < start:
-                raise ValueError(
-                    f"--steps {steps} is below the step of the checkpoint resumed ({start})"
-                )
-            hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
-            due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
-            if counters.get("eval_due") and due:  # saved before its step's evaluation
-                got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
-                evaluate_first = got is None  # cut short (a stop, a kill) before its row
-                counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
-                if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
-                    hit = {"step": start, "auc": got["eval_auc"]}
-            met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
-            summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
-            if met or (steps == start and summarized):
-                done_why = (
-                    f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
-                )
-                msg = f"recsz: {cfg.resume} already finished ({done_why}); nothing to do"
-                if ranks.rank == 0:
-                    print(msg, flush=True)
+            evaluate_first, finished = _where_resumed(cfg, ranks, steps, start, counters, out)
+            if finished:
                 ok = True
                 return {"steps": start, "already_finished": True}
-            if steps == start and ranks.rank == 0:  # no steps left: the evaluation, the summary
-                print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its "
-                      "final evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
         if out and ranks.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(cfg.to_json())
@@ -175,9 +153,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         stopped = False
         if evaluate_first:
-            if ranks.rank == 0:
-                tqdm.write(f"recsz: the evaluation due at step {start} did not end before the "
-                           "run stopped: evaluating it first")  # fmt: skip
             log.metrics({"step": start, **evaluated(start)})
         for step in range(start, steps if reached is None else start):
             if fail_at == (ranks.rank, step):
@@ -293,12 +268,46 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         ranks.close(ok)
 
 
-#: Fields that may differ between ranks of one job.
+def _where_resumed(
+    cfg: TrainConfig, ranks: Ranks, steps: int, start: int, counters: dict[str, Any], out: Path
+) -> tuple[bool, bool]:
+    """A run resumed at ``start`` of ``steps`` (its ``counters``, updated here): whether it
+    evaluates ``start`` first (its checkpoint written before an evaluation due there, whose
+    row the log lacks: cut short), and whether it already finished (its target met, or
+    every step trained and summarized), each said by rank 0."""
+    if steps < start:
+        raise ValueError(f"--steps {steps} is below the step of the checkpoint resumed ({start})")
+    hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
+    due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
+    first = False
+    if counters.get("eval_due") and due:  # saved before its step's evaluation
+        got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
+        first = got is None  # cut short (a stop, a kill) before its row
+        counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
+        if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
+            hit = {"step": start, "auc": got["eval_auc"]}
+    met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
+    summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
+    if met or (steps == start and summarized):
+        why = f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
+        if ranks.rank == 0:
+            print(f"recsz: {cfg.resume} already finished ({why}); nothing to do", flush=True)
+        return first, True
+    if ranks.rank == 0 and steps == start:  # no steps left: the evaluation, the summary
+        print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its final "
+              "evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
+    elif ranks.rank == 0 and first:
+        print(f"recsz: the evaluation due at step {start} did not end before the run "
+              "stopped: evaluating it first", flush=True)  # fmt: skip
+    return first, False
+
+
 def _eval_row(ev: dict[str, float]) -> dict[str, float]:
     """An evaluation's numbers as a metrics row names them (``eval_auc``, ``eval_s``)."""
     return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in ev.items()}
 
 
+#: Fields that may differ between ranks of one job.
 _LOCAL_FIELDS = ("progress", "out", "nproc", "prefetch")
 
 
