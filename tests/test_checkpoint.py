@@ -331,6 +331,34 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert resumed["auc"] == pytest.approx(reached["auc"], rel=1e-9)
 
 
+def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last step's checkpoint is complete before the final evaluation starts: a run
+    that dies during it (here the evaluation raises) is, run again, evaluated from there,
+    not trained again from the checkpoint before."""
+    import recsz.train
+
+    evaluate = recsz.train.evaluate
+
+    def dies_at_the_end(parts, source, cfg, step, ranks):  # type: ignore[no-untyped-def]
+        if step == 4:
+            raise KeyboardInterrupt("killed")
+        return evaluate(parts, source, cfg, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "evaluate", dies_at_the_end)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main([*BASE, "--out", str(run)])
+    assert [d.name for d in checkpoint.complete(run)][-1] == "step-000000004"
+    monkeypatch.setattr(recsz.train, "evaluate", evaluate)
+    again, straight = train(run), train(tmp_path / "straight")
+    for k in ("auc", "logloss", "steps", "bytes_raw"):
+        assert again[k] == pytest.approx(straight[k], rel=1e-9), k
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]  # no step trained twice
+
+
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

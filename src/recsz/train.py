@@ -218,12 +218,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                            f"`recsz train --resume {out}`)")  # fmt: skip
             ok = True
             return {"steps": done, "stopped": True, "checkpoint": str(saved)}
+        # the last checkpoint whole before the final evaluation: a run cut short during it
+        # is evaluated again from there (on a GPU the evaluation waits for the write)
+        saver.complete()
         if reached is None:
-            ev = evaluate(parts, source, cfg, steps, ranks)  # (the last checkpoint written)
+            ev = evaluate(parts, source, cfg, steps, ranks)
             eval_s += ev["eval_s"]
         else:  # the model the target's evaluation saw
             steps, ev = reached["step"], reached_ev
-        saver.complete()
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
