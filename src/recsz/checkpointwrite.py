@@ -120,7 +120,7 @@ class Saver:
         self.pending: _Write | None = None
         # a write, or the wait for one, is one long call: no sign of a peer gone to SIGTERM's
         # watcher (stopping.py)
-        self._writing = stop.writing if stop is not None else contextlib.nullcontext
+        self._busy = stop.busy if stop is not None else contextlib.nullcontext
 
     def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed
@@ -131,7 +131,7 @@ class Saver:
         d.mkdir(parents=True, exist_ok=True)
         live = rank_state(parts, self.ranks, counters)
         self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
-        with self._writing():
+        with self._busy():
             if not (in_background(self.ranks.device) and _room_for_a_copy(live)):
                 write.run(live)  # the live state, training waiting
                 return
@@ -147,7 +147,7 @@ class Saver:
         if write is None:
             return None
         if write.thread is not None:
-            with self._writing():
+            with self._busy():
                 write.thread.join()
         results = self.ranks.gather(write.result)
         failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]

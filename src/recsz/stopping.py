@@ -37,7 +37,7 @@ EXIT_STATUS = 128 + signal.SIGTERM
 #: Seconds a rank asked to stop may sit in one call (the same frame at the same instruction,
 #: no step ended) before it is taken to wait on a peer that is gone; or 3 times its longest
 #: step yet, if longer (a wait for a slow peer's step). A checkpoint's write is exempt
-#: (:meth:`Stopping.writing`).
+#: (:meth:`Stopping.busy`).
 STUCK_S = 10.0
 STEPS_LONG = 3
 _POLL_S = 0.25
@@ -54,7 +54,7 @@ class Stopping:
         self._last: float | None = None  # when the last was
         self._longest = 0.0  # the longest time between two
         self._stopping = False  # the main thread has seen the stop: it saves, let it be
-        self._writing = 0  # inside writing(): a checkpoint's write, let it be
+        self._busy = 0  # inside busy(): a long call of the job's own, let it be
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
         self._previous = signal.signal(signal.SIGTERM, self._note)
@@ -73,14 +73,15 @@ class Stopping:
         self._watcher.start()
 
     @contextlib.contextmanager
-    def writing(self) -> Iterator[None]:
-        """A checkpoint's write (or the wait for one): one long call of this rank's own,
-        no sign of a peer gone; the watcher leaves it be."""
-        self._writing += 1
+    def busy(self) -> Iterator[None]:
+        """Work of the job's own whose single calls may be long: a checkpoint's write (or
+        the wait for one), an evaluation (rank 0's metrics of a large held-out set, its
+        peers waiting for them); no sign of a peer gone, so the watcher leaves it be."""
+        self._busy += 1
         try:
             yield
         finally:
-            self._writing -= 1
+            self._busy -= 1
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.asked = True
@@ -101,7 +102,7 @@ class Stopping:
             frame = sys._current_frames().get(main)
             if frame is None:
                 return
-            if (frame, frame.f_lasti) != place or self._steps != steps or self._writing:
+            if (frame, frame.f_lasti) != place or self._steps != steps or self._busy:
                 place, since, steps = (frame, frame.f_lasti), time.monotonic(), self._steps
             elif time.monotonic() - since >= (held := max(STUCK_S, STEPS_LONG * self._longest)):
                 code = frame.f_code

@@ -7,6 +7,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -132,12 +133,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         saver = Saver(out, cfg, ranks, stop)
+        busy = stop.busy if stop is not None else contextlib.nullcontext  # (its own long calls)
 
         def evaluated(at: int) -> dict[str, Any]:
             """The held-out evaluation after step ``at`` (its metrics row's fields); where it
             meets --target-auc, ``reached``."""
             nonlocal eval_s, reached, reached_ev
-            ev = evaluate(parts, source, cfg, at, ranks)
+            with busy():
+                ev = evaluate(parts, source, cfg, at, ranks)
             eval_s += ev["eval_s"]
             if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
                 reached, reached_ev = {"step": at, "auc": ev["auc"]}, ev  # every rank's alike
@@ -222,7 +225,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
         if reached is None:
-            ev = evaluate(parts, source, cfg, steps, ranks)
+            with busy():
+                ev = evaluate(parts, source, cfg, steps, ranks)
             eval_s += ev["eval_s"]
         else:  # the model the target's evaluation saw
             steps, ev = reached["step"], reached_ev

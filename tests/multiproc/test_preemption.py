@@ -146,7 +146,7 @@ else:
         while time.monotonic() - t0 < 5:
             work()
     elif mode == "writing":  # one long call of its own: a checkpoint's write
-        with stop.writing():
+        with stop.busy():
             time.sleep(5)
     else:
         time.sleep(3)
