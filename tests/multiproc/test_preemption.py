@@ -143,11 +143,11 @@ else:
         def work():  # (each call a frame of its own, as a step's are)
             return torch.ones(64).sum()
         t0 = time.monotonic()
-        while time.monotonic() - t0 < 5:
+        while time.monotonic() - t0 < 3:
             work()
     elif mode == "writing":  # one long call of its own: a checkpoint's write
         with stop.busy():
-            time.sleep(5)
+            time.sleep(3)
     else:
         time.sleep(3)
     assert stop.asked
