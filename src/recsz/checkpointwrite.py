@@ -118,6 +118,7 @@ class Saver:
     ) -> None:
         self.out, self.cfg, self.ranks = out, cfg, ranks  # out: None, no checkpoints
         self.pending: _Write | None = None
+        self.completed: int | None = None  # the step of the last checkpoint it completed
         # a write, or the wait for one, is one long call: no sign of a peer gone to SIGTERM's
         # watcher (stopping.py)
         self._busy = stop.busy if stop is not None else contextlib.nullcontext
@@ -167,6 +168,7 @@ class Saver:
             atomic_write(d / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=2)))
             prune(self.out / "checkpoints", self.cfg.keep_checkpoints)
         self.ranks.barrier()
+        self.completed = write.step
         return d
 
     def abandon(self) -> None:

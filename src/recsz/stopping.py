@@ -55,6 +55,7 @@ class Stopping:
         self._longest = 0.0  # the longest time between two
         self._stopping = False  # the main thread has seen the stop: it saves, let it be
         self._busy = 0  # inside busy(): a long call of the job's own, let it be
+        self._saved: int | None = None  # busy() on what this checkpoint step holds
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
         self._previous = signal.signal(signal.SIGTERM, self._note)
@@ -73,15 +74,20 @@ class Stopping:
         self._watcher.start()
 
     @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
+    def busy(self, saved: int | None = None) -> Iterator[None]:
         """Work of the job's own whose single calls may be long: a checkpoint's write (or
         the wait for one), an evaluation (rank 0's metrics of a large held-out set, its
-        peers waiting for them); no sign of a peer gone, so the watcher leaves it be."""
+        peers waiting for them); no sign of a peer gone, so the watcher leaves it be.
+        ``saved``: the step of a complete checkpoint that holds the state this work reads
+        (an evaluation of that step): SIGTERM ends it at once, since the run's command line
+        again does it from there."""
         self._busy += 1
+        self._saved = saved
         try:
             yield
         finally:
             self._busy -= 1
+            self._saved = None
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.asked = True
@@ -99,6 +105,11 @@ class Stopping:
                 break
         place, since, steps = None, time.monotonic(), self._steps
         while not self._closed.wait(_POLL_S) and not self._stopping:
+            if (saved := self._saved) is not None:
+                print(f"recsz: rank {self.rank}: asked to stop (SIGTERM) while it evaluates "
+                      f"step {saved}, whose checkpoint is complete: exiting now (the same "
+                      "command line again evaluates it)", file=sys.stderr, flush=True)  # fmt: skip
+                os._exit(EXIT_STATUS)
             frame = sys._current_frames().get(main)
             if frame is None:
                 return

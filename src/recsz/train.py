@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,13 +134,15 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         saver = Saver(out, cfg, ranks, stop)
-        busy = stop.busy if stop is not None else contextlib.nullcontext  # (its own long calls)
+        if cfg.resume:  # the state the checkpoint resumed holds
+            saver.completed = start
+        busy = stop.busy if stop is not None else _not_watched  # (its own long calls)
 
         def evaluated(at: int) -> dict[str, Any]:
             """The held-out evaluation after step ``at`` (its metrics row's fields); where it
             meets --target-auc, ``reached``."""
             nonlocal eval_s, reached, reached_ev
-            with busy():
+            with busy(saved=at if saver.completed == at else None):
                 ev = evaluate(parts, source, cfg, at, ranks)
             eval_s += ev["eval_s"]
             if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
@@ -225,7 +228,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
         if reached is None:
-            with busy():
+            with busy(saved=steps if saver.completed == steps else None):
                 ev = evaluate(parts, source, cfg, steps, ranks)
             eval_s += ev["eval_s"]
         else:  # the model the target's evaluation saw
@@ -306,6 +309,12 @@ def _where_resumed(
         print(f"recsz: the evaluation due at step {start} did not end before the run "
               "stopped: evaluating it first", flush=True)  # fmt: skip
     return first, False
+
+
+@contextlib.contextmanager
+def _not_watched(saved: int | None = None) -> Iterator[None]:
+    """Stopping.busy's stand-in where nothing watches for SIGTERM (no run directory)."""
+    yield
 
 
 def _eval_row(ev: dict[str, float]) -> dict[str, float]:

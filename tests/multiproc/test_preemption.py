@@ -195,3 +195,34 @@ def test_the_watcher_ends_with_its_run() -> None:
     assert not any(t.name == "recsz-sigterm" for t in threading.enumerate())
     assert signal.getsignal(signal.SIGTERM) == before
     assert signal.set_wakeup_fd(-1) == -1  # none left set
+
+
+def test_sigterm_while_a_saved_step_is_evaluated_exits_at_once(tmp_path: Path) -> None:
+    """The checkpoint of an evaluation's step is complete before it starts: SIGTERM during
+    that evaluation ends the run at once (143, said), not after it; the same command line
+    again evaluates that step first and goes on."""
+    import time
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recsz.cli", "train", "--steps", "4", "--batch-size", "32",
+           "--eval-every", "2", "--checkpoint-every", "2", "--synthetic-eval", "200000",
+           "--no-progress", "--out", str(run)]  # fmt: skip
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    meta = run / "checkpoints" / "step-000000002" / "meta.json"
+    deadline = time.monotonic() + 120
+    while not meta.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "while it evaluates step 2, whose checkpoint is complete: exiting now" in err
+    assert took < 5, took  # (the evaluation of 200,000 samples: seconds here)
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if "eval_auc" in r]
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "the evaluation due at step 2 did not end before the run stopped" in again.stdout
+    rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_auc" in r] == [2, 4]
