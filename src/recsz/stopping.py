@@ -14,7 +14,8 @@ connection closes, but one over NCCL, or with a host gone from the network, wait
 thread watches for the signal (Python's wakeup fd) and, if the main thread then sits in one
 call for :data:`STUCK_S` without reaching the agreement, names the call and exits at once
 without a checkpoint (the job goes on from the last one), as SIGTERM's default would have,
-instead of ignoring the signal until the launcher's SIGKILL (torchrun's: 30 s later).
+instead of ignoring the signal until the launcher's SIGKILL (torchrun's: 30 s later). It
+also ends at once an evaluation of a step whose checkpoint is complete (:meth:`busy`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import torch.distributed as dist
 EXIT_STATUS = 128 + signal.SIGTERM
 #: Seconds a rank asked to stop may sit in one call (the same frame at the same instruction,
 #: no step ended) before it is taken to wait on a peer that is gone; or 3 times its longest
-#: step yet, if longer (a wait for a slow peer's step). A checkpoint's write is exempt
-#: (:meth:`Stopping.busy`).
+#: step yet, if longer (a wait for a slow peer's step). The job's own long calls are exempt
+#: (:meth:`Stopping.busy`: a checkpoint's write, an evaluation).
 STUCK_S = 10.0
 STEPS_LONG = 3
 _POLL_S = 0.25
@@ -82,12 +83,12 @@ class Stopping:
         (an evaluation of that step): SIGTERM ends it at once, since the run's command line
         again does it from there."""
         self._busy += 1
-        self._saved = saved
+        outer, self._saved = self._saved, saved if saved is not None else self._saved
         try:
             yield
         finally:
             self._busy -= 1
-            self._saved = None
+            self._saved = outer
 
     def _note(self, _sig: int, _frame: FrameType | None) -> None:
         self.asked = True
