@@ -325,6 +325,8 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert reached["reached_target_at"] == 4 and evals(tmp_path / "target") == want[:2]
     assert main([*BASE, *every, *target, "--out", str(tmp_path / "target")]) == 0
     assert evals(tmp_path / "target") == want[:2]
+    unsaved = train(tmp_path / "target-0", *every, *target, "--checkpoint-every", "0")
+    assert unsaved["reached_target_at"] == 4 and checkpoint.complete(tmp_path / "target-0") == []
     # stopped before the evaluation that meets the target: resumed, it evaluates and ends
     resumed = train(tmp_path / "stopped-target", *every, *target)
     assert resumed["reached_target_at"] == 4 and evals(tmp_path / "stopped-target") == want[:2]

@@ -206,8 +206,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     saver.complete()  # waits for the background write)
             if due and not stopped:
                 row = {"step": done, **row, **evaluated(done)}
-                if reached is not None and out and not every:  # resuming it ends here
-                    save(done, False)
+                if reached is not None and out and cfg.checkpoint_every and not every:
+                    save(done, False)  # where the target was met: resuming it ends here
             if row:
                 log.metrics(row)
                 # the last training loss and held-out AUC (a row may hold either or both)
