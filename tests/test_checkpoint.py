@@ -333,12 +333,17 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert resumed["auc"] == pytest.approx(reached["auc"], rel=1e-9)
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device"))],
+)  # fmt: skip
 def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
-    """The last step's checkpoint is complete before the final evaluation starts: a run
-    that dies during it (here the evaluation raises) is, run again, evaluated from there,
-    not trained again from the checkpoint before."""
+    """The last step's checkpoint is complete before the final evaluation starts (on a GPU,
+    its background write waited for): a run that dies during it (here the evaluation
+    raises) is, run again, evaluated from there, not trained again from the one before."""
     import recsz.train
 
     evaluate = recsz.train.evaluate
@@ -349,12 +354,12 @@ def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
         return evaluate(parts, source, cfg, step, ranks)
 
     monkeypatch.setattr(recsz.train, "evaluate", dies_at_the_end)
-    run = tmp_path / "run"
+    run, on = tmp_path / "run", ["--device", device]
     with pytest.raises(KeyboardInterrupt):
-        main([*BASE, "--out", str(run)])
+        main([*BASE, *on, "--out", str(run)])
     assert [d.name for d in checkpoint.complete(run)][-1] == "step-000000004"
     monkeypatch.setattr(recsz.train, "evaluate", evaluate)
-    again, straight = train(run), train(tmp_path / "straight")
+    again, straight = train(run, *on), train(tmp_path / "straight", *on)
     for k in ("auc", "logloss", "steps", "bytes_raw"):
         assert again[k] == pytest.approx(straight[k], rel=1e-9), k
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
