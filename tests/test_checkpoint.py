@@ -17,6 +17,11 @@ BASE = ["--steps", "4", "--batch-size", "32", "--checkpoint-every", "2", "--no-p
         "--synthetic-eval", "256", "--log-every", "1"]  # fmt: skip
 
 
+#: the host, and a GPU where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))]  # fmt: skip
+
+
 def train(out: Path, *extra: str) -> dict:
     assert main([*BASE, "--out", str(out), *extra]) == 0
     return json.loads((out / "summary.json").read_text())
@@ -161,11 +166,7 @@ def test_a_row_cut_short_by_a_kill_is_dropped_on_resume(run_dir: Path, tmp_path:
         plot_run(dst)
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device"))],
-)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
@@ -333,11 +334,7 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert resumed["auc"] == pytest.approx(reached["auc"], rel=1e-9)
 
 
-@pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA device"))],
-)  # fmt: skip
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
