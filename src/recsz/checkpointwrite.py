@@ -20,6 +20,8 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +35,6 @@ if TYPE_CHECKING:
     from recsz.config import TrainConfig
     from recsz.ranks import Ranks
     from recsz.step import Parts
-    from recsz.stopping import Stopping
 
 
 def atomic_write(path: Path, write: Any) -> None:
@@ -114,14 +115,18 @@ class Saver:
     (:meth:`complete`, which every rank calls at the same steps)."""
 
     def __init__(
-        self, out: Path | None, cfg: TrainConfig, ranks: Ranks, stop: Stopping | None = None
+        self,
+        out: Path | None,
+        cfg: TrainConfig,
+        ranks: Ranks,
+        busy: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.out, self.cfg, self.ranks = out, cfg, ranks  # out: None, no checkpoints
         self.pending: _Write | None = None
         self.completed: int | None = None  # the step of the last checkpoint it completed
-        # a write, or the wait for one, is one long call: no sign of a peer gone to SIGTERM's
-        # watcher (stopping.py)
-        self._busy = stop.busy if stop is not None else contextlib.nullcontext
+        # ``busy``: around a write, or the wait for one (one long call: no sign of a peer
+        # gone to SIGTERM's watcher, stopping.Stopping.busy)
+        self._busy = busy
 
     def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed

@@ -133,10 +133,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         part = rank_part(parts, ranks)  # what the step reads
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
-        saver = Saver(out, cfg, ranks, stop)
+        busy = stop.busy if stop is not None else _not_watched  # (its own long calls)
+        saver = Saver(out, cfg, ranks, busy)
         if cfg.resume:  # the state the checkpoint resumed holds
             saver.completed = start
-        busy = stop.busy if stop is not None else _not_watched  # (its own long calls)
 
         def evaluated(at: int) -> dict[str, Any]:
             """The held-out evaluation after step ``at`` (its metrics row's fields); where it
