@@ -345,10 +345,10 @@ def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
 
     evaluate = recsz.train.evaluate
 
-    def dies_at_the_end(parts, source, cfg, step, ranks):  # type: ignore[no-untyped-def]
+    def dies_at_the_end(parts, source, cfg, step, ranks, **kw):  # type: ignore[no-untyped-def]
         if step == 4:
             raise KeyboardInterrupt("killed")
-        return evaluate(parts, source, cfg, step, ranks)
+        return evaluate(parts, source, cfg, step, ranks, **kw)
 
     monkeypatch.setattr(recsz.train, "evaluate", dies_at_the_end)
     run, on = tmp_path / "run", ["--device", device]
@@ -361,6 +361,81 @@ def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
         assert again[k] == pytest.approx(straight[k], rel=1e-9), k
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]  # no step trained twice
+
+
+def test_every_checkpoint_is_complete_before_an_evaluation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint written steps before an evaluation, its rows logged rarely, is complete
+    when the evaluation starts (it was completed at the next logged row): a job killed
+    during that evaluation goes on from it, not from the one before."""
+    import recsz.train
+
+    evaluate, seen = recsz.train.evaluate, dict[int, list[str]]()
+
+    def evaluated(parts, source, cfg, step, ranks, **kw):  # type: ignore[no-untyped-def]
+        seen[step] = [d.name[-1] for d in checkpoint.complete(Path(cfg.out))]
+        return evaluate(parts, source, cfg, step, ranks, **kw)
+
+    monkeypatch.setattr(recsz.train, "evaluate", evaluated)
+    train(tmp_path / "run", "--steps", "6", "--eval-every", "3", "--log-every", "100")
+    assert seen == {3: ["2"], 6: ["2", "4", "6"]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sigterm_during_an_evaluation_ends_it_and_saves_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], device: str
+) -> None:
+    """SIGTERM during an evaluation of a step without a checkpoint (mid-run; the final one
+    of a run without --checkpoint-every): the evaluation ends after its batch under way, the
+    run saves that step and exits with 143, that step's training row logged; the same
+    command line again evaluates the step first and ends as the run never stopped, each
+    evaluation's row and each step's once."""
+    import os
+    import signal
+
+    import recsz.train
+
+    evaluate, heard_at = recsz.train.evaluate, list[int]()
+
+    def signalled_in(at: int):  # type: ignore[no-untyped-def]
+        def evaluated(parts, source, cfg, step, ranks, heard):  # type: ignore[no-untyped-def]
+            def asked() -> bool:
+                heard_at.append(step)
+                if step == at and heard_at.count(at) == 1:  # after its first batch
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return heard()
+
+            return evaluate(parts, source, cfg, step, ranks, heard=asked)
+
+        return evaluated
+
+    def rows(run: Path, key: str) -> list[int]:
+        got = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
+        return [r["step"] for r in got if key in r]
+
+    on = ["--device", device, "--steps", "6", "--eval-every", "2", "--eval-batch-size", "64"]
+    for every, at in (("3", 4), ("0", 6)):  # mid-run; the final evaluation
+        flags = [*on, "--checkpoint-every", every]
+        straight = train(tmp_path / f"straight-{every}", *flags)
+        run = tmp_path / f"run-{every}"
+        monkeypatch.setattr(recsz.train, "evaluate", signalled_in(at))
+        heard_at.clear()
+        assert main([*BASE, *flags, "--out", str(run)]) == 143
+        assert heard_at.count(at) == 1  # of its 4 batches (256 samples)
+        said = capsys.readouterr().out
+        assert f"stopped at step {at} (SIGTERM) during its evaluation, left unfinished" in said
+        assert checkpoint.complete(run)[-1].name == f"step-{at:09d}"
+        assert rows(run, "loss") == list(range(1, at + 1))
+        assert rows(run, "eval_auc") == [s for s in (2, 4) if s < at]
+        assert not (run / "summary.json").exists()
+        monkeypatch.setattr(recsz.train, "evaluate", evaluate)
+        again = train(run, *flags)
+        first = "did not end before the run stopped" if at < 6 else "its final evaluation cut"
+        assert first in capsys.readouterr().out
+        for k in ("auc", "logloss", "steps", "bytes_raw"):
+            assert again[k] == pytest.approx(straight[k], rel=1e-9), k
+        assert rows(run, "loss") == list(range(1, 7)) and rows(run, "eval_auc") == [2, 4, 6]
 
 
 def test_truncated_and_empty_files_are_refused(run_dir: Path, tmp_path: Path) -> None:

@@ -374,3 +374,19 @@ def test_a_run_stops_at_its_target_auc_and_resuming_it_does_nothing(tmp_path: Pa
     assert json.loads((out / "summary.json").read_text())["steps"] == 300
     with pytest.raises(ValueError, match="--target-auc is checked at each evaluation"):
         parse_train_args(["--target-auc", "0.8"])
+
+
+def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None:
+    """The final evaluation is an evaluation too: where it meets --target-auc the summary
+    says so (the step, the time to it), its row logged once (before, neither was said)."""
+    out = tmp_path / "run"
+    argv = ["--steps", "6", "--batch-size", "64", "--eval-every", "4", "--target-auc", "0.01",
+            "--synthetic-eval", "256", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["reached_target_at"] == 4 == s["steps"]  # (the first evaluation: mid-run)
+    assert main([*argv, "--eval-every", "6", "--out", str(tmp_path / "final")]) == 0
+    s = json.loads((tmp_path / "final" / "summary.json").read_text())
+    assert s["reached_target_at"] == 6 == s["steps"] and s["time_to_target_s"] > 0
+    rows = [json.loads(r) for r in (tmp_path / "final" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_auc" in r] == [6]

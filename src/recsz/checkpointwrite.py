@@ -132,8 +132,7 @@ class Saver:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed
         first)."""
         self.complete()
-        assert self.out is not None, "a run without a directory keeps no checkpoints"
-        d = self.out / "checkpoints" / f"step-{step:09d}"
+        d = self.directory(step)
         d.mkdir(parents=True, exist_ok=True)
         live = rank_state(parts, self.ranks, counters)
         self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
@@ -144,6 +143,11 @@ class Saver:
             state = snapshot(live)  # (a large table's copy: one call)
         write.thread = threading.Thread(target=write.run, args=(state,), name=f"checkpoint-{step}")
         write.thread.start()
+
+    def directory(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` lies."""
+        assert self.out is not None, "a run without a directory keeps no checkpoints"
+        return self.out / "checkpoints" / f"step-{step:09d}"
 
     def complete(self) -> Path | None:
         """Complete the checkpoint started last, if any: wait for this rank's file, gather

@@ -52,16 +52,19 @@ def evaluate(
     step: int,
     ranks: Ranks,
     predictions: bool = False,
-) -> dict[str, Any]:
+    heard: Callable[[], bool] | None = None,
+) -> dict[str, Any] | None:
     """The held-out set's numbers (:data:`recsz.metrics.NUMBERS`: AUC, logloss, accuracy,
     NE, calibration, click rate; every rank returns the same; none where its labels are
     not known: ``source.labeled`` False) and its size and seconds; with ``predictions``, rank
     0's also holds them ("predictions": (N, 2) prediction and label of every sample, in the
     set's order, on its device). The exchange codes evaluation batches as training ones
-    but feeds no policy or counter."""
+    but feeds no policy or counter. ``heard``: called by every rank after each batch, the
+    same answer on each (:meth:`recsz.stopping.Stopping.heard`); True ends the evaluation
+    there, unfinished: None."""
     parts.exchange.train(False)
     try:
-        return _evaluate(parts, source, cfg, step, ranks, predictions)
+        return _evaluate(parts, source, cfg, step, ranks, predictions, heard)
     finally:
         parts.exchange.train(True)
 
@@ -73,7 +76,8 @@ def _evaluate(
     step: int,
     ranks: Ranks,
     predictions: bool,
-) -> dict[str, Any]:
+    heard: Callable[[], bool] | None,
+) -> dict[str, Any] | None:
     t0 = time.perf_counter()
     w, rank = ranks.world, ranks.rank
     size = math.ceil(cfg.eval_batch_size / w) * w
@@ -89,6 +93,8 @@ def _evaluate(
         shares.append([len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)])  # no padding
         keep = shares[-1][rank]
         preds.append(p[:keep], mine.labels[:keep])
+        if heard is not None and heard():
+            return None
     counts = [sum(s[q] for s in shares) for q in range(w)]
     if sum(counts) == 0:
         raise ValueError(f"{source.name}: the evaluation set is empty")
@@ -251,6 +257,7 @@ def run(argv: list[str]) -> dict[str, Any]:
             source = make_source(c.data, sizes, c.seed, c.skip_bad_lines, c.synthetic_eval,
                                  c.eval_fraction, c.eval_data, c.data_order)  # fmt: skip
         ev = evaluate(r.parts, source, r.on, r.step, r.ranks, args.predictions is not None)
+        assert ev is not None  # (no `heard`: nothing ends it early)
         preds = ev.pop("predictions", None)
         result = {**ev, "step": r.step, "checkpoint": str(r.ckpt), "data": source.name,
                   "world_size": r.ranks.world}  # fmt: skip

@@ -52,6 +52,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         sizes = get_preset(r.cfg.preset).model.table_sizes
         source = RawStream(args.data, sizes, r.on.skip_bad_lines, labeled=False)
         ev = evaluate(r.parts, source, r.on, r.step, r.ranks, predictions=True)
+        assert ev is not None  # (no `heard`: nothing ends it early)
         preds = ev.pop("predictions", None)
         result = {**ev, "step": r.step, "checkpoint": str(r.ckpt), "data": source.name,
                   "world_size": r.ranks.world, "out": args.out}  # fmt: skip

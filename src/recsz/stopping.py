@@ -6,7 +6,9 @@ A signal reaches the ranks at slightly different moments, perhaps in different s
 rank notes it in its handler; after every step the ranks combine their notes in an
 all-reduce (MAX) started then and read after the next step, so it runs while that step does
 (on a GPU it is a gloo collective of a CPU tensor: no host sync). All ranks read the same
-result after the same step, and stop there.
+result after the same step, and stop there. An evaluation asks the same after each of its
+batches (:meth:`heard`): asked during one, the run ends it there and saves the step it
+evaluated, which the same command line again evaluates first.
 
 A rank whose peer died may never reach its next step: a gloo collective fails as the peer's
 connection closes, but one over NCCL, or with a host gone from the network, waits until
@@ -144,6 +146,18 @@ class Stopping:
         if began is not None:
             self._longest = max(self._longest, now - began)
         self._last = now
+        return self._combined()
+
+    def heard(self) -> bool:
+        """Called by every rank after every batch of an evaluation: whether it ends there,
+        as :meth:`agreed` says after a step (no step counted), so that a run asked to stop
+        during a long evaluation saves its checkpoint at once instead of after it (or
+        never: torchrun's SIGKILL comes 30 s after its SIGTERM)."""
+        return self._combined()
+
+    def _combined(self) -> bool:
+        """Whether any rank had been asked by the last call before this one (one rank: by
+        this one); the ranks' notes of this call combined in the background."""
         if self.world == 1:
             self._stopping = self.asked
             return self.asked

@@ -138,16 +138,20 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume:  # the state the checkpoint resumed holds
             saver.completed = start
 
-        def evaluated(at: int) -> dict[str, Any]:
-            """The held-out evaluation after step ``at`` (its metrics row's fields); where it
-            meets --target-auc, ``reached``."""
+        heard = stop.heard if stop is not None else None  # (asked to stop during one)
+
+        def evaluated(at: int) -> dict[str, Any] | None:
+            """The held-out evaluation after step ``at``; where it meets --target-auc,
+            ``reached``. None: the run was asked to stop during it (every rank alike)."""
             nonlocal eval_s, reached, reached_ev
             with busy(saved=at if saver.completed == at else None):
-                ev = evaluate(parts, source, cfg, at, ranks)
+                ev = evaluate(parts, source, cfg, at, ranks, heard=heard)
+            if ev is None:
+                return None
             eval_s += ev["eval_s"]
             if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
                 reached, reached_ev = {"step": at, "auc": ev["auc"]}, ev  # every rank's alike
-            return _eval_row(ev)
+            return ev
 
         def save(at: int, eval_due: bool) -> None:
             """A checkpoint of step ``at``; ``eval_due``: written before the evaluation due
@@ -157,10 +161,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             parts.exchange.settle()  # no step whose payloads failed their checks is saved
             saver.save(parts, at, run_totals)
 
-        stopped = False
+        stopped, during, done = False, False, start  # during: asked to stop in an evaluation
         if evaluate_first:
-            log.metrics({"step": start, **evaluated(start)})
-        for step in range(start, steps if reached is None else start):
+            first = evaluated(start)
+            stopped = during = first is None  # (again: its checkpoint is the one resumed)
+            if first is not None:
+                log.metrics({"step": start, **_eval_row(first)})
+        for step in range(start, start if stopped or reached is not None else steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
             # data_s: the time spent waiting for a batch (making it, without --prefetch).
@@ -200,12 +207,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
             due = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != steps
             every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps)
-            if out and (every or stopped):  # before the evaluation due here, and complete:
+            if out and (every or stopped):  # before the evaluation due here:
                 save(done, due)  # a job stopped or killed during it goes on from this step
-                if due and not stopped:  # (and evaluates first; on a GPU the evaluation
-                    saver.complete()  # waits for the background write)
-            if due and not stopped:
-                row = {"step": done, **row, **evaluated(done)}
+            if due and not stopped:  # (and evaluates it first)
+                # every checkpoint so far complete before it (on a GPU it waits for the
+                # background write): a job killed during it loses none of them
+                saver.complete()
+                ev = evaluated(done)
+                if ev is None:  # its step saved (if it was not): evaluated first when resumed
+                    stopped = during = True
+                    if saver.completed != done:
+                        save(done, True)
+                else:
+                    row = {"step": done, **row, **_eval_row(ev)}
                 if reached is not None and out and cfg.checkpoint_every and not every:
                     save(done, False)  # where the target was met: resuming it ends here
             if row:
@@ -216,23 +230,32 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if reached is not None or stopped:
                 break
         bar.close()
-        if stopped:  # asked to stop (SIGTERM): its checkpoint, no evaluation, no summary
-            saved = saver.complete()
-            if ranks.rank == 0:
-                tqdm.write(f"recsz: stopped at step {done} (SIGTERM); checkpoint {saved} "
-                           "written: the same command line again goes on from it (or "
-                           f"`recsz train --resume {out}`)")  # fmt: skip
-            ok = True
-            return {"steps": done, "stopped": True, "checkpoint": str(saved)}
         # the last checkpoint whole before the final evaluation: a run cut short during it
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
-        if reached is None:
-            with busy(saved=steps if saver.completed == steps else None):
-                ev = evaluate(parts, source, cfg, steps, ranks)
-            eval_s += ev["eval_s"]
-        else:  # the model the target's evaluation saw
+        final: dict[str, Any] | None = None  # the final evaluation's numbers
+        if not stopped and reached is None:
+            final = evaluated(steps)
+            if final is None:  # asked to stop during it
+                stopped = during = True
+                if saver.completed != steps:
+                    save(steps, False)
+        if stopped:  # asked to stop (SIGTERM): its checkpoint, no evaluation, no summary
+            saver.complete()  # (one saved just now)
+            # (stopped where it resumed: in the evaluation it did first, of the one resumed)
+            saved = Path(cfg.resume) if cfg.resume and done == start else saver.directory(done)
+            if ranks.rank == 0:
+                what = " during its evaluation, left unfinished" if during else ""
+                tqdm.write(f"recsz: stopped at step {done} (SIGTERM){what}; checkpoint "
+                           f"{saved} written: the same command line again goes on from it "
+                           f"(or `recsz train --resume {out}`)")  # fmt: skip
+            ok = True
+            return {"steps": done, "stopped": True, "checkpoint": str(saved)}
+        if reached is not None:  # the model the target's evaluation saw
             steps, ev = reached["step"], reached_ev
+        else:
+            assert final is not None
+            ev = final
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
@@ -263,8 +286,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 row["table"], row["shard"] = divmod(int(key), cfg.column_shards)
         if out and ranks.rank == 0:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            if reached is None:  # (the target's evaluation has its row)
-                log.metrics({"step": steps, **_eval_row(ev)})
+            if final is not None:  # (a mid-run evaluation that met the target has its row)
+                log.metrics({"step": steps, **_eval_row(final)})
         if ranks.rank == 0:
             tqdm.write(report.format_summary(summary))
         ok = True

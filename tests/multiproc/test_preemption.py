@@ -148,6 +148,9 @@ else:
     elif mode == "writing":  # one long call of its own: a checkpoint's write
         with stop.busy():
             time.sleep(3)
+    elif mode == "saved":  # one long call evaluating a step whose checkpoint is complete
+        with stop.busy(saved=2):
+            time.sleep(30)
     else:
         time.sleep(3)
     assert stop.asked
@@ -156,13 +159,14 @@ else:
 """
 
 
-@pytest.mark.parametrize("mode", ["stuck", "busy", "writing", "slow steps"])
+@pytest.mark.parametrize("mode", ["stuck", "busy", "writing", "slow steps", "saved"])
 def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mode: str) -> None:
     """SIGTERM to a rank whose collective waits on a peer that neither answers nor closes its
     connection (NCCL, a host off the network): a Python handler would never run, so the
     watcher names the call and exits with SIGTERM's status after STUCK_S (2 s here) instead of
     the launcher's SIGKILL 30 s later. A rank busy in many calls for longer, or writing a
-    checkpoint in one, or in one call shorter than 3 of its steps, is left alone."""
+    checkpoint in one, or in one call shorter than 3 of its steps, is left alone; one in a
+    long call of an evaluation whose step's checkpoint is complete exits at once."""
     script = tmp_path / "rank.py"
     script.write_text(STUCK_RANK)
     store = str(tmp_path / "store")
@@ -174,11 +178,16 @@ def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mo
     finally:
         ranks[1].kill()
         ranks[1].communicate()
-    if mode != "stuck":
+    if mode not in ("stuck", "saved"):
         assert ranks[0].returncode == 0 and out == "went on\n", err[-2000:]
         return
     assert ranks[0].returncode == 128 + signal.SIGTERM, err[-2000:]
     said = err.strip().splitlines()[-1]
+    if mode == "saved":
+        assert said == ("recsz: rank 0: asked to stop (SIGTERM) while it evaluates step 2, "
+                        "whose checkpoint is complete: exiting now (the same command line "
+                        "again evaluates it)"), said  # fmt: skip
+        return
     assert said.startswith("recsz: rank 0: asked to stop (SIGTERM), but held 2 s in one call")
     assert "distributed_c10d.py" in said and "all_reduce" in said, said
 
@@ -197,31 +206,34 @@ def test_the_watcher_ends_with_its_run() -> None:
     assert signal.set_wakeup_fd(-1) == -1  # none left set
 
 
-def test_sigterm_while_a_saved_step_is_evaluated_exits_at_once(tmp_path: Path) -> None:
-    """The checkpoint of an evaluation's step is complete before it starts: SIGTERM during
-    that evaluation ends the run at once (143, said), not after it; the same command line
-    again evaluates that step first and goes on."""
+def test_sigterm_during_an_evaluation_saves_its_step_on_every_rank(tmp_path: Path) -> None:
+    """SIGTERM to a 2-rank job during an evaluation of a step without a checkpoint: the
+    ranks agree after an evaluation batch, end it, save that step and exit with 143 (said
+    once), not after it (or at torchrun's SIGKILL); the same command line again evaluates
+    that step first and goes on."""
     import time
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recsz.cli", "train", "--steps", "4", "--batch-size", "32",
-           "--eval-every", "2", "--checkpoint-every", "2", "--synthetic-eval", "200000",
-           "--no-progress", "--out", str(run)]  # fmt: skip
+    cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", "--steps", "4",
+           "--batch-size", "64", "--eval-every", "3", "--checkpoint-every", "2",
+           "--synthetic-eval", "400000", "--no-progress", "--out", str(run)]  # fmt: skip
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     meta = run / "checkpoints" / "step-000000002" / "meta.json"
     deadline = time.monotonic() + 120
     while not meta.exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
+    # after step 2's agreement: seen in step 3's evaluation at the earliest, and at the
+    # latest, since step 4 follows it
     job.send_signal(signal.SIGTERM)
     out, err = job.communicate(timeout=120)
     assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
-    # (after the evaluation, it would have stopped a step later: at 3, saying so)
-    assert "while it evaluates step 2, whose checkpoint is complete: exiting now" in err
-    assert "stopped at step" not in out and checkpoint.complete(run)[-1].name.endswith("2")
+    said = [line for line in out.splitlines() if "stopped at step" in line]
+    assert len(said) == 1 and "step 3 (SIGTERM) during its evaluation" in said[0], out[-2000:]
+    assert [d.name for d in checkpoint.complete(run)] == ["step-000000002", "step-000000003"]
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
     assert not [r for r in rows if "eval_auc" in r]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "the evaluation due at step 2 did not end before the run stopped" in again.stdout
+    assert "the evaluation due at step 3 did not end before the run stopped" in again.stdout
     rows = [json.loads(r) for r in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "eval_auc" in r] == [2, 4]
+    assert [r["step"] for r in rows if "eval_auc" in r] == [3, 4]
