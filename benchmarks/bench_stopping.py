@@ -16,6 +16,10 @@
    closes its connection, as a host off the network) and then sent SIGTERM: the seconds until
    rank 0, held in a collective, has exited (``recsz.stopping.STUCK_S`` after the signal;
    before its watcher, torchrun's SIGKILL 30 s after it).
+4. A 2-rank ``tiny`` job sent SIGTERM as its evaluation at step 3 (of 6, 400,000 held-out
+   samples, no checkpoint there) begins: the seconds until it has exited, the step it saved,
+   and how long that evaluation takes whole (the same command line again, which evaluates it
+   first). ``--src`` runs the jobs from another revision's tree, for a before and after.
 
 Prints a table and writes JSON (default benchmarks/results/stopping.json).
 """
@@ -80,18 +84,20 @@ def agreement_row(calls: int) -> dict:
     return {"part": "agreement", "calls": calls, **got}
 
 
-def _training(preset: str, out: Path) -> tuple[subprocess.Popen, list[str], dict]:
-    """A 2-rank job of ``preset`` started, once its first metrics row is written; its command
-    line but for ``--steps``, and its environment."""
-    flags = ["--preset", preset, "--nproc", "2", "--log-every", "1", "--no-progress",
-             "--synthetic-eval", "4096", "--out", str(out)]  # fmt: skip
+def _training(
+    preset: str, out: Path, steps: int = 1000000, rows: int = 1, *flags: str
+) -> tuple[subprocess.Popen, list[str], dict]:
+    """A 2-rank job of ``preset`` started, once its first ``rows`` metrics rows are written;
+    its command line but for ``--steps``, and its environment."""
+    flags = ("--preset", preset, "--nproc", "2", "--log-every", "1", "--no-progress",
+             "--synthetic-eval", "4096", *flags, "--out", str(out))  # fmt: skip
     cmd = [sys.executable, "-m", "recsz.cli", "train", *flags]
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    job = subprocess.Popen([*cmd, "--steps", "1000000"], env=env, stdout=subprocess.DEVNULL,
+    job = subprocess.Popen([*cmd, "--steps", str(steps)], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)  # fmt: skip
     log = out / "metrics.jsonl"
-    while job.poll() is None and not (log.exists() and log.stat().st_size):
-        time.sleep(0.05)
+    while job.poll() is None and not (log.exists() and len(log.read_bytes().splitlines()) >= rows):
+        time.sleep(0.01)
     return job, cmd, env
 
 
@@ -155,12 +161,36 @@ def held_row(work: Path) -> dict:
     return {"part": "held", "preset": "tiny", "exit_s": exit_s, "stuck_s": STUCK_S}
 
 
+def evaluating_row(work: Path) -> dict:
+    """A ``tiny`` job sent SIGTERM as its evaluation at step 3 begins (step 2's row written:
+    step 3 takes milliseconds, the evaluation seconds)."""
+    out = work / "evaluating"
+    job, cmd, env = _training("tiny", out, 6, 2, "--eval-every", "3", "--synthetic-eval",
+                              "400000")  # fmt: skip
+    t0 = time.perf_counter()
+    job.send_signal(signal.SIGTERM)
+    _, err = job.communicate(timeout=600)
+    stop_s = time.perf_counter() - t0
+    if job.returncode != 128 + signal.SIGTERM:
+        raise RuntimeError(f"evaluating: the job ended with {job.returncode}: {err[-1500:]}")
+    meta = json.loads(next((out / "checkpoints").glob("*/meta.json")).read_text())
+    subprocess.run([*cmd, "--steps", "6"], env=env, check=True, capture_output=True)
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    whole = next(r["eval_s"] for r in rows if r["step"] == 3 and "eval_s" in r)
+    return {"part": "evaluating", "preset": "tiny", "stopped_at_step": meta["step"],
+            "stop_s": stop_s, "eval_s": whole, "src": str(SRC)}  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     out = ["| what | measured |", "|---|---|"]
     for r in rows:
         if r["part"] == "agreement":
             us = f"median {r['median_us']:.0f} us, 90th percentile {r['p90_us']:.0f} us"
             out.append(f"| a step's agreement (2 gloo ranks, {r['calls']} calls) | {us} |")
+        elif r["part"] == "evaluating":
+            out.append(f"| `tiny`, 2 ranks, SIGTERM as its evaluation at step 3 begins (400,000 "
+                       f"samples, {r['eval_s']:.1f} s whole) | stopped at step "
+                       f"{r['stopped_at_step']} in {r['stop_s']:.1f} s |")  # fmt: skip
         elif r["part"] == "held":
             out.append(f"| `tiny`, 2 ranks, rank 1 stopped (SIGSTOP), then SIGTERM | rank 0, held "
                        f"in a collective, gone in {r['exit_s']:.1f} s (STUCK_S "
@@ -174,13 +204,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SRC
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", default="tiny,bench")
     ap.add_argument("--calls", type=int, default=2000, help="agreements timed")
     ap.add_argument("--held", action=argparse.BooleanOptionalAction, default=True,
                     help="a job whose rank 1 is stopped, then sent SIGTERM")  # fmt: skip
+    ap.add_argument("--evaluating", action=argparse.BooleanOptionalAction, default=True,
+                    help="a job sent SIGTERM as an evaluation begins")  # fmt: skip
+    ap.add_argument("--src", default=str(SRC), help="the recsz source tree the jobs run")
     ap.add_argument("--json-out", default=str(HERE / "results" / "stopping.json"))
     a = ap.parse_args(argv)
+    SRC = Path(a.src)
     rows = [agreement_row(a.calls)]
     print(json.dumps(rows[-1]))
     with tempfile.TemporaryDirectory() as work:
@@ -189,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]))
         if a.held:
             rows.append(held_row(Path(work)))
+            print(json.dumps(rows[-1]))
+        if a.evaluating:
+            rows.append(evaluating_row(Path(work)))
             print(json.dumps(rows[-1]))
     write_results(rows, a.json_out, table(rows))
     return 0

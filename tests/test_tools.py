@@ -604,9 +604,10 @@ def test_bench_load_restores_both_ways(tmp_path: Path) -> None:
 def test_bench_stopping_times_the_agreement_and_a_preempted_job(tmp_path: Path) -> None:
     """bench_stopping.py in miniature (tiny, 50 agreements): the agreement's host time, and
     a 2-rank job sent SIGTERM stopping with its checkpoint, then going on from it; one whose
-    rank 1 is stopped: rank 0's seconds from SIGTERM to its exit (STUCK_S or more)."""
+    rank 1 is stopped: rank 0's seconds from SIGTERM to its exit (STUCK_S or more). (The
+    job stopped during an evaluation: tests/multiproc/test_preemption.py, the same steps.)"""
     out = tmp_path / "stopping.json"
-    argv = ["--presets", "tiny", "--calls", "50", "--json-out", str(out)]
+    argv = ["--presets", "tiny", "--calls", "50", "--no-evaluating", "--json-out", str(out)]
     assert _bench("bench_stopping").main(argv) == 0
     agree, tiny, held = json.loads(out.read_text())
     assert agree["part"] == "agreement" and 0 < agree["median_us"] <= agree["p90_us"]
