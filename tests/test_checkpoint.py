@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from recsz import checkpoint
+from recsz.rundir import WRITER
 from recsz.train import main
 
 BASE = ["--steps", "4", "--batch-size", "32", "--checkpoint-every", "2", "--no-progress",
@@ -220,20 +221,23 @@ def test_the_same_run_again_goes_on_and_another_is_refused(
     what it holds left as it was. An empty directory is taken."""
     import shutil
 
+    def files(d: Path) -> dict[str, bytes]:  # (but the lock each run takes: rundir.WRITER)
+        return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file() and p.name != WRITER}
+
     dst = tmp_path / "held"
     shutil.copytree(run_dir, dst)
-    before = {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()}
+    before = files(dst)
     with pytest.raises(ValueError, match=r"--out .*held holds another run \(its checkpoint "
                        r"step-000000004 was written with lr: None -> 0\.5\); continue that "
                        r"one with `--resume "):  # fmt: skip
         main([*BASE, "--lr", "0.5", "--out", str(dst)])
     with pytest.raises(ValueError, match="already holds a run"):  # resuming another run
         main([*BASE, "--steps", "6", "--resume", str(run_dir), "--out", str(dst)])
-    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    assert files(dst) == before
     capsys.readouterr()
     assert main([*BASE, "--out", str(dst)]) == 0  # finished: nothing to do
     assert "already finished" in capsys.readouterr().out
-    assert {p.name: p.read_bytes() for p in dst.iterdir() if p.is_file()} == before
+    assert files(dst) == before
     half = tmp_path / "half"  # stopped at step 2 of 4 (the job preempted, say)
     train(half, "--steps", "2")
     again = train(half)  # the job's command line again: steps 2..4
@@ -249,6 +253,54 @@ def test_the_same_run_again_goes_on_and_another_is_refused(
         main([*BASE, "--checkpoint-every", "0", "--lr", "0.5", "--out", str(bare)])
     (tmp_path / "empty").mkdir()
     train(tmp_path / "empty")
+
+
+def test_a_run_written_by_another_job_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job writing a run holds its directory (rundir.Held): the same command line started
+    beside it is refused, naming it, before it writes anything; the lock is dropped when its
+    holder ends, however it ends (here: SIGKILL), and where a file system keeps no locks
+    the run is said to go unguarded, and trains."""
+    import errno
+    import fcntl
+    import signal
+    import subprocess
+    import sys
+
+    from recsz.rundir import Held
+
+    run = tmp_path / "run"
+    other = Held(run)  # (a job writing it)
+    assert other.refused is None
+    said = rf"--out {run} is being written by another job \(pid \d+ on .+, since .+\): two jobs"
+    with pytest.raises(ValueError, match=said):
+        main([*BASE, "--out", str(run)])
+    assert sorted(p.name for p in run.iterdir()) == [WRITER]  # nothing written
+    other.release()
+    train(run)
+    cmd = [sys.executable, "-c", "import sys, time; from pathlib import Path; from recsz.rundir "
+           "import Held; h = Held(Path(sys.argv[1])); print('held', flush=True); time.sleep(60)",
+           str(run)]  # fmt: skip
+
+    def refused() -> bool:
+        tried = Held(run)
+        tried.release()
+        return tried.refused is not None
+
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert refused()
+        holder.send_signal(signal.SIGKILL)
+    assert not refused()  # the lock dropped with its holder
+
+    def no_locks(f: object, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    capsys.readouterr()
+    train(tmp_path / "unlocked")
+    assert "cannot lock" in capsys.readouterr().err
 
 
 def test_a_finished_run_without_its_summary_is_evaluated_again(

@@ -1,13 +1,19 @@
 """What a run directory (``--out``) already holds when a run starts there: nothing; this
 run, the same command line run again (a job its scheduler requeued after a preemption,
 torchrun restarted after a failure, or simply rerun), which continues from its last
-checkpoint or, without one, starts over; or another run, which is not written over."""
+checkpoint or, without one, starts over; or another run, which is not written over. And
+whether another job is writing it now (:class:`Held`): one job at a time."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import socket
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from recsz import checkpoint
 
@@ -64,3 +70,54 @@ def refuse_another_run(out: Path, resume: Path) -> None:
             f"--out {out} already holds a run ({', '.join(held)}); a run resumed from "
             f"{resume} writes elsewhere (another --out, or remove that one)"
         )
+
+
+#: the file whose lock the job writing a run directory holds (named by it, a line)
+WRITER = ".writer"
+
+
+class Held:
+    """``out`` held by this process (a job's rank 0) as the one job writing it: an advisory
+    lock (``flock``) on ``out/.writer``, which the kernel drops as the process ends, however
+    it ends (a crash, SIGKILL, a node gone: its server's lease), so a job restarted or
+    requeued after it takes it again. Two jobs writing one run (the same command line
+    started twice, a requeued job beside one still running) would interleave its log and
+    write over each other's checkpoint files: the second is refused (:attr:`refused`, naming
+    the first). Where the file system keeps no locks (some network ones), said once and
+    not held."""
+
+    def __init__(self, out: Path) -> None:
+        self.refused: str | None = None
+        self._file: IO[str] | None = None
+        out.mkdir(parents=True, exist_ok=True)
+        f = (out / WRITER).open("a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            self.refused = (
+                f"--out {out} is being written by another job ({holder}): two jobs writing "
+                "one run would interleave its log and write over each other's checkpoints; "
+                "wait for that one to end (or stop it), or write this one elsewhere (another "
+                "--out)"
+            )
+            return
+        except OSError as e:  # no locks on this file system
+            f.close()
+            print(f"recsz: warning: cannot lock {out / WRITER} ({e.strerror}): a second "
+                  "job writing this run at once would not be refused", file=sys.stderr)  # fmt: skip
+            return
+        f.seek(0)
+        f.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        """The run has ended: the lock dropped (the file stays, naming the last writer)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -28,7 +28,7 @@ from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.model import get_preset, modelfile
 from recsz.ranks import Ranks, keep_freed_memory, launch, worker
-from recsz.rundir import continues, refuse_another_run
+from recsz.rundir import Held, continues, refuse_another_run
 from recsz.step import (
     build_parts,
     rank_part,
@@ -55,10 +55,17 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False
     saver: Saver | None = None
+    held: Held | None = None
     # SIGTERM from here on is noted, and acted on after a step: a checkpoint, then the end
     stop = Stopping(ranks.world, ranks.rank) if cfg.out or cfg.resume else None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
+        out = Path(cfg.out) if cfg.out else None
+        out = out or (checkpoint.run_dir_of(Path(cfg.resume)) if cfg.resume else None)
+        if out:  # one job writes a run: rank 0 holds it, every rank says why not
+            held = Held(out) if ranks.rank == 0 else None
+            if why := ranks.gather(held.refused if held else None)[0]:
+                raise ValueError(why)
         bsz = cfg.resolved("batch_size")
         if bsz % ranks.world:
             raise ValueError(
@@ -70,7 +77,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                              cfg.eval_fraction, cfg.eval_data, cfg.data_order)  # fmt: skip
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
-        out = Path(cfg.out) if cfg.out else None
         start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)
         evaluate_first = False  # resumed where an evaluation was due and did not end
         if cfg.init_from and not cfg.resume:  # a warm start: the weights, no more
@@ -79,7 +85,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             parts.dense_module.load_torchrec_mlps(started.mlps)
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
-            out = out or checkpoint.run_dir_of(Path(cfg.resume))
+            assert out is not None
             evaluate_first, finished = _where_resumed(cfg, ranks, steps, start, counters, out)
             if finished:
                 ok = True
@@ -297,6 +303,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             stop.close(ok)
         if saver is not None and not ok:
             saver.abandon()
+        if held is not None:
+            held.release()
         ranks.close(ok)
 
 
