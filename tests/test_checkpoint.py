@@ -277,6 +277,9 @@ def test_a_run_written_by_another_job_is_refused(
     with pytest.raises(ValueError, match=said):
         main([*BASE, "--out", str(run)])
     assert sorted(p.name for p in run.iterdir()) == [WRITER]  # nothing written
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        main([*BASE, "--resume", str(tmp_path / "missing")])
+    assert not (tmp_path / "missing").exists()  # (not made to be held)
     other.release()
     train(run)
     cmd = [sys.executable, "-c", "import sys, time; from pathlib import Path; from recsz.rundir "

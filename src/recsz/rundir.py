@@ -86,9 +86,13 @@ class Held:
     the first). Where the file system keeps no locks (some network ones), said once and
     not held."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, create: bool = True) -> None:
+        """``create``: make ``out`` where it is missing (else, a run resumed from a
+        checkpoint that is not there, nothing is held: the resume says what is missing)."""
         self.refused: str | None = None
         self._file: IO[str] | None = None
+        if not create and not out.is_dir():
+            return
         out.mkdir(parents=True, exist_ok=True)
         f = (out / WRITER).open("a+")
         try:

@@ -63,7 +63,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         out = Path(cfg.out) if cfg.out else None
         out = out or (checkpoint.run_dir_of(Path(cfg.resume)) if cfg.resume else None)
         if out:  # one job writes a run: rank 0 holds it, every rank says why not
-            held = Held(out) if ranks.rank == 0 else None
+            held = Held(out, create=bool(cfg.out)) if ranks.rank == 0 else None
             if why := ranks.gather(held.refused if held else None)[0]:
                 raise ValueError(why)
         bsz = cfg.resolved("batch_size")
