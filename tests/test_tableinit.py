@@ -37,15 +37,17 @@ def reference(rows: int, dim: int, seed: int, table: int) -> np.ndarray:
     cut=st.tuples(st.integers(0, 40), st.integers(0, 40)),
     block=st.sampled_from([1, 7, 64, 1 << 16]),
     device_path=st.booleans(),
+    threads=st.sampled_from([1, 2, 5]),
 )
 def test_any_chunking_columns_and_path_write_the_reference(
     rows: int, dim: int, seed: int, table: int, cut: tuple[int, int], block: int,
-    device_path: bool,
+    device_path: bool, threads: int,
 ) -> None:  # fmt: skip
     lo, hi = sorted(min(c, dim) for c in cut)
     want = torch.from_numpy(reference(rows, dim, seed, table))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tableinit, "INIT_ROWS", block)
+        mp.setattr(torch, "get_num_threads", lambda: threads)  # blocks on that many threads
         mp.setenv(DEVICE_PATH_ON_CPU, "1" if device_path else "0")
         assert torch.equal(init_table(rows, dim, seed, table), want)
         assert torch.equal(init_table(rows, dim, seed, table, slice(lo, hi)), want[:, lo:hi])
@@ -56,6 +58,23 @@ def test_any_chunking_columns_and_path_write_the_reference(
         rows_of_a_buffer = torch.zeros(rows + 3, dim)[1 : rows + 1]  # a view into a weight
         init_table(rows, dim, seed, table, out=rows_of_a_buffer)
         assert torch.equal(rows_of_a_buffer, want)
+
+
+def test_making_tables_starts_no_second_openmp_runtime() -> None:
+    """The compiled loop runs on Python threads, never numba's parallel layer: its OpenMP
+    runtime (the system's libgomp beside torch's own) kept a thread spinning through every
+    step after the tables were made (2 ranks on 2 cores trained 4x slower). A fresh process
+    makes a table of 3 blocks on 2 threads: numba's threading layer is never started."""
+    import subprocess
+    import sys
+
+    code = "\n".join([
+        "import numba, torch", "from recsz.model.tableinit import INIT_ROWS, init_table",
+        "torch.set_num_threads(2)", "init_table(2 * INIT_ROWS + 5, 8, 0, 0)",
+        "try:", "    print(numba.threading_layer())", "except ValueError:", "    print('none')",
+    ])  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "none\n", done.stdout + done.stderr[-2000:]
 
 
 def test_the_values_are_uniform_in_the_bound_and_each_table_its_own() -> None:

@@ -4,7 +4,10 @@ Uniform in +-sqrt(1/rows), as facebookresearch/dlrm starts its tables. Each valu
 of (seed, table, row, column) (splitmix64 over the element's place), not a generator's next
 draw, so a table's start depends on nothing but (seed, table): not on which rank owns it,
 how its columns are split into shards (a shard makes only its columns), how many rows are
-made at once, or the device. On the CPU a compiled loop over the cores; on a GPU (and on
+made at once, or the device. On the CPU a compiled loop, blocks of rows on as many threads
+as torch uses (Python threads: the loop releases the GIL; not numba's ``parallel=True``,
+whose OpenMP runtime, a second one beside torch's, kept a thread spinning through every
+step after the tables were made: 2 ranks on 2 cores trained 4x slower); on a GPU (and on
 the CPU's device path, `RECSZ_DEVICE_PATH_ON_CPU=1`) torch's integer operations on the
 table's own memory, so a GPU's tables never pass through the host. Both write the same bits
 (tested against each other and a numpy reference): the integer steps are exact, and the
@@ -13,10 +16,11 @@ float steps are one float32 multiply and one subtract, each correctly rounded ev
 
 from __future__ import annotations
 
-import numba
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from recsz.devicepath import device_path
 
@@ -68,10 +72,8 @@ def init_table(
     scale, lo = np.float32(2 * bound * _UNIT), np.float32(bound)
     key = table_key(seed, table)
     compiled = not device_path(out.device)
-    if compiled:  # as many threads as torch's (torchrun: 1 a rank where a host has several)
-        most = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-        numba.set_num_threads(max(1, min(most, torch.get_num_threads())))
-    for a in range(0, rows, INIT_ROWS):
+
+    def made(a: int) -> None:  # rows a .. a + INIT_ROWS
         dst = out[a : a + INIT_ROWS]
         if compiled:
             direct = dst.dtype == torch.float32 and dst.is_contiguous()
@@ -81,6 +83,16 @@ def init_table(
             block = _values(a, len(dst), dim, cols, key, scale, lo, out.device)
         if block is not dst:
             dst.copy_(block)
+
+    starts = range(0, rows, INIT_ROWS)
+    # as many threads as torch's (torchrun: 1 a rank where a host has several)
+    threads = min(torch.get_num_threads(), len(starts)) if compiled else 1
+    if threads > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="recsz-tableinit") as pool:
+            list(pool.map(made, starts))
+    else:
+        for a in starts:
+            made(a)
     return out
 
 
@@ -102,14 +114,14 @@ def _values(
     return top.mul_(float(scale)).sub_(float(lo))
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True)
 def _fill(
     out: np.ndarray, row0: int, dim: int, col0: int, key: np.uint64, scale: np.float32,
     lo: np.float32,
 ) -> None:  # fmt: skip
     """The compiled :func:`_values`, written into ``out`` (float32, rows x columns)."""
     n, c = out.shape
-    for i in prange(n):
+    for i in range(n):
         first = np.uint64((row0 + i) * dim + col0)
         for j in range(c):
             x = (first + np.uint64(j)) * np.uint64(_GOLDEN) + key
