@@ -101,17 +101,23 @@ def _training(
     return job, cmd, env
 
 
-def preempted_row(preset: str, work: Path) -> dict:
-    """A 2-rank job of ``preset`` sent SIGTERM once its first metrics row is written."""
-    out = work / preset
-    job, cmd, env = _training(preset, out)
+def _stopped(job: subprocess.Popen, out: Path) -> tuple[float, dict]:
+    """SIGTERM to a job writing ``out``: the seconds until it has exited (with SIGTERM's
+    status, else an error) and the record of the checkpoint it wrote."""
     t0 = time.perf_counter()
     job.send_signal(signal.SIGTERM)
     _, err = job.communicate(timeout=600)
     stop_s = time.perf_counter() - t0
     if job.returncode != 128 + signal.SIGTERM:
-        raise RuntimeError(f"{preset}: the job ended with {job.returncode}: {err[-1500:]}")
-    meta = json.loads(next((out / "checkpoints").glob("*/meta.json")).read_text())
+        raise RuntimeError(f"{out.name}: the job ended with {job.returncode}: {err[-1500:]}")
+    return stop_s, json.loads(next((out / "checkpoints").glob("*/meta.json")).read_text())
+
+
+def preempted_row(preset: str, work: Path) -> dict:
+    """A 2-rank job of ``preset`` sent SIGTERM once its first metrics row is written."""
+    out = work / preset
+    job, cmd, env = _training(preset, out)
+    stop_s, meta = _stopped(job, out)
     ckpt = out / "checkpoints" / f"step-{meta['step']:09d}"
     t0 = time.perf_counter()  # the same command line again, one step further
     subprocess.run([*cmd, "--steps", str(meta["step"] + 1)], env=env, check=True,
@@ -167,13 +173,7 @@ def evaluating_row(work: Path) -> dict:
     out = work / "evaluating"
     job, cmd, env = _training("tiny", out, 6, 2, "--eval-every", "3", "--synthetic-eval",
                               "400000")  # fmt: skip
-    t0 = time.perf_counter()
-    job.send_signal(signal.SIGTERM)
-    _, err = job.communicate(timeout=600)
-    stop_s = time.perf_counter() - t0
-    if job.returncode != 128 + signal.SIGTERM:
-        raise RuntimeError(f"evaluating: the job ended with {job.returncode}: {err[-1500:]}")
-    meta = json.loads(next((out / "checkpoints").glob("*/meta.json")).read_text())
+    stop_s, meta = _stopped(job, out)
     subprocess.run([*cmd, "--steps", "6"], env=env, check=True, capture_output=True)
     rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
     whole = next(r["eval_s"] for r in rows if r["step"] == 3 and "eval_s" in r)

@@ -240,28 +240,21 @@ def test_sigterm_during_an_evaluation_saves_its_step_on_every_rank(tmp_path: Pat
 
 
 def test_a_second_job_on_a_run_being_written_is_refused(tmp_path: Path) -> None:
-    """The same 2-rank command line started while its first job runs (a requeued job beside
-    one still running, a command typed twice): the second is refused on every rank, naming
-    the first, and writes nothing; the first goes on unharmed (stopped here with SIGTERM)."""
-    import time
-
+    """A 2-rank job started on a run another job is writing (a requeued job beside one still
+    running, a command typed twice; here a process holding the run's lock as that job's rank
+    0 does): refused on every rank, naming the holder, before it writes anything."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", "--steps", "100000",
-           "--batch-size", "64", "--log-every", "1", "--synthetic-eval", "256", "--no-progress",
-           "--out", str(run)]  # fmt: skip
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (log.exists() and log.stat().st_size) and first.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    holder = (run / ".writer").read_text().strip()
-    second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    first.send_signal(signal.SIGTERM)
-    _, err = first.communicate(timeout=120)
-    assert first.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert second.returncode != 0
-    said = f"is being written by another job ({holder})"
-    assert second.stderr.count(said) >= 2, second.stderr[-3000:]  # each rank
-    steps = [json.loads(r)["step"] for r in log.read_text().splitlines()]
-    assert steps == list(range(1, len(steps) + 1))  # the first job's rows alone
+    hold = ("import sys, time; from pathlib import Path; from recsz.rundir import Held; "
+            "h = Held(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")  # fmt: skip
+    with subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE,
+                          text=True) as holder:  # fmt: skip
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", "--steps", "4",
+                   "--batch-size", "64", "--no-progress", "--out", str(run)]  # fmt: skip
+            second = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        finally:
+            holder.kill()
+    said = f"is being written by another job (pid {holder.pid} on "
+    assert second.returncode != 0 and second.stderr.count(said) >= 2, second.stderr[-3000:]
+    assert sorted(p.name for p in run.iterdir()) == [".writer"]  # nothing written
