@@ -90,8 +90,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if finished:
                 ok = True
                 return {"steps": start, "already_finished": True}
-        if out and ranks.rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
+        if out and ranks.rank == 0:  # (made where missing by Held)
             (out / "config.json").write_text(cfg.to_json())
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
