@@ -167,10 +167,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             saver.save(parts, at, run_totals)
 
         stopped, during, done = False, False, start  # during: asked to stop in an evaluation
-        if evaluate_first:
-            first = evaluated(start)
-            stopped = during = first is None  # (again: its checkpoint is the one resumed)
-            if first is not None:
+
+        def left_unfinished(at: int, eval_due: bool) -> None:
+            """Asked to stop during the evaluation of step ``at``: the run stops, that step
+            saved where no complete checkpoint holds it (``eval_due``: as :func:`save`)."""
+            nonlocal stopped, during
+            stopped = during = True
+            if saver.completed != at:
+                save(at, eval_due)
+
+        if evaluate_first:  # (its step's checkpoint is the one resumed)
+            if (first := evaluated(start)) is None:
+                left_unfinished(start, True)
+            else:
                 log.metrics({"step": start, **_eval_row(first)})
         for step in range(start, start if stopped or reached is not None else steps):
             if fail_at == (ranks.rank, step):
@@ -219,10 +228,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 # background write): a job killed during it loses none of them
                 saver.complete()
                 ev = evaluated(done)
-                if ev is None:  # its step saved (if it was not): evaluated first when resumed
-                    stopped = during = True
-                    if saver.completed != done:
-                        save(done, True)
+                if ev is None:  # evaluated first when resumed
+                    left_unfinished(done, True)
                 else:
                     row = {"step": done, **row, **_eval_row(ev)}
                 if reached is not None and out and cfg.checkpoint_every and not every:
@@ -239,12 +246,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
         final: dict[str, Any] | None = None  # the final evaluation's numbers
-        if not stopped and reached is None:
-            final = evaluated(steps)
-            if final is None:  # asked to stop during it
-                stopped = during = True
-                if saver.completed != steps:
-                    save(steps, False)
+        if not stopped and reached is None and (final := evaluated(steps)) is None:
+            left_unfinished(steps, False)  # asked to stop during the final evaluation
         if stopped:  # asked to stop (SIGTERM): its checkpoint, no evaluation, no summary
             saver.complete()  # (one saved just now)
             # (stopped where it resumed: in the evaluation it did first, of the one resumed)
