@@ -389,6 +389,16 @@ def test_an_evaluation_due_at_a_checkpoint_follows_it(
     assert resumed["auc"] == pytest.approx(reached["auc"], rel=1e-9)
 
 
+def test_on_the_cpu_a_checkpoint_is_complete_once_written(tmp_path: Path) -> None:
+    """On the CPU every rank writes its checkpoint's file at once, so the checkpoint is
+    completed then, not at the next logged row: a failure in between keeps it (before, with
+    rows logged every 100 steps, a crash in step 3 lost the checkpoint at 2)."""
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        main([*BASE, "--log-every", "100", "--out", str(run), "--inject-failure", "0:2"])
+    assert [d.name for d in checkpoint.complete(run)] == ["step-000000002"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_run_killed_in_its_final_evaluation_is_evaluated_from_its_last_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str

@@ -224,6 +224,10 @@ def test_a_diverging_run_stops_at_its_first_row(tmp_path: Path) -> None:
     flags = ["--steps", "20", "--lr", "1e30", "--log-every", "5", "--no-progress"]
     with pytest.raises(FloatingPointError, match=r"not finite on rank\(s\) \[0\] by step 5"):
         main([*flags, "--out", str(tmp_path)])
+    cmd = [sys.executable, "-m", "recsz.cli", "train", *flags]  # said as a bad flag is
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1].startswith("recsz train: error: the loss is not")
 
 
 def test_a_run_too_short_for_a_steady_pace_prints_none(
@@ -390,3 +394,24 @@ def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None
     assert s["reached_target_at"] == 6 == s["steps"] and s["time_to_target_s"] > 0
     rows = [json.loads(r) for r in (tmp_path / "final" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_auc" in r] == [6]
+
+
+def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:
+    """What a launched rank ends on without restarts: a ValueError (a data line, a flag, a
+    checkpoint), unless a PayloadError (bytes damaged on their way) is in its chain."""
+    from recsz.codecs.payload import PayloadError
+    from recsz.ranks import bad_input
+
+    def chained(outer: type[Exception], inner: Exception) -> Exception:
+        try:
+            raise outer("rank 1: fwd payloads from ranks [0]") from inner
+        except Exception as e:
+            return e
+
+    assert bad_input(ValueError("data.tsv:3: field 2"))
+    assert bad_input(chained(ValueError, KeyError("x")))
+    assert not bad_input(PayloadError("checksum"))
+    assert not bad_input(chained(ValueError, PayloadError("checksum")))
+    assert bad_input(FloatingPointError("the loss is not finite on rank(s) [1] by step 5"))
+    assert not bad_input(RuntimeError("Connection closed by peer"))
+    assert not bad_input(OSError("No space left on device"))

@@ -5,12 +5,13 @@ the training that goes on cannot change it), then a thread writes it to the rank
 (under a temporary name, renamed when whole) and digests it while the steps go on; the
 checkpoint is completed (every rank's digest gathered, rank 0's record, ``meta.json``,
 written last, old checkpoints pruned) at the next step all ranks take for it: the next
-logged step (``--log-every``), the next checkpoint, or the run's end. Until then it is an
-incomplete directory, which a resume passes over (a crash before loses it, and resumes from
-the one before). On the CPU, or where the host's free memory would not hold the snapshot, a
-rank writes its live state at once, training waiting for it: there the training's threads
-already use the cores, and a writer beside them made the run slower
-(`benchmarks/bench_checkpoint.py`: 2 cores, a 4.3 GB file, 15-30% more wall time).
+logged step (``--log-every``), the next checkpoint, an evaluation, or the run's end. Until
+then it is an incomplete directory, which a resume passes over (a crash before loses it, and
+resumes from the one before). On the CPU, or where the host's free memory would not hold the
+snapshot, a rank writes its live state at once, training waiting for it: there the
+training's threads already use the cores, and a writer beside them made the run slower
+(`benchmarks/bench_checkpoint.py`: 2 cores, a 4.3 GB file, 15-30% more wall time). On the
+CPU, where every rank writes so, the checkpoint is completed as soon as it is written.
 """
 
 from __future__ import annotations
@@ -130,17 +131,21 @@ class Saver:
 
     def save(self, parts: Parts, step: int, counters: dict[str, Any]) -> None:
         """Start this rank's file of the checkpoint at ``step`` (the last one completed
-        first)."""
+        first); on the CPU, write it and complete it."""
         self.complete()
         d = self.directory(step)
         d.mkdir(parents=True, exist_ok=True)
         live = rank_state(parts, self.ranks, counters)
         self.pending = write = _Write(step, d / f"rank-{self.ranks.rank}.pt")
         with self._busy():
-            if not (in_background(self.ranks.device) and _room_for_a_copy(live)):
+            if background := in_background(self.ranks.device) and _room_for_a_copy(live):
+                state = snapshot(live)  # (a large table's copy: one call)
+            else:
                 write.run(live)  # the live state, training waiting
-                return
-            state = snapshot(live)  # (a large table's copy: one call)
+        if not background:
+            if not in_background(self.ranks.device):  # every rank's file written by now:
+                self.complete()  # a failure before the next logged step keeps it
+            return
         write.thread = threading.Thread(target=write.run, args=(state,), name=f"checkpoint-{step}")
         write.thread.start()
 

@@ -28,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     try:
         return _run(cmd, rest)
-    except (ValueError, OSError, IndexError, MemoryError) as e:
-        # Bad input (flags, files, data lines, payloads from a rank, what cannot fit): the
-        # message names the problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it.
+    except (ValueError, FloatingPointError, OSError, IndexError, MemoryError) as e:
+        # Bad input (flags, files, data lines, payloads from a rank, what cannot fit,
+        # settings under which the loss diverges): the message names the problem; a
+        # traceback would bury it. RECSZ_TRACEBACK=1 shows it.
         if os.environ.get("RECSZ_TRACEBACK"):
             raise
         print(f"recsz {cmd}: error: {e}", file=sys.stderr)

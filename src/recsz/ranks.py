@@ -10,10 +10,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,12 +51,12 @@ class Ranks:
         try:
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
         except RuntimeError as e:
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-            if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            again = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+            if again and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
                 raise RuntimeError(
                     f"{e}: a job torchrun restarted, its ranks meeting in the store of the "
                     f"attempt before: launch it with {SEPARATE_STORES}=1 (pytorch/pytorch#135712; "
-                    "`recsz train --max-restarts` does)"
+                    "`recsz train --max-restarts` starts a fresh agent instead)"
                 ) from e
             raise
         return cls(dist.get_rank(), dist.get_world_size(), dev)
@@ -91,10 +93,44 @@ class Ranks:
             )
 
 
+#: A launched rank's exit status on bad input, as `recsz`'s own (``recsz.cli``): the
+#: launcher does not start such a job again, which the same input would fail again.
+BAD_INPUT = 2
+#: The launcher's folder where its ranks note their bad input (one file a rank), and the
+#: attempt its ranks belong to (0: the first; :func:`launch` restarts a failed job).
+FAILURES, ATTEMPT = "RECSZ_FAILURES", "RECSZ_ATTEMPT"
+
+
+def bad_input(e: BaseException) -> bool:
+    """Whether ``e`` says that the job's input is bad (a ``ValueError``: a data line, a flag,
+    a checkpoint, a run another job writes; a ``FloatingPointError``: settings under which
+    the loss diverged), which the same command line would raise again; not bytes damaged
+    on their way from a peer (a ``PayloadError`` anywhere in its chain), which need not be
+    damaged again."""
+    from recsz.codecs.payload import PayloadError
+
+    if not isinstance(e, ValueError | FloatingPointError):
+        return False
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, PayloadError):
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return True
+
+
+def restarted() -> bool:
+    """Whether this rank's job was started again after a failure (by :func:`launch`, or by
+    a plain torchrun's agent)."""
+    return any(int(os.environ.get(k, "0")) for k in (ATTEMPT, "TORCHELASTIC_RESTART_COUNT"))
+
+
 def worker(body: Callable[[], int], as_main: bool) -> int:
     """Run a rank's ``body`` (``recsz train``'s, ``recsz evaluate``'s) and return its exit
     status: under torchrun's agent, stop with it (:func:`watch_parent`); a launched rank's
-    failure names the rank.
+    failure names the rank, and on bad input (:func:`bad_input`) ends it with
+    :data:`BAD_INPUT`, the message without a traceback (``RECSZ_TRACEBACK=1`` shows it), as
+    `recsz` says a lone process's.
     ``as_main``: the process is this rank's alone (``python -m``), and leaves without C++
     static destructors once the job is done."""
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
@@ -103,10 +139,15 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
     try:
         status = body()
     except Exception as e:
-        if "WORLD_SIZE" in os.environ:  # a launched rank (alone, the command says it once)
-            print(f"recsz: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr,
-                  flush=True)  # fmt: skip
-        raise
+        if "WORLD_SIZE" not in os.environ:  # alone: the command says it once
+            raise
+        said = f"{type(e).__name__}: {e}"
+        print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
+        if not bad_input(e) or os.environ.get("RECSZ_TRACEBACK"):
+            raise
+        if folder := os.environ.get(FAILURES):
+            (Path(folder) / f"rank-{rank}").write_text(said)
+        status = BAD_INPUT
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and as_main:
         # A worker whose job is done and whose group is destroyed leaves without running
         # C++ static destructors: under load, gloo's teardown occasionally aborted there
@@ -119,49 +160,68 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
 
 def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restarts: int = 0) -> int:
     """Run ``module`` (``recsz.train``, ``recsz.evaluation``) on ``nproc`` local ranks
-    under torchrun and return its exit status; its agent stops all of them on any failure,
-    then starts them again up to ``max_restarts`` times."""
+    under torchrun and return its exit status; its agent stops all of them on any failure.
+    A job that failed is started again, up to ``max_restarts`` times (a fresh agent each
+    time), unless a rank said its input is bad (:data:`BAD_INPUT`): then the launcher names
+    the problem once, last, and returns that status."""
     # Workers learn their count from torchrun's env (torchrun would also misread "--nproc"
     # as an abbreviation of its own flag): "--nproc N" and "--nproc=N" are left out.
     at = [i for i, a in enumerate(argv) if a == "--nproc"]
     drop = {*at, *(i + 1 for i in at)}
     worker_argv = [a for i, a in enumerate(argv) if i not in drop and not a.startswith("--nproc=")]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        "-m",
-        module,
-        *worker_argv,
-    ]
+    cmd = [sys.executable, "-m", "recsz.ranks", "--standalone",
+           f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", module, *worker_argv]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    if max_restarts:  # a store a round: the restarted ranks never read the last one's keys
-        env.setdefault(SEPARATE_STORES, "1")
     # The agent dies with this process (even a SIGKILL of it), and a SIGTERM or SIGINT
     # sent here is passed on: torchrun's agent then stops its workers, and the workers
     # stop by themselves when their agent is gone (watch_parent).
-    agent = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     forwarded: list[int] = []
+    agent: subprocess.Popen | None = None
 
     def forward(sig: int, _frame: object) -> None:
         forwarded.append(sig)
-        agent.send_signal(sig)
+        if agent is not None:
+            agent.send_signal(sig)
 
     for sig in previous:
         signal.signal(sig, forward)
     try:
-        status = agent.wait()
-        # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a shell's
-        # status of a process the signal ended, not the agent's 1.
-        return 128 + forwarded[0] if status and forwarded else status
+        with tempfile.TemporaryDirectory(prefix="recsz-failures-") as failures:
+            env[FAILURES] = failures
+            for attempt in range(max_restarts + 1):
+                if forwarded:  # asked to stop between two attempts
+                    return 128 + forwarded[0]
+                env[ATTEMPT] = str(attempt)
+                agent = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+                status = agent.wait()
+                # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
+                # shell's status of a process the signal ended, not the agent's 1.
+                if not status or forwarded:
+                    return 128 + forwarded[0] if status and forwarded else status
+                if said := _bad_input_said(Path(failures)):
+                    print(f"recsz: bad input, the job not started again (it would fail the "
+                          f"same way): {said}", file=sys.stderr, flush=True)  # fmt: skip
+                    return BAD_INPUT
+                if attempt < max_restarts:
+                    print(f"recsz: the job failed (exit status {status}): starting its "
+                          f"ranks again ({attempt + 1} of {max_restarts} restarts)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            return status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _bad_input_said(failures: Path) -> str:
+    """What the ranks noted in ``failures``, each message once with the ranks that said it."""
+    by: dict[str, list[int]] = {}
+    for f in sorted(failures.glob("rank-*"), key=lambda f: int(f.name[5:])):
+        by.setdefault(f.read_text(), []).append(int(f.name[5:]))
+    return "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}" for m, r in by.items()
+    )
 
 
 #: glibc's mallopt parameters.
@@ -211,3 +271,23 @@ def watch_parent(interval_s: float = 0.5) -> None:
                 os._exit(1)
 
     threading.Thread(target=watch, name="recsz-watch-parent", daemon=True).start()
+
+
+def _agent(args: list[str]) -> int:
+    """torchrun's agent (``torch.distributed.run``) with the flags ``args``, as
+    :func:`launch` runs it: quiet where a rank failed on bad input, which that rank has said
+    (torchrun's report, with a traceback of the agent's own, would bury it)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    try:
+        main(args)
+    except ChildFailedError as e:
+        if any(f.exitcode == BAD_INPUT for f in e.failures.values()):
+            return BAD_INPUT
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_agent(sys.argv[1:]))

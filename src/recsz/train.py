@@ -27,7 +27,7 @@ from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.model import get_preset, modelfile
-from recsz.ranks import Ranks, keep_freed_memory, launch, worker
+from recsz.ranks import Ranks, keep_freed_memory, launch, restarted, worker
 from recsz.rundir import Held, continues, refuse_another_run
 from recsz.step import (
     build_parts,
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_WORLD_SIZE" in os.environ:  # a rank torchrun started (the launcher left out
         # --nproc): its host's ranks recorded, which `--resume` and `--config` start again
         given["nproc"] = int(os.environ["LOCAL_WORLD_SIZE"])
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):  # torchrun restarted the job
+    if restarted():  # the job started again after a failure
         given["inject_failure"] = None  # (a test's failure: once)
     found = checkpoint.record(Path(given["resume"])) if given.get("resume") else None
     # Resumed: the flags not given are the run's.

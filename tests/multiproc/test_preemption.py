@@ -123,6 +123,26 @@ def test_a_restarted_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> Non
             assert got[key] == pytest.approx(straight[key], rel=1e-6), (fail_at, key)
 
 
+def test_bad_input_ends_a_job_at_once_without_restarts(tmp_path: Path) -> None:
+    """A rank that fails on bad input (a data file's line) says so once, without a
+    traceback; the launcher starts no other attempt, however many restarts it may make
+    (the same input would fail the same way), names the problem last and exits with 2, as
+    `recsz` does on one process. (A failure of another kind is restarted: the test above.)"""
+    line = "\t".join(["1", *["3"] * 13, *["68fd1e64"] * 26])
+    data = tmp_path / "bad.tsv"
+    data.write_text("\n".join([line] * 39 + ["1\tabc\tzz"] + [line] * 40) + "\n")
+    cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", "--steps", "2",
+           "--batch-size", "32", "--no-progress", "--data", str(data),
+           "--max-restarts", "2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    said = f"CriteoFormatError: {data}:40: field 2 (I1): 'abc' is not an integer"
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("recsz: bad input, the job not started again") and said in last
+    assert done.stderr.count(said) == 3  # each rank's line, the launcher's: one attempt
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
+
+
 STUCK_RANK = """
 import os, signal, sys, threading, time
 import torch, torch.distributed as dist
