@@ -212,6 +212,34 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     assert main([*BASE, *on]) == 0 and seen and all(h is before for h in seen)
 
 
+def test_ctrl_c_saves_a_run_with_a_directory_and_ends_one_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGINT (Ctrl-C) mid-run: with a run directory, as SIGTERM, the step under way ends, a
+    checkpoint is written there and the run exits with SIGINT's status (130); without one
+    (nowhere to save), `recsz train` ends at once with 130, saying so, no traceback."""
+    import os
+    import signal
+
+    import recsz.train
+    from recsz.cli import main as cli
+
+    stepped = recsz.train.train_step
+
+    def interrupted_at_3(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return stepped(parts, batch, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "train_step", interrupted_at_3)
+    run = tmp_path / "run"
+    assert main([*BASE, "--steps", "8", "--checkpoint-every", "6", "--out", str(run)]) == 130
+    assert [d.name for d in checkpoint.complete(run)] == ["step-000000004"]
+    assert "stopped at step 4 (SIGINT)" in capsys.readouterr().out
+    assert cli(["train", "--steps", "8", "--batch-size", "32", "--no-progress"]) == 130
+    assert capsys.readouterr().err.strip() == "recsz train: interrupted"
+
+
 def test_the_same_run_again_goes_on_and_another_is_refused(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     try:
         return _run(cmd, rest)
+    except KeyboardInterrupt:  # Ctrl-C (a run with a directory saves a checkpoint first)
+        print(f"recsz {cmd}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (ValueError, FloatingPointError, OSError, IndexError, MemoryError) as e:
         # Bad input (flags, files, data lines, payloads from a rank, what cannot fit,
         # settings under which the loss diverges): the message names the problem; a

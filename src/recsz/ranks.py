@@ -138,6 +138,12 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
     rank = os.environ.get("RANK", "0")
     try:
         status = body()
+    except KeyboardInterrupt:  # SIGINT where no run directory asks for a checkpoint, or a
+        if "WORLD_SIZE" not in os.environ:  # second Ctrl-C (recsz.stopping)
+            raise
+        if rank == "0":
+            print("recsz: interrupted (SIGINT)", file=sys.stderr, flush=True)
+        status = 128 + signal.SIGINT
     except Exception as e:
         if "WORLD_SIZE" not in os.environ:  # alone: the command says it once
             raise
@@ -175,7 +181,9 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
     env.setdefault("OMP_NUM_THREADS", "1")
     # The agent dies with this process (even a SIGKILL of it), and a SIGTERM or SIGINT
     # sent here is passed on: torchrun's agent then stops its workers, and the workers
-    # stop by themselves when their agent is gone (watch_parent).
+    # stop by themselves when their agent is gone (watch_parent). The agent has a session
+    # of its own, so a terminal's Ctrl-C reaches its workers once, passed on, not also
+    # straight from the terminal.
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     forwarded: list[int] = []
     agent: subprocess.Popen | None = None
@@ -194,7 +202,9 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
                 if forwarded:  # asked to stop between two attempts
                     return 128 + forwarded[0]
                 env[ATTEMPT] = str(attempt)
-                agent = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+                agent = subprocess.Popen(
+                    cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True
+                )
                 status = agent.wait()
                 # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
                 # shell's status of a process the signal ended, not the agent's 1.
@@ -275,8 +285,10 @@ def watch_parent(interval_s: float = 0.5) -> None:
 
 def _agent(args: list[str]) -> int:
     """torchrun's agent (``torch.distributed.run``) with the flags ``args``, as
-    :func:`launch` runs it: quiet where a rank failed on bad input, which that rank has said
-    (torchrun's report, with a traceback of the agent's own, would bury it)."""
+    :func:`launch` runs it: quiet where a rank failed on bad input, which that rank has said,
+    and where a signal passed on stopped the job (torchrun's report, with a traceback of the
+    agent's own, would bury what the ranks said)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
@@ -286,6 +298,8 @@ def _agent(args: list[str]) -> int:
         if any(f.exitcode == BAD_INPUT for f in e.failures.values()):
             return BAD_INPUT
         raise
+    except SignalException as e:
+        return 128 + e.sigval
     return 0
 
 

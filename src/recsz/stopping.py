@@ -1,6 +1,9 @@
 """Stopping a run that is asked to stop (SIGTERM: a scheduler preempting the job, torchrun's
-agent passing on its own SIGTERM), at a step every rank agrees on, so that the run can save a
-checkpoint there and be resumed instead of losing the steps since the last one.
+agent passing on its own SIGTERM; SIGINT: Ctrl-C, passed on by the launcher), at a step every
+rank agrees on, so that the run can save a checkpoint there and be resumed instead of losing
+the steps since the last one. SIGINT again, later than :data:`ECHO_S` after the first (an
+impatient second Ctrl-C, not the first passed on once more by torchrun's agent), raises
+KeyboardInterrupt at once: no checkpoint.
 
 A signal reaches the ranks at slightly different moments, perhaps in different steps. Each
 rank notes it in its handler; after every step the ranks combine their notes in an
@@ -35,8 +38,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: What the asked-to-stop process exits with: a shell's status of a process SIGTERM ended.
+#: The signals that ask a run to stop; the process then exits with a shell's status of a
+#: process the signal ended (128 + its number; SIGTERM's wins where ranks saw both).
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_STATUS = 128 + signal.SIGTERM
+#: Seconds within which a second SIGINT is the first one again (a terminal's Ctrl-C reaches
+#: every process of a plain torchrun's job, and its agent passes it on too).
+ECHO_S = 1.0
 #: Seconds a rank asked to stop may sit in one call (the same frame at the same instruction,
 #: no step ended) before it is taken to wait on a peer that is gone; or 3 times its longest
 #: step yet, if longer (a wait for a slow peer's step). The job's own long calls are exempt
@@ -47,12 +55,15 @@ _POLL_S = 0.25
 
 
 class Stopping:
-    """SIGTERM noted in this process from its making until :meth:`close` (which restores
-    the handler before it), and the step at which every rank has seen it (:meth:`agreed`)."""
+    """SIGTERM or SIGINT noted in this process from its making until :meth:`close` (which
+    restores the handlers before it), and the step at which every rank has seen one
+    (:meth:`agreed`; :attr:`by`: the signal they stop by)."""
 
     def __init__(self, world: int, rank: int = 0) -> None:
         self.world, self.rank = world, rank
-        self.asked = False
+        self.asked = 0  # the signal noted (SIGTERM's number where both were), 0: none
+        self.by = 0  # the signal the ranks agreed to stop by
+        self._first_int: float | None = None  # when the first SIGINT came
         self._steps = 0  # agreements reached, the main thread's sign of life
         self._last: float | None = None  # when the last was
         self._longest = 0.0  # the longest time between two
@@ -61,7 +72,7 @@ class Stopping:
         self._saved: int | None = None  # busy() on what this checkpoint step holds
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
-        self._previous = signal.signal(signal.SIGTERM, self._note)
+        self._previous = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = os.pipe()
@@ -92,27 +103,34 @@ class Stopping:
             self._busy -= 1
             self._saved = outer
 
-    def _note(self, _sig: int, _frame: FrameType | None) -> None:
-        self.asked = True
+    def _note(self, sig: int, _frame: FrameType | None) -> None:
+        if sig == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_int is None:
+                self._first_int = now
+            elif now - self._first_int > ECHO_S:  # Ctrl-C again: now, no checkpoint
+                raise KeyboardInterrupt
+        self.asked = max(self.asked, sig)
 
     def _watch(self, main: int) -> None:
-        """Wait for SIGTERM's byte on the wakeup fd; then, while the main thread has not
-        seen the stop, exit if it stays in one call for :data:`STUCK_S` (or
-        :data:`STEPS_LONG` times its longest step)."""
+        """Wait for a signal's byte (SIGTERM's, SIGINT's) on the wakeup fd; then, while the
+        main thread has not seen the stop, exit if it stays in one call for :data:`STUCK_S`
+        (or :data:`STEPS_LONG` times its longest step)."""
         assert self._wakeup is not None
         while True:
             got = os.read(self._wakeup[0], 64)
             if not got:  # closed: the run ended
                 return
-            if signal.SIGTERM in got:
+            if any(sig in got for sig in SIGNALS):
                 break
         place, since, steps = None, time.monotonic(), self._steps
+        name = signal.Signals(max(s for s in SIGNALS if s in got)).name
         while not self._closed.wait(_POLL_S) and not self._stopping:
             if (saved := self._saved) is not None:
-                print(f"recsz: rank {self.rank}: asked to stop (SIGTERM) while it evaluates "
+                print(f"recsz: rank {self.rank}: asked to stop ({name}) while it evaluates "
                       f"step {saved}, whose checkpoint is complete: exiting now (the same "
                       "command line again evaluates it)", file=sys.stderr, flush=True)  # fmt: skip
-                os._exit(EXIT_STATUS)
+                os._exit(128 + signal.Signals[name])
             frame = sys._current_frames().get(main)
             if frame is None:
                 return
@@ -120,12 +138,12 @@ class Stopping:
                 place, since, steps = (frame, frame.f_lasti), time.monotonic(), self._steps
             elif time.monotonic() - since >= (held := max(STUCK_S, STEPS_LONG * self._longest)):
                 code = frame.f_code
-                print(f"recsz: rank {self.rank}: asked to stop (SIGTERM), but held "
+                print(f"recsz: rank {self.rank}: asked to stop ({name}), but held "
                       f"{held:.0f} s in one call, {code.co_filename}:{frame.f_lineno} "
                       f"({code.co_name}): a collective whose peer is gone? Exiting without a "
                       "checkpoint (the job goes on from its last one)", file=sys.stderr,
                       flush=True)  # fmt: skip
-                os._exit(EXIT_STATUS)
+                os._exit(128 + signal.Signals[name])
 
     def _close_wakeup(self) -> None:
         if self._wakeup is not None:
@@ -159,20 +177,23 @@ class Stopping:
         """Whether any rank had been asked by the last call before this one (one rank: by
         this one); the ranks' notes of this call combined in the background."""
         if self.world == 1:
-            self._stopping = self.asked
-            return self.asked
+            self.by = self.asked
+            self._stopping = bool(self.by)
+            return self._stopping
         seen = False
         if self._pending is not None:
             self._pending.wait()
-            seen = self._stopping = bool(self._sum.item())
-        self._sum = torch.tensor([int(self.asked)], dtype=torch.int32)
+            self.by = int(self._sum.item())
+            seen = self._stopping = bool(self.by)
+        self._sum = torch.tensor([self.asked], dtype=torch.int32)
         self._pending = dist.all_reduce(self._sum, op=dist.ReduceOp.MAX, async_op=True)
         return seen
 
     def close(self, ok: bool) -> None:
         """Restore the handler; after a run that ended well, complete the last all-reduce
         (every rank started it: the group's collectives stay matched)."""
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
         self._closed.set()

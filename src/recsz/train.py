@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ from recsz.step import (
     train_step,
 )
 from recsz.stepgraph import graphed
-from recsz.stopping import EXIT_STATUS, Stopping
+from recsz.stopping import Stopping
 
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
@@ -56,7 +57,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ok = False
     saver: Saver | None = None
     held: Held | None = None
-    # SIGTERM from here on is noted, and acted on after a step: a checkpoint, then the end
+    # SIGTERM or SIGINT from here on is noted, and acted on after a step: a checkpoint, then
+    # the end
     stop = Stopping(ranks.world, ranks.rank) if cfg.out or cfg.resume else None
     try:
         ranks.check_same({k: v for k, v in cfg.to_dict().items() if k not in _LOCAL_FIELDS})
@@ -248,17 +250,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         final: dict[str, Any] | None = None  # the final evaluation's numbers
         if not stopped and reached is None and (final := evaluated(steps)) is None:
             left_unfinished(steps, False)  # asked to stop during the final evaluation
-        if stopped:  # asked to stop (SIGTERM): its checkpoint, no evaluation, no summary
+        if stopped:  # asked to stop (SIGTERM, SIGINT): a checkpoint, no evaluation, no summary
             saver.complete()  # (one saved just now)
             # (stopped where it resumed: in the evaluation it did first, of the one resumed)
             saved = Path(cfg.resume) if cfg.resume and done == start else saver.directory(done)
+            assert stop is not None
+            by = signal.Signals(stop.by).name
             if ranks.rank == 0:
                 what = " during its evaluation, left unfinished" if during else ""
-                tqdm.write(f"recsz: stopped at step {done} (SIGTERM){what}; checkpoint "
+                tqdm.write(f"recsz: stopped at step {done} ({by}){what}; checkpoint "
                            f"{saved} written: the same command line again goes on from it "
                            f"(or `recsz train --resume {out}`)")  # fmt: skip
             ok = True
-            return {"steps": done, "stopped": True, "checkpoint": str(saved)}
+            return {"steps": done, "stopped": by, "checkpoint": str(saved)}
         if reached is not None:  # the model the target's evaluation saw
             steps, ev = reached["step"], reached_ev
         else:
@@ -388,8 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
         return launch(cfg.nproc, argv, max_restarts=cfg.max_restarts)
-    return worker(lambda: EXIT_STATUS if run(cfg).get("stopped") else 0,
-                  as_main=__name__ == "__main__")  # fmt: skip
+
+    def status() -> int:  # 128 + the signal it stopped by (a shell's status), or 0
+        by = run(cfg).get("stopped")
+        return 128 + signal.Signals[by] if by else 0
+
+    return worker(status, as_main=__name__ == "__main__")
 
 
 if __name__ == "__main__":

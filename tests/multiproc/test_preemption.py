@@ -212,6 +212,51 @@ def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mo
     assert "distributed_c10d.py" in said and "all_reduce" in said, said
 
 
+def test_ctrl_c_stops_a_job_at_a_checkpoint_and_again_at_once() -> None:
+    """SIGINT (Ctrl-C) asks a run to stop as SIGTERM does, by its own status; SIGTERM's
+    status wins where a rank saw both; SIGINT again within ECHO_S is the first passed on
+    once more (torchrun's agent), later it is a second Ctrl-C: KeyboardInterrupt at once.
+    Both handlers are the caller's again after close()."""
+    import time
+
+    from recsz import stopping
+
+    before = {sig: signal.getsignal(sig) for sig in stopping.SIGNALS}
+    stop = stopping.Stopping(1)
+    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), signal.SIGINT)  # the same Ctrl-C, passed on
+    assert stop.agreed() is True and stop.by == signal.SIGINT
+    time.sleep(stopping.ECHO_S + 0.1)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1)  # (the handler runs between two of the main thread's calls)
+    stop.close(ok=True)
+    stop = stopping.Stopping(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.agreed() is True and stop.by == signal.SIGTERM
+    stop.close(ok=True)
+    assert {sig: signal.getsignal(sig) for sig in stopping.SIGNALS} == before
+
+
+def test_ctrl_c_to_a_launched_job_saves_its_checkpoint_quietly(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C (SIGINT to the launcher's process group): the ranks get it once,
+    passed on by torchrun's agent (a session of its own), stop at one step with a checkpoint
+    as on SIGTERM, and the job exits with 130, rank 0 saying where, no traceback (before:
+    KeyboardInterrupt's on every rank and the agent's, ~117 lines, no checkpoint)."""
+    run = tmp_path / "run"
+    launcher, _agent, _workers = start_job(run)
+    os.killpg(launcher.pid, signal.SIGINT)
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGINT, out[-2000:]
+    said = [line for line in out.splitlines() if "stopped at step" in line]
+    assert len(said) == 1 and "(SIGINT)" in said[0], out[-2000:]
+    assert "Traceback" not in out and len(out.splitlines()) < 12, out[-3000:]
+    saved = checkpoint.complete(run)
+    assert len(saved) == 1, saved
+    assert f"step {json.loads((saved[0] / 'meta.json').read_text())['step']} " in said[0]
+
+
 def test_the_watcher_ends_with_its_run() -> None:
     """close() restores SIGTERM's handler and the wakeup fd, and its thread ends."""
     from recsz.stopping import Stopping
