@@ -240,6 +240,25 @@ def test_ctrl_c_saves_a_run_with_a_directory_and_ends_one_without(
     assert capsys.readouterr().err.strip() == "recsz train: interrupted"
 
 
+def test_a_second_ctrl_c_during_a_checkpoints_write_ends_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt while a rank writes its checkpoint's file (a second Ctrl-C): the
+    run ends with it (not as a checkpoint that could not be written), no partial file
+    left, nothing completed."""
+    import recsz.checkpointwrite
+
+    def interrupted(state: object, f: object) -> None:
+        Path(str(f)).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recsz.checkpointwrite.torch, "save", interrupted)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        main([*BASE, "--out", str(run)])
+    assert checkpoint.complete(run) == [] and not list(run.glob("checkpoints/*/*"))
+
+
 def test_the_same_run_again_goes_on_and_another_is_refused(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

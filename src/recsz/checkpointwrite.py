@@ -107,8 +107,8 @@ class _Write:
         try:
             atomic_write(self.path, lambda tmp: torch.save(state, tmp))
             self.result["digest"] = digest(self.path)
-        except BaseException as e:  # named on every rank when the checkpoint completes
-            self.result["error"] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # named on every rank when the checkpoint completes (a
+            self.result["error"] = f"{type(e).__name__}: {e}"  # second Ctrl-C: raised)
 
 
 class Saver:
