@@ -398,7 +398,8 @@ def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None
 
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:
     """What a launched rank ends on without restarts: a ValueError (a data line, a flag, a
-    checkpoint), unless a PayloadError (bytes damaged on their way) is in its chain."""
+    checkpoint), unless a PayloadError (bytes damaged on their way) is in its chain; a
+    diverged loss; a missing path, not any OSError."""
     from recsz.codecs.payload import PayloadError
     from recsz.ranks import bad_input
 
@@ -414,4 +415,5 @@ def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:
     assert not bad_input(chained(ValueError, PayloadError("checksum")))
     assert bad_input(FloatingPointError("the loss is not finite on rank(s) [1] by step 5"))
     assert not bad_input(RuntimeError("Connection closed by peer"))
-    assert not bad_input(OSError("No space left on device"))
+    assert bad_input(FileNotFoundError("--data /x.tsv: no such file or directory"))
+    assert not bad_input(OSError(5, "Input/output error"))
