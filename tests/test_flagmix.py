@@ -163,7 +163,9 @@ def test_two_ranks_train_any_lossless_mix_as_one_process_does(
     mix: list[str], codecs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Any mix of options with lossless codecs: 2 ranks log the losses and reach the AUC of
-    one process (within float32 sums' order: 1e-4)."""
+    one process (within float32 sums' order: 1e-4; with half-precision tables, whose
+    stochastic rounding draws from each value's bits, a last-bit difference of a sum may
+    round a row the other way: 1e-3 and an AUC within 2e-3, a few of 128 samples' pairs)."""
     for name in _NOT_LOSSLESS & set(mix):
         at = mix.index(name)
         del mix[at : at + 2]
@@ -176,6 +178,7 @@ def test_two_ranks_train_any_lossless_mix_as_one_process_does(
     except ValueError:
         return  # refused
     assert train([*flags, "--out", str(two), "--nproc", "2"]) == 0
-    assert _losses(two) == pytest.approx(_losses(one), rel=1e-4, abs=1e-5)
+    half = "--table-dtype" in mix and mix[mix.index("--table-dtype") + 1] != "fp32"
+    assert _losses(two) == pytest.approx(_losses(one), rel=1e-3 if half else 1e-4, abs=1e-5)
     want, got = (json.loads((r / "summary.json").read_text()) for r in (one, two))
-    assert got["auc"] == pytest.approx(want["auc"], abs=1e-4)
+    assert got["auc"] == pytest.approx(want["auc"], abs=2e-3 if half else 1e-4)

@@ -230,6 +230,26 @@ def test_a_diverging_run_stops_at_its_first_row(tmp_path: Path) -> None:
     assert done.stderr.strip().splitlines()[-1].startswith("recsz train: error: the loss is not")
 
 
+def test_progress_written_to_a_file_is_a_line_a_row_not_a_bar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Progress where no terminal reads it (here captured; a scheduler's log file): no bar,
+    whose redraws would pile up on one line, but a metrics row's line: the first, those of
+    an evaluation and the last, the others at most one each Progress.LINE_S seconds (30: none
+    in a 4-step run); --no-progress: none."""
+    flags = ["--steps", "4", "--batch-size", "32", "--log-every", "1", "--eval-every", "2",
+             "--synthetic-eval", "64"]  # fmt: skip
+    main(flags)
+    out, err = capsys.readouterr()
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split("  ")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
+    assert re.fullmatch(r"step 2/4  loss \d\.\d{4}  [\d,]+ samples/s  fwd [\d.]+x  bwd [\d.]+x  "
+                        r"auc \d\.\d{4}", lines[1]), lines  # fmt: skip
+    assert "\r" not in err and "train:" not in err
+    main([*flags, "--no-progress"])
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
+
+
 def test_a_run_too_short_for_a_steady_pace_prints_none(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -242,10 +262,12 @@ def test_a_run_too_short_for_a_steady_pace_prints_none(
 
 
 def test_the_progress_bar_shows_the_last_loss_and_auc(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An evaluation's row holds no loss: the bar keeps the last loss beside the AUC, never
-    "nan" (it showed loss=nan after each mid-run evaluation)."""
+    """An evaluation's row holds no loss: the bar (on a terminal: here the captured stream
+    says it is one) keeps the last loss beside the AUC, never "nan" (it showed loss=nan after
+    each mid-run evaluation)."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     main(["--steps", "5", "--eval-every", "2", "--log-every", "3", "--synthetic-eval", "64"])
     bar = capsys.readouterr().err.replace("\r", "\n")
     assert "nan" not in bar

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
+
+from tqdm import tqdm
 
 if TYPE_CHECKING:
     from recsz.step import Parts
@@ -246,3 +250,54 @@ class Log:
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+class Progress:
+    """A run's progress, said by rank 0 (``show``): a bar on a terminal; written to a file (a
+    scheduler's log, ``nohup``), where a bar's redraws pile up on one line, a line per
+    metrics row instead, at most one each :attr:`LINE_S` seconds but for the first, the
+    last and those of an evaluation."""
+
+    #: What the bar shows, from the metrics rows that hold it: (label, row key).
+    SHOWN = (("loss", "loss"), ("auc", "eval_auc"))
+    LINE_S = 30.0
+
+    def __init__(self, total: int, initial: int, show: bool, err: TextIO | None = None) -> None:
+        err = err or sys.stderr
+        self.lines = show and not err.isatty()
+        self.total, self._said_at = total, -math.inf
+        self.bar = tqdm(total=total, initial=initial, disable=not show or self.lines,
+                        desc="train", unit="step", leave=False, file=err)  # fmt: skip
+        self.shown: dict[str, str] = {}
+
+    def update(self) -> None:
+        """One more step."""
+        self.bar.update(1)
+
+    def row(self, row: dict[str, Any]) -> None:
+        """A metrics row logged: the bar's last loss and AUC (a row may hold either or
+        both), or its line."""
+        self.shown.update({k: f"{row[c]:.4f}" for k, c in self.SHOWN if c in row})
+        self.bar.set_postfix({k: self.shown[k] for k, _ in self.SHOWN if k in self.shown})
+        now = time.monotonic()
+        due = now - self._said_at >= self.LINE_S or row["step"] == self.total
+        if self.lines and (due or "eval_auc" in row):
+            self._said_at = now
+            tqdm.write(line_of(row, self.total))
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def line_of(row: dict[str, Any], total: int) -> str:
+    """A metrics row as one line of a log: ``step 200/1000  loss 0.4512  11,234 samples/s
+    fwd 24.1x  bwd 19.8x  auc 0.7712``, the numbers the row holds."""
+    out = [f"step {row['step']}/{total}"]
+    if "loss" in row:
+        out.append(f"loss {row['loss']:.4f}")
+    if "samples_per_s" in row and math.isfinite(row["samples_per_s"]):
+        out.append(f"{row['samples_per_s']:,.0f} samples/s")
+    out += [f"{d} {row[f'{d}_ratio']:.1f}x" for d in ("fwd", "bwd") if f"{d}_ratio" in row]
+    if "eval_auc" in row:
+        out.append(f"auc {row['eval_auc']:.4f}")
+    return "  ".join(out)

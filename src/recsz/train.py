@@ -44,8 +44,6 @@ from recsz.stopping import Stopping
 SYNTHETIC_DEFAULT_STEPS = 1000
 #: Steps left out of samples_per_s_steady (first kernel compiles, CUDA graph captures).
 WARM_STEPS = 3
-#: What the progress bar shows, from the metrics rows that hold it: (label, row key).
-SHOWN = (("loss", "loss"), ("auc", "eval_auc"))
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -105,15 +103,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 f"fwd={cfg.fwd_codec} bwd={cfg.bwd_codec} ({cfg.eb_policy} {cfg.eb_mode})"
             )
             tqdm.write(f"table owners: {owners}")
-        bar = tqdm(
-            total=steps,
-            initial=start,
-            disable=not (cfg.progress and ranks.rank == 0),
-            desc="train",
-            unit="step",
-            leave=False,
-        )
-        shown: dict[str, str] = {}
+        progress = report.Progress(steps, start, cfg.progress and ranks.rank == 0)
         losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
         lr_factor = 1.0
@@ -208,7 +198,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 # queued work of the steps counted so far counts here.
                 torch.cuda.synchronize(ranks.device)
             train_s += time.perf_counter() - t0
-            bar.update(1)
+            progress.update()
             if warmed:
                 warm = (train_s, done)
             row: dict[str, Any] = {}
@@ -238,12 +228,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     save(done, False)  # where the target was met: resuming it ends here
             if row:
                 log.metrics(row)
-                # the last training loss and held-out AUC (a row may hold either or both)
-                shown.update({k: f"{row[c]:.4f}" for k, c in SHOWN if c in row})
-                bar.set_postfix({k: shown[k] for k, _ in SHOWN if k in shown})
+                progress.row(row)
             if reached is not None or stopped:
                 break
-        bar.close()
+        progress.close()
         # the last checkpoint whole before the final evaluation: a run cut short during it
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
