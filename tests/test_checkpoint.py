@@ -167,6 +167,23 @@ def test_a_row_cut_short_by_a_kill_is_dropped_on_resume(run_dir: Path, tmp_path:
         plot_run(dst)
 
 
+def signalled_in(monkeypatch: pytest.MonkeyPatch, at: int, sig: int) -> None:
+    """The run's process sent ``sig`` as its step ``at`` begins (as a scheduler or Ctrl-C
+    would, between two of its calls)."""
+    import os
+
+    import recsz.train
+
+    stepped = recsz.train.train_step
+
+    def signalled(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
+        if step == at:
+            os.kill(os.getpid(), sig)
+        return stepped(parts, batch, step, ranks)
+
+    monkeypatch.setattr(recsz.train, "train_step", signalled)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str
@@ -176,19 +193,12 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     exits with SIGTERM's status without evaluating, and SIGTERM's handler is the caller's
     again; resumed, the run ends where a straight one does. Without a run directory (nowhere
     to save) SIGTERM is left alone."""
-    import os
     import signal
 
     import recsz.train
 
     stepped = recsz.train.train_step
-
-    def preempted_at_3(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return stepped(parts, batch, step, ranks)
-
-    monkeypatch.setattr(recsz.train, "train_step", preempted_at_3)
+    signalled_in(monkeypatch, 3, signal.SIGTERM)
     before = signal.getsignal(signal.SIGTERM)
     run = tmp_path / "run"
     on = ["--device", device]
@@ -218,20 +228,11 @@ def test_ctrl_c_saves_a_run_with_a_directory_and_ends_one_without(
     """SIGINT (Ctrl-C) mid-run: with a run directory, as SIGTERM, the step under way ends, a
     checkpoint is written there and the run exits with SIGINT's status (130); without one
     (nowhere to save), `recsz train` ends at once with 130, saying so, no traceback."""
-    import os
     import signal
 
-    import recsz.train
     from recsz.cli import main as cli
 
-    stepped = recsz.train.train_step
-
-    def interrupted_at_3(parts, batch, step, ranks):  # type: ignore[no-untyped-def]
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return stepped(parts, batch, step, ranks)
-
-    monkeypatch.setattr(recsz.train, "train_step", interrupted_at_3)
+    signalled_in(monkeypatch, 3, signal.SIGINT)
     run = tmp_path / "run"
     assert main([*BASE, "--steps", "8", "--checkpoint-every", "6", "--out", str(run)]) == 130
     assert [d.name for d in checkpoint.complete(run)] == ["step-000000004"]
