@@ -211,6 +211,8 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
                 agent = subprocess.Popen(
                     cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True
                 )
+                if forwarded:  # (asked as it started: passed on now)
+                    agent.send_signal(forwarded[-1])
                 status = agent.wait()
                 # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
                 # shell's status of a process the signal ended, not the agent's 1.
