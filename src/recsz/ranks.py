@@ -208,11 +208,14 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
                 if forwarded:  # asked to stop between two attempts
                     return 128 + forwarded[0]
                 env[ATTEMPT] = str(attempt)
-                agent = subprocess.Popen(
-                    cmd, env=env, preexec_fn=_die_with_parent, start_new_session=True
-                )
-                if forwarded:  # (asked as it started: passed on now)
-                    agent.send_signal(forwarded[-1])
+                # (held while it starts: one that comes meanwhile is passed on once, after)
+                signal.pthread_sigmask(signal.SIG_BLOCK, previous)
+                try:
+                    agent = subprocess.Popen(
+                        cmd, env=env, preexec_fn=_agent_setup, start_new_session=True
+                    )
+                finally:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)
                 status = agent.wait()
                 # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
                 # shell's status of a process the signal ended, not the agent's 1.
@@ -259,6 +262,13 @@ def keep_freed_memory(mmap_from: int = 32 << 20, trim_from: int = 1 << 30) -> bo
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_from) and mallopt(_M_TRIM_THRESHOLD, trim_from))
+
+
+def _agent_setup() -> None:
+    """In the agent before exec: the signals :func:`launch` held while starting it taken
+    again, and :func:`_die_with_parent`."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
+    _die_with_parent()
 
 
 def _die_with_parent() -> None:
