@@ -41,7 +41,6 @@ import torch.distributed as dist
 #: The signals that ask a run to stop; the process then exits with a shell's status of a
 #: process the signal ended (128 + its number; SIGTERM's wins where ranks saw both).
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_STATUS = 128 + signal.SIGTERM
 #: Seconds within which a second SIGINT is the first one again (a terminal's Ctrl-C reaches
 #: every process of a plain torchrun's job, and its agent passes it on too).
 ECHO_S = 1.0
@@ -124,13 +123,14 @@ class Stopping:
             if any(sig in got for sig in SIGNALS):
                 break
         place, since, steps = None, time.monotonic(), self._steps
-        name = signal.Signals(max(s for s in SIGNALS if s in got)).name
+        sig = max(s for s in SIGNALS if s in got)  # (the handler has not run: no ``asked``)
+        name = signal.Signals(sig).name
         while not self._closed.wait(_POLL_S) and not self._stopping:
             if (saved := self._saved) is not None:
                 print(f"recsz: rank {self.rank}: asked to stop ({name}) while it evaluates "
                       f"step {saved}, whose checkpoint is complete: exiting now (the same "
                       "command line again evaluates it)", file=sys.stderr, flush=True)  # fmt: skip
-                os._exit(128 + signal.Signals[name])
+                os._exit(128 + sig)
             frame = sys._current_frames().get(main)
             if frame is None:
                 return
@@ -143,7 +143,7 @@ class Stopping:
                       f"({code.co_name}): a collective whose peer is gone? Exiting without a "
                       "checkpoint (the job goes on from its last one)", file=sys.stderr,
                       flush=True)  # fmt: skip
-                os._exit(128 + signal.Signals[name])
+                os._exit(128 + sig)
 
     def _close_wakeup(self) -> None:
         if self._wakeup is not None:
