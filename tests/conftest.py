@@ -52,3 +52,15 @@ def criteo_ragged() -> Path:
     if not p.exists():
         pytest.skip(f"real Criteo sample not found at {p} (shared/data beside the checkout)")
     return p
+
+
+@pytest.fixture
+def ctrl_c_heard() -> Iterator[None]:
+    """SIGINT handled as Python's default does (KeyboardInterrupt) for the test, whatever the
+    process started with (a shell starts a background job, e.g. `make test &`, with SIGINT
+    ignored, which recsz then leaves ignored)."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)

@@ -222,6 +222,7 @@ def test_sigterm_stops_at_a_checkpoint_the_run_resumes_from(
     assert main([*BASE, *on]) == 0 and seen and all(h is before for h in seen)
 
 
+@pytest.mark.usefixtures("ctrl_c_heard")
 def test_ctrl_c_saves_a_run_with_a_directory_and_ends_one_without(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

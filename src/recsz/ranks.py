@@ -190,7 +190,11 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
     # stop by themselves when their agent is gone (watch_parent). The agent has a session
     # of its own, so a terminal's Ctrl-C reaches its workers once, passed on, not also
     # straight from the terminal.
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {  # (one ignored as this process started stays so: a background job's SIGINT)
+        sig: h
+        for sig in (signal.SIGTERM, signal.SIGINT)
+        if (h := signal.getsignal(sig)) is not signal.SIG_IGN
+    }
     forwarded: list[int] = []
     agent: subprocess.Popen | None = None
 

@@ -71,7 +71,12 @@ class Stopping:
         self._saved: int | None = None  # busy() on what this checkpoint step holds
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
-        self._previous = {sig: signal.signal(sig, self._note) for sig in SIGNALS}
+        # (a signal ignored as the process started stays so: a shell's background job's
+        # SIGINT, which its terminal's Ctrl-C is not meant for)
+        ignored = [sig for sig in SIGNALS if signal.getsignal(sig) is signal.SIG_IGN]
+        self._previous = {
+            sig: signal.signal(sig, self._note) for sig in SIGNALS if sig not in ignored
+        }
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = os.pipe()

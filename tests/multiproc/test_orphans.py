@@ -48,6 +48,12 @@ def alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited
 
 
+def _ctrl_c_heard() -> None:
+    """In the launcher before exec: SIGINT's default, whatever this process has (a shell's
+    background job ignores it, and recsz then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_job(tmp_path: Path) -> tuple[subprocess.Popen, int, list[int]]:
     """A long 2-rank job; returns the launcher, its agent and the two workers once rank 0
     has printed its table owners (after a collective, so both ranks are up). A job that
@@ -58,7 +64,7 @@ def start_job(tmp_path: Path) -> tuple[subprocess.Popen, int, list[int]]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     launcher = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=_ctrl_c_heard,
     )  # fmt: skip
     assert launcher.stdout is not None
     seen = []

@@ -214,11 +214,13 @@ def test_a_rank_held_by_a_quiet_peer_exits_when_asked_to_stop(tmp_path: Path, mo
     assert "distributed_c10d.py" in said and "all_reduce" in said, said
 
 
+@pytest.mark.usefixtures("ctrl_c_heard")
 def test_ctrl_c_stops_a_job_at_a_checkpoint_and_again_at_once() -> None:
     """SIGINT (Ctrl-C) asks a run to stop as SIGTERM does, by its own status; SIGTERM's
     status wins where a rank saw both; SIGINT again within ECHO_S is the first passed on
     once more (torchrun's agent), later it is a second Ctrl-C: KeyboardInterrupt at once.
-    Both handlers are the caller's again after close()."""
+    Both handlers are the caller's again after close(). A SIGINT ignored as the process
+    started (a shell's background job) stays ignored."""
     import time
 
     from recsz import stopping
@@ -239,6 +241,11 @@ def test_ctrl_c_stops_a_job_at_a_checkpoint_and_again_at_once() -> None:
     assert stop.agreed() is True and stop.by == signal.SIGTERM
     stop.close(ok=True)
     assert {sig: signal.getsignal(sig) for sig in stopping.SIGNALS} == before
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = stopping.Stopping(1)
+    os.kill(os.getpid(), signal.SIGINT)
+    assert stop.agreed() is False and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    stop.close(ok=True)
 
 
 def test_ctrl_c_to_a_launched_job_saves_its_checkpoint_quietly(tmp_path: Path) -> None:
