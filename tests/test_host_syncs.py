@@ -173,7 +173,7 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
         return to(batch, device)
 
     monkeypatch.setattr(source_module.Batch, "to", moved)
-    cfg = SimpleNamespace(eval_batch_size=64, prefetch=0)
+    cfg = SimpleNamespace(eval_batch_size=64, prefetch=0, progress=False)
     sizes = get_preset("tiny").model.table_sizes
     reads = {}
     with counting(state) as c:

@@ -245,7 +245,7 @@ def test_progress_written_to_a_file_is_a_line_a_row_not_a_bar(
     assert [line.split("  ")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
     assert re.fullmatch(r"step 2/4  loss \d\.\d{4}  [\d,]+ samples/s  fwd [\d.]+x  bwd [\d.]+x  "
                         r"auc \d\.\d{4}", lines[1]), lines  # fmt: skip
-    assert "\r" not in err and "train:" not in err
+    assert "\r" not in err and "train:" not in err and "evaluate:" not in err
     main([*flags, "--no-progress"])
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]
 
@@ -266,13 +266,14 @@ def test_the_progress_bar_shows_the_last_loss_and_auc(
 ) -> None:
     """An evaluation's row holds no loss: the bar (on a terminal: here the captured stream
     says it is one) keeps the last loss beside the AUC, never "nan" (it showed loss=nan after
-    each mid-run evaluation)."""
+    each mid-run evaluation); an evaluation counts its samples on a bar of its own."""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     main(["--steps", "5", "--eval-every", "2", "--log-every", "3", "--synthetic-eval", "64"])
     bar = capsys.readouterr().err.replace("\r", "\n")
     assert "nan" not in bar
     assert re.search(r"step/s, auc=0\.\d{4}\]", bar)  # step 2: an evaluation's row alone
     assert re.search(r"step/s, loss=\d\.\d{4}, auc=0\.\d{4}\]", bar)  # step 4: both
+    assert "evaluate: " in bar and " samples" in bar  # an evaluation's count of its samples
 
 
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from recsz import checkpoint
 from recsz.config import TrainConfig
@@ -84,17 +85,22 @@ def _evaluate(
     part = rank_part(parts, ranks)
     preds = _Appended(ranks.device)
     shares = []  # each batch's samples per rank, known to every rank
-    for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
-        n = len(batch)
-        b = -(-n // w)
-        batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
-        mine = batch.slice(rank * b, (rank + 1) * b)
-        p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
-        shares.append([len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)])  # no padding
-        keep = shares[-1][rank]
-        preds.append(p[:keep], mine.labels[:keep])
-        if heard is not None and heard():
-            return None
+    # (on a terminal, rank 0's count of the samples so far, under the training's bar)
+    shown = cfg.progress and rank == 0 and sys.stderr.isatty()
+    with tqdm(desc="evaluate", unit=" samples", unit_scale=True, leave=False,
+              disable=not shown) as bar:  # fmt: skip
+        for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
+            n = len(batch)
+            b = -(-n // w)
+            batch = batch.padded(b * w)  # the set's last batch: zeros up to equal slices
+            mine = batch.slice(rank * b, (rank + 1) * b)
+            p = torch.sigmoid(forward(parts, mine.dense, batch.ids, step).float())
+            shares.append([len(range(n)[Part(q, w, ()).rows(n)]) for q in range(w)])  # no pad
+            keep = shares[-1][rank]
+            preds.append(p[:keep], mine.labels[:keep])
+            bar.update(n)
+            if heard is not None and heard():
+                return None
     counts = [sum(s[q] for s in shares) for q in range(w)]
     if sum(counts) == 0:
         raise ValueError(f"{source.name}: the evaluation set is empty")

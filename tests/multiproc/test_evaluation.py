@@ -46,7 +46,7 @@ def evaluated(rank: int, world: int) -> dict[str, object]:
         sparse=SimpleNamespace(tables=list(tables), shards=1),
         exchange=SimpleNamespace(train=lambda on: None),
     )
-    cfg = SimpleNamespace(eval_batch_size=BATCH, prefetch=2)
+    cfg = SimpleNamespace(eval_batch_size=BATCH, prefetch=2, progress=False)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(evaluation_module, "forward", forward)
         ranks = Ranks(rank, world)
