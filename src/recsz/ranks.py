@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recsz.stopping import SIGNALS, heeded
+
 #: torchrun's switch off of its store shared by rendezvous rounds, whose keys a restarted
 #: job's ranks read as their own (pytorch/pytorch#135712: they then fail to connect).
 SEPARATE_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -190,11 +192,7 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
     # stop by themselves when their agent is gone (watch_parent). The agent has a session
     # of its own, so a terminal's Ctrl-C reaches its workers once, passed on, not also
     # straight from the terminal.
-    previous = {  # (one ignored as this process started stays so: a background job's SIGINT)
-        sig: h
-        for sig in (signal.SIGTERM, signal.SIGINT)
-        if (h := signal.getsignal(sig)) is not signal.SIG_IGN
-    }
+    previous = {sig: signal.getsignal(sig) for sig in heeded()}
     forwarded: list[int] = []
     agent: subprocess.Popen | None = None
 
@@ -271,7 +269,7 @@ def keep_freed_memory(mmap_from: int = 32 << 20, trim_from: int = 1 << 30) -> bo
 def _agent_setup() -> None:
     """In the agent before exec: the signals :func:`launch` held while starting it taken
     again, and :func:`_die_with_parent`."""
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGTERM, signal.SIGINT))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     _die_with_parent()
 
 

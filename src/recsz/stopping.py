@@ -41,6 +41,14 @@ import torch.distributed as dist
 #: The signals that ask a run to stop; the process then exits with a shell's status of a
 #: process the signal ended (128 + its number; SIGTERM's wins where ranks saw both).
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def heeded() -> list[signal.Signals]:
+    """Those of :data:`SIGNALS` this process takes: one ignored as it started stays so (a
+    shell's background job's SIGINT, which its terminal's Ctrl-C is not meant for)."""
+    return [sig for sig in SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN]
+
+
 #: Seconds within which a second SIGINT is the first one again (a terminal's Ctrl-C reaches
 #: every process of a plain torchrun's job, and its agent passes it on too).
 ECHO_S = 1.0
@@ -71,12 +79,7 @@ class Stopping:
         self._saved: int | None = None  # busy() on what this checkpoint step holds
         self._sum = torch.zeros(1, dtype=torch.int32)
         self._pending: Any = None  # the all-reduce started after the last step
-        # (a signal ignored as the process started stays so: a shell's background job's
-        # SIGINT, which its terminal's Ctrl-C is not meant for)
-        ignored = [sig for sig in SIGNALS if signal.getsignal(sig) is signal.SIG_IGN]
-        self._previous = {
-            sig: signal.signal(sig, self._note) for sig in SIGNALS if sig not in ignored
-        }
+        self._previous = {sig: signal.signal(sig, self._note) for sig in heeded()}
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         self._wakeup: tuple[int, int] | None = os.pipe()
