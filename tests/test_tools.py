@@ -43,6 +43,42 @@ def test_cli_reports_bad_input_without_a_traceback(
         cli_main(["train", "--dct-keep", "5"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "missing", "said"),
+    [
+        (
+            ["train", "--fwd-codec", "sz3", "--nproc", "2"],
+            "pysz",
+            "codec 'sz3' needs the optional package 'pysz': pip install pysz",
+        ),
+        (["train", "--bwd-codec", "zfp"], "zfpy", "codec 'zfp' needs the optional package"),
+        (
+            ["train", "--fwd-codec", "tr-fp8"],
+            "fbgemm_gpu.quantize_comm",
+            "codec 'tr-fp8' needs fbgemm: pip install --no-deps fbgemm-gpu-cpu==1.8.0",
+        ),
+        (["train", "--dp-comm", "eb", "--dp-codec", "sz3", "--nproc", "2"], "pysz", "'pysz'"),
+        (["export", "run", "--out", "m.pt"], "torchrec", "needs TorchRec: pip install torchrec"),
+    ],
+)
+def test_a_missing_optional_library_is_named_before_any_rank_starts(
+    argv: list[str], missing: str, said: str, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Where an option needs a library that is not installed, the command says which and
+    how to install it, exit 2, before a rank starts (a launched rank's ImportError would be
+    restarted in vain); not a traceback from inside a codec at the first step."""
+    monkeypatch.delenv("RECSZ_TRACEBACK", raising=False)
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
+    launched: list[object] = []
+    monkeypatch.setattr("recsz.train.launch", lambda *a, **kw: launched.append(a) or 0)
+    assert cli_main([*argv, "--no-progress"] if argv[0] == "train" else argv) == 2
+    err = capsys.readouterr().err
+    assert f"recsz {argv[0]}: error: " in err and said in err, err
+    assert "Traceback" not in err and not launched
+    assert ranks.bad_input(ImportError(said))  # a launched rank's: not restarted
+
+
 def test_version_names_the_package_and_what_it_runs_on(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 

@@ -4,6 +4,7 @@ plot``."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -32,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C (a run with a directory saves a checkpoint first)
         print(f"recsz {cmd}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except (ValueError, FloatingPointError, OSError, IndexError, MemoryError) as e:
+    except (ValueError, FloatingPointError, OSError, IndexError, MemoryError, ImportError) as e:
         # Bad input (flags, files, data lines, payloads from a rank, what cannot fit,
-        # settings under which the loss diverges): the message names the problem; a
-        # traceback would bury it. RECSZ_TRACEBACK=1 shows it.
+        # settings under which the loss diverges, an optional library missing): the message
+        # names the problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it.
         if os.environ.get("RECSZ_TRACEBACK"):
             raise
         print(f"recsz {cmd}: error: {e}", file=sys.stderr)
@@ -77,6 +78,11 @@ def _run(cmd: str, rest: list[str]) -> int:
 
         return predict_main(rest)
     if cmd == "export":
+        if importlib.util.find_spec("torchrec") is None:
+            raise ImportError(
+                "it writes TorchRec's DLRM and needs TorchRec: pip install torchrec (with "
+                "the fbgemm-gpu matching your torch; README.md, 'With TorchRec')"
+            )
         from recsz.torchrec.export import main as export_main
 
         return export_main(rest)

@@ -84,6 +84,8 @@ def refused(cfg: TrainConfig) -> None:
             "rows would train apart on each rank)"
         )
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
+    for codec in (fwd, bwd, *([cfg.dp_hook_options()["codec"]] if cfg.dp_comm == "eb" else [])):
+        codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing
     if bwd.forward_mask and not fwd.threshold:
         raise ValueError(
             f"--bwd-codec {cfg.bwd_codec} sends the forward's kept entries; it needs a "

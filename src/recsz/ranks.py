@@ -105,13 +105,14 @@ FAILURES, ATTEMPT = "RECSZ_FAILURES", "RECSZ_ATTEMPT"
 
 #: What a rank raises on bad input (:func:`bad_input`).
 _BAD_INPUT = (ValueError, FloatingPointError, FileNotFoundError, NotADirectoryError,
-              IsADirectoryError, PermissionError)  # fmt: skip
+              IsADirectoryError, PermissionError, ImportError)  # fmt: skip
 
 
 def bad_input(e: BaseException) -> bool:
     """Whether ``e`` says that the job's input is bad (a ``ValueError``: a data line, a flag,
     a checkpoint, a run another job writes; a ``FloatingPointError``: settings under which
-    the loss diverged; a path that is missing, of the wrong kind or not permitted), which
+    the loss diverged; a path that is missing, of the wrong kind or not permitted; an
+    ``ImportError``: a library the options need is not installed), which
     the same command line would raise again; not bytes damaged on their way from a peer (a
     ``PayloadError`` anywhere in its chain), which need not be damaged again, nor other
     ``OSError``s (a network file system's hiccup)."""

@@ -37,15 +37,21 @@ def fbgemm_available() -> bool:
 class _FbgemmCodec(Codec):
     sparse_type: ClassVar[str]
 
-    def _codec(self, row_dim: int) -> Any:
+    def check_installed(self) -> None:
+        self._modules()
+
+    def _modules(self) -> tuple[Any, Any]:
         try:
-            qc = importlib.import_module("fbgemm_gpu.quantize_comm")
-            cfg = importlib.import_module("fbgemm_gpu.split_embedding_configs")
-        except Exception as e:
+            return (importlib.import_module("fbgemm_gpu.quantize_comm"),
+                    importlib.import_module("fbgemm_gpu.split_embedding_configs"))  # fmt: skip
+        except Exception as e:  # ImportError, or a build that does not load on this torch
             raise ImportError(
                 f"codec {self.codec_id!r} needs fbgemm: pip install --no-deps "
                 f"fbgemm-gpu-cpu==1.8.0  (or pip install 'recsz[anchors]'); {e}"
             ) from None
+
+    def _codec(self, row_dim: int) -> Any:
+        qc, cfg = self._modules()
         st = getattr(cfg.SparseType, self.sparse_type)
         if self.sparse_type in ("FP8", "MX4"):
             return qc.QuantizedCommCodec(st, row_dim=row_dim)

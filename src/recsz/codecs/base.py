@@ -113,6 +113,11 @@ class Codec(ABC):
     def __hash__(self) -> int:
         return hash((type(self), json.dumps(self.get_config(), sort_keys=True)))
 
+    def check_installed(self) -> None:
+        """An ImportError naming what to install, where the library this codec calls is
+        missing (checked before any rank starts; the codecs built on torch need none)."""
+        return None
+
     # ---- what subclasses implement --------------------------------------------------
     # A codec implements either _encode/_decode (host bytes) or _encode_tensor/
     # _decode_tensor (torch operations on the tensor's device, which then serve both its

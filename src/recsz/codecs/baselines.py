@@ -207,12 +207,12 @@ class ZstdCodec(Codec):
         return _from_raw(raw, h.shape, h.dtype, device)
 
 
-def _optional(module: str, package: str) -> Any:
+def _optional(module: str, package: str, codec: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
         raise ImportError(
-            f"this codec needs the optional package {package!r}: "
+            f"codec {codec!r} needs the optional package {package!r}: "
             f"pip install {package}  (or pip install 'recsz[baselines]')"
         ) from None
 
@@ -239,8 +239,11 @@ class SZ3Codec(Codec):
     def get_config(self) -> dict[str, Any]:
         return {"algorithm": self.algorithm}
 
+    def check_installed(self) -> None:
+        _optional("pysz", "pysz", self.codec_id)
+
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        pysz = _optional("pysz", "pysz")
+        pysz = _optional("pysz", "pysz", self.codec_id)
         a = _wide(x)
         cfg = pysz.szConfig(a.shape)
         cfg.errorBoundMode = pysz.szErrorBoundMode.ABS
@@ -250,7 +253,7 @@ class SZ3Codec(Codec):
         return np.uint8(a.dtype == np.float64).tobytes() + np.asarray(comp, np.uint8).tobytes()
 
     def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
-        pysz = _optional("pysz", "pysz")
+        pysz = _optional("pysz", "pysz", self.codec_id)
         if body.size < 2:
             raise PayloadError("sz3 body too short")
         npdt = np.float64 if body[0] else np.float32
@@ -266,12 +269,15 @@ class ZFPCodec(Codec):
     error_bounded = True
     verify_bound = True
 
+    def check_installed(self) -> None:
+        _optional("zfpy", "zfpy==1.0.1", self.codec_id)
+
     def _encode(self, x: torch.Tensor, eb: float) -> bytes:
-        zfpy = _optional("zfpy", "zfpy==1.0.1")
+        zfpy = _optional("zfpy", "zfpy==1.0.1", self.codec_id)
         return bytes(zfpy.compress_numpy(np.ascontiguousarray(_wide(x)), tolerance=eb))
 
     def _decode(self, body: np.ndarray, h: Header, device: torch.device) -> torch.Tensor:
-        zfpy = _optional("zfpy", "zfpy==1.0.1")
+        zfpy = _optional("zfpy", "zfpy==1.0.1", self.codec_id)
         out = zfpy.decompress_numpy(body.tobytes())
         if tuple(out.shape) != tuple(h.shape):
             raise PayloadError(f"zfp stream holds shape {out.shape}, header says {h.shape}")
