@@ -285,15 +285,33 @@ def _parsed(fn: Callable[[T], R], pieces: Iterator[T], threads: int) -> Iterator
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _read_chunk(f: io.BufferedIOBase, size: int, path: str | os.PathLike[str], lines: int) -> bytes:
-    """The next ``size`` bytes of ``f``; a gzipped file cut short or damaged is named, with
-    the lines read before (not a traceback of the gzip module's)."""
-    try:
+#: a gzipped file is read this much at a time, so that damage is placed within it
+GZ_PIECE = 1 << 16
+
+
+def _read_chunk(
+    f: io.BufferedIOBase, size: int, path: str | os.PathLike[str], lines: int
+) -> bytes | bytearray:
+    """The next ``size`` bytes of ``f`` (``lines``: those read before, all whole); a
+    gzipped file cut short or damaged is named, with the line up to which it is whole (to
+    within :data:`GZ_PIECE` bytes), not a traceback of the gzip module's."""
+    if not isinstance(f, gzip.GzipFile):
         return f.read(size)
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    try:
+        while got < size and (n := f.readinto(view[got : got + GZ_PIECE])):
+            got += n
     except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        whole = lines + buf.count(b"\n", 0, got)
         raise CriteoFormatError(
-            f"{path}: damaged or truncated gzip data (in the block after line {lines}: {e})"
+            f"{path}: damaged or truncated gzip data: whole up to line {whole}, damaged or "
+            f"cut short within the {GZ_PIECE >> 10} KB after it ({e})"
         ) from None
+    finally:
+        view.release()
+    del buf[got:]
+    return buf
 
 
 def _finish(
