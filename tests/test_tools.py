@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -156,6 +158,73 @@ def test_preprocess_cli(tmp_path: Path, criteo_ragged: Path) -> None:
         == 0
     )
     assert json.loads((run / "summary.json").read_text())["eval_samples"] == 200
+
+
+class _Log(io.StringIO):
+    """A stream no terminal reads (a scheduler's log file)."""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_a_bar_written_to_a_file_is_a_line_each_line_s_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Progress where no terminal reads it: tqdm's meter as whole lines (no redraws piling
+    up on one line), none sooner than report.LINE_S after the last, the total at the end;
+    what ends sooner says nothing; on a terminal, tqdm's bar; not shown: nothing."""
+    from recsz import report
+
+    monkeypatch.setattr(report, "LINE_S", 0.05)
+    log = _Log()
+    with report.bar(True, log, total=12, desc="preprocess", unit="B") as bar:
+        for _ in range(12):
+            time.sleep(0.02)  # 0.24 s in all: a line at the third update at the latest
+            bar.update(1)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and log.getvalue().endswith("\n")
+    assert 2 <= len(lines) <= 7, lines  # each >= 0.05 s (3 updates) after the last, the end
+    assert all(line.startswith("preprocess: ") for line in lines)
+    assert "12/12" in lines[-1] and "12/12" not in lines[0]
+    monkeypatch.setattr(report, "LINE_S", 30.0)
+    short = _Log()
+    with report.bar(True, short, total=2, desc="evaluate", leave=False) as bar:
+        bar.update(2)  # less than LINE_S
+    assert short.getvalue() == ""
+    term = _Log()
+    term.isatty = lambda: True  # type: ignore[method-assign]
+    with report.bar(True, term, total=2, desc="x") as bar:
+        bar.update(2)
+    assert "\r" in term.getvalue()
+    hidden = _Log()
+    with report.bar(False, hidden, total=2) as bar:
+        bar.update(2)
+    assert hidden.getvalue() == ""
+
+
+def test_preprocess_and_evaluate_in_a_log_say_lines(
+    tmp_path: Path, criteo_ragged: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """`recsz preprocess` and a standalone `recsz evaluate` written to a file (here captured)
+    say their progress as lines (a line a redraw, report.LINE_S 0 here), not a bar's
+    redraws on one line; evaluate's --no-progress says none."""
+    from recsz import report
+
+    monkeypatch.setattr(report, "LINE_S", 0.0)
+    assert cli_main(["preprocess", str(criteo_ragged), str(tmp_path / "bin")]) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and re.search(r"^preprocess: .*B/s\]$", err, re.M), err
+    run = tmp_path / "run"
+    flags = ["--steps", "2", "--synthetic-eval", "512", "--eval-batch-size", "64",
+             "--checkpoint-every", "2"]  # fmt: skip
+    assert cli_main(["train", *flags, "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert cli_main(["evaluate", str(run)]) == 0  # (--progress: the run's)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.splitlines()[-1].startswith("evaluate: 512 samples"), err
+    assert cli_main(["evaluate", str(run), "--no-progress"]) == 0
+    assert "evaluate:" not in capsys.readouterr().err
 
 
 def test_bench_codecs_quick(tmp_path: Path) -> None:

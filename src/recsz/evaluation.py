@@ -31,9 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from recsz import checkpoint
+from recsz import checkpoint, report
 from recsz.config import TrainConfig
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, held_out_source, make_source
@@ -85,10 +84,9 @@ def _evaluate(
     part = rank_part(parts, ranks)
     preds = _Appended(ranks.device)
     shares = []  # each batch's samples per rank, known to every rank
-    # (on a terminal, rank 0's count of the samples so far, under the training's bar)
-    shown = cfg.progress and rank == 0 and sys.stderr.isatty()
-    with tqdm(desc="evaluate", unit=" samples", unit_scale=True, leave=False,
-              disable=not shown) as bar:  # fmt: skip
+    # rank 0's count of the samples so far (on a terminal, under the training's bar)
+    with report.bar(cfg.progress and rank == 0, desc="evaluate", unit=" samples",
+                    unit_scale=True, leave=False) as bar:  # fmt: skip
         for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
             n = len(batch)
             b = -(-n // w)
@@ -176,7 +174,7 @@ def _set_order(shares: list[list[int]], device: torch.device) -> torch.Tensor:
 #: what `recsz evaluate` and `recsz predict` may set, the rest being the run's: where they
 #: run (what may change under a checkpoint) and what `evaluate` evaluates on
 WHERE = ("nproc", "device", "prefetch", "dist_timeout")
-_WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines")
+_WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines", "progress")
 _OUTPUTS = ("json", "predictions")
 
 
@@ -237,7 +235,7 @@ def restored(args: argparse.Namespace, flags: tuple[str, ...]) -> Iterator[Resto
     given = {k: getattr(args, k) for k in flags if hasattr(args, k)}
     where = {k: v for k, v in given.items() if k in WHERE}  # what a checkpoint allows
     saved = TrainConfig.from_dict(meta["config"])
-    cfg = replace(saved, **where, resume=str(ckpt), out=None, progress=False)
+    cfg = replace(saved, **where, resume=str(ckpt), out=None)
     on = replace(cfg, **{k: v for k, v in given.items() if k not in WHERE and k != "eval_data"})
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)
     ok = False

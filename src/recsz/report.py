@@ -5,6 +5,7 @@ them (:func:`summarize`), so no report needs a collective of its own.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -252,15 +253,53 @@ class Log:
                 f.write(json.dumps(row) + "\n")
 
 
+#: Written to a file, progress says a line at most this often (seconds).
+LINE_S = 30.0
+
+
+def bar(show: bool, err: TextIO | None = None, **kw: Any) -> tqdm:
+    """A tqdm bar (``kw``: tqdm's) where ``show``: on a terminal, drawn; written to a file
+    (a scheduler's log), where a bar's redraws pile up on one line, its meter as a line at
+    most each :data:`LINE_S` seconds, and at its end if it said one (what takes less says
+    nothing)."""
+    err = err or sys.stderr
+    if show and not err.isatty():
+        return _LogLines(err, **kw)
+    return tqdm(disable=not show, file=err, **kw)
+
+
+class _LogLines(tqdm):
+    """tqdm's meter as lines of a log: :meth:`display`, which tqdm has its subclasses
+    overload for another front end, writes a line when :data:`LINE_S` have passed."""
+
+    def __init__(self, log: TextIO, **kw: Any) -> None:
+        self._log, self._said_at, self._said = log, time.monotonic(), None
+        super().__init__(file=io.StringIO(), mininterval=min(1.0, LINE_S), maxinterval=LINE_S, **kw)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if msg is None and time.monotonic() - self._said_at >= LINE_S:
+            self._line()
+        return True
+
+    def close(self) -> None:
+        if self._said not in (None, self.n) and not self.disable:
+            self._line()  # the total, if not said already
+        super().close()
+
+    def _line(self) -> None:
+        self._log.write(f"{self}\n")
+        self._log.flush()
+        self._said_at, self._said = time.monotonic(), self.n
+
+
 class Progress:
     """A run's progress, said by rank 0 (``show``): a bar on a terminal; written to a file (a
     scheduler's log, ``nohup``), where a bar's redraws pile up on one line, a line per
-    metrics row instead, at most one each :attr:`LINE_S` seconds but for the first, the
+    metrics row instead, at most one each :data:`LINE_S` seconds but for the first, the
     last and those of an evaluation."""
 
     #: What the bar shows, from the metrics rows that hold it: (label, row key).
     SHOWN = (("loss", "loss"), ("auc", "eval_auc"))
-    LINE_S = 30.0
 
     def __init__(self, total: int, initial: int, show: bool, err: TextIO | None = None) -> None:
         err = err or sys.stderr
@@ -280,7 +319,7 @@ class Progress:
         self.shown.update({k: f"{row[c]:.4f}" for k, c in self.SHOWN if c in row})
         self.bar.set_postfix({k: self.shown[k] for k, _ in self.SHOWN if k in self.shown})
         now = time.monotonic()
-        due = now - self._said_at >= self.LINE_S or row["step"] == self.total
+        due = now - self._said_at >= LINE_S or row["step"] == self.total
         if self.lines and (due or "eval_auc" in row):
             self._said_at = now
             tqdm.write(line_of(row, self.total))

@@ -100,14 +100,14 @@ def _write_parallel(
     output follows the last file (Terabyte: ~700 GB), and at most ``jobs`` parts wait."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from tqdm import tqdm
+    from recsz.report import bar as progress_bar
 
     done: list[tuple[ParseStats, list[int]]] = []
     threads = max(1, parse_threads() // min(jobs, len(raws)))  # the cores, not each's
     work = functools.partial(_write_one, table_sizes, skip_bad_lines, threads)
     with (
         ProcessPoolExecutor(min(jobs, len(raws))) as pool,
-        tqdm(total=len(raws), unit="file", disable=not progress) as bar,
+        progress_bar(progress, total=len(raws), unit="file", desc="preprocess") as bar,
     ):
         # the next file taken once a part is gone: never more than ``jobs`` on the disk
         for (_, part), got in in_order(work, zip(raws, parts, strict=True), pool, jobs):
@@ -141,7 +141,7 @@ def _write(
 ) -> tuple[ParseStats, list[int]]:
     """The rows of ``raws``, in order, written to ``files`` (each parsed on ``threads``:
     :func:`recsz.data.criteo.iter_blocks`'); the counts, the rows of each."""
-    from tqdm import tqdm
+    from recsz.report import bar as progress_bar
 
     gzipped = any(str(r).endswith(".gz") for r in raws)  # its bytes read are not its size
     total = None if gzipped else sum(os.path.getsize(r) for r in raws)
@@ -150,8 +150,7 @@ def _write(
         open(files["dense"], "wb") as fd,
         open(files["cats"], "wb") as fc,
         open(files["labels"], "wb") as fl,
-        tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-             desc="preprocess") as bar,
+        progress_bar(progress, total=total, unit="B", unit_scale=True, desc="preprocess") as bar,
     ):  # fmt: skip
         for one in raws:
             before = stats.lines
