@@ -6,6 +6,7 @@ import ctypes
 import datetime
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -157,11 +158,14 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
         if "WORLD_SIZE" not in os.environ:  # alone: the command says it once
             raise
         said = f"{type(e).__name__}: {e}"
-        print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
+        folder = os.environ.get(FAILURES)
         if not bad_input(e) or os.environ.get("RECSZ_TRACEBACK"):
+            print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
             raise
-        if folder := os.environ.get(FAILURES):
+        if folder:  # launch() names it, once for all ranks
             (Path(folder) / f"rank-{rank}").write_text(said)
+        else:  # a plain torchrun's rank
+            print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
         status = BAD_INPUT
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and as_main:
         # A worker whose job is done and whose group is destroyed leaves without running
@@ -225,8 +229,9 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
                 if not status or forwarded:
                     return 128 + forwarded[0] if status and forwarded else status
                 if said := _bad_input_said(Path(failures)):
-                    print(f"recsz: bad input, the job not started again (it would fail the "
-                          f"same way): {said}", file=sys.stderr, flush=True)  # fmt: skip
+                    again = (", the job not started again (it would fail the same way)"
+                             if max_restarts else "")  # fmt: skip
+                    print(f"recsz: bad input{again}: {said}", file=sys.stderr, flush=True)
                     return BAD_INPUT
                 if attempt < max_restarts:
                     print(f"recsz: the job failed (exit status {status}): starting its "
@@ -304,15 +309,24 @@ def watch_parent(interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="recsz-watch-parent", daemon=True).start()
 
 
+def _not_bad_input(record: logging.LogRecord) -> bool:
+    """A logging filter for torchrun's agent: not its line "failed (exitcode: 2) local_rank:
+    ..." where a rank ended on bad input (:func:`launch` names the problem)."""
+    failed = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode:")
+    return not (failed and record.args and record.args[0] == BAD_INPUT)  # type: ignore[index]
+
+
 def _agent(args: list[str]) -> int:
     """torchrun's agent (``torch.distributed.run``) with the flags ``args``, as
     :func:`launch` runs it: quiet where a rank failed on bad input, which that rank has said,
     and where a signal passed on stopped the job (torchrun's report, with a traceback of the
     agent's own, would bury what the ranks said)."""
+    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main
 
+    api.logger.addFilter(_not_bad_input)
     try:
         main(args)
     except ChildFailedError as e:
