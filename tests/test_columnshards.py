@@ -223,6 +223,44 @@ def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> No
     assert "--nproc must be >= 1, got 0" in capsys.readouterr().err  # (not the batch it makes)
 
 
+def test_recsz_plan_plans_a_runs_or_a_files_options(tmp_path: Path, capsys) -> None:
+    """`recsz plan --config`: the options of a run's directory or a TOML file (with those
+    the plan has no flag for: TT tables charged their cores), flags given over them, the
+    same plan as :func:`recsz.step.table_owners` of that configuration; a file's bad key
+    named with the file; its output cut short (`| head`): quiet."""
+    from recsz.cli import main as cli
+    from recsz.config import TrainConfig
+    from recsz.step import table_owners
+
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "bench"\ntt_tables = 3\nnproc = 8\nbatch_size = 2048\n')
+    out = tmp_path / "plan.json"
+    assert cli(["plan", "--config", str(toml), "--json", str(out)]) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    cfg = TrainConfig(preset="bench", tt_tables=3, nproc=8, batch_size=2048)
+    owners = table_owners(cfg, 8)
+    assert len(ranks) == 8 and [r["tables"] for r in ranks] == [owners.count(r) for r in range(8)]
+    plain = TrainConfig(preset="bench", nproc=8, batch_size=2048)
+    assert owners != table_owners(plain, 8)  # (the TT tables count)
+    assert cli(["plan", "--config", str(toml), "--nproc", "2", "--json", str(out)]) == 0
+    assert len(json.loads(out.read_text())["ranks"]) == 2  # the flag over the file
+    run = tmp_path / "run"
+    (run / "x").mkdir(parents=True)
+    (run / "config.json").write_text(TrainConfig(preset="dcnv2", nproc=4).to_json())
+    capsys.readouterr()
+    assert cli(["plan", "--config", str(run)]) == 0
+    assert capsys.readouterr().out.startswith("recsz plan: preset dcnv2, 4 rank(s)")
+    toml.write_text('presett = "bench"\n')
+    assert cli(["plan", "--config", str(toml)]) == 2
+    assert f"{toml}: 'presett' is not an option (did you mean 'preset'?)" in capsys.readouterr().err
+    import subprocess
+    import sys
+
+    done = subprocess.run(f"{sys.executable} -m recsz.cli plan --nproc 64 | head -1",
+                          shell=True, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.stdout.startswith("recsz plan:") and done.stderr == "", done.stderr
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "rowwise_adagrad"])
 @pytest.mark.parametrize(("k_old", "k_new"), [(3, 4), (4, 3), (2, 6), (6, 1)])
 def test_a_rank_recuts_only_the_shards_it_holds(kind: str, k_old: int, k_new: int) -> None:

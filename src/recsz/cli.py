@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     try:
         return _run(cmd, rest)
+    except BrokenPipeError:  # its output's reader is gone (`recsz plan | head`): be quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (at exit's flush)
+        return 128 + signal.SIGPIPE
     except KeyboardInterrupt:  # Ctrl-C (a run with a directory saves a checkpoint first)
         print(f"recsz {cmd}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
@@ -142,14 +145,14 @@ def _preprocess(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    """``recsz plan``: the table-wise plan of a run's tables on ``--nproc`` ranks (no
-    training): each rank's tables, rows, table and row-optimizer bytes (and with
+    """``recsz plan``: the table-wise plan of a run's tables (``--config``: a run's or a
+    file's options, else recsz train's defaults; flags given over them) on ``--nproc``
+    ranks (no training): each rank's tables, rows, table and row-optimizer bytes (and with
     ``--multi-hot-draws mlperf`` its tables' draws), and share of the forward all-to-all's
     bytes."""
     import json
-    from dataclasses import replace
 
-    from recsz.config import TrainConfig
+    from recsz.config import TrainConfig, configured
     from recsz.fields import parser
     from recsz.model.rowopt import TABLE_DTYPES
     from recsz.model.sharding import rank_loads
@@ -160,12 +163,19 @@ def _plan(argv: list[str]) -> int:
     p = parser(TrainConfig, "recsz plan", "Where a run's tables would lie on --nproc ranks, "
                "and what each rank would hold and send (no training).", only=flags,
                otherwise="recsz train's")  # fmt: skip
+    p.add_argument("--config", metavar="FILE", help="the run to plan: a run's directory or "
+                   "config.json, or a JSON / TOML file of recsz train's options; flags given "
+                   "override it")  # fmt: skip
     p.add_argument("--json", default=None, help="write each rank's load to this file")
     a = p.parse_args(argv)
-    given = {k: getattr(a, k) for k in flags if hasattr(a, k)}
-    cfg = TrainConfig(**given)  # each flag checked, named as given
+    given = {k: getattr(a, k) for k in (*flags, "config") if hasattr(a, k)}
+
+    def split(values: dict) -> dict:  # a batch the ranks divide (the plan takes none)
+        n = values.get("nproc", 1)
+        return {**values, "batch_size": n if isinstance(n, int) and n >= 1 else 1}
+
+    cfg = configured(given, split)  # each flag checked, named as given (or file and key)
     world = cfg.nproc
-    cfg = replace(cfg, batch_size=world)  # (a batch the ranks divide)
     sizes, dim = cfg.sharded_tables()
     optimizer = cfg.resolved("emb_optimizer")
     value = TABLE_DTYPES[cfg.table_dtype].itemsize

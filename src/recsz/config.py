@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -167,12 +168,15 @@ def given_args(argv: list[str]) -> dict[str, Any]:
     return vars(build_parser(names).parse_args(argv))
 
 
-def configured(given: dict[str, Any]) -> TrainConfig:
+def configured(
+    given: dict[str, Any], then: Callable[[dict[str, Any]], dict[str, Any]] = dict
+) -> TrainConfig:
     """The flags ``given`` (:func:`given_args`) over the values of their ``config`` file (a
-    run's record: the places in :data:`NOT_RESUMED` its own, not taken; elsewhere refused)."""
+    run's record: the places in :data:`NOT_RESUMED` its own, not taken; elsewhere refused);
+    ``then``: what a command makes of those values (`recsz plan`: a batch its ranks split)."""
     given = dict(given)
     if (path := given.pop("config", None)) is None:
-        return TrainConfig(**given)
+        return TrainConfig(**then(given))
     if os.path.isdir(path):  # a run's directory: its record
         path = os.path.join(path, "config.json")
     values = read_values(TrainConfig, path)
@@ -181,7 +185,7 @@ def configured(given: dict[str, Any]) -> TrainConfig:
         if values.pop(k) is not None and not record:
             raise ValueError(f"{path}: {k!r} is the command line's ({flag(k)}), not a file's")
     try:
-        return TrainConfig.from_dict({**values, **given})
+        return TrainConfig.from_dict(then({**values, **given}))
     except ValueError as e:
         raise blamed(e, {k: v for k, v in values.items() if k not in given}, path) from None
 
