@@ -419,6 +419,41 @@ def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None
     assert [r["step"] for r in rows if "eval_auc" in r] == [6]
 
 
+def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
+    """What the launcher's agent says of a failed attempt, from torchrun's failures: a rank a
+    signal killed is the cause (SIGKILL: the out-of-memory killer's, said so), the other's
+    lost peer not shown; else the traceback of the rank that recorded its exception first,
+    once; the ranks the agent closed (SIGTERM) left out; a rank with no record, its status."""
+    import json
+    import os
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from recsz.ranks import _report
+
+    def recorded(name: str, trace: str, at_ns: int) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"message": {"message": trace.splitlines()[-1], "extraInfo":
+                                    {"py_callstack": trace, "timestamp": "1"}}}))  # fmt: skip
+        os.utime(path, ns=(at_ns, at_ns))
+        return str(path)
+
+    peer = recorded("0.json", "Traceback ...\nRuntimeError: Connection closed by peer\n", 2)
+    bug = recorded("1.json", "Traceback ...\nIndexError: list index out of range\n", 1)
+    none = str(tmp_path / "absent.json")
+    killed = ProcessFailure(1, 41, -signal.SIGKILL, none)
+    said = _report({0: ProcessFailure(0, 40, 1, peer), 1: killed})
+    assert said == ("recsz: rank 1 (pid 41) was killed by SIGKILL (the kernel's out-of-memory "
+                    "killer sends it: see `dmesg`)")  # fmt: skip
+    said = _report({0: ProcessFailure(0, 40, 1, peer), 1: ProcessFailure(1, 41, 1, bug),
+                    2: ProcessFailure(2, 42, -signal.SIGTERM, none)})  # fmt: skip
+    assert said == ("recsz: rank 1 failed first; its traceback:\nTraceback ...\n"
+                    "IndexError: list index out of range")  # fmt: skip
+    said = _report({3: ProcessFailure(3, 43, 7, none), 2: ProcessFailure(2, 42, -15, none)})
+    assert said == "recsz: rank 3 (pid 43) exited with status 7"
+
+
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:
     """What a launched rank ends on without restarts: a ValueError (a data line, a flag, a
     checkpoint), unless a PayloadError (bytes damaged on their way) is in its chain; a

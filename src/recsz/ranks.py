@@ -157,16 +157,7 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
     except Exception as e:
         if "WORLD_SIZE" not in os.environ:  # alone: the command says it once
             raise
-        said = f"{type(e).__name__}: {e}"
-        folder = os.environ.get(FAILURES)
-        if not bad_input(e) or os.environ.get("RECSZ_TRACEBACK"):
-            print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
-            raise
-        if folder:  # launch() names it, once for all ranks
-            (Path(folder) / f"rank-{rank}").write_text(said)
-        else:  # a plain torchrun's rank
-            print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
-        status = BAD_INPUT
+        status = _failed(e, rank)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and as_main:
         # A worker whose job is done and whose group is destroyed leaves without running
         # C++ static destructors: under load, gloo's teardown occasionally aborted there
@@ -175,6 +166,28 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
         sys.stderr.flush()
         os._exit(status)
     return status
+
+
+def _failed(e: Exception, rank: str) -> int:
+    """A launched rank's failure ``e`` said in a line, and its exit status: on bad input
+    :data:`BAD_INPUT` (:func:`launch` names it, for all ranks), else 1, its traceback kept
+    for :func:`launch`'s agent to show (:func:`_report`). Raised, for its traceback on
+    stderr, where ``RECSZ_TRACEBACK`` asks for it and under a plain torchrun's agent (whose
+    report shows it). Called while ``e`` is handled."""
+    said = f"{type(e).__name__}: {e}"
+    folder, bad = os.environ.get(FAILURES), bad_input(e)
+    if not (folder and bad):
+        print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
+    if os.environ.get("RECSZ_TRACEBACK") or not (bad or folder):
+        raise e
+    if not bad:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(e)  # the file torchrun's agent reads
+        return 1
+    if folder:
+        (Path(folder) / f"rank-{rank}").write_text(said)
+    return BAD_INPUT
 
 
 def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restarts: int = 0) -> int:
@@ -309,11 +322,48 @@ def watch_parent(interval_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="recsz-watch-parent", daemon=True).start()
 
 
-def _not_bad_input(record: logging.LogRecord) -> bool:
-    """A logging filter for torchrun's agent: not its line "failed (exitcode: 2) local_rank:
-    ..." where a rank ended on bad input (:func:`launch` names the problem)."""
-    failed = isinstance(record.msg, str) and record.msg.startswith("failed (exitcode:")
-    return not (failed and record.args and record.args[0] == BAD_INPUT)  # type: ignore[index]
+def _not_reported(record: logging.LogRecord) -> bool:
+    """A logging filter for torchrun's agent as :func:`launch` runs it: not its lines of a
+    failed rank's exit code and of the others closed, which :func:`_report` says."""
+    said = record.msg if isinstance(record.msg, str) else ""
+    return not said.startswith(
+        (
+            "failed (exitcode:",
+            "Sending process %s closing signal",
+            "no error file defined for parent",
+        )
+    )
+
+
+#: How torchrun's agent closes the ranks left when one fails.
+_CLOSED = (-signal.SIGTERM, -signal.SIGINT)
+
+
+def _report(failures: dict[int, Any]) -> str:
+    """The failed ranks of a job that :func:`launch`'s agent ran (``failures``: torchrun's
+    ``ProcessFailure``s by rank), in place of torchrun's report: a rank a signal killed
+    (SIGKILL: the out-of-memory killer's) named as the cause, the others' lost peers not
+    shown; else the traceback of the rank that failed first (each rank said its line as it
+    failed; ``RECSZ_TRACEBACK=1`` shows every traceback); the ranks the agent closed left
+    out."""
+    killed, rest, first = [], [], None
+    for rank, f in sorted(failures.items()):
+        if f.exitcode in _CLOSED:
+            continue
+        if f.exitcode < 0:
+            hint = (" (the kernel's out-of-memory killer sends it: see `dmesg`)"
+                    if f.exitcode == -signal.SIGKILL else "")  # fmt: skip
+            killed.append(f"recsz: rank {rank} (pid {f.pid}) was killed by {f.signal_name()}{hint}")
+        elif not os.path.isfile(f.error_file):  # (a rank's recorded exception: _failed)
+            rest.append(f"recsz: rank {rank} (pid {f.pid}) exited with status {f.exitcode}")
+        elif first is None or os.stat(f.error_file).st_mtime_ns < first[0]:
+            first = (os.stat(f.error_file).st_mtime_ns, rank, f.error_file_data)
+    if first is not None:
+        _, rank, data = first
+        trace = data.get("message", {}).get("extraInfo", {}).get("py_callstack", "")
+        rest.append(f"recsz: rank {rank} failed first; its traceback:\n{trace.rstrip()}")
+    lines = killed or rest  # (killed: the others failed for want of it)
+    return "\n".join(lines or [f"recsz: ranks {sorted(failures)} stopped"])
 
 
 def _agent(args: list[str]) -> int:
@@ -323,16 +373,20 @@ def _agent(args: list[str]) -> int:
     agent's own, would bury what the ranks said)."""
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, error_handler
     from torch.distributed.run import main
 
-    api.logger.addFilter(_not_bad_input)
+    api.logger.addFilter(_not_reported)
+    error_handler.logger.addFilter(_not_reported)
     try:
         main(args)
     except ChildFailedError as e:
         if any(f.exitcode == BAD_INPUT for f in e.failures.values()):
             return BAD_INPUT
-        raise
+        if os.environ.get("RECSZ_TRACEBACK"):
+            raise
+        print(_report(e.failures), file=sys.stderr, flush=True)
+        return 1
     except SignalException as e:
         return 128 + e.sigval
     return 0

@@ -119,6 +119,11 @@ def test_a_restarted_job_resumes_from_its_last_checkpoint(tmp_path: Path) -> Non
         got = train(out, "--max-restarts", "1", "--inject-failure", fail_at,
                     "--checkpoint-every", every)  # fmt: skip
         assert "injected failure on rank 1" in got["log"]  # it failed once, then went on
+        # said as the launcher says a failure: each rank's line, then the first one's
+        # traceback once, not torchrun's report (each traceback again, the agent's own)
+        assert "recsz: rank 1 failed first; its traceback:" in got["log"], got["log"]
+        assert got["log"].count("Traceback (most recent call last)") == 1, got["log"]
+        assert "ChildFailedError" not in got["log"] and "exitcode" not in got["log"]
         assert steps(out) == steps(tmp_path / "straight") == list(range(1, 9))
         for key in ("auc", "logloss", "bytes_payload", "bytes_sent", "steps"):
             assert got[key] == pytest.approx(straight[key], rel=1e-6), (fail_at, key)
@@ -319,7 +324,7 @@ def test_sigterm_during_an_evaluation_saves_its_step_on_every_rank(tmp_path: Pat
 def test_a_second_job_on_a_run_being_written_is_refused(tmp_path: Path) -> None:
     """A 2-rank job started on a run another job is writing (a requeued job beside one still
     running, a command typed twice; here a process holding the run's lock as that job's rank
-    0 does): refused on every rank, naming the holder, before it writes anything."""
+    0 does): refused, naming the holder, in the launcher's one line, before it writes anything."""
     run = tmp_path / "run"
     hold = ("import sys, time; from pathlib import Path; from recsz.rundir import Held; "
             "h = Held(Path(sys.argv[1])); print('held', flush=True); time.sleep(120)")  # fmt: skip
@@ -333,5 +338,7 @@ def test_a_second_job_on_a_run_being_written_is_refused(tmp_path: Path) -> None:
         finally:
             holder.kill()
     said = f"is being written by another job (pid {holder.pid} on "
-    assert second.returncode != 0 and second.stderr.count(said) >= 2, second.stderr[-3000:]
+    assert second.returncode == 2 and second.stderr.count(said) == 1, second.stderr[-3000:]
+    assert re.search(r"^recsz: bad input: ranks? [01](, 1)?: ValueError: --out ", second.stderr,
+                     re.M), second.stderr[-3000:]  # fmt: skip
     assert sorted(p.name for p in run.iterdir()) == [".writer"]  # nothing written
