@@ -23,7 +23,7 @@ from recsz.evaluation import WHERE, entry, evaluate, restored, run_parser
 from recsz.model import get_preset
 
 #: what `recsz predict` may set besides where it runs, the rest being the run's
-_HOW = ("eval_batch_size", "skip_bad_lines")
+_HOW = ("eval_batch_size", "skip_bad_lines", "progress")
 
 
 def build_parser() -> argparse.ArgumentParser:
