@@ -423,7 +423,8 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
     """What the launcher's agent says of a failed attempt, from torchrun's failures: a rank a
     signal killed is the cause (SIGKILL: the out-of-memory killer's, said so), the other's
     lost peer not shown; else the traceback of the rank that recorded its exception first,
-    once; the ranks the agent closed (SIGTERM) left out; a rank with no record, its status."""
+    once; the ranks the agent closed (SIGTERM) left out, but one it then killed (stuck); a
+    rank with no record, its status."""
     import json
     import os
     import signal
@@ -452,6 +453,11 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
                     "IndexError: list index out of range")  # fmt: skip
     said = _report({3: ProcessFailure(3, 43, 7, none), 2: ProcessFailure(2, 42, -15, none)})
     assert said == "recsz: rank 3 (pid 43) exited with status 7"
+    # a rank the agent killed when it did not stop (stuck): not the cause, said after it
+    said = _report({0: ProcessFailure(0, 40, 1, peer), 1: killed}, forced={41})
+    assert said.startswith("recsz: rank 0 failed first; its traceback:\nTraceback ...\n")
+    assert said.endswith("\nrecsz: rank 1 (pid 41) did not stop when the job's ranks were "
+                         "closed, and was killed (stuck in a call?)")  # fmt: skip
 
 
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:

@@ -326,6 +326,9 @@ def _not_reported(record: logging.LogRecord) -> bool:
     """A logging filter for torchrun's agent as :func:`launch` runs it: not its lines of a
     failed rank's exit code and of the others closed, which :func:`_report` says."""
     said = record.msg if isinstance(record.msg, str) else ""
+    if said.startswith("Unable to shutdown process %s via") and record.args:
+        _forced.add(int(record.args[0]))  # type: ignore[index, call-overload]
+        return False
     return not said.startswith(
         (
             "failed (exitcode:",
@@ -337,20 +340,26 @@ def _not_reported(record: logging.LogRecord) -> bool:
 
 #: How torchrun's agent closes the ranks left when one fails.
 _CLOSED = (-signal.SIGTERM, -signal.SIGINT)
+#: The pids torchrun's agent killed (SIGKILL) when they did not heed its closing signal
+#: (:func:`_not_reported` reads its log).
+_forced: set[int] = set()
 
 
-def _report(failures: dict[int, Any]) -> str:
+def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozenset()) -> str:
     """The failed ranks of a job that :func:`launch`'s agent ran (``failures``: torchrun's
     ``ProcessFailure``s by rank), in place of torchrun's report: a rank a signal killed
     (SIGKILL: the out-of-memory killer's) named as the cause, the others' lost peers not
     shown; else the traceback of the rank that failed first (each rank said its line as it
     failed; ``RECSZ_TRACEBACK=1`` shows every traceback); the ranks the agent closed left
-    out."""
-    killed, rest, first = [], [], None
+    out, but for those it killed (``forced``: their pids) when they did not stop."""
+    killed, rest, stuck, first = [], [], [], None
     for rank, f in sorted(failures.items()):
         if f.exitcode in _CLOSED:
             continue
-        if f.exitcode < 0:
+        if f.exitcode < 0 and f.pid in forced:
+            stuck.append(f"recsz: rank {rank} (pid {f.pid}) did not stop when the job's ranks "
+                         "were closed, and was killed (stuck in a call?)")  # fmt: skip
+        elif f.exitcode < 0:
             hint = (" (the kernel's out-of-memory killer sends it: see `dmesg`)"
                     if f.exitcode == -signal.SIGKILL else "")  # fmt: skip
             killed.append(f"recsz: rank {rank} (pid {f.pid}) was killed by {f.signal_name()}{hint}")
@@ -362,7 +371,7 @@ def _report(failures: dict[int, Any]) -> str:
         _, rank, data = first
         trace = data.get("message", {}).get("extraInfo", {}).get("py_callstack", "")
         rest.append(f"recsz: rank {rank} failed first; its traceback:\n{trace.rstrip()}")
-    lines = killed or rest  # (killed: the others failed for want of it)
+    lines = killed or rest + stuck  # (killed: the others failed for want of it)
     return "\n".join(lines or [f"recsz: ranks {sorted(failures)} stopped"])
 
 
@@ -385,7 +394,7 @@ def _agent(args: list[str]) -> int:
             return BAD_INPUT
         if os.environ.get("RECSZ_TRACEBACK"):
             raise
-        print(_report(e.failures), file=sys.stderr, flush=True)
+        print(_report(e.failures, _forced), file=sys.stderr, flush=True)
         return 1
     except SignalException as e:
         return 128 + e.sigval
