@@ -451,7 +451,8 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
                     2: ProcessFailure(2, 42, -signal.SIGTERM, none)})  # fmt: skip
     assert said == ("recsz: rank 1 failed first; its traceback:\nTraceback ...\n"
                     "IndexError: list index out of range")  # fmt: skip
-    said = _report({3: ProcessFailure(3, 43, 7, none), 2: ProcessFailure(2, 42, -15, none)})
+    said = _report({3: ProcessFailure(3, 43, 7, none), 2: ProcessFailure(2, 42, -15, none),
+                    4: ProcessFailure(4, 44, 128 + signal.SIGTERM, none)})  # fmt: skip
     assert said == "recsz: rank 3 (pid 43) exited with status 7"
     # a rank the agent killed when it did not stop (stuck): not the cause, said after it
     said = _report({0: ProcessFailure(0, 40, 1, peer), 1: killed}, forced={41})

@@ -338,8 +338,9 @@ def _not_reported(record: logging.LogRecord) -> bool:
     )
 
 
-#: How torchrun's agent closes the ranks left when one fails.
-_CLOSED = (-signal.SIGTERM, -signal.SIGINT)
+#: How the ranks that torchrun's agent closes when one fails end (killed by its signal, or
+#: stopped on it: recsz.stopping).
+_CLOSED = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT)
 #: The pids torchrun's agent killed (SIGKILL) when they did not heed its closing signal
 #: (:func:`_not_reported` reads its log).
 _forced: set[int] = set()
@@ -369,7 +370,10 @@ def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozen
             first = (os.stat(f.error_file).st_mtime_ns, rank, f.error_file_data)
     if first is not None:
         _, rank, data = first
-        trace = data.get("message", {}).get("extraInfo", {}).get("py_callstack", "")
+        said = data.get("message", "")  # (ErrorHandler's record, or a plain message)
+        trace = (
+            said.get("extraInfo", {}).get("py_callstack", "") if isinstance(said, dict) else said
+        )
         rest.append(f"recsz: rank {rank} failed first; its traceback:\n{trace.rstrip()}")
     lines = killed or rest + stuck  # (killed: the others failed for want of it)
     return "\n".join(lines or [f"recsz: ranks {sorted(failures)} stopped"])
@@ -385,8 +389,9 @@ def _agent(args: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, error_handler
     from torch.distributed.run import main
 
-    api.logger.addFilter(_not_reported)
-    error_handler.logger.addFilter(_not_reported)
+    if not os.environ.get("RECSZ_TRACEBACK"):  # (else torchrun's report, all of it)
+        api.logger.addFilter(_not_reported)
+        error_handler.logger.addFilter(_not_reported)
     try:
         main(args)
     except ChildFailedError as e:
