@@ -324,7 +324,8 @@ def watch_parent(interval_s: float = 0.5) -> None:
 
 def _not_reported(record: logging.LogRecord) -> bool:
     """A logging filter for torchrun's agent as :func:`launch` runs it: not its lines of a
-    failed rank's exit code and of the others closed, which :func:`_report` says."""
+    failed rank's exit code and of the others closed, which :func:`_report` says, nor of a
+    signal passed on."""
     said = record.msg if isinstance(record.msg, str) else ""
     if said.startswith("Unable to shutdown process %s via") and record.args:
         _forced.add(int(record.args[0]))  # type: ignore[index, call-overload]
@@ -334,6 +335,7 @@ def _not_reported(record: logging.LogRecord) -> bool:
             "failed (exitcode:",
             "Sending process %s closing signal",
             "no error file defined for parent",
+            "Received %s death signal",  # (passed on by launch(): the ranks say where they stop)
         )
     )
 
@@ -384,14 +386,15 @@ def _agent(args: list[str]) -> int:
     :func:`launch` runs it: quiet where a rank failed on bad input, which that rank has said,
     and where a signal passed on stopped the job (torchrun's report, with a traceback of the
     agent's own, would bury what the ranks said)."""
+    from torch.distributed.elastic.agent.server import api as agent_api
     from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, error_handler
     from torch.distributed.run import main
 
     if not os.environ.get("RECSZ_TRACEBACK"):  # (else torchrun's report, all of it)
-        api.logger.addFilter(_not_reported)
-        error_handler.logger.addFilter(_not_reported)
+        for logger in (api.logger, error_handler.logger, agent_api.logger):
+            logger.addFilter(_not_reported)
     try:
         main(args)
     except ChildFailedError as e:

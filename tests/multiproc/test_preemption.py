@@ -269,6 +269,7 @@ def test_ctrl_c_to_a_launched_job_saves_its_checkpoint_quietly(tmp_path: Path) -
     said = [line for line in out.splitlines() if "stopped at step" in line]
     assert len(said) == 1 and "(SIGINT)" in said[0], out[-2000:]
     assert "Traceback" not in out and len(out.splitlines()) < 12, out[-3000:]
+    assert "death signal" not in out, out[-3000:]  # (torchrun's agent's line: filtered)
     saved = checkpoint.complete(run)
     assert len(saved) == 1, saved
     assert f"step {json.loads((saved[0] / 'meta.json').read_text())['step']} " in said[0]
