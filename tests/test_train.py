@@ -105,6 +105,9 @@ def test_bad_flags_fail_loudly() -> None:
         (["--fwd-class-eb", "0.01,-1,0.02"], "must be finite and > 0"),
         (["--fwd-class-eb", "0.01,inf,0.02"], "must be finite and > 0"),
         (["--fwd-class-eb", "0.05,0.01,0.02"], "tight <= base <= loose"),
+        (["--fwd-eb", "10"], r"--fwd-eb 10 is not below 1: a relative bound is a fraction"),
+        (["--bwd-class-eb", "0.1,0.5,1"], r"--bwd-class-eb loose 1 is not below 1"),
+        (["--dp-eb", "2"], r"--dp-eb 2 is not below 1: .* each gradient bucket's range"),
         (["--synthetic-eval", "0"], "--synthetic-eval must be >= 1, got 0"),
         (["--hindex-probe-steps", "0"], "--hindex-probe-steps must be >= 1"),
         (["--hindex-every", "-1"], "--hindex-every must be >= 0"),
@@ -115,8 +118,9 @@ def test_bad_flags_fail_loudly() -> None:
 def test_values_that_mean_nothing_are_refused_before_any_rank_starts(
     flags: list[str], message: str
 ) -> None:
-    """Each names its flag at parse time: an infinite bound, a class bound list that is
-    not three ordered positive numbers (even where the policy would not read it), a
+    """Each names its flag at parse time: an infinite bound, a relative one of the whole
+    range or more (every value would go as about the same number), a class bound list that
+    is not three ordered positive numbers (even where the policy would not read it), a
     window of no steps, an evaluation set of no samples."""
     with pytest.raises(ValueError, match=message):
         parse_train_args(["--fwd-codec", "hybrid", "--eb-policy", "dual", *flags])

@@ -106,20 +106,32 @@ def refused(cfg: TrainConfig) -> None:
 
 
 def _check_bound_values(cfg: TrainConfig) -> None:
-    """The class bounds parse; an absolute bound is one a codec accepts."""
+    """The class bounds parse; an absolute bound is one a codec accepts; a relative one is
+    below 1 (of the range it is relative to: one of 1 or more spans all of it)."""
+    if cfg.dp_eb >= 1:
+        raise ValueError(_whole_range("--dp-eb", cfg.dp_eb, "each gradient bucket's range"))
     for d in ("fwd", "bwd"):
         classes = cfg.class_eb(d)
-        if cfg.eb_mode != "abs":
-            continue
-        for flag, eb in (
+        bounds = (
             (f"--{d}-eb", getattr(cfg, f"{d}_eb")),
             *((f"--{d}-class-eb {c}", v) for c, v in classes.items()),
-        ):
+        )
+        if cfg.eb_mode != "abs":
+            for flag, eb in bounds:
+                if eb >= 1:
+                    raise ValueError(_whole_range(flag, eb, "each slice's range (--eb-mode rel)"))
+            continue
+        for flag, eb in bounds:
             if not EB_MIN <= eb <= EB_MAX:
                 raise ValueError(
                     f"{flag} {eb:g} (--eb-mode abs) is outside the codecs' bounds "
                     f"[{EB_MIN:.7g}, {EB_MAX:g}]"
                 )
+
+
+def _whole_range(flag: str, eb: float, of: str) -> str:
+    return (f"{flag} {eb:g} is not below 1: a relative bound is a fraction of {of} (0.01: "
+            "1%), and one of 1 or more lets every value go as about the same number")  # fmt: skip
 
 
 def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:
