@@ -81,6 +81,27 @@ def test_a_missing_optional_library_is_named_before_any_rank_starts(
     assert ranks.bad_input(ImportError(said))  # a launched rank's: not restarted
 
 
+def test_recsz_warnings_are_said_as_its_lines(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command's warnings of recsz's own (an absolute bound wider than the data) are one
+    line, `recsz: warning: ...`, not Python's with the file, line and source line; others'
+    (torch's) as Python says them."""
+    import warnings
+
+    from recsz.report import plain_warnings
+
+    python: list[tuple] = []  # Python's own way (here a recorder)
+    monkeypatch.setattr(warnings, "showwarning", lambda *a: python.append(a))
+    plain_warnings()
+    warnings.showwarning(UserWarning("bound 1e+30 is wide"), UserWarning,
+                         os.path.join("x", "recsz", "policy", "base.py"), 199)  # fmt: skip
+    warnings.showwarning(UserWarning("deprecated"), UserWarning, "/x/torch/nn.py", 7,
+                         line="    call()")  # fmt: skip
+    assert capsys.readouterr().err == "recsz: warning: bound 1e+30 is wide\n"
+    assert [a[2:4] for a in python] == [("/x/torch/nn.py", 7)]
+
+
 def test_version_names_the_package_and_what_it_runs_on(capsys: pytest.CaptureFixture[str]) -> None:
     from importlib.metadata import version
 

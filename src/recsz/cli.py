@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         print(versions())
         return 0
     cmd, rest = argv[0], argv[1:]
+    from recsz.report import plain_warnings
+
+    plain_warnings()
     try:
         return _run(cmd, rest)
     except BrokenPipeError:  # its output's reader is gone (`recsz plan | head`): be quiet

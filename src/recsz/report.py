@@ -8,8 +8,10 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -251,6 +253,21 @@ class Log:
         if self.path:
             with self.path.open("a") as f:
                 f.write(json.dumps(row) + "\n")
+
+
+def plain_warnings() -> None:
+    """recsz's own warnings said as a command's other lines are, ``recsz: warning: ...``,
+    not with Python's file, line and source line; the others' as Python says them."""
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
+        if f"{os.sep}recsz{os.sep}" in filename:
+            tqdm.write(f"recsz: warning: {message}", file=file or sys.stderr)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
 
 
 #: Written to a file, progress says a line at most this often (seconds).
