@@ -128,9 +128,19 @@ def test_a_record_from_before_the_pieces_still_resumes(run_dir: Path, tmp_path: 
 
 
 def test_fallback_resumes_from_the_last_intact_checkpoint(run_dir: Path, tmp_path: Path) -> None:
+    """A run's newest checkpoint damaged: its resume says --resume-fallback, which goes on
+    from the one before; `recsz evaluate` (which takes the newest), and a resume naming the
+    damaged one, name the older one instead (they take no --resume-fallback)."""
+    from recsz.evaluation import main as evaluate
+
     bad = flipped(run_dir, tmp_path, 100)
-    with pytest.raises(ValueError, match="--resume-fallback"):
+    with pytest.raises(ValueError, match="--resume-fallback: the last intact one"):
         main([*BASE, "--steps", "6", "--resume", str(bad)])
+    older = f"an older one may be intact: name it, {bad}/checkpoints/step-000000002\\)$"
+    with pytest.raises(ValueError, match=older):
+        evaluate([str(bad)])
+    with pytest.raises(ValueError, match=older):
+        main([*BASE, "--steps", "6", "--resume", str(checkpoint.complete(bad)[-1])])
     s = train(bad, "--steps", "6", "--resume", str(bad), "--resume-fallback")
     assert s["steps"] == 6
     steps = [json.loads(r)["step"] for r in (bad / "metrics.jsonl").read_text().splitlines()]

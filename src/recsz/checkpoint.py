@@ -230,6 +230,18 @@ def snapshot(obj: Any, device: torch.device | str = "cpu") -> Any:
     return copy.deepcopy(obj)
 
 
+def _older(named: Path, failed: Path, cfg: TrainConfig, other: bool) -> str:
+    """What a damaged checkpoint's error adds: where its run has an older one, how to take
+    it (a run named: ``--resume-fallback``; a checkpoint named, as `recsz evaluate` names
+    the newest: another's path)."""
+    older = [c for c in complete(run_dir_of(failed)) if c < failed]
+    if other or not older or (cfg.resume_fallback and named != failed):
+        return ""
+    if named != failed:  # (a run: its checkpoints tried newest first)
+        return " (--resume-fallback: the last intact one)"
+    return f" (an older one may be intact: name it, {older[-1]})"
+
+
 def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[int, dict[str, Any]]:
     """Restore this rank's state from the newest complete checkpoint every rank verifies
     (or from the one checkpoint directory ``run_dir`` names); return its step and the run
@@ -251,10 +263,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             break
         other = any(o for _, o in said)  # no older checkpoint would do
         if not cfg.resume_fallback or d == done[0] or other:
-            hint = (
-                "" if cfg.resume_fallback or other else " (--resume-fallback: the last intact one)"
-            )
-            raise CheckpointError("; ".join(errors) + hint)
+            raise CheckpointError("; ".join(errors) + _older(run_dir, d, cfg, other))
         if ranks.rank == 0:
             print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
     if world != ranks.world or shards != cfg.column_shards:
