@@ -240,7 +240,7 @@ def test_progress_written_to_a_file_is_a_line_a_row_not_a_bar(
     """Progress where no terminal reads it (here captured; a scheduler's log file): no bar,
     whose redraws would pile up on one line, but a metrics row's line: the first, those of
     an evaluation and the last, the others at most one each report.LINE_S seconds (30: none
-    in a 4-step run); --no-progress: none."""
+    in a 4-step run), each but the last with the time the pace leaves; --no-progress: none."""
     flags = ["--steps", "4", "--batch-size", "32", "--log-every", "1", "--eval-every", "2",
              "--synthetic-eval", "64"]  # fmt: skip
     main(flags)
@@ -248,7 +248,8 @@ def test_progress_written_to_a_file_is_a_line_a_row_not_a_bar(
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split("  ")[0] for line in lines] == ["step 1/4", "step 2/4", "step 4/4"]
     assert re.fullmatch(r"step 2/4  loss \d\.\d{4}  [\d,]+ samples/s  fwd [\d.]+x  bwd [\d.]+x  "
-                        r"auc \d\.\d{4}", lines[1]), lines  # fmt: skip
+                        r"auc \d\.\d{4}  left \d\d:\d\d", lines[1]), lines  # fmt: skip
+    assert "left" not in lines[-1]  # (the last step: none)
     assert "\r" not in err and "train:" not in err and "evaluate:" not in err
     main([*flags, "--no-progress"])
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("step")]

@@ -322,6 +322,7 @@ class Progress:
         err = err or sys.stderr
         self.lines = show and not err.isatty()
         self.total, self._said_at = total, -math.inf
+        self._start = (time.monotonic(), initial)  # (the time left: from the pace since)
         self.bar = tqdm(total=total, initial=initial, disable=not show or self.lines,
                         desc="train", unit="step", leave=False, file=err)  # fmt: skip
         self.shown: dict[str, str] = {}
@@ -339,15 +340,18 @@ class Progress:
         due = now - self._said_at >= LINE_S or row["step"] == self.total
         if self.lines and (due or "eval_auc" in row):
             self._said_at = now
-            tqdm.write(line_of(row, self.total))
+            t0, first = self._start
+            left = (now - t0) / (row["step"] - first) * (self.total - row["step"])
+            tqdm.write(line_of(row, self.total, left if row["step"] > first else None))
 
     def close(self) -> None:
         self.bar.close()
 
 
-def line_of(row: dict[str, Any], total: int) -> str:
+def line_of(row: dict[str, Any], total: int, left_s: float | None = None) -> str:
     """A metrics row as one line of a log: ``step 200/1000  loss 0.4512  11,234 samples/s
-    fwd 24.1x  bwd 19.8x  auc 0.7712``, the numbers the row holds."""
+    fwd 24.1x  bwd 19.8x  auc 0.7712  left 12:05``, the numbers the row holds (``left_s``:
+    the seconds the run's pace leaves, said before its last step)."""
     out = [f"step {row['step']}/{total}"]
     if "loss" in row:
         out.append(f"loss {row['loss']:.4f}")
@@ -356,4 +360,6 @@ def line_of(row: dict[str, Any], total: int) -> str:
     out += [f"{d} {row[f'{d}_ratio']:.1f}x" for d in ("fwd", "bwd") if f"{d}_ratio" in row]
     if "eval_auc" in row:
         out.append(f"auc {row['eval_auc']:.4f}")
+    if left_s is not None and row["step"] < total:
+        out.append(f"left {tqdm.format_interval(left_s)}")
     return "  ".join(out)
