@@ -230,12 +230,12 @@ def snapshot(obj: Any, device: torch.device | str = "cpu") -> Any:
     return copy.deepcopy(obj)
 
 
-def _older(named: Path, failed: Path, cfg: TrainConfig, other: bool) -> str:
+def _older(named: Path, failed: Path, other: bool) -> str:
     """What a damaged checkpoint's error adds: where its run has an older one, how to take
     it (a run named: ``--resume-fallback``; a checkpoint named, as `recsz evaluate` names
     the newest: another's path)."""
     older = [c for c in complete(run_dir_of(failed)) if c < failed]
-    if other or not older or (cfg.resume_fallback and named != failed):
+    if other or not older:  # (--resume-fallback fails only on the oldest)
         return ""
     if named != failed:  # (a run: its checkpoints tried newest first)
         return " (--resume-fallback: the last intact one)"
@@ -263,7 +263,7 @@ def load(run_dir: Path, parts: Parts, cfg: TrainConfig, ranks: Ranks) -> tuple[i
             break
         other = any(o for _, o in said)  # no older checkpoint would do
         if not cfg.resume_fallback or d == done[0] or other:
-            raise CheckpointError("; ".join(errors) + _older(run_dir, d, cfg, other))
+            raise CheckpointError("; ".join(errors) + _older(run_dir, d, other))
         if ranks.rank == 0:
             print(f"recsz: skipping checkpoint {d}: {'; '.join(errors)}", flush=True)
     if world != ranks.world or shards != cfg.column_shards:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from recsz.codecs.base import EB_MAX, EB_MIN
-from recsz.codecs.registry import takes
+from recsz.codecs.registry import get_codec_with, takes
 from recsz.data.npydays import check_bags, holds_days
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ def refused(cfg: TrainConfig) -> None:
             "rows would train apart on each rank)"
         )
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
-    for codec in (fwd, bwd, *([cfg.dp_hook_options()["codec"]] if cfg.dp_comm == "eb" else [])):
+    for codec in (fwd, bwd, *([get_codec_with(cfg.dp_codec)] if cfg.dp_comm == "eb" else [])):
         codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing
     if bwd.forward_mask and not fwd.threshold:
         raise ValueError(
