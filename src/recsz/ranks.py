@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,6 +191,7 @@ def _failed(e: Exception, rank: str) -> int:
         ErrorHandler().record_exception(e)  # the file torchrun's agent reads
         return 1
     if folder:
+        Path(folder).mkdir(mode=0o700, exist_ok=True)
         (Path(folder) / f"rank-{rank}").write_text(said)
     return BAD_INPUT
 
@@ -225,37 +227,39 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
 
     for sig in previous:
         signal.signal(sig, forward)
+    # made by a rank only where one notes bad input (a launcher killed outright leaves none)
+    failures = Path(tempfile.gettempdir()) / f"recsz-failures-{os.getpid()}-{time.time_ns()}"
+    env[FAILURES] = str(failures)
     try:
-        with tempfile.TemporaryDirectory(prefix="recsz-failures-") as failures:
-            env[FAILURES] = failures
-            for attempt in range(max_restarts + 1):
-                if forwarded:  # asked to stop between two attempts
-                    return 128 + forwarded[0]
-                env[ATTEMPT] = str(attempt)
-                # (held while it starts: one that comes meanwhile is passed on once, after)
-                signal.pthread_sigmask(signal.SIG_BLOCK, previous)
-                try:
-                    agent = subprocess.Popen(
-                        cmd, env=env, preexec_fn=_agent_setup, start_new_session=True
-                    )
-                finally:
-                    signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)
-                status = agent.wait()
-                # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
-                # shell's status of a process the signal ended, not the agent's 1.
-                if not status or forwarded:
-                    return 128 + forwarded[0] if status and forwarded else status
-                if said := _bad_input_said(Path(failures)):
-                    again = (", the job not started again (it would fail the same way)"
-                             if max_restarts else "")  # fmt: skip
-                    print(f"recsz: bad input{again}: {said}", file=sys.stderr, flush=True)
-                    return BAD_INPUT
-                if attempt < max_restarts:
-                    print(f"recsz: the job failed (exit status {status}): starting its "
-                          f"ranks again ({attempt + 1} of {max_restarts} restarts)",
-                          file=sys.stderr, flush=True)  # fmt: skip
-            return status
+        for attempt in range(max_restarts + 1):
+            if forwarded:  # asked to stop between two attempts
+                return 128 + forwarded[0]
+            env[ATTEMPT] = str(attempt)
+            # (held while it starts: one that comes meanwhile is passed on once, after)
+            signal.pthread_sigmask(signal.SIG_BLOCK, previous)
+            try:
+                agent = subprocess.Popen(
+                    cmd, env=env, preexec_fn=_agent_setup, start_new_session=True
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, previous)
+            status = agent.wait()
+            # Stopped by a signal passed on (the ranks saved a checkpoint on SIGTERM): a
+            # shell's status of a process the signal ended, not the agent's 1.
+            if not status or forwarded:
+                return 128 + forwarded[0] if status and forwarded else status
+            if said := _bad_input_said(failures):
+                again = (", the job not started again (it would fail the same way)"
+                         if max_restarts else "")  # fmt: skip
+                print(f"recsz: bad input{again}: {said}", file=sys.stderr, flush=True)
+                return BAD_INPUT
+            if attempt < max_restarts:
+                print(f"recsz: the job failed (exit status {status}): starting its "
+                      f"ranks again ({attempt + 1} of {max_restarts} restarts)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+        return status
     finally:
+        shutil.rmtree(failures, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
