@@ -15,7 +15,7 @@ from types import ModuleType
 
 import pytest
 
-from recsz import ranks
+from recsz import launcher, ranks
 from recsz.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,9 +126,9 @@ def test_launch_leaves_the_rank_count_to_torchrun(monkeypatch: pytest.MonkeyPatc
         def wait(self) -> int:
             return 0
 
-    monkeypatch.setattr(ranks.subprocess, "Popen", Agent)
+    monkeypatch.setattr(launcher.subprocess, "Popen", Agent)
     argv = ["--nproc", "2", "--steps", "3", "--nproc=2", "--out", "--nproc-x"]
-    assert ranks.launch(2, argv) == 0
+    assert launcher.launch(2, argv) == 0
     cmd = seen[0]
     assert "--nproc-per-node=2" in cmd
     assert cmd[cmd.index("recsz.train") + 1 :] == ["--steps", "3", "--out", "--nproc-x"]

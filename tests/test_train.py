@@ -436,7 +436,7 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from recsz.ranks import _report
+    from recsz.launcher import _report
 
     def recorded(name: str, trace: str, at_ns: int) -> str:
         path = tmp_path / name

@@ -37,9 +37,10 @@ from recsz.config import TrainConfig
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, held_out_source, make_source
 from recsz.fields import parser
+from recsz.launcher import launch
 from recsz.metrics import NUMBERS, binary_metrics
 from recsz.model import get_preset
-from recsz.ranks import Ranks, launch, worker
+from recsz.ranks import Ranks, worker
 from recsz.step import Parts, build_parts, forward, rank_part
 
 

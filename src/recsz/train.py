@@ -27,8 +27,9 @@ from recsz.configcheck import idle
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
+from recsz.launcher import launch
 from recsz.model import get_preset, modelfile
-from recsz.ranks import Ranks, keep_freed_memory, launch, restarted, worker
+from recsz.ranks import Ranks, keep_freed_memory, restarted, worker
 from recsz.rundir import Held, continues, refuse_another_run
 from recsz.step import (
     build_parts,

@@ -153,6 +153,23 @@ def test_bad_input_ends_a_job_at_once_without_restarts(tmp_path: Path) -> None:
     assert "exitcode" not in done.stderr, done.stderr
 
 
+def test_recsz_launcher_in_torchruns_place_says_a_failure_in_a_few_lines() -> None:
+    """`python -m recsz.launcher` takes torchrun's flags (a node of a multi-node job, as the
+    README's Slurm script runs it): a rank's failure is said by each rank's line, then the
+    first one's traceback once, not torchrun's report (each traceback again, and the
+    agent's own); the exit status is torchrun's, 1."""
+    cmd = [sys.executable, "-m", "recsz.launcher", "--standalone", "--nproc-per-node", "2",
+           "-m", "recsz.train", "--steps", "8", "--batch-size", "64", "--no-progress",
+           "--synthetic-eval", "256", "--inject-failure", "1:2"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "recsz: rank 1 failed: RuntimeError: injected failure on rank 1" in done.stderr
+    assert "recsz: rank 1 failed first; its traceback:" in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-3000:]
+    assert "ChildFailedError" not in done.stderr and "exitcode" not in done.stderr
+
+
 STUCK_RANK = """
 import os, signal, sys, threading, time
 import torch, torch.distributed as dist
