@@ -175,6 +175,24 @@ def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozen
     return "\n".join(lines or [f"recsz: ranks {sorted(failures)} stopped"])
 
 
+def _no_restart_on_bad_input() -> None:
+    """torchrun's agent, as :func:`_agent` runs it, starts its ranks again (its own
+    ``--max-restarts``) on no failure a rank said was bad input: the same input fails the
+    same way. (Its loop restarts while restarts remain, read after each look at the
+    ranks; where a later torch names them otherwise, it restarts as torchrun does.)"""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    look = LocalElasticAgent._monitor_workers
+
+    def looked(self: Any, group: Any) -> Any:
+        result = look(self, group)
+        if any(f.exitcode == BAD_INPUT for f in getattr(result, "failures", {}).values()):
+            self._remaining_restarts = 0
+        return result
+
+    LocalElasticAgent._monitor_workers = looked  # type: ignore[method-assign]
+
+
 def _agent(args: list[str]) -> int:
     """torchrun's agent (``torch.distributed.run``) with torchrun's flags ``args``, as
     :func:`launch` runs it and as ``python -m recsz.ranks`` runs it in torchrun's place (a
@@ -192,6 +210,7 @@ def _agent(args: list[str]) -> int:
         for logger in (api.logger, error_handler.logger, agent_api.logger):
             logger.addFilter(_not_reported)
         os.environ[AGENT] = "1"  # (the ranks keep their tracebacks for _report)
+    _no_restart_on_bad_input()
     try:
         main(args)
     except ChildFailedError as e:

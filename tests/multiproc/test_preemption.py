@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from recsz import checkpoint
+from recsz.ranks import SEPARATE_STORES
 from tests.multiproc.spawned import spawned
 from tests.multiproc.test_orphans import start_job
 
@@ -133,8 +134,9 @@ def test_bad_input_ends_a_job_at_once_without_restarts(tmp_path: Path) -> None:
     """A rank that fails on bad input (a data file's line) notes it for the launcher, which
     starts no other attempt, however many restarts it may make (the same input would fail
     the same way), names the problem once, for all ranks, without a traceback or torchrun's
-    line of the exit status, and exits with 2, as `recsz` does on one process. (A failure
-    of another kind is restarted: the test above.)"""
+    line of the exit status, and exits with 2, as `recsz` does on one process; under
+    `python -m recsz.launcher` in torchrun's place, torchrun's own restarts are not made
+    either. (A failure of another kind is restarted: the test above.)"""
     line = "\t".join(["1", *["3"] * 13, *["68fd1e64"] * 26])
     data = tmp_path / "bad.tsv"
     data.write_text("\n".join([line] * 39 + ["1\tabc\tzz"] + [line] * 40) + "\n")
@@ -151,6 +153,15 @@ def test_bad_input_ends_a_job_at_once_without_restarts(tmp_path: Path) -> None:
     assert done.stderr.count(said) == 1 and "starting its ranks again" not in done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
     assert "exitcode" not in done.stderr, done.stderr
+    # python -m recsz.launcher in torchrun's place, with torchrun's own --max-restarts:
+    # one attempt too (plain torchrun's agent starts the ranks again, each saying its line)
+    agent = [sys.executable, "-m", "recsz.launcher", "--standalone", "--nproc-per-node", "2",
+             "--max-restarts", "2", "-m", "recsz.train", *cmd[cmd.index("--steps"):-2]]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", SEPARATE_STORES: "1"}
+    done = subprocess.run(agent, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert 1 <= done.stderr.count(said) <= 2, done.stderr[-3000:]  # each rank's, once
+    assert "Traceback" not in done.stderr and "exitcode" not in done.stderr
 
 
 def test_recsz_launcher_in_torchruns_place_says_a_failure_in_a_few_lines() -> None:
