@@ -117,7 +117,7 @@ def _die_with_parent() -> None:
 
 
 def _not_reported(record: logging.LogRecord) -> bool:
-    """A logging filter for torchrun's agent as :func:`launch` runs it: not its lines of a
+    """A logging filter for torchrun's agent as :func:`_agent` runs it: not its lines of a
     failed rank's exit code and of the others closed, which :func:`_report` says, nor of a
     signal passed on."""
     said = record.msg if isinstance(record.msg, str) else ""
@@ -143,7 +143,7 @@ _forced: set[int] = set()
 
 
 def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozenset()) -> str:
-    """The failed ranks of a job that :func:`launch`'s agent ran (``failures``: torchrun's
+    """The failed ranks of a job that :func:`_agent` ran (``failures``: torchrun's
     ``ProcessFailure``s by rank), in place of torchrun's report: a rank a signal killed
     (SIGKILL: the out-of-memory killer's) named as the cause, the others' lost peers not
     shown; else the traceback of the rank that failed first (each rank said its line as it
@@ -176,10 +176,11 @@ def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozen
 
 
 def _no_restart_on_bad_input() -> None:
-    """torchrun's agent, as :func:`_agent` runs it, starts its ranks again (its own
-    ``--max-restarts``) on no failure a rank said was bad input: the same input fails the
-    same way. (Its loop restarts while restarts remain, read after each look at the
-    ranks; where a later torch names them otherwise, it restarts as torchrun does.)"""
+    """torchrun's agent, as :func:`_agent` runs it, does not start its ranks again (its own
+    ``--max-restarts``) after a rank's bad input: the same input fails the same way. (Its
+    loop restarts while restarts remain, read after each look at the ranks, which sets
+    them to none then; where a later torch names them otherwise, it restarts as torchrun
+    does.)"""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
     look = LocalElasticAgent._monitor_workers
@@ -195,7 +196,7 @@ def _no_restart_on_bad_input() -> None:
 
 def _agent(args: list[str]) -> int:
     """torchrun's agent (``torch.distributed.run``) with torchrun's flags ``args``, as
-    :func:`launch` runs it and as ``python -m recsz.ranks`` runs it in torchrun's place (a
+    :func:`launch` runs it and as ``python -m recsz.launcher`` runs it in torchrun's place (a
     node of a multi-node job): a failure said by :func:`_report`, quiet where a rank failed
     on bad input, which that rank has said, and where a signal passed on stopped the job
     (torchrun's report, with a traceback of the agent's own, would bury what the ranks
