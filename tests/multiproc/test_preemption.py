@@ -371,3 +371,67 @@ def test_a_second_job_on_a_run_being_written_is_refused(tmp_path: Path) -> None:
     assert re.search(r"^recsz: bad input: ranks? [01](, 1)?: ValueError: --out ", second.stderr,
                      re.M), second.stderr[-3000:]  # fmt: skip
     assert sorted(p.name for p in run.iterdir()) == [".writer"]  # nothing written
+
+
+def test_a_two_node_job_is_preempted_and_goes_on_under_recsz_launcher(tmp_path: Path) -> None:
+    """The README's Slurm script on one machine: two nodes of one rank each, each node's
+    `python -m recsz.launcher` meeting the other at a c10d rendezvous, both writing one run
+    directory (a shared filesystem). SIGTERM to both agents (Slurm's ``--signal=TERM`` reaches
+    every task): one checkpoint, both exit 143; the same command lines again (a requeued
+    job: the same rendezvous id) go on from it to the end, as a straight 2-rank run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run, env = tmp_path / "run", {**os.environ, "OMP_NUM_THREADS": "1", SEPARATE_STORES: "1",
+                                  "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    job = ["--batch-size", "64", "--no-progress", "--synthetic-eval", "256", "--log-every",
+           "100000", "--dist-timeout", "30"]  # fmt: skip
+
+    def nodes(steps: int) -> list[subprocess.Popen]:
+        cmd = [sys.executable, "-m", "recsz.launcher", "--nnodes", "2", "--nproc-per-node",
+               "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+               "--rdzv-id", "job", "--max-restarts", "3", "-m", "recsz.train", *job,
+               "--steps", str(steps), "--out", str(run)]  # fmt: skip
+        return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=env) for _ in range(2)]  # fmt: skip
+
+    first, said = nodes(100000), [[], []]
+    started = threading.Event()
+
+    def read(i: int) -> None:
+        for line in first[i].stdout:  # type: ignore[union-attr]
+            said[i].append(line)
+            if line.startswith("table owners"):  # (rank 0's node, after a collective)
+                started.set()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
+    for r in readers:
+        r.start()
+    started.wait(timeout=120)
+    for p in first:
+        p.send_signal(signal.SIGTERM)
+    for p, r in zip(first, readers, strict=True):
+        p.wait(timeout=60)
+        r.join(timeout=10)
+        p.stdout.close()  # type: ignore[union-attr]
+    log = "".join(said[0] + said[1])
+    assert started.is_set() and [p.returncode for p in first] == [143, 143], log[-3000:]
+    saved = checkpoint.complete(run)
+    assert len(saved) == 1 and log.count("stopped at step") == 1, log[-3000:]
+    step = json.loads((saved[0] / "meta.json").read_text())["step"]
+
+    again = nodes(step + 3)
+    outs = [p.communicate(timeout=180)[0] for p in again]
+    assert [p.returncode for p in again] == [0, 0], "".join(outs)[-3000:]
+    assert sum(f"checkpoint at step {step}: going on" in o for o in outs) == 1, outs
+    cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", *job, "--steps",
+           str(step + 3), "--out", str(tmp_path / "straight")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed, straight = (json.loads((d / "summary.json").read_text())
+                         for d in (run, tmp_path / "straight"))  # fmt: skip
+    assert resumed["steps"] == straight["steps"] == step + 3
+    for key in ("world_size", "auc", "logloss", "bytes_payload", "bytes_sent"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key
