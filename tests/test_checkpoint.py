@@ -580,15 +580,51 @@ def test_old_checkpoints_are_pruned(tmp_path: Path) -> None:
     assert sorted(kept) == ["step-000000008", "step-000000010"]
 
 
-def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
-    def full_disk(obj: object, f: object) -> None:
-        Path(str(f)).write_bytes(b"partial")
-        raise OSError(28, "No space left on device")
+def test_a_full_disk_is_named_and_leaves_nothing_behind(tmp_path: Path, monkeypatch) -> None:
+    """A checkpoint that does not fit its filesystem is said so, with its free room, whether
+    the write raises ENOSPC, fails as torch's writer does on a full disk ("unexpected pos",
+    no errno: told by the room left), or is refused before it starts (less room than its
+    tensors' bytes); bad input (the launcher does not start the job again), no temporary
+    file and no incomplete checkpoint left. A failure with room to spare is itself."""
+    from collections import namedtuple
 
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(OSError, match=r"cannot write checkpoint file .*rank-0\.pt"):
-        main([*BASE, "--out", str(tmp_path)])
-    assert not list(tmp_path.rglob("*.tmp"))
+    from recsz import checkpointwrite
+    from recsz.ranks import bad_input
+
+    usage, saved = namedtuple("usage", "total used free"), torch.save
+    room = {"free": 10**12}
+    monkeypatch.setattr(checkpointwrite.shutil, "disk_usage",
+                        lambda p: usage(10**12, 0, room["free"]))  # fmt: skip
+
+    def failing(error: BaseException, free_after: int):
+        def save(obj: object, f: object) -> None:
+            Path(str(f)).write_bytes(b"partial")
+            room["free"] = free_after
+            raise error
+
+        return save
+
+    cases = [
+        (failing(OSError(28, "No space left on device"), 10**12), "no space left on device"),
+        (failing(RuntimeError("[enforce fail] unexpected pos 3968 vs 3862"), 100), "no space"),
+        (saved, r"no room for its \d+\.\d MB \(0\.0 MB free on its filesystem\)"),
+    ]
+    for i, (save, said) in enumerate(cases):
+        room["free"] = 10**12 if save is not saved else 1000
+        monkeypatch.setattr(torch, "save", save)
+        out = tmp_path / str(i)
+        file = rf"{out}/checkpoints/step-000000002/rank-0\.pt"
+        with pytest.raises(OSError, match=rf"step 2: rank 0: cannot write {file}: {said}") as e:
+            main([*BASE, "--out", str(out)])
+        assert bad_input(e.value), i
+        assert (
+            not list(out.rglob("*.tmp")) and not (out / "checkpoints" / "step-000000002").exists()
+        )
+    room["free"] = 10**12  # room to spare: torch's error as it is, not bad input
+    monkeypatch.setattr(torch, "save", failing(RuntimeError("unexpected pos 3 vs 2"), 10**12))
+    with pytest.raises(OSError, match=r"rank 0: RuntimeError: unexpected pos 3 vs 2") as e:
+        main([*BASE, "--out", str(tmp_path / "room")])
+    assert not bad_input(e.value)
 
 
 def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:

@@ -191,6 +191,23 @@ def test_preprocess_refuses_empty_input_and_leaves_nothing(tmp_path: Path) -> No
     assert not list((tmp_path / "out").glob("*")), "no partial output after a failure"
 
 
+def test_preprocess_on_a_full_disk_names_its_output(tmp_path: Path, monkeypatch) -> None:
+    """A full filesystem (ENOSPC at a write) is said with the output directory and its
+    free room, as bad input (the same command fails until someone makes room), and leaves
+    no partial output."""
+    from recsz.ranks import bad_input
+
+    def full(*_args: object, **_kw: object) -> None:
+        (tmp_path / "out" / "dense.tmp").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(preprocessed, "_write", full)
+    with pytest.raises(OSError, match=rf"cannot write {tmp_path}/out: no space left on device "
+                       r"\(\d+\.\d MB free on its filesystem\)") as e:  # fmt: skip
+        preprocessed.preprocess(_write(tmp_path, [GOOD]), tmp_path / "out", SIZES, progress=False)
+    assert bad_input(e.value) and not list((tmp_path / "out").glob("*"))
+
+
 def test_damaged_preprocessed_arrays_are_named(tmp_path: Path, criteo_ragged: Path) -> None:
     from recsz.data.source import make_source
 

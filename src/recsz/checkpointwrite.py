@@ -17,6 +17,7 @@ CPU, where every rank writes so, the checkpoint is completed as soon as it is wr
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ import torch
 
 from recsz import hostmemory
 from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest, snapshot
+from recsz.ranks import NO_ROOM, no_room
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -38,14 +40,25 @@ if TYPE_CHECKING:
     from recsz.step import Parts
 
 
-def atomic_write(path: Path, write: Any) -> None:
-    """``write(tmp_path)`` then rename; the temporary file never outlives a failure."""
+def atomic_write(path: Path, write: Any, size: int = 0) -> None:
+    """``write(tmp_path)`` then rename; the temporary file never outlives a failure.
+    ``size``: about the bytes it writes, refused at once where its filesystem has fewer
+    free (as is a failure that leaves fewer free than the bytes not yet written: torch's
+    writer says a full disk as "unexpected pos")."""
     tmp = path.with_name(path.name + ".tmp")
+    if size and shutil.disk_usage(path.parent).free < size:
+        raise no_room(path, f"no room for its {size / 2**20:.1f} MB")
     try:
         write(tmp)
         os.replace(tmp, path)
     except BaseException as e:
+        full = isinstance(e, OSError) and e.errno in NO_ROOM
+        if isinstance(e, Exception) and not full:  # (before the partial file goes)
+            written = tmp.stat().st_size if tmp.exists() else 0
+            full = shutil.disk_usage(path.parent).free < max(size - written, 2**16)
         tmp.unlink(missing_ok=True)
+        if full:
+            raise no_room(path, "no space left on device") from e
         if isinstance(e, OSError):
             raise OSError(e.errno, f"cannot write checkpoint file {path}: {e.strerror}") from e
         raise
@@ -105,10 +118,12 @@ class _Write:
 
     def run(self, state: dict[str, Any]) -> None:
         try:
-            atomic_write(self.path, lambda tmp: torch.save(state, tmp))
+            atomic_write(self.path, lambda tmp: torch.save(state, tmp), tensor_bytes(state))
             self.result["digest"] = digest(self.path)
         except Exception as e:  # named on every rank when the checkpoint completes (a
             self.result["error"] = f"{type(e).__name__}: {e}"  # second Ctrl-C: raised)
+            if isinstance(e, OSError) and e.errno in NO_ROOM:
+                self.result["error"], self.result["no_room"] = str(e), "1"
 
 
 class Saver:
@@ -166,9 +181,14 @@ class Saver:
                 write.thread.join()
         results = self.ranks.gather(write.result)
         failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
-        if failed:
-            raise OSError(f"cannot write checkpoint step {write.step}: " + "; ".join(failed))
         d = write.path.parent
+        if failed:
+            if self.ranks.rank == 0:  # (every rank's write has ended: the step's nothing)
+                shutil.rmtree(d, ignore_errors=True)
+            e = OSError(f"cannot write checkpoint step {write.step}: " + "; ".join(failed))
+            if any("no_room" in res for res in results):  # not the job's to mend: no restart
+                e.errno = errno.ENOSPC
+            raise e
         if self.ranks.rank == 0 and self.out is not None:
             meta = {
                 "step": write.step,

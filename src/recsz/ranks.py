@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -104,6 +106,20 @@ FAILURES, ATTEMPT = "RECSZ_FAILURES", "RECSZ_ATTEMPT"
 AGENT = "RECSZ_AGENT"
 
 
+#: The ``errno``s of a filesystem without room (a full disk, a user's quota): the same
+#: command line fails the same way until someone makes room.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_room(path: Path, message: str) -> OSError:
+    """An ``OSError`` (``errno`` ENOSPC, :data:`NO_ROOM`) saying that ``path``'s filesystem
+    has no room for it, and how much it has."""
+    free = shutil.disk_usage(path if path.is_dir() else path.parent).free
+    e = OSError(f"cannot write {path}: {message} ({free / 2**20:.1f} MB free on its filesystem)")
+    e.errno = errno.ENOSPC
+    return e
+
+
 #: What a rank raises on bad input (:func:`bad_input`).
 _BAD_INPUT = (ValueError, FloatingPointError, FileNotFoundError, NotADirectoryError,
               IsADirectoryError, PermissionError, ImportError)  # fmt: skip
@@ -113,12 +129,15 @@ def bad_input(e: BaseException) -> bool:
     """Whether ``e`` says that the job's input is bad (a ``ValueError``: a data line, a flag,
     a checkpoint, a run another job writes; a ``FloatingPointError``: settings under which
     the loss diverged; a path that is missing, of the wrong kind or not permitted; an
-    ``ImportError``: a library the options need is not installed), which
+    ``ImportError``: a library the options need is not installed; an ``OSError`` of a
+    filesystem without room, :data:`NO_ROOM`), which
     the same command line would raise again; not bytes damaged on their way from a peer (a
     ``PayloadError`` anywhere in its chain), which need not be damaged again, nor other
     ``OSError``s (a network file system's hiccup)."""
     from recsz.codecs.payload import PayloadError
 
+    if isinstance(e, OSError) and e.errno in NO_ROOM:
+        return True
     if not isinstance(e, _BAD_INPUT):
         return False
     seen: BaseException | None = e

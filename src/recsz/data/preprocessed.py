@@ -29,6 +29,7 @@ from recsz.data.criteo import (
     parse_threads,
     skipped_note,
 )
+from recsz.ranks import NO_ROOM, no_room
 
 FORMAT_VERSION = 1
 
@@ -61,9 +62,11 @@ def preprocess(
         if stats.lines == 0:
             named = ", ".join(str(r) for r in raws)
             raise CriteoFormatError(f"{named}: no samples" + skipped_note(stats))
-    except BaseException:
+    except BaseException as e:
         for t in [*tmp.values(), *(p for part in parts for p in part.values())]:
             t.unlink(missing_ok=True)  # no partial output survives a failure
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            raise no_room(out, "no space left on device") from e
         raise
     for k, name in _FILES.items():
         os.replace(tmp[k], out / name)
