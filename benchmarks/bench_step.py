@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile
 
+from recsz import profiling
 from recsz.config import parse_train_args
 from recsz.data.source import make_source
 from recsz.model import get_preset
@@ -38,16 +39,6 @@ from recsz.train import main as train_main
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 REAL = SHARED / "criteo_kaggle_head10k.tsv"
-
-#: record_function labels of the stages (the rest of the step is "other").
-STAGES = {
-    "lookup": ["recsz.lookup"],
-    "exchange encode": ["recsz.a2a_fwd.encode", "recsz.a2a_bwd.encode"],
-    "exchange wait": ["recsz.a2a_fwd.wait", "recsz.a2a_bwd.wait"],
-    "exchange decode": ["recsz.a2a_fwd.decode", "recsz.a2a_bwd.decode"],
-    "table update (fused row optimizer)": ["recsz.table_update"],
-    "dense optimizer": ["bench.dense_opt"],
-}
 
 
 def one_process(seeds: list[int]) -> list[dict]:
@@ -85,13 +76,6 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     src = make_source("synthetic", get_preset("bench").model.table_sizes, 0)
     bsz = cfg.resolved("batch_size")
     batches = [src.train_batch(s, bsz) for s in range(steps + 3)]  # the same steps twice
-    opt_step = parts.dense_opt.step
-
-    def timed_step() -> None:
-        with record_function("bench.dense_opt"):
-            opt_step()
-
-    parts.dense_opt.step = timed_step  # type: ignore[method-assign]
     for s in range(3):
         train_step(parts, batches[s], s, ranks)
     t = time.perf_counter()
@@ -102,11 +86,9 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(3, steps + 3):
             train_step(parts, batches[s], s, ranks)
-    step_ms = (time.perf_counter() - t) / steps * 1e3
-    totals = {e.key: e.cpu_time_total / 1e3 / steps for e in prof.key_averages()}
-    out = {k: sum(totals.get(n, 0.0) for n in names) for k, names in STAGES.items()}
-    out["rest of forward and backward (MLPs, interaction, loss)"] = step_ms - sum(out.values())
-    out["step (profiled)"] = step_ms
+    got = profiling.summarize(prof, steps, time.perf_counter() - t, 3)  # (recsz --profile's)
+    out = {k: v for k, v in got["host_ms"].items() if k != "data wait"}  # (batches made)
+    out["step (profiled)"] = got["wall_ms"]
     out["step without the profiler"] = bare_ms
     ranks.close(True)
     return out

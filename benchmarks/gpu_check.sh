@@ -23,7 +23,9 @@
 #               tables made on the GPU as on the CPU, a GPU run against the CPU's, a
 #               SIGTERM's checkpoint written in the background and resumed
 #   train.jsonl, train.log   benchmarks/gpu_train.py: the trainer at batch 8192, one
-#               process for all its runs (a line each as it ends), side by side at the end
+#               process for all its runs (a line each as it ends), side by side at the end;
+#               `none` and `hybrid` (fixed-size and id-aware) profiled over 10 steps
+#               (`recsz train --profile`): GPU busy, kernels a step, ms per stage
 #   checkpoint.txt   benchmarks/bench_checkpoint.py on the GPU: background against at once;
 #               then benchmarks/bench_load.py: a checkpoint's load, its GPU memory
 #

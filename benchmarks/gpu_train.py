@@ -38,6 +38,9 @@ from recsz.train import run
 RESTART = 3
 FIXED = ["--no-id-dedup", "--no-bwd-coalesce"]  # fixed-size traffic: no host sync a step
 MULTI_HOT = ["--multi-hot", "mlperf", "--emb-lr", "0.01"]  # MLPerf's bags, 214 ids a sample
+#: the runs profiled (`--profile`, 10 steps): the trainer issue's GPU busy and where the
+#: step's time goes, per stage, `none` and `hybrid`, fixed-size and id-aware traffic
+PROFILED = ("none_fixed", "hybrid_fixed", "none", "hybrid")
 #: seconds a run needs at least (start, 40 steps, its evaluation); none starts with less left
 RUN_S = 20
 
@@ -80,7 +83,8 @@ def flags(name: str, rest: list[str], out: Path, dry: bool) -> list[str]:
         extra = [e if e != "65536" else "512" for e in extra]
     return [*common, "--steps", str(steps), "--fwd-codec", codec, "--bwd-codec", codec,
             "--eb-policy", "dual", "--synthetic-eval", str(n_eval), "--no-progress",
-            "--out", str(out / name), *extra]  # fmt: skip
+            "--out", str(out / name), *extra,
+            *(["--profile", "10" if not dry else "1"] if name in PROFILED else [])]  # fmt: skip
 
 
 def cuda_broken() -> bool:
@@ -124,6 +128,12 @@ def table(log: Path) -> str:
             f"eval {s.get('eval_samples', 0)} in {s.get('eval_s', float('nan')):.2f} s "
             f"({r['seconds']:.0f} s)"
         )
+        if p := r.get("profile"):  # (profiled: ms a step, the host's and the GPU's)
+            stages = ", ".join(f"{k.split(' (')[0]} {v:.2f}/{p.get('gpu_ms', {}).get(k, 0):.2f}"
+                               for k, v in p["host_ms"].items())  # fmt: skip
+            busy, launches = p.get("gpu_busy", float("nan")), p.get("kernels_per_step", 0)
+            lines.append(f"{'':32s} profile: wall {p['wall_ms']:.2f} ms, GPU busy {busy:.2f}, "
+                         f"kernels {launches:.0f}; host/GPU ms: {stages}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 entry["summary"] = row(run(parse_train_args(argv_run)))
+                if (prof := args.runs / name / "profile.json").exists():
+                    entry["profile"] = json.loads(prof.read_text())["ranks"][0]
             except (Exception, SystemExit) as e:
                 entry["error"] = f"{type(e).__name__}: {e}"
             if torch.cuda.is_available():

@@ -370,6 +370,8 @@ def test_gpu_train_records_each_run_as_it_ends(tmp_path: Path) -> None:
     assert [r["name"] for r in rows] == ["hybrid_fixed", "none_fixed_graph"]
     assert rows[0]["summary"]["samples_per_s_steady"] > 0 and "per_table" not in rows[0]["summary"]
     assert "--cuda-graph" in rows[1]["error"]  # (a GPU's alone)
+    assert rows[0]["profile"]["steps"] == 1  # profiled (--profile): its stages in the table
+    assert "profile: wall" in gpu_train.table(log) and "profile" not in rows[1]
     late = ["--only", "hybrid_fixed,none,hybrid", "--dry", "--deadline", "0"]
     assert gpu_train.main([str(tmp_path), *late]) == 0
     rows = [json.loads(line) for line in log.read_text().splitlines()]

@@ -155,8 +155,10 @@ def parse_train_args(argv: list[str] | None) -> TrainConfig:
 
 
 #: what a resumed run never takes from the run it resumes: where it resumes from and
-#: writes (its run directory, whatever the saved path said), a test's injected failure
-NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "config_version")
+#: writes (its run directory, whatever the saved path said), a test's injected failure, a
+#: profile (a measurement, once)
+NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "profile",
+               "config_version")  # fmt: skip
 
 
 def given_args(argv: list[str]) -> dict[str, Any]:

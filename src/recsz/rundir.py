@@ -2,7 +2,8 @@
 run, the same command line run again (a job its scheduler requeued after a preemption,
 torchrun restarted after a failure, or simply rerun), which continues from its last
 checkpoint or, without one, starts over; or another run, which is not written over. And
-whether another job is writing it now (:class:`Held`): one job at a time."""
+whether another job is writing it now (:class:`Held`): one job at a time. And where a
+resumed run stands (:func:`where_resumed`): an evaluation to do first, or nothing left."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from recsz import checkpoint
+from recsz import checkpoint, report
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
+    from recsz.ranks import Ranks
 
 #: what in a directory makes it a run's
 HELD = ("config.json", "metrics.jsonl", "summary.json", "checkpoints")
@@ -125,3 +127,37 @@ class Held:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def where_resumed(
+    cfg: TrainConfig, ranks: Ranks, steps: int, start: int, counters: dict[str, Any], out: Path
+) -> tuple[bool, bool]:
+    """A run resumed at ``start`` of ``steps`` (its ``counters``, updated here): whether it
+    evaluates ``start`` first (its checkpoint written before an evaluation due there, whose
+    row the log lacks: cut short), and whether it already finished (its target met, or
+    every step trained and summarized), each said by rank 0."""
+    if steps < start:
+        raise ValueError(f"--steps {steps} is below the step of the checkpoint resumed ({start})")
+    hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
+    due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
+    first = False
+    if counters.get("eval_due") and due:  # saved before its step's evaluation
+        got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
+        first = got is None  # cut short (a stop, a kill) before its row
+        counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
+        if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
+            hit = {"step": start, "auc": got["eval_auc"]}
+    met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
+    summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
+    if met or (steps == start and summarized):
+        why = f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
+        if ranks.rank == 0:
+            print(f"recsz: {cfg.resume} already finished ({why}); nothing to do", flush=True)
+        return first, True
+    if ranks.rank == 0 and steps == start:  # no steps left: the evaluation, the summary
+        print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its final "
+              "evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
+    elif ranks.rank == 0 and first:
+        print(f"recsz: the evaluation due at step {start} did not end before the run "
+              "stopped: evaluating it first", flush=True)  # fmt: skip
+    return first, False

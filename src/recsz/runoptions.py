@@ -223,6 +223,12 @@ class JobOptions:
     keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)", ge=0)
     check_bounds: bool = opt(False, "decode every payload on the sender and assert the bound")
     progress: bool = opt(True, "show a progress bar")
+    profile: int = opt(
+        0,
+        "steps to profile (torch profiler) after the first 3: ms a step per stage said, "
+        "each rank's trace in RUN/profile/ (Perfetto), the numbers in RUN/profile.json",
+        ge=0,
+    )
     inject_failure: str | None = opt(
         None, "RANK:STEP: raise there (tests of fail-fast; not in a restarted job)"
     )

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import record_function
 
 from recsz import hostmemory
 from recsz.codecs import get_codec
@@ -297,7 +298,8 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Ten
     assert opt is not None, "parts built to score (build_parts(train=False)) do not train"
     opt.zero_grad(set_to_none=True)
     loss.backward()  # also updates the tables (their optimizer is fused into it)
-    opt.step()
+    with record_function("recsz.dense_opt"):
+        opt.step()
     if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
         parts.dense_module.local.step()
     return loss.detach()

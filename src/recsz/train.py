@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from tqdm import tqdm
 
-from recsz import checkpoint, report
+from recsz import checkpoint, profiling, report
 from recsz.checkpointwrite import Saver
 from recsz.config import TrainConfig, configured, given_args, resumed_config
 from recsz.configcheck import idle
@@ -30,7 +31,7 @@ from recsz.evaluation import evaluate
 from recsz.launcher import launch
 from recsz.model import get_preset, modelfile
 from recsz.ranks import Ranks, keep_freed_memory, restarted, worker
-from recsz.rundir import Held, continues, refuse_another_run
+from recsz.rundir import Held, continues, refuse_another_run, where_resumed
 from recsz.step import (
     build_parts,
     rank_part,
@@ -87,7 +88,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             assert out is not None
-            evaluate_first, finished = _where_resumed(cfg, ranks, steps, start, counters, out)
+            evaluate_first, finished = where_resumed(cfg, ranks, steps, start, counters, out)
             if finished:
                 ok = True
                 return {"steps": start, "already_finished": True}
@@ -132,6 +133,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         made = source.train_batches(range(start, steps), bsz, part)
         batches = prefetch(made, ranks.device, cfg.prefetch)
         busy = stop.busy if stop is not None else _not_watched  # (its own long calls)
+        trace = out / "profile" / f"rank-{ranks.rank}.json.gz" if out else None
+        profiler = profiling.StepProfiler(
+            cfg.profile, start, steps, WARM_STEPS, ranks.device, trace
+        )
         saver = Saver(out, cfg, ranks, busy)
         if cfg.resume:  # the state the checkpoint resumed holds
             saver.completed = start
@@ -179,13 +184,16 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
             # data_s: the time spent waiting for a batch (making it, without --prefetch).
             began = time.monotonic()  # (the step's length: Stopping's patience)
+            profiler.before(step)
             t0 = time.perf_counter()
-            batch = next(batches)
+            with record_function("recsz.data"):
+                batch = next(batches)
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             if parts.rates is not None:
                 lr_factor = parts.rates.at(step)
             losses.append(run_step(batch, step))
+            profiler.after(step)
             done = step + 1
             stopped = stop is not None and stop.agreed(began) and done != steps
             if fiited is not None and done % fiited.interval == 0:
@@ -214,6 +222,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                     row["lr_factor"] = lr_factor  # the schedule's, at this row's last step
             due = bool(cfg.eval_every) and done % cfg.eval_every == 0 and done != steps
             every = cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == steps)
+            if due or (out and every) or stopped:
+                profiler.close()  # (the profile holds steps only)
             if out and (every or stopped):  # before the evaluation due here:
                 save(done, due)  # a job stopped or killed during it goes on from this step
             if due and not stopped:  # (and evaluates it first)
@@ -233,6 +243,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if reached is not None or stopped:
                 break
         progress.close()
+        if cfg.profile:
+            profiling.gathered(profiler, ranks, out)
         # the last checkpoint whole before the final evaluation: a run cut short during it
         # is evaluated again from there (on a GPU the evaluation waits for the write)
         saver.complete()
@@ -301,40 +313,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if held is not None:
             held.release()
         ranks.close(ok)
-
-
-def _where_resumed(
-    cfg: TrainConfig, ranks: Ranks, steps: int, start: int, counters: dict[str, Any], out: Path
-) -> tuple[bool, bool]:
-    """A run resumed at ``start`` of ``steps`` (its ``counters``, updated here): whether it
-    evaluates ``start`` first (its checkpoint written before an evaluation due there, whose
-    row the log lacks: cut short), and whether it already finished (its target met, or
-    every step trained and summarized), each said by rank 0."""
-    if steps < start:
-        raise ValueError(f"--steps {steps} is below the step of the checkpoint resumed ({start})")
-    hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
-    due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
-    first = False
-    if counters.get("eval_due") and due:  # saved before its step's evaluation
-        got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
-        first = got is None  # cut short (a stop, a kill) before its row
-        counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
-        if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
-            hit = {"step": start, "auc": got["eval_auc"]}
-    met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
-    summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
-    if met or (steps == start and summarized):
-        why = f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
-        if ranks.rank == 0:
-            print(f"recsz: {cfg.resume} already finished ({why}); nothing to do", flush=True)
-        return first, True
-    if ranks.rank == 0 and steps == start:  # no steps left: the evaluation, the summary
-        print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its final "
-              "evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
-    elif ranks.rank == 0 and first:
-        print(f"recsz: the evaluation due at step {start} did not end before the run "
-              "stopped: evaluating it first", flush=True)  # fmt: skip
-    return first, False
 
 
 @contextlib.contextmanager

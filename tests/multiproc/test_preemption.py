@@ -378,7 +378,8 @@ def test_a_two_node_job_is_preempted_and_goes_on_under_recsz_launcher(tmp_path: 
     `python -m recsz.launcher` meeting the other at a c10d rendezvous, both writing one run
     directory (a shared filesystem). SIGTERM to both agents (Slurm's ``--signal=TERM`` reaches
     every task): one checkpoint, both exit 143; the same command lines again (a requeued
-    job: the same rendezvous id) go on from it to the end, as a straight 2-rank run."""
+    job: the same rendezvous id) go on from it to the end, as a straight 2-rank run (which
+    --profile measures: profiling changes nothing that trains)."""
     import socket
 
     with socket.socket() as s:
@@ -427,9 +428,14 @@ def test_a_two_node_job_is_preempted_and_goes_on_under_recsz_launcher(tmp_path: 
     assert [p.returncode for p in again] == [0, 0], "".join(outs)[-3000:]
     assert sum(f"checkpoint at step {step}: going on" in o for o in outs) == 1, outs
     cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", *job, "--steps",
-           str(step + 3), "--out", str(tmp_path / "straight")]  # fmt: skip
+           str(step + 3), "--out", str(tmp_path / "straight"), "--profile", "2"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # (profiled, as a check of --profile on 2 ranks: each rank's numbers and trace)
+    profiles = json.loads((tmp_path / "straight" / "profile.json").read_text())["ranks"]
+    assert [p["steps"] for p in profiles] == [2, 2], profiles
+    assert all((tmp_path / "straight" / "profile" / f"rank-{r}.json.gz").exists() for r in (0, 1))
+    assert "recsz: profile of steps" in done.stdout + done.stderr
     resumed, straight = (json.loads((d / "summary.json").read_text())
                          for d in (run, tmp_path / "straight"))  # fmt: skip
     assert resumed["steps"] == straight["steps"] == step + 3

@@ -1,0 +1,168 @@
+"""Where a run's steps spend their time: ``recsz train --profile N`` runs the torch
+profiler over N steps after the first ones (kernel compiles, CUDA graph captures and caches
+behind), writes each rank's trace into the run directory (``profile/rank-R.json.gz``: open
+it in Perfetto or chrome://tracing) and says, per stage of the step (the
+``record_function`` ranges the step's code marks), the milliseconds each rank spent on the
+host and, on a GPU, in kernels; with the step's wall time and, on a GPU, how busy the GPU
+was (kernel time over wall time) and the kernels a step launches. ``profile.json`` in the
+run directory holds every rank's numbers. The profiler's own work is in the times (its
+hooks on every operator): compare stages, not the wall time of an unprofiled run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from recsz.ranks import Ranks
+
+#: The stages of a step: their ``record_function`` labels (the rest of the step is "rest").
+STAGES = {
+    "data wait": ["recsz.data"],
+    "embedding lookup": ["recsz.lookup"],
+    "exchange encode": ["recsz.a2a_fwd.encode", "recsz.a2a_bwd.encode"],
+    "exchange wait": ["recsz.a2a_fwd.wait", "recsz.a2a_bwd.wait"],
+    "exchange decode": ["recsz.a2a_fwd.decode", "recsz.a2a_bwd.decode"],
+    "table update (fused optimizer)": ["recsz.table_update"],
+    "dense optimizer": ["recsz.dense_opt"],
+}
+REST = "rest: MLPs, interaction, loss, autograd"
+#: The operators said by their own host time (the rest's, mostly).
+TOP = 6
+
+
+class StepProfiler:
+    """The profiler over steps ``[first, first + count)`` of a run, on one rank: call
+    :meth:`before` as a step begins (before its batch is fetched) and :meth:`after` as it
+    ends; :attr:`result` holds the numbers once the last one ended, or once :meth:`close`
+    ended it early (before an evaluation or a checkpoint, whose work is not a step's).
+
+    ``first``: the step ``warm`` steps after ``start`` (compiles, captures and caches
+    behind), earlier where the run would end before ``count`` more steps."""
+
+    def __init__(self, count: int, start: int, steps: int, warm: int, device: torch.device,
+                 trace: Path | None) -> None:  # fmt: skip
+        self.first = max(start, min(start + warm, steps - count))
+        self.count, self.device, self.trace = count, device, trace
+        self.result: dict[str, Any] | None = None
+        self._prof: Any = None
+        self._began = 0.0
+        self._steps = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before(self, step: int) -> None:
+        if self.count and step == self.first and self._prof is None and self.result is None:
+            cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            self._prof = profile(activities=[ProfilerActivity.CPU, *cuda])
+            self._sync()
+            self._prof.start()
+            self._began = time.perf_counter()
+
+    def after(self, step: int) -> None:
+        if self._prof is not None:
+            self._steps += 1
+            if step + 1 >= self.first + self.count:
+                self.close()
+
+    def close(self) -> None:
+        """Stop the profiler (where it runs) and keep its numbers."""
+        if self._prof is None:
+            return
+        self._sync()
+        wall = time.perf_counter() - self._began
+        prof, self._prof = self._prof, None
+        prof.stop()
+        if self._steps:
+            self.result = summarize(prof, self._steps, wall, self.first)
+            if self.trace is not None:
+                self.trace.parent.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(self.trace))
+                self.result["trace"] = str(self.trace)
+
+
+def summarize(prof: Any, steps: int, wall_s: float, first: int) -> dict[str, Any]:
+    """Milliseconds a step per stage (host; ``gpu_ms``: the kernels each stage launched),
+    the step's wall milliseconds, and on a GPU its busy share and kernels a step."""
+    totals = {e.key: e for e in prof.key_averages()}
+
+    def ms(names: list[str], attr: str) -> float:
+        return sum(getattr(totals[n], attr) for n in names if n in totals) / 1e3 / steps
+
+    wall_ms = wall_s * 1e3 / steps
+    host = {k: ms(names, "cpu_time_total") for k, names in STAGES.items()}
+    host[REST] = max(wall_ms - sum(host.values()), 0.0)
+    out: dict[str, Any] = {"first_step": first, "steps": steps, "wall_ms": wall_ms, "host_ms": host}
+    labels = {n for names in STAGES.values() for n in names}
+    ops = sorted((e for e in totals.values() if e.key not in labels and e.self_cpu_time_total),
+                 key=lambda e: -e.self_cpu_time_total)[:TOP]  # fmt: skip
+    out["top_ops"] = [[e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps] for e in ops]
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if kernels:
+        out["gpu_ms"] = {k: ms(names, "device_time_total") for k, names in STAGES.items()}
+        busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+        out["gpu_busy"] = busy_ms / wall_ms
+        out["kernels_per_step"] = len(kernels) / steps
+    return out
+
+
+def gathered(profiler: StepProfiler, ranks: Ranks, out: Path | None) -> None:
+    """Every rank's profile to rank 0, which writes ``out/profile.json`` and says the
+    table (every rank calls it where the run profiles)."""
+    profiler.close()
+    results = ranks.gather(profiler.result)
+    if ranks.rank == 0:
+        tqdm.write(table(results, out))
+
+
+def table(results: list[dict[str, Any] | None], out: Path | None) -> str:
+    """The ranks' profiles (their numbers in rank order, None where a rank took none) as a
+    table of each stage's mean and largest over the ranks; written to ``out/profile.json``
+    where there is a run directory."""
+    got = [(r, res) for r, res in enumerate(results) if res is not None]
+    if not got:
+        return "recsz: --profile: the run ended before its profiled steps"
+    if out is not None:
+        (out / "profile.json").write_text(json.dumps({"ranks": results}, indent=2))
+    first = got[0][1]
+    cuda = "gpu_ms" in first
+    lines = [
+        f"recsz: profile of steps {first['first_step']}..{first['first_step'] + first['steps']}"
+        f" on {len(got)} rank(s) (torch profiler: its own hooks in the times), ms a step",
+        "| stage | host, mean | host, most (rank) |" + (" GPU, mean |" if cuda else ""),
+        "|---|---|---|" + ("---|" if cuda else ""),
+    ]
+    for stage in [*STAGES, REST]:
+        vals = [(res["host_ms"][stage], r) for r, res in got]
+        top, at = max(vals)
+        row = f"| {stage} | {sum(v for v, _ in vals) / len(vals):.2f} | {top:.2f} ({at}) |"
+        if cuda:
+            gpu = [res.get("gpu_ms", {}).get(stage, 0.0) for _, res in got]
+            row += f" {sum(gpu) / len(gpu):.2f} |" if stage in STAGES else " |"
+        lines.append(row)
+    walls = [(res["wall_ms"], r) for r, res in got]
+    top, at = max(walls)
+    lines.append(f"| step (wall) | {sum(w for w, _ in walls) / len(walls):.2f} | {top:.2f} ({at}) |"
+                 + (" |" if cuda else ""))  # fmt: skip
+    r0, top = got[0][0], first["top_ops"]
+    lines.append(f"rank {r0}'s top operators (self host ms a step): "
+                 + ", ".join(f"{name} {ms:.2f}" for name, ms, _ in top))  # fmt: skip
+    if cuda:
+        busy = [res["gpu_busy"] for _, res in got]
+        lines.append(f"GPU busy (kernel time / wall): {min(busy):.2f}..{max(busy):.2f}; "
+                     f"kernels a step: {first['kernels_per_step']:.0f} (rank {r0})")  # fmt: skip
+    if "trace" in first:
+        lines.append(f"traces: {Path(first['trace']).parent}/rank-*.json.gz (Perfetto, "
+                     "chrome://tracing)")  # fmt: skip
+    if out is not None:
+        lines.append(f"numbers: {out / 'profile.json'}")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""`recsz train --profile N`: the torch profiler over N steps after the first ones, each
+stage's time a step said and written (profile.json), each rank's trace in the run dir."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsz import profiling
+from recsz.train import main
+
+BASE = ["--batch-size", "64", "--synthetic-eval", "256", "--no-progress"]
+
+
+def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    assert main([*BASE, "--steps", "8", "--profile", "3", "--checkpoint-every", "8", "--out",
+                 str(out)]) == 0  # fmt: skip
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert (prof["first_step"], prof["steps"]) == (3, 3)  # after the first 3 steps
+    host = prof["host_ms"]
+    assert list(host) == [*profiling.STAGES, profiling.REST]
+    assert all(v >= 0 for v in host.values()) and host["embedding lookup"] > 0
+    assert host["dense optimizer"] > 0 and host["table update (fused optimizer)"] > 0
+    assert sum(host.values()) == pytest.approx(prof["wall_ms"], rel=1e-6)  # the rest: the gap
+    assert prof["top_ops"] and all(ms > 0 for _, ms, _ in prof["top_ops"])
+    assert "gpu_ms" not in prof  # (the CPU)
+    with gzip.open(out / "profile" / "rank-0.json.gz", "rt") as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"recsz.lookup", "recsz.data", "recsz.dense_opt"} <= names
+    said = capsys.readouterr().out + capsys.readouterr().err
+    assert "recsz: profile of steps 3..6 on 1 rank(s)" in said
+    assert "| embedding lookup | " in said and f"numbers: {out / 'profile.json'}" in said
+    # a resumed run does not take --profile from the run it resumes (a measurement, once)
+    assert main(["--resume", str(out), "--steps", "9", "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["config"]["profile"] == 0
+
+
+def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Path) -> None:
+    """Steps only: an evaluation due inside the window ends the profile there (its lookups
+    are not a step's); a run shorter than the first steps and N profiles its last N."""
+    out = tmp_path / "eval"
+    assert main([*BASE, "--steps", "8", "--eval-every", "4", "--profile", "3",
+                 "--out", str(out)]) == 0  # fmt: skip
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert (prof["first_step"], prof["steps"]) == (3, 1)
+    out = tmp_path / "short"
+    assert main([*BASE, "--steps", "4", "--profile", "3", "--out", str(out)]) == 0
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert (prof["first_step"], prof["steps"]) == (1, 3)
+    first = profiling.StepProfiler(5, 10, 12, 3, torch.device("cpu"), None).first
+    assert first == 10  # resumed at 10, 2 steps left: from where it resumed
+
+
+def test_the_table_says_the_mean_and_the_slowest_rank() -> None:
+    def rank(ms: float, gpu: bool) -> dict:
+        stages = [*profiling.STAGES, profiling.REST]
+        got = {"first_step": 3, "steps": 2, "wall_ms": 10 * ms, "host_ms":
+               dict.fromkeys(stages, ms), "top_ops": [["aten::mm", ms, 3.0]]}  # fmt: skip
+        if gpu:
+            got |= {"gpu_ms": dict.fromkeys(profiling.STAGES, ms / 2), "gpu_busy": ms / 10,
+                    "kernels_per_step": 40.0}  # fmt: skip
+        return got
+
+    said = profiling.table([rank(1.0, False), None, rank(3.0, False)], None)
+    assert "on 2 rank(s)" in said and "| embedding lookup | 2.00 | 3.00 (2) |" in said
+    assert "| step (wall) | 20.00 | 30.00 (2) |" in said and "GPU" not in said
+    assert "rank 0's top operators (self host ms a step): aten::mm 1.00" in said
+    said = profiling.table([rank(2.0, True), rank(4.0, True)], None)
+    assert "| embedding lookup | 3.00 | 4.00 (1) | 1.50 |" in said
+    assert "GPU busy (kernel time / wall): 0.20..0.40; kernels a step: 40 (rank 0)" in said
+    assert profiling.table([None, None], None).endswith("ended before its profiled steps")
