@@ -63,7 +63,8 @@ class StepProfiler:
     def before(self, step: int) -> None:
         if self.count and step == self.first and self._prof is None and self.result is None:
             cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
-            self._prof = profile(activities=[ProfilerActivity.CPU, *cuda])
+            # (one cycle: acc_events only quiets torch's warning that cycles are not kept)
+            self._prof = profile(activities=[ProfilerActivity.CPU, *cuda], acc_events=True)
             self._sync()
             self._prof.start()
             self._began = time.perf_counter()
