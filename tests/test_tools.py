@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from recsz import launcher, ranks
 from recsz.cli import main as cli_main
@@ -43,6 +44,31 @@ def test_cli_reports_bad_input_without_a_traceback(
     monkeypatch.setenv("RECSZ_TRACEBACK", "1")
     with pytest.raises(ValueError, match="dct-keep"):
         cli_main(["train", "--dct-keep", "5"])
+
+
+def test_out_of_memory_is_said_with_what_to_change(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's out-of-memory error (and the host's) is bad input: the same settings fail
+    the same way (a launched rank's is not restarted); said as a line, torch's message and
+    then what to change, without a traceback. Other RuntimeErrors keep theirs."""
+    monkeypatch.delenv("RECSZ_TRACEBACK", raising=False)
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def step(*_a: object, **_kw: object) -> None:
+        raise oom
+
+    monkeypatch.setattr("recsz.train.train_step", step)
+    assert cli_main(["train", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("recsz train: error: CUDA out of memory. Tried to allocate 2.00 GiB ("
+                          "recsz: a smaller --batch-size"), err  # fmt: skip
+    assert "Traceback" not in err
+    assert ranks.bad_input(oom) and ranks.bad_input(MemoryError())
+    assert not ranks.bad_input(RuntimeError("CUDA error: an illegal memory access"))
+    monkeypatch.setattr("recsz.train.train_step", lambda *a, **kw: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli_main(["train", "--steps", "2", "--no-progress"])
 
 
 @pytest.mark.parametrize(

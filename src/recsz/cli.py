@@ -39,14 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C (a run with a directory saves a checkpoint first)
         print(f"recsz {cmd}: interrupted", file=sys.stderr)
         return 128 + signal.SIGINT
-    except (ValueError, FloatingPointError, OSError, IndexError, MemoryError, ImportError) as e:
-        # Bad input (flags, files, data lines, payloads from a rank, what cannot fit,
-        # settings under which the loss diverges, an optional library missing): the message
-        # names the problem; a traceback would bury it. RECSZ_TRACEBACK=1 shows it.
-        if os.environ.get("RECSZ_TRACEBACK"):
+    except Exception as e:
+        # Bad input (flags, files, data lines, payloads from a rank, what cannot fit in the
+        # host's or the GPU's memory, settings under which the loss diverges, an optional
+        # library missing): the message names the problem; a traceback would bury it.
+        # RECSZ_TRACEBACK=1 shows it.
+        torch = sys.modules.get("torch")  # (loaded by whatever could run out of GPU memory)
+        oom = torch is not None and isinstance(e, torch.OutOfMemoryError)
+        if os.environ.get("RECSZ_TRACEBACK") or not (isinstance(e, _SAID) or oom):
             raise
-        print(f"recsz {cmd}: error: {e}", file=sys.stderr)
+        if oom:  # (torch's message, then what to change)
+            from recsz.ranks import said
+
+            print(f"recsz {cmd}: error: {said(e)}", file=sys.stderr)
+        else:
+            print(f"recsz {cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+#: What ``recsz`` says as a line, without a traceback (and torch's OutOfMemoryError).
+_SAID = (ValueError, FloatingPointError, OSError, IndexError, MemoryError, ImportError)
 
 
 def versions() -> str:

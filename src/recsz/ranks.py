@@ -122,7 +122,18 @@ def no_room(path: Path, message: str) -> OSError:
 
 #: What a rank raises on bad input (:func:`bad_input`).
 _BAD_INPUT = (ValueError, FloatingPointError, FileNotFoundError, NotADirectoryError,
-              IsADirectoryError, PermissionError, ImportError)  # fmt: skip
+              IsADirectoryError, PermissionError, ImportError, MemoryError,
+              torch.OutOfMemoryError)  # fmt: skip
+
+
+#: What a run out of the GPU's memory may change (said after torch's message).
+OOM_HINT = ("recsz: a smaller --batch-size or --eval-batch-size, --table-dtype fp16, more "
+            "ranks or --column-shards; `recsz plan` says what each rank holds")  # fmt: skip
+
+
+def said(e: BaseException) -> str:
+    """``e``'s message, with :data:`OOM_HINT` after the GPU's out-of-memory error."""
+    return f"{e} ({OOM_HINT})" if isinstance(e, torch.OutOfMemoryError) else str(e)
 
 
 def bad_input(e: BaseException) -> bool:
@@ -130,7 +141,8 @@ def bad_input(e: BaseException) -> bool:
     a checkpoint, a run another job writes; a ``FloatingPointError``: settings under which
     the loss diverged; a path that is missing, of the wrong kind or not permitted; an
     ``ImportError``: a library the options need is not installed; an ``OSError`` of a
-    filesystem without room, :data:`NO_ROOM`), which
+    filesystem without room, :data:`NO_ROOM`; the host's or the GPU's memory too small for
+    the settings: ``MemoryError``, ``torch.OutOfMemoryError``), which
     the same command line would raise again; not bytes damaged on their way from a peer (a
     ``PayloadError`` anywhere in its chain), which need not be damaged again, nor other
     ``OSError``s (a network file system's hiccup)."""
@@ -197,10 +209,10 @@ def _failed(e: Exception, rank: str) -> int:
     traceback kept for recsz's agent to show (:func:`recsz.launcher._report`). Raised, for
     its traceback on stderr, where ``RECSZ_TRACEBACK`` asks for it and under a plain
     torchrun's agent (whose report shows it). Called while ``e`` is handled."""
-    said = f"{type(e).__name__}: {e}"
+    line = f"{type(e).__name__}: {said(e)}"
     folder, bad = os.environ.get(FAILURES), bad_input(e)
     if not (folder and bad):
-        print(f"recsz: rank {rank} failed: {said}", file=sys.stderr, flush=True)
+        print(f"recsz: rank {rank} failed: {line}", file=sys.stderr, flush=True)
     if os.environ.get("RECSZ_TRACEBACK") or not (bad or os.environ.get(AGENT)):
         raise e
     if not bad:
@@ -210,7 +222,7 @@ def _failed(e: Exception, rank: str) -> int:
         return 1
     if folder:
         Path(folder).mkdir(mode=0o700, exist_ok=True)
-        (Path(folder) / f"rank-{rank}").write_text(said)
+        (Path(folder) / f"rank-{rank}").write_text(line)
     return BAD_INPUT
 
 
