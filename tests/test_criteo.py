@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -140,6 +141,24 @@ def test_preprocess_then_load_matches_read(tmp_path: Path, criteo_ragged: Path) 
     np.testing.assert_array_equal(np.asarray(m.dense), a.dense)
     with pytest.raises(ValueError, match="hashed into table sizes"):
         preprocessed.load(out, get_preset("kaggle").model.table_sizes)
+
+
+def test_preprocess_max_rows_hashes_as_trainings_max_rows(tmp_path: Path, criteo_ragged: Path):
+    """`recsz preprocess --max-rows N` hashes into the tables `recsz train --max-rows N`
+    makes (each capped at N rows), which trains on it; a run without it is refused, told
+    to preprocess again alike."""
+    from recsz.cli import main as cli_main
+    from recsz.train import main as train_main
+
+    out = tmp_path / "bin"
+    assert cli_main(["preprocess", str(criteo_ragged), str(out), "--max-rows", "50"]) == 0
+    sizes = json.loads((out / "meta.json").read_text())["table_sizes"]
+    assert sizes == [min(n, 50) for n in get_preset("tiny").model.table_sizes]
+    assert int(np.asarray(preprocessed.load(out, sizes).cats).max()) < 50
+    run = ["--data", str(out), "--steps", "2", "--batch-size", "32", "--no-progress"]
+    assert train_main([*run, "--max-rows", "50"]) == 0
+    with pytest.raises(ValueError, match=r"preprocess again with this preset \(and --max-rows\)"):
+        train_main(run)
 
 
 def test_iter_blocks_streams_in_bounded_blocks(criteo_10k: Path) -> None:

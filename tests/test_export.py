@@ -260,3 +260,31 @@ def test_a_torchrec_dlrm_saved_starts_our_model(interaction: str, tmp_path: Path
         torch.testing.assert_close(dense(x, sparse(ids)), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not TorchRec's DLRM"):
         save_dlrm(torch.nn.Linear(2, 2), tmp_path / "x.pt")
+
+
+def test_a_run_of_its_own_shape_exports_warm_starts_and_resumes_as_itself(
+    tmp_path: Path,
+) -> None:
+    """--emb-dim, --bottom-mlp, --top-mlp and --max-rows make the model (the preset's
+    otherwise): its export holds that shape, a warm start of it trains, one of the preset's
+    shape is refused (what differs named), and a resume with another shape is another
+    run's (the field named)."""
+    from recsz.cli import main as cli_main
+    from recsz.model import modelfile
+    from recsz.train import main as train_main
+
+    base = ["--steps", "4", "--batch-size", "32", "--synthetic-eval", "256", "--no-progress",
+            "--checkpoint-every", "4"]  # fmt: skip
+    shape = ["--emb-dim", "8", "--bottom-mlp", "24-8", "--top-mlp", "12-1", "--max-rows", "300"]
+    out, file = tmp_path / "run", tmp_path / "m.pt"
+    assert train_main([*base, *shape, "--out", str(out)]) == 0
+    assert cli_main(["export", str(out), "--out", str(file)]) == 0
+    got = modelfile.read(file)
+    assert got.shape["dense_arch_layer_sizes"] == [24, 8]
+    assert got.shape["over_arch_layer_sizes"] == [12, 1]
+    assert {t.shape[1] for t in got.tables} == {8} and max(t.shape[0] for t in got.tables) == 300
+    assert train_main([*base, *shape, "--init-from", str(file), "--out", str(tmp_path / "w")]) == 0
+    with pytest.raises(ValueError, match=r"m\.pt: its table_sizes are"):
+        train_main([*base, "--init-from", str(file), "--out", str(tmp_path / "preset")])
+    with pytest.raises(ValueError, match=r"max_rows: 300 -> 200"):
+        train_main(["--resume", str(out), "--steps", "6", "--max-rows", "200", "--no-progress"])

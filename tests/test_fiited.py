@@ -110,7 +110,7 @@ def test_checkpoint_round_trip_is_exact() -> None:
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="budget"):
         FiitedSpec(0.0)
-    with pytest.raises(ValueError, match="does not divide the dim 16"):
+    with pytest.raises(ValueError, match="does not divide the tables' dim 16"):
         FiitedStore(torch.zeros(4, 16), [4], FiitedSpec(0.5, chunk=5), None)
 
 

@@ -389,3 +389,32 @@ def test_our_dlrm_given_torchrecs_weights_trains_as_torchrecs(
     updated = torch.cat([ebc.embedding_bags[c.name].weight for c in configs])
     torch.testing.assert_close(sparse.weight.detach(), updated.detach(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(updated, start)  # the tables did train
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    dim=st.integers(1, 64),
+    rows=st.integers(2, 10**7),
+    hidden=st.lists(st.integers(1, 512), max_size=3),
+    preset=st.sampled_from(["tiny", "bench", "dcnv2"]),
+)
+def test_the_shape_flags_override_the_presets_model(
+    dim: int, rows: int, hidden: list[int], preset: str
+) -> None:
+    """--emb-dim (the bottom MLP's last width follows it), --bottom-mlp, --top-mlp and
+    --max-rows (each table capped) over the preset's model; the rest stays the preset's;
+    a shape that does not fit is refused, its flags named."""
+    from recsz.config import TrainConfig
+
+    base = get_preset(preset).model
+    m = TrainConfig(preset=preset, emb_dim=dim, max_rows=rows).model()
+    assert m.emb_dim == dim and m.bottom_mlp == (*base.bottom_mlp[:-1], dim)
+    assert m.table_sizes == tuple(min(r, rows) for r in base.table_sizes)
+    assert (m.top_mlp, m.interaction, m.dcn_rank) == (base.top_mlp, base.interaction, base.dcn_rank)
+    bottom, top = "-".join(map(str, [*hidden, dim])), "-".join(map(str, [*hidden, 1]))
+    m = TrainConfig(preset=preset, emb_dim=dim, bottom_mlp=bottom, top_mlp=top).model()
+    assert (m.bottom_mlp, m.top_mlp) == ((*hidden, dim), (*hidden, 1))
+    with pytest.raises(ValueError, match=r"--emb-dim / --bottom-mlp / --top-mlp: bottom MLP"):
+        TrainConfig(preset=preset, emb_dim=dim, bottom_mlp=f"{bottom}-{dim + 1}")
+    with pytest.raises(ValueError, match=r"--top-mlp '.*': widths >= 1, dash-separated"):
+        TrainConfig(preset=preset, top_mlp=f"{top}-")

@@ -121,8 +121,9 @@ def _run(cmd: str, rest: list[str]) -> int:
 
 
 def _preprocess(argv: list[str]) -> int:
+    from recsz.config import TrainConfig
     from recsz.data import preprocessed
-    from recsz.model import PRESETS, get_preset
+    from recsz.model import PRESETS
 
     p = argparse.ArgumentParser(
         prog="recsz preprocess", description="Raw Criteo TSV -> binary arrays (memory-mapped)."
@@ -140,6 +141,9 @@ def _preprocess(argv: list[str]) -> int:
         choices=PRESETS,
         help="hash categories into this preset's table sizes",
     )
+    p.add_argument(
+        "--max-rows", type=int, help="rows of each table at most (as recsz train's --max-rows)"
+    )
     p.add_argument("--skip-bad-lines", action="store_true")
     p.add_argument(
         "--jobs", type=int, default=1, help="files parsed at once (processes), then joined in order"
@@ -147,7 +151,7 @@ def _preprocess(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.jobs < 1:
         p.error(f"--jobs must be >= 1, got {a.jobs}")
-    sizes = get_preset(a.preset).model.table_sizes
+    sizes = TrainConfig(preset=a.preset, max_rows=a.max_rows).model().table_sizes
     stats = preprocessed.preprocess(
         a.raw, a.out_dir, sizes, skip_bad_lines=a.skip_bad_lines, jobs=a.jobs
     )
@@ -174,7 +178,7 @@ def _plan(argv: list[str]) -> int:
     from recsz.step import held_bytes, rank_draws, table_owners
 
     flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
-             "multi_hot_draws")  # fmt: skip
+             "multi_hot_draws", "emb_dim", "max_rows")  # fmt: skip
     p = parser(TrainConfig, "recsz plan", "Where a run's tables would lie on --nproc ranks, "
                "and what each rank would hold and send (no training).", only=flags,
                otherwise="recsz train's")  # fmt: skip

@@ -32,18 +32,39 @@ from recsz.runoptions import JobOptions, ModelOptions
 BAG_EMB_LR = 0.4
 
 
+def _widths(name: str, text: str) -> tuple[int, ...]:
+    """An MLP's widths from their dash-separated text (``512-256-64``)."""
+    try:
+        widths = tuple(int(w) for w in text.split("-"))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"{flag(name)} {text!r}: widths >= 1, dash-separated (512-256-64)")
+    return widths
+
+
 @dataclass
 class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
     """Everything a run depends on (its options' groups in the order of the command line's
     help). ``None`` means "the preset's default"."""
 
     def model(self) -> ModelConfig:
-        """The preset's model with this run's interaction (what it leaves None, the
-        preset's)."""
+        """The preset's model with this run's shape and interaction (what it leaves None,
+        the preset's); a ValueError names the flag whose shape does not fit."""
         m = get_preset(self.preset).model
         mine: dict[str, Any] = {"interaction": self.interaction, "dcn_layers": self.dcn_layers,
-                                "dcn_rank": self.dcn_rank}  # fmt: skip
-        return replace(m, **{k: v for k, v in mine.items() if v is not None})
+                                "dcn_rank": self.dcn_rank, "emb_dim": self.emb_dim}  # fmt: skip
+        if self.max_rows is not None:
+            mine["table_sizes"] = tuple(min(rows, self.max_rows) for rows in m.table_sizes)
+        if self.emb_dim is not None and self.bottom_mlp is None:  # (it ends in the dim)
+            mine["bottom_mlp"] = (*m.bottom_mlp[:-1], self.emb_dim)
+        for name in ("bottom_mlp", "top_mlp"):
+            if (widths := getattr(self, name)) is not None:
+                mine[name] = _widths(name, widths)
+        try:
+            return replace(m, **{k: v for k, v in mine.items() if v is not None})
+        except ValueError as e:
+            raise ValueError(f"--emb-dim / --bottom-mlp / --top-mlp: {e}") from None
 
     def sharded_tables(self) -> tuple[list[int], int]:
         """The tables as the plan, the exchange and the bound policies see them: their rows
@@ -55,7 +76,7 @@ class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
         """The TT-Rec tables: the ``tt_tables`` largest of the preset (None: no TT)."""
         if not self.tt_tables:
             return None
-        sizes = get_preset(self.preset).model.table_sizes
+        sizes = self.model().table_sizes
         largest = sorted(range(len(sizes)), key=lambda t: (-sizes[t], t))[: self.tt_tables]
         shape = (self.tt_rank, self.tt_cores, self.tt_init, self.tt_lr)
         cache = (self.tt_cache_rows, self.tt_cache_interval)
@@ -63,7 +84,7 @@ class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
 
     def hotness(self) -> tuple[int, ...] | None:
         """Ids per bag of every table (None: one id, no bags)."""
-        return parse_hotness(self.multi_hot, get_preset(self.preset).model.n_tables)
+        return parse_hotness(self.multi_hot, self.model().n_tables)
 
     def lr_schedule(self) -> LRSchedule:
         """The learning rates' warm-up and decay (constant by default)."""

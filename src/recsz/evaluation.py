@@ -39,7 +39,6 @@ from recsz.data.source import DataSource, Part, held_out_source, make_source
 from recsz.fields import parser
 from recsz.launcher import launch
 from recsz.metrics import NUMBERS, binary_metrics
-from recsz.model import get_preset
 from recsz.ranks import Ranks, worker
 from recsz.step import Parts, build_parts, forward, rank_part
 
@@ -253,7 +252,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Evaluate on this process's rank; returns the numbers (the same on every rank)."""
     args = build_parser().parse_args(argv)
     with restored(args, (*WHERE, *_WHAT)) as r:
-        sizes = get_preset(r.cfg.preset).model.table_sizes
+        sizes = r.cfg.model().table_sizes
         # Another file stands alone (the run may have trained on any data).
         if (eval_data := getattr(args, "eval_data", None)) is not None:
             source = held_out_source(eval_data, sizes, r.on.skip_bad_lines)

@@ -20,7 +20,6 @@ import numpy as np
 
 from recsz.data.stream import RawStream
 from recsz.evaluation import WHERE, entry, evaluate, restored, run_parser
-from recsz.model import get_preset
 
 #: what `recsz predict` may set besides where it runs, the rest being the run's
 _HOW = ("eval_batch_size", "skip_bad_lines", "progress")
@@ -49,7 +48,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Score on this process's rank; rank 0 writes the predictions."""
     args = build_parser().parse_args(argv)
     with restored(args, (*WHERE, *_HOW)) as r:
-        sizes = get_preset(r.cfg.preset).model.table_sizes
+        sizes = r.cfg.model().table_sizes
         source = RawStream(args.data, sizes, r.on.skip_bad_lines, labeled=False)
         ev = evaluate(r.parts, source, r.on, r.step, r.ranks, predictions=True)
         assert ev is not None  # (no `heard`: nothing ends it early)

@@ -14,14 +14,14 @@ from recsz.model.fiited import RULES
 from recsz.model.multihot import BAG_DRAWS
 from recsz.model.rowopt import TABLE_DTYPES
 
-CONFIG_VERSION = 17  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 18  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
 # --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards;
-# 16: --init-from; 17: --multi-hot-draws
+# 16: --init-from; 17: --multi-hot-draws; 18: --emb-dim, --bottom-mlp, --top-mlp, --max-rows
 
 
 @dataclass
@@ -83,6 +83,29 @@ class ModelOptions:
     )
     dense_optimizer: str | None = opt(
         None, "the MLPs' optimizer (default: preset's; dcnv2: adagrad)", DENSE_OPTIMIZERS
+    )
+    emb_dim: int | None = opt(
+        None,
+        "every table's vector length (default: preset's; the bottom MLP's last width "
+        "follows it unless --bottom-mlp is given)",
+        ge=1,
+    )
+    bottom_mlp: str | None = opt(
+        None,
+        "the bottom MLP's widths after the 13 dense inputs, dash-separated, the last the "
+        "embedding dim (default: preset's; bench: 512-256-64)",
+    )
+    top_mlp: str | None = opt(
+        None,
+        "the top MLP's widths after the interaction, dash-separated, the last 1 (the logit) "
+        "(default: preset's; bench: 512-512-256-1)",
+    )
+    max_rows: int | None = opt(
+        None,
+        "rows of each table at most, its ids hashed into them (the reference DLRM's "
+        "--max-ind-range; default: preset's; a `recsz preprocess` dir is hashed alike: "
+        "preprocess it with the same --max-rows)",
+        ge=2,
     )
     interaction: str | None = opt(
         None,

@@ -29,7 +29,7 @@ from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.launcher import launch
-from recsz.model import get_preset, modelfile
+from recsz.model import modelfile
 from recsz.ranks import Ranks, keep_freed_memory, restarted, worker
 from recsz.rundir import Held, continues, refuse_another_run, where_resumed
 from recsz.step import (
@@ -74,7 +74,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 f"--batch-size {bsz} is not divisible by the {ranks.world} ranks; "
                 f"use a multiple of {ranks.world}"
             )
-        tables = get_preset(cfg.preset).model.table_sizes
+        tables = cfg.model().table_sizes
         source = make_source(cfg.data, tables, cfg.seed, cfg.skip_bad_lines, cfg.synthetic_eval,
                              cfg.eval_fraction, cfg.eval_data, cfg.data_order)  # fmt: skip
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS

@@ -201,7 +201,7 @@ def load(out_dir: str | os.PathLike[str], table_sizes: Sequence[int] | None = No
     if table_sizes is not None and list(table_sizes) != list(meta["table_sizes"]):
         raise ValueError(
             f"{d} was hashed into table sizes {meta['table_sizes']}, the model has "
-            f"{list(table_sizes)}; preprocess again with this preset"
+            f"{list(table_sizes)}; preprocess again with this preset (and --max-rows)"
         )
     n = int(meta["rows"])
     for name, row_bytes in (("dense.f32", 4 * N_DENSE), ("cats.i32", 4 * N_CAT), ("labels.f32", 4)):

@@ -67,7 +67,7 @@ class FiitedSpec:
     def chunks_of(self, dim: int) -> int:
         """Chunks a row of ``dim`` dims splits into (the chunk must divide it)."""
         if dim % self.chunk:
-            raise ValueError(f"FIITED chunk {self.chunk} does not divide the dim {dim}")
+            raise ValueError(f"--fiited-chunk {self.chunk} does not divide the tables' dim {dim}")
         return dim // self.chunk
 
 
