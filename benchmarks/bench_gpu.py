@@ -52,6 +52,7 @@ from recsz.model import DenseArch, RowOptimizer, SparseArch, get_preset
 from recsz.policy import BoundPolicy
 from recsz.policy.adaptive import DualBound
 from recsz.policy.base import absolute_bounds
+from recsz.profiling import device_events
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -114,14 +115,9 @@ def profiled(fn: Any, cuda: bool = True) -> Any:
     return p
 
 
-def cuda_events(p: Any) -> list:
-    """The GPU's events (kernels, memcpy, memset) a profiler recorded."""
-    return [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-
-
 def count_launches(fn: Any) -> int:
     """CUDA kernels (and memcpy/memset) one call of fn launches (torch profiler)."""
-    return len(cuda_events(profiled(fn))) if DEV.type == "cuda" else -1
+    return len(device_events(profiled(fn))) if DEV.type == "cuda" else -1
 
 
 def top_kernels(fn: Any, n: int = 12) -> list[tuple[str, float]]:
@@ -129,7 +125,7 @@ def top_kernels(fn: Any, n: int = 12) -> list[tuple[str, float]]:
     if DEV.type != "cuda":
         return []
     times: dict[str, float] = {}
-    for e in cuda_events(profiled(fn)):
+    for e in device_events(profiled(fn)):
         times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
     return sorted(times.items(), key=lambda kv: -kv[1])[:n]
 
@@ -420,7 +416,7 @@ def gpu_busy(fn: Any, calls: int) -> float:
             fn()
         _sync()
         wall = time.perf_counter() - t
-    return sum(e.device_time for e in cuda_events(p)) / 1e6 / wall
+    return sum(e.device_time for e in device_events(p)) / 1e6 / wall
 
 
 def save_traffic(path: Path) -> int:

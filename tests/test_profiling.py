@@ -74,3 +74,26 @@ def test_the_table_says_the_mean_and_the_slowest_rank() -> None:
     assert "| embedding lookup | 3.00 | 4.00 (1) | 1.50 |" in said
     assert "GPU busy (kernel time / wall): 0.20..0.40; kernels a step: 40 (rank 0)" in said
     assert profiling.table([None, None], None).endswith("ended before its profiled steps")
+
+
+def test_a_ranges_gpu_side_is_neither_a_kernel_nor_its_host_time() -> None:
+    """On a GPU a record_function range is two entries, its host side and its GPU side (an
+    annotation spanning its kernels, no host time): a stage's host ms are the host side's,
+    its GPU ms the kernels its host side launched; GPU busy and kernels a step count
+    kernels only, not the annotations (counted, the gaps between kernels would be busy)."""
+    from types import SimpleNamespace as E
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    host = E(key="recsz.lookup", device_type=cpu, cpu_time_total=4000.0,
+             device_time_total=600.0, self_cpu_time_total=1000.0, count=2)  # fmt: skip
+    gpu_side = E(key="recsz.lookup", device_type=cuda, cpu_time_total=0.0,
+                 device_time_total=5000.0, self_cpu_time_total=0.0, count=2)  # fmt: skip
+    kernel = E(device_type=cuda, device_time=300.0, is_user_annotation=False)
+    annotation = E(device_type=cuda, device_time=5000.0, is_user_annotation=True)
+    for averages in ([host, gpu_side], [gpu_side, host]):
+        prof = E(key_averages=lambda a=averages: a, events=lambda: [kernel, kernel, annotation])
+        got = profiling.summarize(prof, 2, 0.01, 3)  # 2 steps in 10 ms
+        assert got["host_ms"]["embedding lookup"] == 2.0  # 4 ms over 2 steps
+        assert got["gpu_ms"]["embedding lookup"] == 0.3
+        assert got["kernels_per_step"] == 1.0 and got["gpu_busy"] == pytest.approx(0.06)
+        assert got["top_ops"] == []  # (a stage's range is no operator)

@@ -91,10 +91,20 @@ class StepProfiler:
                 self.result["trace"] = str(self.trace)
 
 
+def device_events(prof: Any) -> list[Any]:
+    """The GPU's work a profiler recorded (kernels, copies, memsets), not the GPU side of
+    the ``record_function`` ranges (an annotation spans its kernels: counted, it would
+    count their time twice and the gaps between them as busy)."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in prof.events()
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]  # fmt: skip
+
+
 def summarize(prof: Any, steps: int, wall_s: float, first: int) -> dict[str, Any]:
     """Milliseconds a step per stage (host; ``gpu_ms``: the kernels each stage launched),
     the step's wall milliseconds, and on a GPU its busy share and kernels a step."""
-    totals = {e.key: e for e in prof.key_averages()}
+    cpu = torch.autograd.DeviceType.CPU  # (a range's GPU side is an entry of its own)
+    totals = {e.key: e for e in prof.key_averages() if e.device_type == cpu}
 
     def ms(names: list[str], attr: str) -> float:
         return sum(getattr(totals[n], attr) for n in names if n in totals) / 1e3 / steps
@@ -107,7 +117,7 @@ def summarize(prof: Any, steps: int, wall_s: float, first: int) -> dict[str, Any
     ops = sorted((e for e in totals.values() if e.key not in labels and e.self_cpu_time_total),
                  key=lambda e: -e.self_cpu_time_total)[:TOP]  # fmt: skip
     out["top_ops"] = [[e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps] for e in ops]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = device_events(prof)
     if kernels:
         out["gpu_ms"] = {k: ms(names, "device_time_total") for k, names in STAGES.items()}
         busy_ms = sum(e.device_time for e in kernels) / 1e3 / steps
