@@ -14,7 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 
+# (runs/demo afresh each time: a finished run's directory would be resumed, "nothing to do",
+# or refused as another run's after an upgrade changed the configuration's format)
 demo: $(STAMP)
+	@rm -rf runs/demo
 	$(BIN)/recsz train --preset tiny --nproc 2 --steps 300 --batch-size 256 \
 		--fwd-codec hybrid --bwd-codec hybrid --eb-policy dual --out runs/demo
 
