@@ -783,3 +783,56 @@ def test_a_snapshot_copies_every_tensor_onto_its_device() -> None:
     here = checkpoint.snapshot(state)
     here["eb"]["residual"][0][0] = 100.0  # a copy: the original is untouched
     assert x[0] == 0 and here["eb"]["residual"][0].data_ptr() != x.data_ptr()
+
+
+def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
+    tmp_path: Path,
+) -> None:
+    """A run written by the recsz before (configuration version 17: no --emb-dim,
+    --bottom-mlp, --top-mlp, --max-rows, which keep its model at their defaults) goes on
+    from its checkpoint, by the same command line or --resume, and ends as a straight run;
+    given a shape it cannot have held, it is another run. A record of a version whose
+    fields changed meaning (16) stays another run's."""
+    import hashlib
+
+    def aged(run: Path, version: int) -> None:
+        """The run's records as the recsz of ``version`` wrote them: its fields then, its
+        fingerprint of them, its records' checksums."""
+        added = [k for v in range(version + 1, 19) for k in checkpoint.ADDED.get(v, ())]
+
+        def old(cfg: dict) -> dict:
+            return {**{k: v for k, v in cfg.items() if k not in [*added, "profile"]},
+                    "config_version": version}  # fmt: skip
+
+        (run / "config.json").write_text(json.dumps(old(json.loads((run / "config.json")
+                                                              .read_text()))))  # fmt: skip
+        for meta_path in run.glob("checkpoints/*/meta.json"):
+            meta = json.loads(meta_path.read_text())
+            meta["config"] = old(meta["config"])
+            kept = {k: v for k, v in meta["config"].items() if k not in checkpoint.MAY_CHANGE}
+            meta["fingerprint"] = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()
+                                                 ).hexdigest()[:16]  # fmt: skip
+            meta["checksum"] = checkpoint.record_digest(meta)
+            meta_path.write_text(json.dumps(meta))
+
+    run = tmp_path / "run"
+    train(run)  # 4 steps, checkpoints at 2 and 4
+    aged(run, 17)
+    assert main([*BASE, "--steps", "6", "--out", str(run)]) == 0  # the same command line
+    assert json.loads((run / "config.json").read_text())["config_version"] == 18
+    straight = train(tmp_path / "straight", "--steps", "6")
+    resumed = json.loads((run / "summary.json").read_text())
+    for key in ("steps", "auc", "logloss", "bytes_sent"):
+        assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key
+    other = tmp_path / "other"
+    train(other)
+    aged(other, 17)
+    with pytest.raises(ValueError, match=r"written with another configuration \(emb_dim: None "
+                       r"-> 8\)"):  # fmt: skip
+        main(["--resume", str(other), "--steps", "6", "--emb-dim", "8", "--no-progress"])
+    assert main(["--resume", str(other), "--steps", "6", "--no-progress"]) == 0
+    older = tmp_path / "older"
+    train(older)
+    aged(older, 16)
+    with pytest.raises(ValueError, match=r"holds another run .*config_version: 16 -> 18"):
+        main([*BASE, "--steps", "6", "--out", str(older)])

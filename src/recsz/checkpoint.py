@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 # Fields that may differ between the run that saved and the run that resumes ("device": a
 # run may move between CPU and GPU, the state is mapped on load).
-_MAY_CHANGE = {
+MAY_CHANGE = {
     "steps", "resume", "resume_fallback", "out", "progress", "eval_every", "log_every",
     "nproc", "max_restarts", "checkpoint_every", "keep_checkpoints", "check_bounds",
     "dist_timeout",
@@ -62,17 +63,41 @@ def _json_sha256(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
-    """Where ``cfg`` differs from the configuration ``saved`` (a run's record) in a field a
-    resumed run must share, each as ``field: saved -> now``."""
+#: The fields each configuration version added whose defaults keep what the version
+#: before trained: a record of that version is this one's with them at their defaults, so
+#: a run an upgrade finds goes on (a version not here changed what a field means: its runs
+#: are others).
+ADDED = {18: ("emb_dim", "bottom_mlp", "top_mlp", "max_rows")}
+
+
+def _as_of(cfg: TrainConfig, version: int | None) -> dict[str, Any]:
+    """``cfg`` as a record of configuration ``version`` would hold it: without the fields
+    added since that are at their defaults (:data:`ADDED`; one that is not, kept: a run the
+    record cannot be); as it is where ``version`` is None, this one's, or one no record of
+    goes on from."""
     now = cfg.to_dict()
+    later = range((version or 0) + 1, now["config_version"] + 1)
+    if version is None or not later or any(v not in ADDED for v in later):
+        return now
+    defaults = {f.name: f.default for f in fields(cfg)}
+    idle = {k for v in later for k in ADDED[v] if now[k] == defaults[k]}
+    return {**{k: v for k, v in now.items() if k not in idle}, "config_version": version}
+
+
+def differences(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """Where ``cfg`` differs from the configuration ``saved`` (a run's record, of its own
+    configuration version) in a field a resumed run must share, each as ``field: saved ->
+    now``."""
+    now = _as_of(cfg, saved.get("config_version"))
     return [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in sorted(now)
-            if k not in _MAY_CHANGE and saved.get(k) != now[k]]  # fmt: skip
+            if k not in MAY_CHANGE and saved.get(k) != now[k]]  # fmt: skip
 
 
-def fingerprint(cfg: TrainConfig) -> str:
-    """A digest of the configuration fields a resumed run must share."""
-    return _json_sha256({k: v for k, v in cfg.to_dict().items() if k not in _MAY_CHANGE})[:16]
+def fingerprint(cfg: TrainConfig, version: int | None = None) -> str:
+    """A digest of the configuration fields a resumed run must share (as a record of
+    configuration ``version`` holds them: :func:`_as_of`)."""
+    kept = {k: v for k, v in _as_of(cfg, version).items() if k not in MAY_CHANGE}
+    return _json_sha256(kept)[:16]
 
 
 #: how a rank file's digest is made (``meta.json``'s "digest"): SHA-256 over the SHA-256 of
@@ -190,7 +215,7 @@ def _check(
     meta = _record(d)
     step, world, files = int(meta["step"]), int(meta["world_size"]), meta["files"]
     shards = int(meta.get("config", {}).get("column_shards") or 1)
-    if meta.get("fingerprint") != fingerprint(cfg):
+    if meta.get("fingerprint") != fingerprint(cfg, meta.get("config", {}).get("config_version")):
         detail = ", ".join(differences(meta.get("config", {}), cfg))
         raise OtherConfiguration(
             f"checkpoint {d} was written with another configuration ({detail or 'fingerprint'})"
