@@ -791,6 +791,7 @@ def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     """A run written by the recsz before (configuration version 17: no --emb-dim,
     --bottom-mlp, --top-mlp, --max-rows, which keep its model at their defaults) goes on
     from its checkpoint, by the same command line or --resume, and ends as a straight run;
+    `recsz evaluate` scores it (the configuration then carries its record's version);
     given a shape it cannot have held, it is another run. A record of a version whose
     fields changed meaning (16) stays another run's."""
     import hashlib
@@ -827,6 +828,9 @@ def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     other = tmp_path / "other"
     train(other)
     aged(other, 17)
+    from recsz.cli import main as cli_main
+
+    assert cli_main(["evaluate", str(other)]) == 0  # (its record's version is the config's)
     with pytest.raises(ValueError, match=r"written with another configuration \(emb_dim: None "
                        r"-> 8\)"):  # fmt: skip
         main(["--resume", str(other), "--steps", "6", "--emb-dim", "8", "--no-progress"])

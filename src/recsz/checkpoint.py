@@ -29,6 +29,7 @@ from recsz.comm.dp_hooks import resumed_state
 from recsz.comm.stats import CommStats
 from recsz.model import tablestate
 from recsz.model.sharding import column_shards
+from recsz.runoptions import CONFIG_VERSION
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -76,7 +77,7 @@ def _as_of(cfg: TrainConfig, version: int | None) -> dict[str, Any]:
     record cannot be); as it is where ``version`` is None, this one's, or one no record of
     goes on from."""
     now = cfg.to_dict()
-    later = range((version or 0) + 1, now["config_version"] + 1)
+    later = range((version or 0) + 1, CONFIG_VERSION + 1)  # (``cfg`` may carry the record's)
     if version is None or not later or any(v not in ADDED for v in later):
         return now
     defaults = {f.name: f.default for f in fields(cfg)}
