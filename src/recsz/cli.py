@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         # host's or the GPU's memory, settings under which the loss diverges, an optional
         # library missing): the message names the problem; a traceback would bury it.
         # RECSZ_TRACEBACK=1 shows it.
-        torch = sys.modules.get("torch")  # (loaded by whatever could run out of GPU memory)
-        oom = torch is not None and isinstance(e, torch.OutOfMemoryError)
+        oom = "torch" in sys.modules and _torch_out_of_memory(e)  # (torch's, if it ran)
         if os.environ.get("RECSZ_TRACEBACK") or not (isinstance(e, _SAID) or oom):
             raise
         if oom:  # (torch's message, then what to change)
@@ -55,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"recsz {cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _torch_out_of_memory(e: Exception) -> bool:
+    from recsz.ranks import out_of_memory
+
+    return out_of_memory(e)
 
 
 #: What ``recsz`` says as a line, without a traceback (and torch's OutOfMemoryError).

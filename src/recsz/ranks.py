@@ -122,8 +122,7 @@ def no_room(path: Path, message: str) -> OSError:
 
 #: What a rank raises on bad input (:func:`bad_input`).
 _BAD_INPUT = (ValueError, FloatingPointError, FileNotFoundError, NotADirectoryError,
-              IsADirectoryError, PermissionError, ImportError, MemoryError,
-              torch.OutOfMemoryError)  # fmt: skip
+              IsADirectoryError, PermissionError, ImportError)  # fmt: skip
 
 
 #: What a run out of the GPU's memory may change (said after torch's message).
@@ -131,9 +130,18 @@ OOM_HINT = ("recsz: a smaller --batch-size or --eval-batch-size, --table-dtype f
             "ranks or --column-shards; `recsz plan` says what each rank holds")  # fmt: skip
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` says that memory ran out: the GPU's (``torch.OutOfMemoryError``), the
+    host's (``MemoryError``, or torch's CPU allocator's RuntimeError)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e)
+    )
+
+
 def said(e: BaseException) -> str:
-    """``e``'s message, with :data:`OOM_HINT` after the GPU's out-of-memory error."""
-    return f"{e} ({OOM_HINT})" if isinstance(e, torch.OutOfMemoryError) else str(e)
+    """``e``'s message, with :data:`OOM_HINT` after torch's out-of-memory errors (recsz's
+    own MemoryErrors say what to change)."""
+    return f"{e} ({OOM_HINT})" if out_of_memory(e) and not isinstance(e, MemoryError) else str(e)
 
 
 def bad_input(e: BaseException) -> bool:
@@ -142,13 +150,13 @@ def bad_input(e: BaseException) -> bool:
     the loss diverged; a path that is missing, of the wrong kind or not permitted; an
     ``ImportError``: a library the options need is not installed; an ``OSError`` of a
     filesystem without room, :data:`NO_ROOM`; the host's or the GPU's memory too small for
-    the settings: ``MemoryError``, ``torch.OutOfMemoryError``), which
+    the settings, :func:`out_of_memory`), which
     the same command line would raise again; not bytes damaged on their way from a peer (a
     ``PayloadError`` anywhere in its chain), which need not be damaged again, nor other
     ``OSError``s (a network file system's hiccup)."""
     from recsz.codecs.payload import PayloadError
 
-    if isinstance(e, OSError) and e.errno in NO_ROOM:
+    if (isinstance(e, OSError) and e.errno in NO_ROOM) or out_of_memory(e):
         return True
     if not isinstance(e, _BAD_INPUT):
         return False
