@@ -47,6 +47,11 @@ NUMBERS = {
     "dcn_rank": ["4"],
     "fwd_eb": ["1e-6", "0.5"],
     "target_auc": ["0.5"],
+    "emb_dim": ["8", "16"],
+    "bottom_mlp": ["32-16"],
+    "top_mlp": ["8-1"],
+    "max_rows": ["50"],
+    "profile": ["0", "2"],
 }
 
 
