@@ -459,6 +459,14 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
     said = _report({3: ProcessFailure(3, 43, 7, none), 2: ProcessFailure(2, 42, -15, none),
                     4: ProcessFailure(4, 44, 128 + signal.SIGTERM, none)})  # fmt: skip
     assert said == "recsz: rank 3 (pid 43) exited with status 7"
+    # only a lost peer here (a node of a multi-node job whose peer failed on another):
+    # said as the peer's failure, which its own node's log holds
+    said = _report({0: ProcessFailure(0, 40, 1, peer)})
+    assert said.endswith("recsz: rank 0 lost a peer, and no rank of this node failed "
+                         "before it: on a job of several nodes, the cause is in another "
+                         "node's log")  # fmt: skip
+    said = _report({0: ProcessFailure(0, 40, 1, peer), 1: ProcessFailure(1, 41, 7, none)})
+    assert "lost a peer" not in said  # (rank 1 failed here, without a record)
     # a rank the agent killed when it did not stop (stuck): not the cause, said after it
     said = _report({0: ProcessFailure(0, 40, 1, peer), 1: killed}, forced={41})
     assert said.startswith("recsz: rank 0 failed first; its traceback:\nTraceback ...\n")

@@ -142,6 +142,11 @@ _CLOSED = (-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.S
 _forced: set[int] = set()
 
 
+#: What a collective's error says where a peer's connection went (gloo's, NCCL's): the
+#: failure is the peer's.
+_LOST_PEER = ("closed by peer", "reset by peer", "remote process exited", "Broken pipe")
+
+
 def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozenset()) -> str:
     """The failed ranks of a job that :func:`_agent` ran (``failures``: torchrun's
     ``ProcessFailure``s by rank), in place of torchrun's report: a rank a signal killed
@@ -170,7 +175,12 @@ def _report(failures: dict[int, Any], forced: set[int] | frozenset[int] = frozen
         trace = (
             said.get("extraInfo", {}).get("py_callstack", "") if isinstance(said, dict) else said
         )
+        lost = not rest and any(p in trace.rstrip().rsplit("\n", 1)[-1] for p in _LOST_PEER)
         rest.append(f"recsz: rank {rank} failed first; its traceback:\n{trace.rstrip()}")
+        if lost:  # (and nothing else here failed)
+            rest.append(f"recsz: rank {rank} lost a peer, and no rank of this node failed "
+                        "before it: on a job of several nodes, the cause is in another "
+                        "node's log")  # fmt: skip
     lines = killed or rest + stuck  # (killed: the others failed for want of it)
     return "\n".join(lines or [f"recsz: ranks {sorted(failures)} stopped"])
 
