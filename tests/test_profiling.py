@@ -41,8 +41,9 @@ def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capsys) -> No
 
 
 def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Path) -> None:
-    """Steps only: an evaluation due inside the window ends the profile there (its lookups
-    are not a step's); a run shorter than the first steps and N profiles its last N."""
+    """Steady steps only: an evaluation due inside the window ends the profile there (its
+    lookups are not a step's); a run shorter than the first steps and N profiles its last N;
+    a bound policy's first probes are left before it."""
     out = tmp_path / "eval"
     assert main([*BASE, "--steps", "8", "--eval-every", "4", "--profile", "3",
                  "--out", str(out)]) == 0  # fmt: skip
@@ -52,8 +53,14 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
     assert main([*BASE, "--steps", "4", "--profile", "3", "--out", str(out)]) == 0
     (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
     assert (prof["first_step"], prof["steps"]) == (1, 3)
-    first = profiling.StepProfiler(5, 10, 12, 3, torch.device("cpu"), None).first
+    first = profiling.StepProfiler(5, 10, 12, 13, torch.device("cpu"), None).first
     assert first == 10  # resumed at 10, 2 steps left: from where it resumed
+    # the dual policy's first probe window (--hindex-probe-steps) is not a steady step
+    out = tmp_path / "dual"
+    dual = ["--fwd-codec", "hybrid", "--eb-policy", "dual", "--hindex-probe-steps", "5"]
+    assert main([*BASE, *dual, "--steps", "9", "--profile", "2", "--out", str(out)]) == 0
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert (prof["first_step"], prof["steps"]) == (5, 2)
 
 
 def test_the_table_says_the_mean_and_the_slowest_rank() -> None:

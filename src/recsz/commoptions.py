@@ -72,13 +72,17 @@ class ExchangeOptions:
 
     def switch(self, **kw: Any) -> CompressionSwitch:
         """``--compress``'s switch (``kw``: its ``agree``, ``sync``); its first trial after
-        the table / dual policies' first probe window, where a bounded codec has one."""
+        the first probe window (:meth:`probe_steps`)."""
+        return CompressionSwitch(
+            self.compress, self.compress_trial, self.compress_every, lead=self.probe_steps(), **kw
+        )
+
+    def probe_steps(self) -> int:
+        """The steps of the table / dual policies' first probe window, where a bounded
+        codec has one (they code some traffic at several bounds), else 0."""
         bounded = any(self.codec(d).error_bounded for d in ("fwd", "bwd"))
         probes = bounded and self.eb_policy in ("table", "dual")
-        lead = self.hindex_probe_steps if probes else 0
-        return CompressionSwitch(
-            self.compress, self.compress_trial, self.compress_every, lead=lead, **kw
-        )
+        return self.hindex_probe_steps if probes else 0
 
 
 @dataclass
