@@ -627,6 +627,18 @@ def test_a_full_disk_is_named_and_leaves_nothing_behind(tmp_path: Path, monkeypa
     assert not bad_input(e.value)
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_under_the_metrics_log_is_named(tmp_path: Path) -> None:
+    """A metrics row that finds its filesystem full names the log (a write's error names
+    no file: it said only "[Errno 28] No space left on device")."""
+    from recsz import report
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # (every write: ENOSPC)
+    log = report.Log(tmp_path)
+    with pytest.raises(OSError, match=r"cannot write .*metrics\.jsonl: no space left on dev"):
+        log.metrics({"step": 1})
+
+
 def test_resume_bookkeeping(run_dir: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -251,8 +251,15 @@ class Log:
 
     def metrics(self, row: dict[str, Any]) -> None:
         if self.path:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+            except OSError as e:  # (a write's error names no file)
+                from recsz.ranks import NO_ROOM, no_room
+
+                if e.errno in NO_ROOM:
+                    raise no_room(self.path, "no space left on device") from e
+                raise
 
 
 def plain_warnings() -> None:
