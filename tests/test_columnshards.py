@@ -195,8 +195,8 @@ def test_the_exchanges_counters_follow_the_tables_into_new_shards() -> None:
 
 def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> None:
     """`recsz plan`: the ranks' loads sum to the model's tables (rows, bytes at the dtype,
-    the row optimizer's state), their send shares to 1; the same plan as a run's; a flag
-    no plan takes is refused, a bad one named."""
+    the row optimizer's state), their send shares to 1; the same plan as a run's; a run's
+    own shape (--max-rows, --emb-dim); a flag no plan takes is refused, a bad one named."""
     from recsz.cli import main as cli
     from recsz.model import get_preset
 
@@ -216,6 +216,14 @@ def test_recsz_plan_says_what_each_rank_would_hold(tmp_path: Path, capsys) -> No
     owners = plan_tables(sizes, dim, 64)
     assert [r["tables"] for r in ranks] == [owners.count(r) for r in range(64)]
     assert all(r["held_bytes"] == r["table_bytes"] + r["optimizer_bytes"] for r in ranks)
+    # the run's own shape: its tables' rows capped, their dim
+    argv = ["plan", "--preset", "dcnv2", "--nproc", "8", "--max-rows", "1000000",
+            "--emb-dim", "64", "--json", str(out)]  # fmt: skip
+    assert cli(argv) == 0
+    ranks = json.loads(out.read_text())["ranks"]
+    rows = sum(min(n, 1_000_000) for n in m.table_sizes)
+    assert sum(r["rows"] for r in ranks) == rows
+    assert sum(r["table_bytes"] for r in ranks) == rows * 64 * 4
     with pytest.raises(SystemExit, match="2"):
         cli(["plan", "--lr", "0.1"])  # not a flag of the plan: argparse's usage error
     assert cli(["plan", "--column-shards", "3"]) == 2  # named: does not divide dim 16
