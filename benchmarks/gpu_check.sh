@@ -19,7 +19,8 @@
 #               the casts, bounds by the range kernel, the DDP hooks on CUDA gradients,
 #               the id-aware exchange's gradient on CUDA against the CPU, --cuda-graph
 #               against eager steps, prefetched batches while the GPU lags, the syncs
-#               counted on the CPU, --compress auto's timing, metrics, half tables,
+#               counted on the CPU, --compress auto's timing, metrics, half tables, a
+#               --profile's kernels (not its ranges' annotations),
 #               tables made on the GPU as on the CPU, a GPU run against the CPU's, a
 #               SIGTERM's checkpoint written in the background and resumed
 #   train.jsonl, train.log   benchmarks/gpu_train.py: the trainer at batch 8192, one
@@ -85,7 +86,7 @@ part tests 120 bash -c 'set -o pipefail; python3 -m pytest -q -rfE -p no:cachepr
     tests/test_model.py tests/test_dp_hooks.py tests/test_exchange.py tests/test_stepgraph.py \
     tests/test_synthetic.py tests/test_host_syncs.py tests/test_switch.py tests/test_metrics.py \
     tests/test_tabledtype.py tests/test_tableinit.py tests/test_train.py tests/test_checkpoint.py \
-    -k "cuda or gpu"
+    tests/test_profiling.py -k "cuda or gpu"
 
 # 3. The trainer on one GPU at batch 8192 (benchmarks/gpu_train.py says which runs and why),
 #    each run's summary a line of train.jsonl as it ends; a process whose CUDA context a run

@@ -104,3 +104,17 @@ def test_a_ranges_gpu_side_is_neither_a_kernel_nor_its_host_time() -> None:
         assert got["gpu_ms"]["embedding lookup"] == 0.3
         assert got["kernels_per_step"] == 1.0 and got["gpu_busy"] == pytest.approx(0.06)
         assert got["top_ops"] == []  # (a stage's range is no operator)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_profile_counts_kernels_not_their_ranges(tmp_path: Path) -> None:
+    """On a GPU: each stage's kernel ms, GPU busy (at most 1: no range's annotation counted
+    as a kernel, nor the gaps it spans), kernels a step; the host's stages as on the CPU."""
+    out = tmp_path / "run"
+    flags = ["--device", "cuda", "--steps", "8", "--profile", "3", "--out", str(out)]
+    assert main([*BASE, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", *flags]) == 0
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert 0 < prof["gpu_busy"] <= 1 and prof["kernels_per_step"] > 10
+    gpu = prof["gpu_ms"]
+    assert gpu["embedding lookup"] > 0 and gpu["table update (fused optimizer)"] > 0
+    assert sum(gpu.values()) <= prof["wall_ms"] and prof["host_ms"]["embedding lookup"] > 0
