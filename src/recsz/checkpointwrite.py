@@ -190,8 +190,8 @@ class Saver:
         failed = [f"rank {r}: {res['error']}" for r, res in enumerate(results) if "error" in res]
         d = write.path.parent
         if failed:
-            if self.ranks.rank == 0:  # (every rank's write has ended: the step's nothing)
-                shutil.rmtree(d, ignore_errors=True)
+            if self.ranks.rank == 0 and not (d / "meta.json").exists():  # (every rank's
+                shutil.rmtree(d, ignore_errors=True)  # write has ended: the step's nothing)
             e = OSError(f"cannot write checkpoint step {write.step}: " + "; ".join(failed))
             if any("no_room" in res for res in results):  # not the job's to mend: no restart
                 e.errno = errno.ENOSPC

@@ -44,22 +44,18 @@ def main(argv: list[str] | None = None) -> int:
         # host's or the GPU's memory, settings under which the loss diverges, an optional
         # library missing): the message names the problem; a traceback would bury it.
         # RECSZ_TRACEBACK=1 shows it.
-        oom = "torch" in sys.modules and _torch_out_of_memory(e)  # (torch's, if it ran)
+        oom = _out_of_memory_said(e) if "torch" in sys.modules else None  # (torch's, if run)
         if os.environ.get("RECSZ_TRACEBACK") or not (isinstance(e, _SAID) or oom):
             raise
-        if oom:  # (torch's message, then what to change)
-            from recsz.ranks import said
-
-            print(f"recsz {cmd}: error: {said(e)}", file=sys.stderr)
-        else:
-            print(f"recsz {cmd}: error: {e}", file=sys.stderr)
+        print(f"recsz {cmd}: error: {oom or e}", file=sys.stderr)
         return 2
 
 
-def _torch_out_of_memory(e: Exception) -> bool:
-    from recsz.ranks import out_of_memory
+def _out_of_memory_said(e: Exception) -> str | None:
+    """``e``'s message and what to change, where it says that memory ran out."""
+    from recsz.ranks import out_of_memory, said
 
-    return out_of_memory(e)
+    return said(e) if out_of_memory(e) else None
 
 
 #: What ``recsz`` says as a line, without a traceback (and torch's OutOfMemoryError).
