@@ -134,18 +134,18 @@ def gathered(profiler: StepProfiler, ranks: Ranks, out: Path | None) -> None:
     profiler.close()
     results = ranks.gather(profiler.result)
     if ranks.rank == 0:
+        if out is not None and any(results):
+            (out / "profile.json").write_text(json.dumps({"ranks": results}, indent=2))
         tqdm.write(table(results, out))
 
 
 def table(results: list[dict[str, Any] | None], out: Path | None) -> str:
     """The ranks' profiles (their numbers in rank order, None where a rank took none) as a
-    table of each stage's mean and largest over the ranks; written to ``out/profile.json``
-    where there is a run directory."""
+    table of each stage's mean and largest over the ranks (``out``: the run directory whose
+    ``profile.json`` holds them)."""
     got = [(r, res) for r, res in enumerate(results) if res is not None]
     if not got:
         return "recsz: --profile: the run ended before its profiled steps"
-    if out is not None:
-        (out / "profile.json").write_text(json.dumps({"ranks": results}, indent=2))
     first = got[0][1]
     cuda = "gpu_ms" in first
     lines = [
@@ -166,9 +166,9 @@ def table(results: list[dict[str, Any] | None], out: Path | None) -> str:
     top, at = max(walls)
     lines.append(f"| step (wall) | {sum(w for w, _ in walls) / len(walls):.2f} | {top:.2f} ({at}) |"
                  + (" |" if cuda else ""))  # fmt: skip
-    r0, top = got[0][0], first["top_ops"]
+    r0 = got[0][0]
     lines.append(f"rank {r0}'s top operators (self host ms a step): "
-                 + ", ".join(f"{name} {ms:.2f}" for name, ms, _ in top))  # fmt: skip
+                 + ", ".join(f"{name} {ms:.2f}" for name, ms, _ in first["top_ops"]))  # fmt: skip
     if cuda:
         busy = [res["gpu_busy"] for _, res in got]
         lines.append(f"GPU busy (kernel time / wall): {min(busy):.2f}..{max(busy):.2f}; "
