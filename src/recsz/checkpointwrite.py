@@ -32,7 +32,7 @@ import torch
 
 from recsz import hostmemory
 from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest, snapshot
-from recsz.ranks import NO_ROOM, no_room
+from recsz.diskroom import NO_ROOM, no_room
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import errno
 import hashlib
 import json
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -21,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from recsz.diskroom import NO_ROOM
 
 #: torchrun's switch off of its store shared by rendezvous rounds, whose keys a restarted
 #: job's ranks read as their own (pytorch/pytorch#135712: they then fail to connect).
@@ -104,20 +104,6 @@ FAILURES, ATTEMPT = "RECSZ_FAILURES", "RECSZ_ATTEMPT"
 #: Set for the ranks of recsz's torchrun agent (``python -m recsz.launcher``), which
 #: reports their failures (:func:`recsz.launcher._report`).
 AGENT = "RECSZ_AGENT"
-
-
-#: The ``errno``s of a filesystem without room (a full disk, a user's quota): the same
-#: command line fails the same way until someone makes room.
-NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
-
-
-def no_room(path: Path, message: str) -> OSError:
-    """An ``OSError`` (``errno`` ENOSPC, :data:`NO_ROOM`) saying that ``path``'s filesystem
-    has no room for it, and how much it has."""
-    free = shutil.disk_usage(path if path.is_dir() else path.parent).free
-    e = OSError(f"cannot write {path}: {message} ({free / 2**20:.1f} MB free on its filesystem)")
-    e.errno = errno.ENOSPC
-    return e
 
 
 #: What a rank raises on bad input (:func:`bad_input`).

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from tqdm import tqdm
 
+from recsz import diskroom
+
 if TYPE_CHECKING:
     from recsz.step import Parts
 
@@ -255,10 +257,8 @@ class Log:
                 with self.path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
             except OSError as e:  # (a write's error names no file)
-                from recsz.ranks import NO_ROOM, no_room
-
-                if e.errno in NO_ROOM:
-                    raise no_room(self.path, "no space left on device") from e
+                if no_room := diskroom.full(self.path, e):
+                    raise no_room from e
                 raise
 
 

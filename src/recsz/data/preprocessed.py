@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from recsz import diskroom
 from recsz.data.criteo import (
     N_CAT,
     N_DENSE,
@@ -29,7 +30,6 @@ from recsz.data.criteo import (
     parse_threads,
     skipped_note,
 )
-from recsz.ranks import NO_ROOM, no_room
 
 FORMAT_VERSION = 1
 
@@ -65,8 +65,8 @@ def preprocess(
     except BaseException as e:
         for t in [*tmp.values(), *(p for part in parts for p in part.values())]:
             t.unlink(missing_ok=True)  # no partial output survives a failure
-        if isinstance(e, OSError) and e.errno in NO_ROOM:
-            raise no_room(out, "no space left on device") from e
+        if isinstance(e, OSError) and (no_room := diskroom.full(out, e)):
+            raise no_room from e
         raise
     for k, name in _FILES.items():
         os.replace(tmp[k], out / name)
