@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
@@ -180,48 +181,49 @@ class CompressedPooledEmbeddingDist(nn.Module):
         the byte exchange, under ``ebs`` (a bound by key, :meth:`_bounds`; None: the codec
         takes none). ``picks[r]``: only those rows of block r; ``extra[r]``: bytes framed
         ahead of its payloads. ``train``: count the bytes."""
-        like = blocks[0][0]
-        device = like.device
-        parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
-        for width in sorted({w for _, dims, _ in blocks for w in dims}):
-            groups, keys, dest = [], [], []
-            for r, (x, dims, ks) in enumerate(blocks):
-                if width not in _by_width(dims):
-                    continue
-                fs, cols = _by_width(dims)[width]
-                if picks is None:
-                    groups.append(
-                        (_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs))
-                    )
-                else:
-                    groups.append(picks[r].taken(x, fs, cols, width))
-                keys += [ks[i] for i in fs]
-                dest.append(r)
-            eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
-            # Untrimmed: every width's payload lengths are read to the host at once below.
-            payloads, used = d.codec.encode_segments(groups, eb, trim=False)
-            if self.check_bounds and eb is not None:
-                sent = [(r, rows, sizes) for r, (rows, sizes) in zip(dest, groups, strict=True)]
-                worst = d.worst_error(sent, payloads, eb)
-                self.max_err[d.name] = max(self.max_err[d.name], worst)
-            for r, p, n in zip(dest, payloads, used, strict=True):
-                parts[r].append((p, n))
-        flat = [(p, n) for ps in parts for p, n in ps]
-        if d.sized_by_shapes(like) or not flat:  # the casts: lengths known on the host
-            lengths = iter([p.numel() for p, _ in flat])
-        else:  # one read, the forward's verdicts along
-            with riding(self._fwd_checks):
-                lengths = iter(read_sizes(torch.stack([n for _, n in flat])))
-        self._fwd_checks.read()  # what did not ride: bytes made from the forward leave next
-        ahead = extra or [[]] * len(parts)
-        send = [
-            [frame([*e, *(p[: next(lengths)] for p, _ in ps)]).to(device)]
-            for e, ps in zip(ahead, parts, strict=True)
-        ]
-        if train:
-            others = [r for r in range(self.world) if r != self.rank]
-            self.raw[d.name] += sum(blocks[r][0].numel() * 4 for r in others)
-            self.wire[d.name] += sum(send[r][0].numel() for r in others)
+        with record_function(f"recsz.a2a_{d.name}.encode"):  # (as the trainer marks it)
+            like = blocks[0][0]
+            device = like.device
+            parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
+            for width in sorted({w for _, dims, _ in blocks for w in dims}):
+                groups, keys, dest = [], [], []
+                for r, (x, dims, ks) in enumerate(blocks):
+                    if width not in _by_width(dims):
+                        continue
+                    fs, cols = _by_width(dims)[width]
+                    if picks is None:
+                        groups.append(
+                            (_slabs(x, cols, width).reshape(-1, width), [x.shape[0]] * len(fs))
+                        )
+                    else:
+                        groups.append(picks[r].taken(x, fs, cols, width))
+                    keys += [ks[i] for i in fs]
+                    dest.append(r)
+                eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
+                # Untrimmed: every width's payload lengths are read to the host at once below.
+                payloads, used = d.codec.encode_segments(groups, eb, trim=False)
+                if self.check_bounds and eb is not None:
+                    sent = [(r, rows, sizes) for r, (rows, sizes) in zip(dest, groups, strict=True)]
+                    worst = d.worst_error(sent, payloads, eb)
+                    self.max_err[d.name] = max(self.max_err[d.name], worst)
+                for r, p, n in zip(dest, payloads, used, strict=True):
+                    parts[r].append((p, n))
+            flat = [(p, n) for ps in parts for p, n in ps]
+            if d.sized_by_shapes(like) or not flat:  # the casts: lengths known on the host
+                lengths = iter([p.numel() for p, _ in flat])
+            else:  # one read, the forward's verdicts along
+                with riding(self._fwd_checks):
+                    lengths = iter(read_sizes(torch.stack([n for _, n in flat])))
+            self._fwd_checks.read()  # what did not ride: bytes made from the forward leave next
+            ahead = extra or [[]] * len(parts)
+            send = [
+                [frame([*e, *(p[: next(lengths)] for p, _ in ps)]).to(device)]
+                for e, ps in zip(ahead, parts, strict=True)
+            ]
+            if train:
+                others = [r for r in range(self.world) if r != self.rank]
+                self.raw[d.name] += sum(blocks[r][0].numel() * 4 for r in others)
+                self.wire[d.name] += sum(send[r][0].numel() for r in others)
         return start_all_to_all_bytes(send, self.world, self.pg)
 
     def _bounds(
@@ -238,12 +240,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
         tensor indexed by key (None for a codec that takes none), divided by ``share``
         (the receiver sums that many). ``train``: a training step, which the policy sees."""
         ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
-        for width, (fs, cols) in _by_width(dims).items():
-            at = [keys[i] for i in fs]
-            got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
-            if got is None:
-                return None
-            ebs[self._index(at, x.device)] = got.to(x.device)
+        with record_function(f"recsz.a2a_{d.name}.encode"):  # (the encode's, as the trainer's)
+            for width, (fs, cols) in _by_width(dims).items():
+                at = [keys[i] for i in fs]
+                got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
+                if got is None:
+                    return None
+                ebs[self._index(at, x.device)] = got.to(x.device)
         return ebs / share if share > 1 else ebs
 
     def _receive(
@@ -260,48 +263,52 @@ class CompressedPooledEmbeddingDist(nn.Module):
         reads them with its lengths, before any byte made from them leaves). ``picks``:
         the rows each source sent (the others zero), or a function of the part each
         framed ahead of its payloads that gives them."""
-        bufs = pending.wait()
-        widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
-        ahead = int(callable(picks))
-        parts = unframe_all(
-            bufs,
-            [len(w) + ahead for w in widths],
-            [f"rank {s} ({d.name})" for s in range(self.world)],
-            self._framed_ahead() if ahead else None,
-        )  # every source's table of lengths in one host read (and what it framed ahead)
-        if callable(picks):
-            picks = picks([p[0] for p in parts])
-            parts = [p[1:] for p in parts]
-        new = torch.empty if picks is None else torch.zeros
-        at = bufs[0].device
-        out = [new(n, self._columns(ds), device=at) for n, ds in zip(rows, dims, strict=True)]
-        checks = self._fwd_checks if hold else HeldChecks()
-        try:
-            with checks.holding(f"{self.who}: {d.name} payloads"):
-                for width in sorted({w for ws in widths for w in ws}):
-                    srcs = [s for s in range(self.world) if width in widths[s]]
-                    fcs = [_by_width(dims[s])[width] for s in srcs]
-                    sizes = [
-                        [rows[s]] * len(fs) if picks is None else [picks[s].counts[f] for f in fs]
-                        for s, (fs, _) in zip(srcs, fcs, strict=True)
-                    ]
-                    payloads = [parts[s][widths[s].index(width)] for s in srcs]
-                    try:  # (payload i: rank srcs[i]'s)
-                        decoded = d.codec.decode_segments(payloads, sizes, width)
-                    except ValueError as e:
-                        raise ValueError(f"from ranks {srcs}: {e}") from e
-                    for s, (fs, cols), y in zip(srcs, fcs, decoded, strict=True):
-                        if picks is not None:
-                            picks[s].place(out[s], y, fs, cols, width)
-                            continue
-                        slabs = y.view(len(cols), rows[s], width)
-                        for j, c in enumerate(cols):
-                            out[s][:, c : c + width] = slabs[j]
-        except ValueError as e:
-            raise ValueError(f"{self.who}: {d.name} payloads: {e}") from e
-        if not hold:
-            checks.read()
-        return out
+        with record_function(f"recsz.a2a_{d.name}.wait"):
+            bufs = pending.wait()
+        with record_function(f"recsz.a2a_{d.name}.decode"):
+            widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
+            ahead = int(callable(picks))
+            parts = unframe_all(
+                bufs,
+                [len(w) + ahead for w in widths],
+                [f"rank {s} ({d.name})" for s in range(self.world)],
+                self._framed_ahead() if ahead else None,
+            )  # every source's table of lengths in one host read (and what it framed ahead)
+            if callable(picks):
+                picks = picks([p[0] for p in parts])
+                parts = [p[1:] for p in parts]
+            new = torch.empty if picks is None else torch.zeros
+            at = bufs[0].device
+            out = [new(n, self._columns(ds), device=at) for n, ds in zip(rows, dims, strict=True)]
+            checks = self._fwd_checks if hold else HeldChecks()
+            try:
+                with checks.holding(f"{self.who}: {d.name} payloads"):
+                    for width in sorted({w for ws in widths for w in ws}):
+                        srcs = [s for s in range(self.world) if width in widths[s]]
+                        fcs = [_by_width(dims[s])[width] for s in srcs]
+                        sizes = [
+                            [rows[s]] * len(fs)
+                            if picks is None
+                            else [picks[s].counts[f] for f in fs]
+                            for s, (fs, _) in zip(srcs, fcs, strict=True)
+                        ]
+                        payloads = [parts[s][widths[s].index(width)] for s in srcs]
+                        try:  # (payload i: rank srcs[i]'s)
+                            decoded = d.codec.decode_segments(payloads, sizes, width)
+                        except ValueError as e:
+                            raise ValueError(f"from ranks {srcs}: {e}") from e
+                        for s, (fs, cols), y in zip(srcs, fcs, decoded, strict=True):
+                            if picks is not None:
+                                picks[s].place(out[s], y, fs, cols, width)
+                                continue
+                            slabs = y.view(len(cols), rows[s], width)
+                            for j, c in enumerate(cols):
+                                out[s][:, c : c + width] = slabs[j]
+            except ValueError as e:
+                raise ValueError(f"{self.who}: {d.name} payloads: {e}") from e
+            if not hold:
+                checks.read()
+            return out
 
     def _framed_ahead(self) -> list[int] | None:
         """The bytes each source frames ahead of its payloads, where it frames a part of
