@@ -32,7 +32,7 @@ import torch
 
 from recsz import hostmemory
 from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest, snapshot
-from recsz.diskroom import NO_ROOM, no_room
+from recsz.diskroom import NO_ROOM, free, no_room
 
 if TYPE_CHECKING:
     from recsz.config import TrainConfig
@@ -46,7 +46,7 @@ def atomic_write(path: Path, write: Any, size: int = 0) -> None:
     free (as is a failure that leaves fewer free than the bytes not yet written: torch's
     writer says a full disk as "unexpected pos")."""
     tmp = path.with_name(path.name + ".tmp")
-    if size and _free(path) < size:
+    if size and free(path) < size:
         raise no_room(path, f"no room for its {size / 2**20:.1f} MB")
     try:
         write(tmp)
@@ -55,20 +55,13 @@ def atomic_write(path: Path, write: Any, size: int = 0) -> None:
         full = isinstance(e, OSError) and e.errno in NO_ROOM
         if isinstance(e, Exception) and not full:  # (before the partial file goes)
             written = tmp.stat().st_size if tmp.exists() else 0
-            full = _free(path) < max(size - written, 2**16)
+            full = free(path) < max(size - written, 2**16)
         tmp.unlink(missing_ok=True)
         if full:
             raise no_room(path, "no space left on device") from e
         if isinstance(e, OSError):
             raise OSError(e.errno, f"cannot write checkpoint file {path}: {e.strerror}") from e
         raise
-
-
-def _free(path: Path) -> float:
-    """The bytes free on ``path``'s filesystem; infinite where it says no size at all (a
-    FUSE mount's statistics may be zeros)."""
-    usage = shutil.disk_usage(path.parent)
-    return usage.free if usage.total else float("inf")
 
 
 def rank_state(parts: Parts, ranks: Ranks, counters: dict[str, Any]) -> dict[str, Any]:

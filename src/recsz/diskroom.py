@@ -14,6 +14,13 @@ from pathlib import Path
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
+def free(path: Path) -> float:
+    """The bytes free on the filesystem of ``path`` (a file there, or to be); infinite
+    where it says no size at all (a FUSE mount's statistics may be zeros)."""
+    usage = shutil.disk_usage(path.parent)
+    return usage.free if usage.total else float("inf")
+
+
 def no_room(path: Path, message: str) -> OSError:
     """An ``OSError`` (``errno`` ENOSPC) saying that ``path``'s filesystem has no room for
     it, and how much it has."""
