@@ -74,6 +74,38 @@ def test_out_of_memory_is_said_with_what_to_change(
         cli_main(["train", "--steps", "2", "--no-progress"])
 
 
+def test_the_launchers_line_names_the_kind_of_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each launched rank that fails on bad input notes its kind beside its line (out of
+    memory, no room on disk, bad input), and the launcher's one line names the kinds, each
+    message once with its ranks: "recsz: out of memory and bad input: ..." where it said
+    "bad input" for all."""
+    monkeypatch.delenv("RECSZ_TRACEBACK", raising=False)
+    monkeypatch.setenv(ranks.FAILURES, str(tmp_path / "failures"))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    full = OSError("cannot write /x: no space left on device")
+    full.errno = 28
+    raised = [torch.OutOfMemoryError("CUDA out of memory"), ValueError("bad flag"), full,
+              torch.OutOfMemoryError("CUDA out of memory")]  # fmt: skip
+    for rank, e in enumerate(raised):
+        monkeypatch.setenv("RANK", str(rank))
+
+        def body(e: Exception = e) -> int:
+            raise e
+
+        assert ranks.worker(body, as_main=False) == ranks.BAD_INPUT
+    assert capsys.readouterr().err == ""  # (the launcher says it)
+    kinds, said = launcher.noted(tmp_path / "failures") or ("", "")
+    assert kinds == "out of memory, bad input and no room on disk"
+    assert said == (f"ranks 0, 3: OutOfMemoryError: CUDA out of memory ({ranks.OOM_HINT}); "
+                    "rank 1: ValueError: bad flag; rank 2: OSError: cannot write /x: no space "
+                    "left on device")  # fmt: skip
+    assert launcher.noted(tmp_path / "none") is None
+    assert [ranks.failure_kind(e) for e in raised] == [
+        "out of memory", "bad input", "no room on disk", "out of memory"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("argv", "missing", "said"),
     [

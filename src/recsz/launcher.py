@@ -74,10 +74,11 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
             # shell's status of a process the signal ended, not the agent's 1.
             if not status or forwarded:
                 return 128 + forwarded[0] if status and forwarded else status
-            if said := _bad_input_said(failures):
+            if note := noted(failures):
                 again = (", the job not started again (it would fail the same way)"
                          if max_restarts else "")  # fmt: skip
-                print(f"recsz: bad input{again}: {said}", file=sys.stderr, flush=True)
+                kinds, said = note
+                print(f"recsz: {kinds}{again}: {said}", file=sys.stderr, flush=True)
                 return BAD_INPUT
             if attempt < max_restarts:
                 print(f"recsz: the job failed (exit status {status}): starting its "
@@ -90,13 +91,19 @@ def launch(nproc: int, argv: list[str], module: str = "recsz.train", max_restart
             signal.signal(sig, handler)
 
 
-def _bad_input_said(failures: Path) -> str:
-    """What the ranks noted in ``failures``, each message once with the ranks that said it."""
-    by: dict[str, list[int]] = {}
+def noted(failures: Path) -> tuple[str, str] | None:
+    """What the ranks noted in ``failures``: its kinds (``bad input``, ``out of memory``,
+    ``no room on disk``: :func:`recsz.ranks.failure_kind`), and each message once with the
+    ranks that said it; None where no rank noted any."""
+    by: dict[tuple[str, str], list[int]] = {}
     for f in sorted(failures.glob("rank-*"), key=lambda f: int(f.name[5:])):
-        by.setdefault(f.read_text(), []).append(int(f.name[5:]))
-    return "; ".join(
-        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}" for m, r in by.items()
+        kind, _, message = f.read_text().partition("\n")
+        by.setdefault((kind, message), []).append(int(f.name[5:]))
+    if not by:
+        return None
+    kinds = list(dict.fromkeys(kind for kind, _ in by))
+    return " and ".join(filter(None, [", ".join(kinds[:-1]), kinds[-1]])), "; ".join(
+        f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: {m}" for (_, m), r in by.items()
     )
 
 

@@ -154,6 +154,14 @@ def bad_input(e: BaseException) -> bool:
     return True
 
 
+def failure_kind(e: BaseException) -> str:
+    """What kind of bad input ``e`` says, as the launcher's line names it: ``out of
+    memory``, ``no room on disk`` or ``bad input``."""
+    if out_of_memory(e):
+        return "out of memory"
+    return "no room on disk" if isinstance(e, OSError) and e.errno in NO_ROOM else "bad input"
+
+
 def restarted() -> bool:
     """Whether this rank's job was started again after a failure (by
     :func:`recsz.launcher.launch`, or by a plain torchrun's agent)."""
@@ -216,7 +224,7 @@ def _failed(e: Exception, rank: str) -> int:
         return 1
     if folder:
         Path(folder).mkdir(mode=0o700, exist_ok=True)
-        (Path(folder) / f"rank-{rank}").write_text(line)
+        (Path(folder) / f"rank-{rank}").write_text(f"{failure_kind(e)}\n{line}")
     return BAD_INPUT
 
 
