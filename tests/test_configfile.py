@@ -16,7 +16,7 @@ from recsz.train import main
 
 
 def _toml(values: dict[str, object]) -> str:
-    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())  # scalars only
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())  # scalars, lists
 
 
 #: a few options of each type
@@ -103,6 +103,31 @@ def test_a_runs_own_places_are_not_taken_from_its_record(tmp_path: Path) -> None
         parse_train_args(["--config", str(tmp_path / "mine.toml")])
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    bottom=st.lists(st.integers(1, 64), min_size=0, max_size=3),
+    top=st.lists(st.integers(1, 64), min_size=0, max_size=3),
+    classes=st.lists(st.floats(1e-4, 0.5), min_size=3, max_size=3).map(sorted),
+    toml=st.booleans(),
+)
+def test_a_file_gives_widths_and_bounds_as_lists(
+    tmp_path_factory: pytest.TempPathFactory, bottom: list[int], top: list[int],
+    classes: list[float], toml: bool,
+) -> None:  # fmt: skip
+    """A file's list of numbers gives what the flag's dash- or comma-separated string
+    gives: MLP widths, class bounds."""
+    values = {"bottom_mlp": [*bottom, 16], "top_mlp": [*top, 1], "fwd_class_eb": classes}
+    path = tmp_path_factory.mktemp("c") / ("c.toml" if toml else "c.json")
+    path.write_text(_toml(values) if toml else json.dumps(values))
+    argv = ["--bottom-mlp", "-".join(map(str, values["bottom_mlp"])),
+            "--top-mlp", "-".join(map(str, values["top_mlp"])),
+            "--fwd-class-eb", ",".join(map(str, classes))]  # fmt: skip
+    cfg = parse_train_args(["--config", str(path)])
+    assert cfg == parse_train_args(argv)
+    assert cfg.model().bottom_mlp == (*bottom, 16) and cfg.model().top_mlp == (*top, 1)
+    assert list(cfg.class_eb("fwd").values()) == classes
+
+
 @pytest.mark.parametrize(
     ("name", "text", "error"),
     [
@@ -117,6 +142,12 @@ def test_a_runs_own_places_are_not_taken_from_its_record(tmp_path: Path) -> None
         ("a.toml", 'fwd_codec = "nope"\n', r"--fwd-codec 'nope' is not one of: .* \(--fwd-codec: "
          r".*a.toml\)"),
         ("a.toml", "emb_lr = -1\n", r"--emb-lr must be > 0, got -1.0 \(--emb-lr: .*a.toml\)"),
+        ("a.toml", 'top_mlp = [4, "x"]\n', r"a.toml: top_mlp: wants a list of numbers or a "
+         r"'-'-separated string, got \[4, 'x'\]"),
+        ("a.json", '{"top_mlp": []}', r"a.json: top_mlp: wants a list of numbers or a '-'-"),
+        ("a.toml", "steps = [3]\n", r"a.toml: steps: wants no list, got \[3\]"),
+        ("a.toml", "top_mlp = [8, 2]\n", r"top MLP must end in 1 \(the logit\), got \(8, 2\) "
+         r"\(--top-mlp: .*a.toml\)"),
     ],
 )  # fmt: skip
 def test_a_bad_file_is_named_with_its_line_or_option(

@@ -36,8 +36,12 @@ class ExchangeOptions:
     eb_mode: str = opt("rel", "bounds relative to each slice's range, or absolute", ("rel", "abs"))
     # A third of the published method's 0.01,0.03,0.05: those cost AUC on both datasets
     # (bench_accuracy --a2a, 5 seeds), these keep it within the seeds' noise.
-    fwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose forward bounds")
-    bwd_class_eb: str = opt("0.00333,0.01,0.0167", "table/dual: tight,base,loose backward bounds")
+    fwd_class_eb: str = opt(
+        "0.00333,0.01,0.0167", "table/dual: tight,base,loose forward bounds", sep=","
+    )
+    bwd_class_eb: str = opt(
+        "0.00333,0.01,0.0167", "table/dual: tight,base,loose backward bounds", sep=","
+    )
     hindex_probe_steps: int = opt(
         10, "iterations of traffic behind each homogenization index", ge=1
     )

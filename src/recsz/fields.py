@@ -22,12 +22,18 @@ _LIMITS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.
 
 
 def opt(
-    default: Any, help: str, choices: tuple[str, ...] = (), cli: bool = True, **limits: float
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] = (),
+    cli: bool = True,
+    sep: str = "",
+    **limits: float,
 ) -> Any:
     """A field: its default, its help text and, where fixed, its allowed values:
     ``choices``, or ``limits`` (``ge``, ``gt``, ``le``: v >= , > , <= the value);
-    ``cli=False``: no flag."""
-    meta = {"help": help, "choices": choices, "cli": cli, "limits": limits}
+    ``cli=False``: no flag; ``sep``: a string field of numbers joined by it (``512-256-64``),
+    which a file may give as a list (``[512, 256, 64]``)."""
+    meta = {"help": help, "choices": choices, "cli": cli, "limits": limits, "sep": sep}
     return field(default=default, metadata=meta)
 
 
@@ -127,14 +133,28 @@ def read_values(cls: type, path: str) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: wants an object of options, got {type(raw).__name__}")
     hints, out = get_type_hints(cls), {}
+    seps = {f.name: f.metadata.get("sep", "") for f in fields(cls)}
     for key, v in raw.items():
         name = key.replace("-", "_")
         if name not in hints:
             near = difflib.get_close_matches(name, list(hints), 1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ValueError(f"{path}: {key!r} is not an option{hint}")
-        out[name] = _typed(v, hints[name], f"{path}: {key}")
+        sep = seps.get(name, "")
+        out[name] = _typed(_joined(v, sep, f"{path}: {key}"), hints[name], f"{path}: {key}")
     return out
+
+
+def _joined(v: Any, sep: str, where: str) -> Any:
+    """A file's list ``v`` of numbers as its field's string, joined by ``sep`` (a field of
+    numbers: :func:`opt`); any other value as it is; a ValueError naming ``where`` for
+    another list."""
+    if not isinstance(v, list):
+        return v
+    if sep and v and all(type(x) in (int, float) for x in v):
+        return sep.join(map(str, v))
+    wants = f"a list of numbers or a {sep!r}-separated string" if sep else "no list"
+    raise ValueError(f"{where}: wants {wants}, got {v!r}")
 
 
 def _typed(v: Any, kind: Any, where: str) -> Any:

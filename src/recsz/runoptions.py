@@ -94,11 +94,13 @@ class ModelOptions:
         None,
         "the bottom MLP's widths after the 13 dense inputs, dash-separated, the last the "
         "embedding dim (default: preset's; bench: 512-256-64)",
+        sep="-",
     )
     top_mlp: str | None = opt(
         None,
         "the top MLP's widths after the interaction, dash-separated, the last 1 (the logit) "
         "(default: preset's; bench: 512-512-256-1)",
+        sep="-",
     )
     max_rows: int | None = opt(
         None,
