@@ -43,7 +43,7 @@ def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capsys) -> No
 def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Path) -> None:
     """Steady steps only: an evaluation due inside the window ends the profile there (its
     lookups are not a step's); a run shorter than the first steps and N profiles its last N;
-    a bound policy's first probes are left before it."""
+    a bound policy's first probes and --compress auto's first trial are left before it."""
     out = tmp_path / "eval"
     assert main([*BASE, "--steps", "8", "--eval-every", "4", "--profile", "3",
                  "--out", str(out)]) == 0  # fmt: skip
@@ -61,6 +61,15 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
     assert main([*BASE, *dual, "--steps", "9", "--profile", "2", "--out", str(out)]) == 0
     (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
     assert (prof["first_step"], prof["steps"]) == (5, 2)
+    # nor --compress auto's first trial after it (2 warmup and 2 timed steps each way),
+    # whose steps alternate the codecs' way and the plain one
+    out = tmp_path / "auto"
+    auto = [*dual, "--compress", "auto", "--compress-trial", "2"]
+    assert main([*BASE, *auto, "--steps", "16", "--profile", "2", "--out", str(out)]) == 0
+    (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+    assert (prof["first_step"], prof["steps"]) == (5 + 8, 2)
+    trial = json.loads((out / "summary.json").read_text())["compress"]["trials"][0]
+    assert trial["step"] + 8 <= prof["first_step"], trial
 
 
 def test_the_table_says_the_mean_and_the_slowest_rank() -> None:

@@ -81,6 +81,12 @@ class ExchangeOptions:
             self.compress, self.compress_trial, self.compress_every, lead=self.probe_steps(), **kw
         )
 
+    def steady_from(self) -> int:
+        """The first step past those whose work differs from the rest's: the bound
+        policies' first probe window (:meth:`probe_steps`) and, under ``--compress auto``,
+        the switch's first trial after it, which alternates the ways step by step."""
+        return self.probe_steps() + (self.switch().length if self.compress == "auto" else 0)
+
     def probe_steps(self) -> int:
         """The steps of the table / dual policies' first probe window, where a bounded
         codec has one (they code some traffic at several bounds), else 0."""

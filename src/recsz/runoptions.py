@@ -250,7 +250,8 @@ class JobOptions:
     progress: bool = opt(True, "show a progress bar")
     profile: int = opt(
         0,
-        "steps to profile (torch profiler) after the first 3 and a bound policy's probes: "
+        "steps to profile (torch profiler) after the first 3, a bound policy's probes and "
+        "--compress auto's first trial: "
         "ms a step per stage said, "
         "each rank's trace in RUN/profile/ (Perfetto), the numbers in RUN/profile.json",
         ge=0,
