@@ -1,13 +1,14 @@
 """Where a run's steps spend their time: ``recsz train --profile N`` runs the torch
 profiler over N steps after the first ones (kernel compiles, CUDA graph captures and caches
-behind, the dual / table policies' first probe window, which codes some traffic at
-several bounds, and ``--compress auto``'s first trial, which alternates the ways), writes each rank's trace into the run directory (``profile/rank-R.json.gz``: open
-it in Perfetto or chrome://tracing) and says, per stage of the step (the
-``record_function`` ranges the step's code marks), the milliseconds each rank spent on the
-host and, on a GPU, in kernels; with the step's wall time and, on a GPU, how busy the GPU
-was (kernel time over wall time) and the kernels a step launches. ``profile.json`` in the
-run directory holds every rank's numbers. The profiler's own work is in the times (its
-hooks on every operator): compare stages, not the wall time of an unprofiled run.
+behind, the dual / table policies' first probe window, which codes some traffic at several
+bounds, and ``--compress auto``'s first trial, which alternates the ways), writes each
+rank's trace into the run directory (``profile/rank-R.json.gz``: open it in Perfetto or
+chrome://tracing) and says, per stage of the step (the ``record_function`` ranges the
+step's code marks), the milliseconds each rank spent on the host and, on a GPU, in kernels;
+with the step's wall time and, on a GPU, how busy the GPU was (kernel time over wall time)
+and the kernels a step launches. ``profile.json`` in the run directory holds every rank's
+numbers. The profiler's own work is in the times (its hooks on every operator): compare
+stages, not the wall time of an unprofiled run.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class StepProfiler:
     ended it early (before an evaluation or a checkpoint, whose work is not a step's).
 
     ``first``: step ``after`` (past the first steps' compiles, captures and caches, a
-    bound policy's first probes and ``--compress auto``'s first trial), or where the run resumed if later; earlier where the run
-    would end before ``count`` more steps."""
+    bound policy's first probes and ``--compress auto``'s first trial), or where the run
+    resumed if later; earlier where the run would end before ``count`` more steps."""
 
     def __init__(self, count: int, start: int, steps: int, after: int, device: torch.device,
                  trace: Path | None) -> None:  # fmt: skip
