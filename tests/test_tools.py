@@ -146,8 +146,8 @@ def test_recsz_warnings_are_said_as_its_lines(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A command's warnings of recsz's own (an absolute bound wider than the data) are one
-    line, `recsz: warning: ...`, not Python's with the file, line and source line; others'
-    (torch's) as Python says them."""
+    line, `recsz: warning: ...` (a rank of several: `recsz: warning: rank R: ...`), not
+    Python's with the file, line and source line; others' (torch's) as Python says them."""
     import warnings
 
     from recsz.report import plain_warnings
@@ -161,6 +161,13 @@ def test_recsz_warnings_are_said_as_its_lines(
                          line="    call()")  # fmt: skip
     assert capsys.readouterr().err == "recsz: warning: bound 1e+30 is wide\n"
     assert [a[2:4] for a in python] == [("/x/torch/nn.py", 7)]
+    # a rank of several names itself (each says its own tables' warnings)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    plain_warnings()
+    warnings.showwarning(UserWarning("bound 1e+30 is wide"), UserWarning,
+                         os.path.join("x", "recsz", "policy", "base.py"), 199)  # fmt: skip
+    assert capsys.readouterr().err == "recsz: warning: rank 1: bound 1e+30 is wide\n"
 
 
 def test_version_names_the_package_and_what_it_runs_on(capsys: pytest.CaptureFixture[str]) -> None:

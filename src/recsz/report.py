@@ -263,14 +263,17 @@ class Log:
 
 
 def plain_warnings() -> None:
-    """recsz's own warnings said as a command's other lines are, ``recsz: warning: ...``,
-    not with Python's file, line and source line; the others' as Python says them."""
+    """recsz's own warnings said as a command's other lines are, ``recsz: warning: ...``
+    (``recsz: warning: rank R: ...`` on a rank of several, each of which says its own: an
+    absolute bound wider than its tables' data), not with Python's file, line and source
+    line; the others' as Python says them."""
     shown = warnings.showwarning
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
         if f"{os.sep}recsz{os.sep}" in filename:
-            tqdm.write(f"recsz: warning: {message}", file=file or sys.stderr)
+            tqdm.write(f"recsz: warning: {rank}{message}", file=file or sys.stderr)
         else:
             shown(message, category, filename, lineno, file, line)
 
