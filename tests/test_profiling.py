@@ -48,7 +48,10 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
     assert main([*BASE, "--steps", "8", "--eval-every", "4", "--profile", "3",
                  "--out", str(out)]) == 0  # fmt: skip
     (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
-    assert (prof["first_step"], prof["steps"]) == (3, 1)
+    assert (prof["first_step"], prof["steps"], prof["asked"]) == (3, 1, 3)
+    assert "profile of steps 3..4 (1 of the 3 asked: the run ended, or an evaluation" in (
+        profiling.table([prof], out)
+    )
     out = tmp_path / "short"
     assert main([*BASE, "--steps", "4", "--profile", "3", "--out", str(out)]) == 0
     (prof,) = json.loads((out / "profile.json").read_text())["ranks"]

@@ -87,7 +87,7 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.stop()
         if self._steps:
-            self.result = summarize(prof, self._steps, wall, self.first)
+            self.result = {**summarize(prof, self._steps, wall, self.first), "asked": self.count}
             if self.trace is not None:
                 self.trace.parent.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(self.trace))
@@ -149,8 +149,11 @@ def table(results: list[dict[str, Any] | None], out: Path | None) -> str:
         return "recsz: --profile: the run ended before its profiled steps"
     first = got[0][1]
     cuda = "gpu_ms" in first
+    took, asked = first["steps"], first.get("asked", first["steps"])
+    short = (f" ({took} of the {asked} asked: the run ended, or an evaluation or checkpoint "
+             "came, before the rest)" if took < asked else "")  # fmt: skip
     lines = [
-        f"recsz: profile of steps {first['first_step']}..{first['first_step'] + first['steps']}"
+        f"recsz: profile of steps {first['first_step']}..{first['first_step'] + took}{short}"
         f" on {len(got)} rank(s) (torch profiler: its own hooks in the times), ms a step",
         "| stage | host, mean | host, most (rank) |" + (" GPU, mean |" if cuda else ""),
         "|---|---|---|" + ("---|" if cuda else ""),
