@@ -16,7 +16,7 @@ from recsz.train import main
 BASE = ["--batch-size", "64", "--synthetic-eval", "256", "--no-progress"]
 
 
-def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capsys) -> None:
+def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capfd) -> None:
     out = tmp_path / "run"
     assert main([*BASE, "--steps", "8", "--profile", "3", "--checkpoint-every", "8", "--out",
                  str(out)]) == 0  # fmt: skip
@@ -32,8 +32,10 @@ def test_a_profiled_run_says_and_writes_each_stage(tmp_path: Path, capsys) -> No
     with gzip.open(out / "profile" / "rank-0.json.gz", "rt") as f:
         names = {e.get("name") for e in json.load(f)["traceEvents"]}
     assert {"recsz.lookup", "recsz.data", "recsz.dense_opt"} <= names
-    said = capsys.readouterr().out + capsys.readouterr().err
+    said = "".join(capfd.readouterr())  # (the process's own stdout and stderr too)
     assert "recsz: profile of steps 3..6 on 1 rank(s)" in said
+    assert "profiler_start" not in said and "profiler_stop" not in said  # (kineto's stages)
+    assert "recorded no GPU work" not in said
     assert "| embedding lookup | " in said and f"numbers: {out / 'profile.json'}" in said
     # a resumed run does not take --profile from the run it resumes (a measurement, once)
     assert main(["--resume", str(out), "--steps", "9", "--no-progress"]) == 0
@@ -51,6 +53,10 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
     assert (prof["first_step"], prof["steps"], prof["asked"]) == (3, 1, 3)
     assert "profile of steps 3..4 (1 of the 3 asked: the run ended, or an evaluation" in (
         profiling.table([prof], out)
+    )
+    # a GPU's run whose profile holds no GPU work (no CUPTI) says so, and how to see why
+    assert "recorded no GPU work (CUPTI unavailable to this process?): KINETO_LOG_LEVEL=0" in (
+        profiling.table([{**prof, "device": "cuda"}], out)
     )
     out = tmp_path / "short"
     assert main([*BASE, "--steps", "4", "--profile", "3", "--out", str(out)]) == 0

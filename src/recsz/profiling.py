@@ -14,6 +14,7 @@ stages, not the wall time of an unprofiled run.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,10 @@ STAGES = {
 REST = "rest: MLPs, interaction, loss, autograd"
 #: The operators said by their own host time (the rest's, mostly).
 TOP = 6
+#: Kineto's (the profiler's backend) log level, read as a profile starts, and the level
+#: that quiets it: torch 2.13 printed two lines of its own stages ("USDT: ...
+#: profiler_start") each profile on each rank. A user's own setting stays (0: all of it).
+KINETO_LOG_LEVEL, KINETO_QUIET = "KINETO_LOG_LEVEL", "6"
 
 
 class StepProfiler:
@@ -65,6 +70,7 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         if self.count and step == self.first and self._prof is None and self.result is None:
+            os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_QUIET)
             cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
             # (one cycle: acc_events only quiets torch's warning that cycles are not kept)
             self._prof = profile(activities=[ProfilerActivity.CPU, *cuda], acc_events=True)
@@ -87,7 +93,8 @@ class StepProfiler:
         prof, self._prof = self._prof, None
         prof.stop()
         if self._steps:
-            self.result = {**summarize(prof, self._steps, wall, self.first), "asked": self.count}
+            self.result = summarize(prof, self._steps, wall, self.first)
+            self.result.update(asked=self.count, device=self.device.type)
             if self.trace is not None:
                 self.trace.parent.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(self.trace))
@@ -173,6 +180,9 @@ def table(results: list[dict[str, Any] | None], out: Path | None) -> str:
     r0 = got[0][0]
     lines.append(f"rank {r0}'s top operators (self host ms a step): "
                  + ", ".join(f"{name} {ms:.2f}" for name, ms, _ in first["top_ops"]))  # fmt: skip
+    if not cuda and any(res.get("device") == "cuda" for _, res in got):
+        lines.append("recsz: the profiler recorded no GPU work (CUPTI unavailable to this "
+                     f"process?): {KINETO_LOG_LEVEL}=0 shows the profiler's messages")  # fmt: skip
     if cuda:
         busy = [res["gpu_busy"] for _, res in got]
         lines.append(f"GPU busy (kernel time / wall): {min(busy):.2f}..{max(busy):.2f}; "
