@@ -373,60 +373,84 @@ def test_a_second_job_on_a_run_being_written_is_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in run.iterdir()) == [".writer"]  # nothing written
 
 
-def test_a_two_node_job_is_preempted_and_goes_on_under_recsz_launcher(tmp_path: Path) -> None:
-    """The README's Slurm script on one machine: two nodes of one rank each, each node's
-    `python -m recsz.launcher` meeting the other at a c10d rendezvous, both writing one run
-    directory (a shared filesystem). SIGTERM to both agents (Slurm's ``--signal=TERM`` reaches
-    every task): one checkpoint, both exit 143; the same command lines again (a requeued
-    job: the same rendezvous id) go on from it to the end, as a straight 2-rank run (which
-    --profile measures: profiling changes nothing that trains)."""
+#: A stand-in for Slurm's srun on one machine: its command once a node (SLURM_NNODES, each
+#: task's SLURM_PROCID and SLURM_NODEID set), a signal it gets passed on to every task (as
+#: Slurm's --signal reaches every task), its status the tasks' largest.
+SRUN = """import os, signal, subprocess, sys
+tasks = [subprocess.Popen(sys.argv[1:], env={**os.environ, "SLURM_PROCID": str(i),
+         "SLURM_NODEID": str(i)}) for i in range(int(os.environ["SLURM_NNODES"]))]
+for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda s, _f: [t.send_signal(s) for t in tasks])
+sys.exit(max(t.wait() for t in tasks))
+"""
+#: ... and for `scontrol show hostnames NODELIST`: this machine, once a node.
+SCONTROL = """import os
+print("\\n".join(["127.0.0.1"] * int(os.environ["SLURM_NNODES"])))
+"""
+
+
+def test_a_two_node_job_is_preempted_and_goes_on_under_slurm(tmp_path: Path) -> None:
+    """examples/slurm.sbatch (the README's Slurm job) on one machine, srun and scontrol
+    stood in for: two nodes of one rank each, each node's `python -m recsz.launcher`
+    meeting the other at a c10d rendezvous, both writing one run directory (a shared
+    filesystem). SIGTERM to every task (Slurm's ``--signal=TERM``): one checkpoint, the job
+    exits 143; the same script again (a requeued job: the same rendezvous id) goes on from
+    it to the end, as a straight 2-rank run (which --profile measures: profiling changes
+    nothing that trains)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run, env = tmp_path / "run", {**os.environ, "OMP_NUM_THREADS": "1", SEPARATE_STORES: "1",
-                                  "PYTHONUNBUFFERED": "1"}  # fmt: skip
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (bin_ / name).write_text(f"#!{sys.executable}\n{text}")
+    (bin_ / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    run = tmp_path / "run"
     job = ["--batch-size", "64", "--no-progress", "--synthetic-eval", "256", "--log-every",
            "100000", "--dist-timeout", "30"]  # fmt: skip
+    script = Path(__file__).resolve().parents[2] / "examples" / "slurm.sbatch"
 
-    def nodes(steps: int) -> list[subprocess.Popen]:
-        cmd = [sys.executable, "-m", "recsz.launcher", "--nnodes", "2", "--nproc-per-node",
-               "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "job", "--max-restarts", "3", "-m", "recsz.train", *job,
-               "--steps", str(steps), "--out", str(run)]  # fmt: skip
-        return [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, env=env) for _ in range(2)]  # fmt: skip
+    def slurm_job(steps: int) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "SLURM_NNODES": "2",
+               "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]", "RUN": str(run),
+               "GPUS_PER_NODE": "1", "PORT": str(port),
+               "TRAIN": " ".join([*job, "--steps", str(steps)])}  # fmt: skip
+        return subprocess.Popen(["bash", str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
 
-    first, said = nodes(100000), [[], []]
+    first, said = slurm_job(100000), []
     started = threading.Event()
 
-    def read(i: int) -> None:
-        for line in first[i].stdout:  # type: ignore[union-attr]
-            said[i].append(line)
+    def read() -> None:
+        for line in first.stdout:  # type: ignore[union-attr]
+            said.append(line)
             if line.startswith("table owners"):  # (rank 0's node, after a collective)
                 started.set()
 
-    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(2)]
-    for r in readers:
-        r.start()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     started.wait(timeout=120)
-    for p in first:
-        p.send_signal(signal.SIGTERM)
-    for p, r in zip(first, readers, strict=True):
-        p.wait(timeout=60)
-        r.join(timeout=10)
-        p.stdout.close()  # type: ignore[union-attr]
-    log = "".join(said[0] + said[1])
-    assert started.is_set() and [p.returncode for p in first] == [143, 143], log[-3000:]
+    srun = next(p for p in [first.pid, *_children(first.pid)] if "/srun" in _cmdline(p))
+    os.kill(srun, signal.SIGTERM)  # (passed on to every task, as Slurm signals them all)
+    first.wait(timeout=60)
+    reader.join(timeout=10)
+    first.stdout.close()  # type: ignore[union-attr]
+    log = "".join(said)
+    assert started.is_set() and first.returncode == 143, log[-3000:]
     saved = checkpoint.complete(run)
     assert len(saved) == 1 and log.count("stopped at step") == 1, log[-3000:]
     step = json.loads((saved[0] / "meta.json").read_text())["step"]
 
-    again = nodes(step + 3)
-    outs = [p.communicate(timeout=180)[0] for p in again]
-    assert [p.returncode for p in again] == [0, 0], "".join(outs)[-3000:]
-    assert sum(f"checkpoint at step {step}: going on" in o for o in outs) == 1, outs
+    again = slurm_job(step + 3)
+    out = again.communicate(timeout=180)[0]
+    assert again.returncode == 0, out[-3000:]
+    assert out.count(f"checkpoint at step {step}: going on") == 1, out[-3000:]
     cmd = [sys.executable, "-m", "recsz.cli", "train", "--nproc", "2", *job, "--steps",
            str(step + 3), "--out", str(tmp_path / "straight"), "--profile", "2"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -441,3 +465,13 @@ def test_a_two_node_job_is_preempted_and_goes_on_under_recsz_launcher(tmp_path: 
     assert resumed["steps"] == straight["steps"] == step + 3
     for key in ("world_size", "auc", "logloss", "bytes_payload", "bytes_sent"):
         assert resumed[key] == pytest.approx(straight[key], rel=1e-6), key
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(k) for k in kids.read_text().split()] if kids.exists() else []
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
