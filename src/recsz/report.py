@@ -268,7 +268,8 @@ def plain_warnings() -> None:
     absolute bound wider than its tables' data), not with Python's file, line and source
     line; the others' as Python says them."""
     shown = warnings.showwarning
-    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    rank = f"rank {os.environ.get('RANK', '?')}: " if several else ""
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:  # fmt: skip
