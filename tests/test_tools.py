@@ -236,6 +236,32 @@ def test_plot_writes_pngs(tmp_path: Path) -> None:
         assert (run / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_compares_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Several runs: one PNG of their curves (by step and by training time) and a table of
+    their final numbers and the options in which they differ; a run without a summary (under
+    way, or cut short) from its log, said unfinished; runs of one name by their paths."""
+    base = ["train", "--steps", "6", "--batch-size", "64", "--log-every", "2", "--eval-every",
+            "4", "--synthetic-eval", "512", "--no-progress"]  # fmt: skip
+    runs = [tmp_path / "a" / "run", tmp_path / "b" / "run"]
+    assert cli_main([*base, "--out", str(runs[0])]) == 0
+    assert cli_main([*base, "--fwd-codec", "hybrid", "--lr", "0.05", "--out", str(runs[1])]) == 0
+    (runs[1] / "summary.json").unlink()
+    capsys.readouterr()
+    assert cli_main(["plot", *map(str, runs), "--out", str(tmp_path / "cmp")]) == 0
+    said = capsys.readouterr().out
+    assert (tmp_path / "cmp" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "cmp" / "compare.md").read_text()
+    assert table in said
+    first, second = table.splitlines()[2:]
+    assert first.startswith(f"| {runs[0]} | 6 | 0.") and second.startswith(f"| {runs[1]} | 6 (unf")
+    assert first.endswith("| fwd_codec=none, lr=default |")
+    assert second.endswith("| fwd_codec=hybrid, lr=0.05 |")
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert f"| {summary['auc']:.4f} | {summary['logloss']:.4f} |" in first
+    assert cli_main(["plot", str(runs[0]), str(tmp_path), "--out", str(tmp_path / "cmp")]) == 2
+    assert f"{tmp_path}: no metrics.jsonl (is this a run directory?)" in capsys.readouterr().err
+
+
 def test_preprocess_cli(tmp_path: Path, criteo_ragged: Path) -> None:
     out = tmp_path / "bin"
     assert cli_main(["preprocess", str(criteo_ragged), str(out)]) == 0

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
             "  export      write a run's model as TorchRec's DLRM (recsz.torchrec.load_dlrm)\n"
             "  preprocess  convert raw Criteo TSVs to memory-mappable arrays\n"
             "  plan        where a run's tables would lie on N ranks, and what each holds\n"
-            "  plot        plot a run directory's metrics to PNG files"
+            "  plot        plot a run directory's metrics to PNG files, or compare runs"
         )
         return 0 if argv else 2
     if argv[0] == "--version":

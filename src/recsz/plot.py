@@ -1,8 +1,12 @@
-"""`recsz plot RUN_DIR`: PNGs of a run's metrics (loss/AUC, per-table ratio and bound)."""
+"""`recsz plot RUN_DIR`: PNGs of a run's metrics (loss/AUC, per-table ratio and bound).
+`recsz plot RUN_DIR RUN_DIR ...`: runs side by side: their loss and held-out AUC by step and
+by training time (what compression buys is AUC sooner) in one PNG, and a table of each
+run's final numbers and the options in which the runs differ."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +74,104 @@ def plot_run(run: Path) -> list[Path]:
     return written
 
 
+#: What a comparison leaves out of the options that differ: where runs wrote and read
+#: checkpoints, how they showed progress, what they measured.
+_NOT_COMPARED = {"out", "resume", "resume_fallback", "progress", "profile", "inject_failure",
+                 "config_version", "max_restarts", "keep_checkpoints"}  # fmt: skip
+
+
+def _label(run: Path, runs: list[Path]) -> str:
+    """A run's name in a comparison: its directory's, or its path where names repeat."""
+    names = [r.name for r in runs]
+    return run.name if names.count(run.name) == 1 else str(run)
+
+
+def _final(run: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's final numbers: its summary.json's, or (a run under way or cut short) its
+    last metrics row's and its last evaluation's."""
+    path = run / "summary.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    last = rows[-1] if rows else {}
+    ev: dict[str, Any] = next((r for r in reversed(rows) if "eval_auc" in r), {})
+    return {**last, "auc": ev.get("eval_auc"), "logloss": ev.get("eval_logloss"),
+            "steps": last.get("step"), "unfinished": True}  # fmt: skip
+
+
+def _config(run: Path) -> dict[str, Any]:
+    path = run / "config.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _shown(v: Any) -> str:
+    """An option's value in a comparison; None (the preset's or recsz's default) as such."""
+    return "default" if v is None else str(v)
+
+
+def compare_runs(runs: list[Path], out: Path) -> tuple[Path, str]:
+    """Write ``out/compare.png`` (each run's training loss and held-out AUC by step, and
+    its AUC by training seconds) and return it with a Markdown table of the runs' final
+    numbers and the options that differ among them."""
+    got = [(run, _rows(run)) for run in runs]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for run, rows in got:
+        label = _label(run, runs)
+        tr = [r for r in rows if "loss" in r]
+        ax[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=label)
+        ev = [r for r in rows if "eval_auc" in r]
+        ax[1].plot([r["step"] for r in ev], [r["eval_auc"] for r in ev], marker="o", label=label)
+        # (the final evaluation's row has no time of its own: its step's training row's)
+        at = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
+        ax[2].plot([at.get(r["step"], float("nan")) for r in ev], [r["eval_auc"] for r in ev],
+                   marker="o", label=label)  # fmt: skip
+    ax[0].set(xlabel="step", ylabel="training loss (BCE)", title="loss")
+    ax[1].set(xlabel="step", ylabel="held-out AUC", title="AUC by step")
+    ax[2].set(xlabel="training seconds", ylabel="held-out AUC", title="AUC by time")
+    ax[2].legend(fontsize=7)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / "compare.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    configs = [_config(run) for run, _ in got]
+    keys = sorted({k for c in configs for k in c} - _NOT_COMPARED)
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
+    lines = ["| run | steps | AUC | logloss | samples/s | fwd ratio | bwd ratio | MB sent | "
+             "all-to-all s | codec s | options that differ |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for (run, rows), config in zip(got, configs, strict=True):
+        f = _final(run, rows)
+        own = ", ".join(f"{k}={_shown(config.get(k))}" for k in differ) or "-"
+
+        def num(key: str, form: str, f: dict[str, Any] = f) -> str:
+            v = f.get(key)
+            return "-" if v is None else format(v, form)
+
+        a2a = (f.get("a2a_fwd_s") or 0.0) + (f.get("a2a_bwd_s") or 0.0)
+        steps = f"{f.get('steps')}{' (unfinished)' if f.get('unfinished') else ''}"
+        lines.append(f"| {_label(run, runs)} | {steps} | {num('auc', '.4f')} | "
+                     f"{num('logloss', '.4f')} | {num('samples_per_s', ',.0f')} | "
+                     f"{num('fwd_ratio', '.2f')}x | {num('bwd_ratio', '.2f')}x | "
+                     f"{(f.get('bytes_sent') or 0) / 1e6:.2f} | {a2a:.2f} | "
+                     f"{num('codec_s', '.2f')} | {own} |")  # fmt: skip
+    return png, "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="recsz plot", description=__doc__)
-    ap.add_argument("run_dir")
+    ap.add_argument("run_dir", nargs="+", help="a run directory; several: compared")
+    ap.add_argument("--out", default=".", help="several runs: where compare.png and "
+                    "compare.md go (default: here)")  # fmt: skip
     a = ap.parse_args(argv)
-    for p in plot_run(Path(a.run_dir)):
-        print("wrote", p)
+    runs = [Path(r) for r in a.run_dir]
+    if len(runs) == 1:
+        for p in plot_run(runs[0]):
+            print("wrote", p)
+        return 0
+    png, table = compare_runs(runs, Path(a.out))
+    md = Path(a.out) / "compare.md"
+    md.write_text(table + "\n")
+    print(table)
+    print("wrote", png)
+    print("wrote", md)
     return 0
