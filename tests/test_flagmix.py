@@ -114,7 +114,8 @@ def test_any_mix_of_options_trains_or_is_refused_up_front(
             "--log-every", "1", "--out", str(out), *mix]  # fmt: skip
     try:
         rc = train(argv)
-    except ValueError:
+    except (ValueError, ImportError) as e:  # (ImportError: an optional library not here)
+        assert not isinstance(e, ImportError) or " needs " in str(e), e
         assert not (out / "metrics.jsonl").exists(), "refused after training began"
         return
     assert rc == 0
@@ -144,7 +145,7 @@ def test_any_mix_of_options_resumes_as_it_would_have_run(
              "1", "--checkpoint-every", "2", *mix]  # fmt: skip
     try:
         train(["--steps", "4", "--out", str(straight), *flags])
-    except ValueError:
+    except (ValueError, ImportError):
         return  # refused (the test above holds it to that)
     assert train(["--steps", "2", "--out", str(halves), *flags]) == 0
     assert train(["--resume", str(halves), "--steps", "4", "--no-progress"]) == 0
