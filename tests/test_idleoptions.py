@@ -26,7 +26,7 @@ CASES = [
     ([], ["--dct-refresh", "3"]), ([], ["--dcn-layers", "2"]), ([], ["--dcn-rank", "4"]),
     ([], ["--lr-decay-start", "1"]), ([], ["--lr-decay-power", "1.0"]),
     ([], ["--checkpoint-every", "1"]), ([], ["--resume-fallback"]), ([], ["--tt-rank", "4"]),
-    ([], ["--max-restarts", "2"]),
+    ([], ["--max-restarts", "2"]), ([], ["--profile-from", "1"]),
     ([], ["--tt-cores", "2"]), ([], ["--tt-init", "normal"]), ([], ["--tt-lr", "0.5"]),
     ([], ["--tt-cache-rows", "10"]), ([], ["--tt-placement", "replicated"]),
     ([], ["--fiited-chunk", "4"]), ([], ["--fiited-interval", "1"]),
@@ -57,7 +57,7 @@ ACTING = [
     ["--tt-tables", "2", "--tt-rank", "4", "--tt-cache-rows", "10", "--tt-cache-interval", "1"],
     ["--fiited-budget", "0.5", "--fiited-chunk", "4"],
     ["--resume", "RUN", "--resume-fallback", "--checkpoint-every", "1"],
-    ["--nproc", "2", "--max-restarts", "2"],
+    ["--nproc", "2", "--max-restarts", "2"], ["--profile", "2", "--profile-from", "1"],
 ]  # fmt: skip
 
 

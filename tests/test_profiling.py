@@ -79,6 +79,14 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
     assert (prof["first_step"], prof["steps"]) == (5 + 8, 2)
     trial = json.loads((out / "summary.json").read_text())["compress"]["trials"][0]
     assert trial["step"] + 8 <= prof["first_step"], trial
+    # --profile-from: the first step told (a probe's or a trial's included), the run's end
+    # still the last
+    for at, first in ((1, 1), (15, 14)):
+        out = tmp_path / f"from{at}"
+        assert main([*BASE, *auto, "--steps", "16", "--profile", "2", "--profile-from",
+                     str(at), "--out", str(out)]) == 0  # fmt: skip
+        (prof,) = json.loads((out / "profile.json").read_text())["ranks"]
+        assert (prof["first_step"], prof["steps"]) == (first, 2)
 
 
 def test_the_table_says_the_mean_and_the_slowest_rank() -> None:

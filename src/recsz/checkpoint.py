@@ -46,7 +46,7 @@ MAY_CHANGE = {
     "mlp_init",  # the checkpoint's weights replace the start
     "target_auc",  # when to stop, not what trains
     "inject_failure",  # where a test fails a rank, not what trains
-    "profile",  # what is measured, not what trains
+    "profile", "profile_from",  # what is measured, not what trains
     "column_shards",  # the tables resharded into the new layout (_restore_resharded)
 }  # fmt: skip
 

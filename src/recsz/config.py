@@ -179,7 +179,7 @@ def parse_train_args(argv: list[str] | None) -> TrainConfig:
 #: writes (its run directory, whatever the saved path said), a test's injected failure, a
 #: profile (a measurement, once)
 NOT_RESUMED = ("resume", "out", "resume_fallback", "inject_failure", "profile",
-               "config_version")  # fmt: skip
+               "profile_from", "config_version")  # fmt: skip
 
 
 def given_args(argv: list[str]) -> dict[str, Any]:

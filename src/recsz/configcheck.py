@@ -208,6 +208,7 @@ def idle(cfg: TrainConfig, world: int | None = None) -> list[str]:
         "synthetic_eval": (cfg.data == "synthetic", "--data synthetic (a file holds its own out)"),
         "checkpoint_every": (bool(cfg.out or cfg.resume), "--out (a run directory to write to)"),
         "resume_fallback": (cfg.resume is not None, "--resume"),
+        "profile_from": (cfg.profile > 0, "--profile N"),
         "max_restarts": (cfg.nproc > 1, "--nproc 2 or more (under torchrun: its own flag)"),
         "tt_cache_interval": (cfg.tt_tables > 0 and cfg.tt_cache_rows > 0,
                               "--tt-tables and --tt-cache-rows"),

@@ -256,6 +256,12 @@ class JobOptions:
         "each rank's trace in RUN/profile/ (Perfetto), the numbers in RUN/profile.json",
         ge=0,
     )
+    profile_from: int | None = opt(
+        None,
+        "--profile's first step (default: past the first 3, a bound policy's probes and "
+        "--compress auto's first trial; earlier where the run ends before N more steps)",
+        ge=0,
+    )
     inject_failure: str | None = opt(
         None, "RANK:STEP: raise there (tests of fail-fast; not in a restarted job)"
     )

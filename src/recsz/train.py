@@ -134,7 +134,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         batches = prefetch(made, ranks.device, cfg.prefetch)
         busy = stop.busy if stop is not None else _not_watched  # (its own long calls)
         trace = out / "profile" / f"rank-{ranks.rank}.json.gz" if out else None
-        after = max(start + WARM_STEPS, cfg.steady_from())  # (steady steps: the profile's)
+        after = (max(start + WARM_STEPS, cfg.steady_from()) if cfg.profile_from is None
+                 else cfg.profile_from)  # (steady steps: the profile's, unless told)  # fmt: skip
         profiler = profiling.StepProfiler(cfg.profile, start, steps, after, ranks.device, trace)
         saver = Saver(out, cfg, ranks, busy)
         if cfg.resume:  # the state the checkpoint resumed holds
