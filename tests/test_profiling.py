@@ -89,6 +89,31 @@ def test_the_profile_ends_before_an_evaluation_and_fits_a_short_run(tmp_path: Pa
         assert (prof["first_step"], prof["steps"]) == (first, 2)
 
 
+def test_a_step_marks_its_stages_only_for_a_profiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a profiler a step enters no ``record_function`` range (each costs host time:
+    8% of a small step); under one (torch's, or its ITT annotations) every stage is marked."""
+    from torch.profiler import profile
+
+    entered: list[str] = []
+    marked = profiling.record_function
+
+    def counted(name: str) -> object:
+        entered.append(name)
+        return marked(name)
+
+    monkeypatch.setattr(profiling, "record_function", counted)
+    assert main([*BASE, "--steps", "2", "--fwd-codec", "hybrid"]) == 0
+    assert entered == []
+    with profile(acc_events=True):
+        assert main([*BASE, "--steps", "2", "--fwd-codec", "hybrid"]) == 0
+    stages = {n for names in profiling.STAGES.values() for n in names}
+    assert set(entered) == stages, set(entered) ^ stages
+    entered.clear()
+    with torch.autograd.profiler.emit_itt(), profiling.stage("recsz.x"):
+        pass
+    assert entered == ["recsz.x"]
+
+
 def test_the_table_says_the_mean_and_the_slowest_rank() -> None:
     def rank(ms: float, gpu: bool) -> dict:
         stages = [*profiling.STAGES, profiling.REST]

@@ -13,6 +13,7 @@ stages, not the wall time of an unprofiled run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from tqdm import tqdm
 
 if TYPE_CHECKING:
@@ -43,6 +44,18 @@ TOP = 6
 #: that quiets it: torch 2.13 printed two lines of its own stages ("USDT: ...
 #: profiler_start") each profile on each rank. A user's own setting stays (0: all of it).
 KINETO_LOG_LEVEL, KINETO_QUIET = "KINETO_LOG_LEVEL", "6"
+
+
+#: Whether a profiler listens (torch's, or its NVTX / ITT ranges): torch's own test, private
+#: (on a torch without it: always).
+_listening = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
+
+def stage(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A step's stage ``name`` marked for a profiler (``record_function``) where one
+    listens, else nothing: a range entered costs host time with no profiler too (the
+    step's 10 ranges: 8% of a one-process step at batch 32, 2.25 against 2.06 ms here)."""
+    return record_function(name) if _listening() else contextlib.nullcontext()
 
 
 class StepProfiler:

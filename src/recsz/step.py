@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.profiler import record_function
 
 from recsz import hostmemory
 from recsz.codecs import get_codec
@@ -47,6 +46,7 @@ from recsz.model.schedule import ScheduledRates
 from recsz.model.sharding import optimizer_row_bytes, plan_tables
 from recsz.model.ttrec import TTTables
 from recsz.policy.factory import make_policy
+from recsz.profiling import stage
 from recsz.ranks import Ranks
 
 # DDP without a buffer broadcast each forward: `forward_sync_buffers` from torch 2.13 (where
@@ -298,7 +298,7 @@ def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Ten
     assert opt is not None, "parts built to score (build_parts(train=False)) do not train"
     opt.zero_grad(set_to_none=True)
     loss.backward()  # also updates the tables (their optimizer is fused into it)
-    with record_function("recsz.dense_opt"):
+    with stage("recsz.dense_opt"):
         opt.step()
     if parts.dense_module.local is not None:  # replicated tables, on averaged gradients
         parts.dense_module.local.step()

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 from tqdm import tqdm
 
 from recsz import checkpoint, profiling, report
@@ -30,6 +29,7 @@ from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
 from recsz.launcher import launch
 from recsz.model import modelfile
+from recsz.profiling import stage
 from recsz.ranks import Ranks, keep_freed_memory, restarted, worker
 from recsz.rundir import Held, continues, refuse_another_run, where_resumed
 from recsz.step import (
@@ -186,7 +186,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             began = time.monotonic()  # (the step's length: Stopping's patience)
             profiler.before(step)
             t0 = time.perf_counter()
-            with record_function("recsz.data"):
+            with stage("recsz.data"):
                 batch = next(batches)
             data_s += time.perf_counter() - t0
             t0 = time.perf_counter()

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch.profiler import record_function
 
 from recsz.codecs.checks import HeldChecks, read_all, riding
 from recsz.comm.direction import Direction
@@ -41,6 +40,7 @@ from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.comm.switch import CompressionSwitch
 from recsz.devicepath import Indices
 from recsz.policy import BoundPolicy
+from recsz.profiling import stage
 
 
 class Sent(NamedTuple):
@@ -207,7 +207,7 @@ class EmbeddingExchange:
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
         each. ``hold`` keeps the checks' verdicts for a later host read."""
         pending, d = sent.pending, sent.way
-        with record_function(f"recsz.a2a_{d.name}.wait"):
+        with stage(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
         if self.training:
             self.stats.a2a_s[d.name] += pending.waited_s
@@ -217,7 +217,7 @@ class EmbeddingExchange:
         payloads = pending.pieces if pending.pieces is not None else bufs
         coded = [s for s in range(self.world) if sent.own is None or s != self.rank]
         what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
-        with record_function(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
+        with stage(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
             try:
                 decoded = d.codec.decode_segments(
                     [payloads[s] for s in coded],
@@ -274,7 +274,7 @@ class EmbeddingExchange:
             sizes = self._slices.sizes(dedup[dest], ids, dest, self.rank)
             blocks.append(Block(dest, self.mine, rows, sizes))
         expect = [sum(self._slices.sizes(dedup[s], ids, self.rank, s)) for s in range(self.world)]
-        with record_function("recsz.a2a_fwd.encode"):
+        with stage("recsz.a2a_fwd.encode"):
             bound_src = (self.mine, data.transpose(0, 1))
             sent = self._send(fwd, step, blocks, bound_src, b * dim * 4, expect)
         return Pending(self, pooled, sent, step, ids, bwd)
@@ -341,7 +341,7 @@ class EmbeddingExchange:
                 rows = rows.new_zeros(u.first.numel(), dim).index_add_(0, u.inverse, rows)
             sizes = self._slices.sizes(self.coalesce, ids, self.rank, dest)
             blocks.append(Block(dest, tables, rows, sizes))
-        with record_function("recsz.a2a_bwd.encode"):
+        with stage("recsz.a2a_bwd.encode"):
             # Bounds from the per-sample gradients, not the coalesced sums: each sum carries
             # one error of at most eb, as each addend would uncoalesced. (A relative bound on
             # the sums' range, which popular ids stretch, zeroed rare ids' small gradients:

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from recsz.devicepath import device_path
 from recsz.model.config import ModelConfig
@@ -24,6 +23,7 @@ from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.tableinit import init_table
 from recsz.model.ttrec import TTSpec, TTTables
+from recsz.profiling import stage
 
 
 class SparseArch(nn.Module):
@@ -197,7 +197,7 @@ class SparseArch(nn.Module):
         n = len(self.dense_tables)
         if not n or not ids.numel():
             return self.weight.new_zeros(ids.shape[0], n, self.dim, dtype=torch.float32)
-        with record_function("recsz.lookup"):
+        with stage("recsz.lookup"):
             mine = ids.index_select(1, self.dense_cols)  # (B, T_dense); a list: a host copy
             if not checked:
                 self._check_range(mine, torch.arange(n, device=ids.device))
@@ -329,7 +329,7 @@ class _FusedLookup(torch.autograd.Function):
             g = (g if source is None else g.index_select(0, source)) * psw.unsqueeze(1)
             source = None
         arch = ctx.arch
-        with record_function("recsz.table_update"):
+        with stage("recsz.table_update"):
             arch.optimizer.step(arch.weight.data, arch.optimizer_state, rows, g, source=source)
         return None, None, None, None, None, None
 

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
@@ -48,6 +47,7 @@ from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
+from recsz.profiling import stage
 from recsz.torchrec.handover import Received, lookup_lengths, missing_ids, theirs, weights_learn
 from recsz.torchrec.rows import Merge, Pick, Rows
 
@@ -181,7 +181,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         the byte exchange, under ``ebs`` (a bound by key, :meth:`_bounds`; None: the codec
         takes none). ``picks[r]``: only those rows of block r; ``extra[r]``: bytes framed
         ahead of its payloads. ``train``: count the bytes."""
-        with record_function(f"recsz.a2a_{d.name}.encode"):  # (as the trainer marks it)
+        with stage(f"recsz.a2a_{d.name}.encode"):  # (as the trainer marks it)
             like = blocks[0][0]
             device = like.device
             parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
@@ -240,7 +240,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
         tensor indexed by key (None for a codec that takes none), divided by ``share``
         (the receiver sums that many). ``train``: a training step, which the policy sees."""
         ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
-        with record_function(f"recsz.a2a_{d.name}.encode"):  # (the encode's, as the trainer's)
+        with stage(f"recsz.a2a_{d.name}.encode"):  # (the encode's, as the trainer's)
             for width, (fs, cols) in _by_width(dims).items():
                 at = [keys[i] for i in fs]
                 got = d.bounds(step, at, _slabs(x, cols, width), observe=train)
@@ -263,9 +263,9 @@ class CompressedPooledEmbeddingDist(nn.Module):
         reads them with its lengths, before any byte made from them leaves). ``picks``:
         the rows each source sent (the others zero), or a function of the part each
         framed ahead of its payloads that gives them."""
-        with record_function(f"recsz.a2a_{d.name}.wait"):
+        with stage(f"recsz.a2a_{d.name}.wait"):
             bufs = pending.wait()
-        with record_function(f"recsz.a2a_{d.name}.decode"):
+        with stage(f"recsz.a2a_{d.name}.decode"):
             widths = [list(_by_width(ds)) for ds in dims]  # each source's groups, in order
             ahead = int(callable(picks))
             parts = unframe_all(
