@@ -15,6 +15,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
 
+from recsz.config import NOT_RESUMED
 from recsz.report import read_metrics
 
 
@@ -74,10 +75,10 @@ def plot_run(run: Path) -> list[Path]:
     return written
 
 
-#: What a comparison leaves out of the options that differ: where runs wrote and read
-#: checkpoints, how they showed progress, what they measured.
-_NOT_COMPARED = {"out", "resume", "resume_fallback", "progress", "profile", "inject_failure",
-                 "config_version", "max_restarts", "keep_checkpoints"}  # fmt: skip
+#: What a comparison leaves out of the options that differ: what a resumed run never takes
+#: from its run (where it reads and writes, what it measured), how a run showed progress and
+#: kept checkpoints.
+_NOT_COMPARED = {*NOT_RESUMED, "progress", "max_restarts", "keep_checkpoints"}
 
 
 def _label(run: Path, runs: list[Path]) -> str:
