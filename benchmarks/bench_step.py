@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -84,7 +83,7 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
         train_step(parts, batches[s], s, ranks)
     bare_ms = (time.perf_counter() - t) / steps * 1e3
     t = time.perf_counter()
-    os.environ.setdefault(profiling.KINETO_LOG_LEVEL, profiling.KINETO_QUIET)  # (its stages)
+    profiling.quiet_kineto()  # (as recsz train --profile)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for s in range(3, steps + 3):
             train_step(parts, batches[s], s, ranks)

@@ -46,6 +46,12 @@ TOP = 6
 KINETO_LOG_LEVEL, KINETO_QUIET = "KINETO_LOG_LEVEL", "6"
 
 
+def quiet_kineto() -> None:
+    """Before a profile starts: kineto's own stage lines quieted, unless the user set a
+    level (:data:`KINETO_LOG_LEVEL`)."""
+    os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_QUIET)
+
+
 #: Whether a profiler listens (torch's, or its NVTX / ITT ranges): torch's own test, private
 #: (on a torch without it: always).
 _listening = getattr(torch.autograd, "_profiler_enabled", lambda: True)
@@ -54,7 +60,7 @@ _listening = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 def stage(name: str) -> contextlib.AbstractContextManager[Any]:
     """A step's stage ``name`` marked for a profiler (``record_function``) where one
     listens, else nothing: a range entered costs host time with no profiler too (the
-    step's 10 ranges: 8% of a one-process step at batch 32, 2.25 against 2.06 ms here)."""
+    step's 10 ranges: 8% of a one-process step at batch 32, 2.28 against 2.10 ms here)."""
     return record_function(name) if _listening() else contextlib.nullcontext()
 
 
@@ -83,7 +89,7 @@ class StepProfiler:
 
     def before(self, step: int) -> None:
         if self.count and step == self.first and self._prof is None and self.result is None:
-            os.environ.setdefault(KINETO_LOG_LEVEL, KINETO_QUIET)
+            quiet_kineto()
             cuda = [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
             # (one cycle: acc_events only quiets torch's warning that cycles are not kept)
             self._prof = profile(activities=[ProfilerActivity.CPU, *cuda], acc_events=True)
