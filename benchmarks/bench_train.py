@@ -188,6 +188,8 @@ DMP_OPTS = (
     "--multi-hot-draws",
     "--emb-lr",
     "--interaction",
+    "--eval-every",
+    "--target-auc",
 )
 
 
@@ -306,7 +308,22 @@ def run_one(
             raise RuntimeError(
                 f"run failed ({' '.join(flags)}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
             )
-        return json.loads((Path(tmp) / "summary.json").read_text()), wall
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+        if "curve" not in summary:  # ours: the held-out AUC of each evaluation (--eval-every)
+            summary["curve"] = curve_of(Path(tmp) / "metrics.jsonl")
+        return summary, wall
+
+
+def curve_of(metrics: Path) -> list[dict]:
+    """Each evaluation of a run of ours (its metrics.jsonl): step, the training seconds up
+    to it (as logged at that step: --log-every a divisor of --eval-every) and AUC."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    trained = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
+    return [
+        {"step": r["step"], "train_s": trained.get(r["step"], float("nan")), "auc": r["eval_auc"]}
+        for r in rows
+        if "eval_auc" in r
+    ]
 
 
 def plot(rows: list[Row], path: Path, batch: int = 2048) -> None:

@@ -18,9 +18,11 @@ TorchRec's quantized comms (fbgemm ``QuantizedCommCodec``) on the embedding all-
 both directions (``--precision hybrid``: recsz's sharder instead, ``recsz.torchrec``: the
 hybrid codec under dual bounds both ways, bytes counted rather than computed), DDP on the
 MLPs, SGD on the dense part and fbgemm's fused row-wise Adagrad
-on the tables (TorchRec's CPU embedding kernel; our runs use element-wise Adagrad). Writes
-``summary.json`` with the keys ``bench_train.py`` reads. Needs the ``anchors`` extra plus
-TorchRec itself (``make anchors``).
+on the tables (TorchRec's CPU embedding kernel; the bench preset's tables take row-wise
+Adagrad in our runs too). Writes ``summary.json`` with the keys ``bench_train.py``
+reads; ``--eval-every N`` adds the held-out AUC each N steps (``curve``) and
+``--target-auc A`` stops at the first that reaches A (``bench_tta.py``). Needs the
+``anchors`` extra plus TorchRec itself (``make anchors``).
 """
 
 from __future__ import annotations
@@ -199,6 +201,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--synthetic-eval", type=int, default=8192)
     ap.add_argument("--eval-batch-size", type=int, default=4096)
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="held-out AUC each N steps too (summary's curve)"
+    )
+    ap.add_argument(
+        "--target-auc", type=float, help="stop at the first evaluation reaching it (recsz's)"
+    )
     ap.add_argument("--multi-hot", default="", help="recsz train's --multi-hot: the same bags")
     ap.add_argument(
         "--multi-hot-draws", default="hash", help="recsz train's: the same bags' other ids"
@@ -271,8 +279,37 @@ def main() -> None:
         draws = mlperf_draws(mcfg.table_sizes, hotness, range(n_tables))
     bags = Bags(range(n_tables), hotness, mcfg.table_sizes, [0] * n_tables, draws)  # ours
 
+    def evaluate() -> float:
+        """The held-out AUC, the same on every rank: each rank scores its part of each
+        batch, and every rank gathers them all."""
+        preds, labels = [], []
+        with torch.no_grad():
+            eb = a.eval_batch_size // world * world
+            for batch in src.eval_batches(eb):
+                n = len(batch) // world * world
+                if n == 0:
+                    continue
+                k = n // world
+                mine = batch.slice(rank * k, (rank + 1) * k)
+                with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
+                    logits = dmp(mine.dense, bag_kjt(bags, hotness, mine.ids)).view(-1)
+                    p = torch.sigmoid(logits.float())
+                gathered = [torch.empty_like(p) for _ in range(world)]
+                dist.all_gather(gathered, p)
+                preds.append(torch.cat(gathered).double().numpy())
+                labels.append(batch.labels[:n].double().numpy())
+        return float(roc_auc_score(np.concatenate(labels), np.concatenate(preds)))
+
+    def mean_over_ranks(x: float) -> float:
+        t = torch.tensor([x])
+        dist.all_reduce(t)
+        return float(t) / world
+
     loss_fn = torch.nn.BCEWithLogitsLoss()
     train_s = 0.0
+    curve: list[dict[str, float]] = []  # --eval-every: step, training seconds, AUC
+    reached = None
+    steps = a.steps
     for step in range(a.steps):
         # its own samples only: TorchRec's input dist sends the table owners their ids
         batch = src.train_batch(step, a.batch_size, Part(rank, world, ()))
@@ -285,28 +322,18 @@ def main() -> None:
         loss.backward()
         opt.step()
         train_s += time.perf_counter() - t0
+        done = step + 1
+        if a.eval_every and (done % a.eval_every == 0 or done == a.steps):
+            auc = evaluate()
+            curve.append({"step": done, "train_s": mean_over_ranks(train_s), "auc": auc})
+            if a.target_auc is not None and auc >= a.target_auc:
+                reached, steps = done, done
+                break
 
-    preds, labels = [], []
-    with torch.no_grad():
-        eb = a.eval_batch_size // world * world
-        for batch in src.eval_batches(eb):
-            n = len(batch) // world * world
-            if n == 0:
-                continue
-            k = n // world
-            mine = batch.slice(rank * k, (rank + 1) * k)
-            with torch.autocast("cpu", torch.bfloat16, enabled=a.autocast):
-                logits = dmp(mine.dense, bag_kjt(bags, hotness, mine.ids)).view(-1)
-                p = torch.sigmoid(logits.float())
-            gathered = [torch.empty_like(p) for _ in range(world)]
-            dist.all_gather(gathered, p)
-            preds.append(torch.cat(gathered).double().numpy())
-            labels.append(batch.labels[:n].double().numpy())
-    t = torch.tensor([train_s])
-    dist.all_reduce(t)
-    train_s = float(t) / world
+    train_s = mean_over_ranks(train_s)
+    final_auc = curve[-1]["auc"] if curve else evaluate()
     per_step = a.batch_size * n_tables * mcfg.emb_dim * 4 * 2  # fwd + bwd, fp32
-    raw = a.steps * per_step
+    raw = steps * per_step
     # (pooled: one vector a bag, whatever its ids). Table-row-wise: within each host its
     # ranks' partial sums of the global batch reduce-scattered (each rank sends
     # (local - 1) / local of them, in TorchRec's precision: beside our sharder, which
@@ -340,16 +367,17 @@ def main() -> None:
         wire = wire_f + wire_b + 2 * wire_p + intra
         ratios = ((raw_f + raw_p) / (wire_f + wire_p), (raw_b + raw_p) / (wire_b + wire_p))
     else:  # fixed-size codecs: computed
-        wire = fixed(a.precision, a.steps) + intra
+        wire = fixed(a.precision, steps) + intra
         ratios = (4 / _WIRE_BYTES[a.precision],) * 2
     if rank == 0:
-        y, p_all = np.concatenate(labels), np.concatenate(preds)
         nan = float("nan")
         summary = {
-            "steps": a.steps,
-            "samples_per_s": a.steps * a.batch_size / train_s,
+            "steps": steps,
+            "samples_per_s": steps * a.batch_size / train_s,
             "train_s": train_s,
-            "auc": float(roc_auc_score(y, p_all)),
+            "auc": final_auc,
+            "curve": curve,
+            "reached_target_at": reached,
             "bytes_sent": round(wire),
             "fwd_ratio": ratios[0],
             "bwd_ratio": ratios[1],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import itertools
 import json
 import os
 import re
@@ -15,6 +16,8 @@ from types import ModuleType
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from recsz import launcher, ranks
 from recsz.cli import main as cli_main
@@ -836,3 +839,63 @@ def test_bench_stopping_times_the_agreement_and_a_preempted_job(tmp_path: Path) 
     assert tiny["preset"] == "tiny" and tiny["stopped_at_step"] >= 1
     assert tiny["stop_s"] > 0 and tiny["checkpoint_gb"] > 0 and tiny["go_on_s"] > 0
     assert held["part"] == "held" and held["stuck_s"] <= held["exit_s"]
+
+
+@given(
+    aucs=st.lists(st.floats(0.4, 0.9), min_size=1, max_size=8),
+    gaps=st.lists(st.floats(0.01, 10.0), min_size=8, max_size=8),
+    target=st.floats(0.4, 0.9),
+)
+def test_time_to_a_target_is_where_the_curve_crosses_it(
+    aucs: list[float], gaps: list[float], target: float
+) -> None:
+    """bench_tta's time to a target AUC: None where no evaluation reaches it; else within
+    the seconds of the evaluations around the first that does, at that one's exactly where
+    its AUC is the target or where none is below (the first evaluation)."""
+    time_to = _bench("bench_tta").time_to
+    seconds = list(itertools.accumulate(gaps))[: len(aucs)]
+    curve = [
+        {"step": i, "train_s": t, "auc": a}
+        for i, (t, a) in enumerate(zip(seconds, aucs, strict=True))
+    ]
+    got = time_to(curve, target)
+    first = next((i for i, a in enumerate(aucs) if a >= target), None)
+    if first is None:
+        assert got is None
+        return
+    assert got is not None
+    if first == 0 or aucs[first] == target:
+        assert got == seconds[first]
+    else:
+        assert seconds[first - 1] <= got <= seconds[first]
+
+
+def test_time_to_a_target_is_linear_between_evaluations() -> None:
+    time_to = _bench("bench_tta").time_to
+    curve = [{"step": 10, "train_s": 10.0, "auc": 0.7}, {"step": 20, "train_s": 20.0, "auc": 0.9}]
+    assert time_to(curve, 0.8) == pytest.approx(15.0)
+    assert time_to(curve, 0.85) == pytest.approx(17.5)
+    assert time_to(curve, 0.6) == 10.0 and time_to(curve, 0.95) is None
+
+
+def test_bench_tta_stops_each_side_at_the_same_first_evaluation(tmp_path: Path) -> None:
+    """Time to a target, ours and TorchRec's DMP (where installed) on equal terms: both
+    evaluate every 2 steps and stop at the first evaluation reaching the target (here
+    any: the first), each run's curve of training seconds and AUC kept."""
+    bench_tta = _bench("bench_tta")
+    configs = ["none", "none" + bench_tta.TORCH_INIT]
+    if bench_tta.torchrec_available():
+        configs.append("trdmp-bf16")
+    out = tmp_path / "tta.json"
+    argv = ["--rates", "unshaped", "--seeds", "0", "--target", "0.01", "--max-steps", "6"]
+    argv += ["--eval-every", "2", "--eval-samples", "2048", "--preset", "tiny"]
+    argv += ["--batch-size", "256", "--configs", ",".join(configs), "--json-out", str(out)]
+    assert bench_tta.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["config"] for r in rows] == configs
+    for r in rows:
+        assert r["steps"] == 2 and [p["step"] for p in r["curve"]] == [2]
+        assert r["time_to_target_s"] == r["curve"][0]["train_s"] > 0
+        assert 0.0 < r["final_auc"] == r["curve"][0]["auc"] < 1.0
+    assert "| unshaped | none |" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
