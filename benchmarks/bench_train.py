@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from recsz.codecs.anchors import fbgemm_available
+from recsz.plot import auc_curve
+from recsz.report import read_metrics
 
 RATES = {"unshaped": None, "10gbit": "10gbit", "1gbit": "1gbit", "200mbit": "200mbit"}
 
@@ -310,20 +312,8 @@ def run_one(
             )
         summary = json.loads((Path(tmp) / "summary.json").read_text())
         if "curve" not in summary:  # ours: the held-out AUC of each evaluation (--eval-every)
-            summary["curve"] = curve_of(Path(tmp) / "metrics.jsonl")
+            summary["curve"] = auc_curve(read_metrics(Path(tmp) / "metrics.jsonl"))
         return summary, wall
-
-
-def curve_of(metrics: Path) -> list[dict]:
-    """Each evaluation of a run of ours (its metrics.jsonl): step, the training seconds up
-    to it (as logged at that step: --log-every a divisor of --eval-every) and AUC."""
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    trained = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
-    return [
-        {"step": r["step"], "train_s": trained.get(r["step"], float("nan")), "auc": r["eval_auc"]}
-        for r in rows
-        if "eval_auc" in r
-    ]
 
 
 def plot(rows: list[Row], path: Path, batch: int = 2048) -> None:

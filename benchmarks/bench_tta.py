@@ -30,6 +30,8 @@ from pathlib import Path
 from bench_train import RATES, can_shape, flags_of, run_one, shaped, torchrec_available
 from results_io import write_results
 
+from recsz.plot import time_to
+
 TORCH_INIT = "+torch-init"
 
 #: Each side's fastest ways at these rates (bench_train.py's headline): ours uncompressed
@@ -53,21 +55,6 @@ def config_flags(config: str) -> tuple[str, ...]:
     if config.endswith(TORCH_INIT):
         return (*flags_of(config.removesuffix(TORCH_INIT)), "--mlp-init", "torch")
     return flags_of(config)
-
-
-def time_to(curve: list[dict], target: float) -> float | None:
-    """Training seconds at which ``curve`` (step, train_s, AUC per evaluation) first reaches
-    ``target``, linear between the evaluation below it and the one at or above; None where
-    none does."""
-    below = {"train_s": 0.0, "auc": None}
-    for point in curve:
-        if point["auc"] >= target:
-            if below["auc"] is None or point["auc"] == below["auc"]:
-                return point["train_s"]
-            f = (target - below["auc"]) / (point["auc"] - below["auc"])
-            return below["train_s"] + f * (point["train_s"] - below["train_s"])
-        below = point
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from recsz import launcher, ranks
 from recsz.cli import main as cli_main
+from recsz.plot import time_to
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -261,6 +262,20 @@ def test_plot_compares_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert second.endswith("| fwd_codec=hybrid, lr=0.05 |")
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert f"| {summary['auc']:.4f} | {summary['logloss']:.4f} |" in first
+    # --target: each run's training seconds to an AUC (the first evaluation's own where it
+    # reaches it: none is below), or that it did not
+    rows = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    at_4 = next(r for r in rows if r["step"] == 4 and "eval_auc" in r)
+    target = at_4["eval_auc"]
+    cmp = ["plot", *map(str, runs), "--out", str(tmp_path / "cmp"), "--target"]
+    assert cli_main([*cmp, str(target)]) == 0
+    first = (tmp_path / "cmp" / "compare.md").read_text().splitlines()[2]
+    assert f"| {summary['logloss']:.4f} | {at_4['train_s']:.2f} | " in first
+    assert cli_main([*cmp, "0.9999"]) == 0
+    assert "| not reached |" in (tmp_path / "cmp" / "compare.md").read_text()
+    with pytest.raises(SystemExit) as refused:
+        cli_main(["plot", str(runs[0]), "--target", "0.7"])
+    assert refused.value.code == 2 and "--target compares runs" in capsys.readouterr().err
     assert cli_main(["plot", str(runs[0]), str(tmp_path), "--out", str(tmp_path / "cmp")]) == 2
     assert f"{tmp_path}: no metrics.jsonl (is this a run directory?)" in capsys.readouterr().err
 
@@ -849,10 +864,10 @@ def test_bench_stopping_times_the_agreement_and_a_preempted_job(tmp_path: Path) 
 def test_time_to_a_target_is_where_the_curve_crosses_it(
     aucs: list[float], gaps: list[float], target: float
 ) -> None:
-    """bench_tta's time to a target AUC: None where no evaluation reaches it; else within
+    """The time to a target AUC (`recsz plot --target`, bench_tta.py): None where no
+    evaluation reaches it; else within
     the seconds of the evaluations around the first that does, at that one's exactly where
     its AUC is the target or where none is below (the first evaluation)."""
-    time_to = _bench("bench_tta").time_to
     seconds = list(itertools.accumulate(gaps))[: len(aucs)]
     curve = [
         {"step": i, "train_s": t, "auc": a}
@@ -871,7 +886,6 @@ def test_time_to_a_target_is_where_the_curve_crosses_it(
 
 
 def test_time_to_a_target_is_linear_between_evaluations() -> None:
-    time_to = _bench("bench_tta").time_to
     curve = [{"step": 10, "train_s": 10.0, "auc": 0.7}, {"step": 20, "train_s": 20.0, "auc": 0.9}]
     assert time_to(curve, 0.8) == pytest.approx(15.0)
     assert time_to(curve, 0.85) == pytest.approx(17.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -109,25 +110,54 @@ def _shown(v: Any) -> str:
     return "default" if v is None else str(v)
 
 
-def compare_runs(runs: list[Path], out: Path) -> tuple[Path, str]:
+def auc_curve(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run's evaluations (its metrics rows): each one's step, the training seconds up to
+    it (the step loop's, without batch waits or evaluations; the final evaluation's row has
+    none of its own: its step's training row's, NaN where no row of that step has them) and
+    held-out AUC."""
+    at = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
+    return [{"step": r["step"], "train_s": at.get(r["step"], math.nan), "auc": r["eval_auc"]}
+            for r in rows if "eval_auc" in r]  # fmt: skip
+
+
+def time_to(curve: list[dict[str, Any]], target: float) -> float | None:
+    """The training seconds at which ``curve`` (:func:`auc_curve`) first reaches the AUC
+    ``target``, linear between the evaluation below it and the first at or above it (that
+    one's seconds where none is below); None where none reaches it. Evaluations without
+    seconds are passed over."""
+    below: dict[str, Any] | None = None
+    for point in curve:
+        if math.isnan(point["train_s"]):
+            continue
+        if point["auc"] >= target:
+            if below is None or point["auc"] == below["auc"]:
+                return float(point["train_s"])
+            f = (target - below["auc"]) / (point["auc"] - below["auc"])
+            return float(below["train_s"] + f * (point["train_s"] - below["train_s"]))
+        below = point
+    return None
+
+
+def compare_runs(runs: list[Path], out: Path, target: float | None = None) -> tuple[Path, str]:
     """Write ``out/compare.png`` (each run's training loss and held-out AUC by step, and
     its AUC by training seconds) and return it with a Markdown table of the runs' final
-    numbers and the options that differ among them."""
+    numbers and the options that differ among them; ``target``: each run's training seconds
+    to that held-out AUC too (:func:`time_to`), as MLPerf times training."""
     got = [(run, _rows(run)) for run in runs]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for run, rows in got:
         label = _label(run, runs)
         tr = [r for r in rows if "loss" in r]
         ax[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=label)
-        ev = [r for r in rows if "eval_auc" in r]
-        ax[1].plot([r["step"] for r in ev], [r["eval_auc"] for r in ev], marker="o", label=label)
-        # (the final evaluation's row has no time of its own: its step's training row's)
-        at = {r["step"]: r["train_s"] for r in rows if "train_s" in r}
-        ax[2].plot([at.get(r["step"], float("nan")) for r in ev], [r["eval_auc"] for r in ev],
-                   marker="o", label=label)  # fmt: skip
+        ev = auc_curve(rows)
+        ax[1].plot([p["step"] for p in ev], [p["auc"] for p in ev], marker="o", label=label)
+        ax[2].plot([p["train_s"] for p in ev], [p["auc"] for p in ev], marker="o", label=label)
     ax[0].set(xlabel="step", ylabel="training loss (BCE)", title="loss")
     ax[1].set(xlabel="step", ylabel="held-out AUC", title="AUC by step")
     ax[2].set(xlabel="training seconds", ylabel="held-out AUC", title="AUC by time")
+    if target is not None:
+        for a in ax[1:]:
+            a.axhline(target, color="grey", linewidth=0.8)
     ax[2].legend(fontsize=7)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
@@ -137,12 +167,17 @@ def compare_runs(runs: list[Path], out: Path) -> tuple[Path, str]:
     configs = [_config(run) for run, _ in got]
     keys = sorted({k for c in configs for k in c} - _NOT_COMPARED)
     differ = [k for k in keys if len({json.dumps(c.get(k)) for c in configs}) > 1]
-    lines = ["| run | steps | AUC | logloss | samples/s | fwd ratio | bwd ratio | MB sent | "
-             "all-to-all s | codec s | options that differ |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    to = [] if target is None else [f"s to AUC {target}"]
+    lines = ["| " + " | ".join(["run", "steps", "AUC", "logloss", *to, "samples/s", "fwd ratio",
+             "bwd ratio", "MB sent", "all-to-all s", "codec s", "options that differ"]) + " |",
+             "|---" * (11 + len(to)) + "|"]  # fmt: skip
     for (run, rows), config in zip(got, configs, strict=True):
         f = _final(run, rows)
         own = ", ".join(f"{k}={_shown(config.get(k))}" for k in differ) or "-"
+        reach = ""
+        if target is not None:
+            t = time_to(auc_curve(rows), target)
+            reach = f"{'not reached' if t is None else f'{t:.2f}'} | "
 
         def num(key: str, form: str, f: dict[str, Any] = f) -> str:
             v = f.get(key)
@@ -151,7 +186,7 @@ def compare_runs(runs: list[Path], out: Path) -> tuple[Path, str]:
         a2a = (f.get("a2a_fwd_s") or 0.0) + (f.get("a2a_bwd_s") or 0.0)
         steps = f"{f.get('steps')}{' (unfinished)' if f.get('unfinished') else ''}"
         lines.append(f"| {_label(run, runs)} | {steps} | {num('auc', '.4f')} | "
-                     f"{num('logloss', '.4f')} | {num('samples_per_s', ',.0f')} | "
+                     f"{num('logloss', '.4f')} | {reach}{num('samples_per_s', ',.0f')} | "
                      f"{num('fwd_ratio', '.2f')}x | {num('bwd_ratio', '.2f')}x | "
                      f"{(f.get('bytes_sent') or 0) / 1e6:.2f} | {a2a:.2f} | "
                      f"{num('codec_s', '.2f')} | {own} |")  # fmt: skip
@@ -163,13 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", nargs="+", help="a run directory; several: compared")
     ap.add_argument("--out", default=".", help="several runs: where compare.png and "
                     "compare.md go (default: here)")  # fmt: skip
+    ap.add_argument("--target", type=float, metavar="AUC", help="several runs: each one's "
+                    "training seconds to this held-out AUC too (--eval-every's evaluations, "
+                    "linear between them)")  # fmt: skip
     a = ap.parse_args(argv)
     runs = [Path(r) for r in a.run_dir]
     if len(runs) == 1:
+        if a.target is not None:
+            ap.error("--target compares runs: give two or more")
         for p in plot_run(runs[0]):
             print("wrote", p)
         return 0
-    png, table = compare_runs(runs, Path(a.out))
+    png, table = compare_runs(runs, Path(a.out), a.target)
     md = Path(a.out) / "compare.md"
     md.write_text(table + "\n")
     print(table)
