@@ -129,6 +129,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
         "--dense-dtype",
         "bf16",
     ),
+    # ... where trials find it faster (--compress auto), the MLPs in bfloat16 either way
+    "hybrid-dual+ids+dp-eb+amp+auto": (
+        *(*_DUAL, "--bwd-codec", "hybrid", "--dp-comm", "eb", "--dense-dtype", "bf16"),
+        *("--compress", "auto"),
+    ),
     "trdmp-fp32+amp": ("--dmp", "fp32", "--autocast"),
     "trdmp-bf16+amp": ("--dmp", "bf16", "--autocast"),
     # each side's every saving at once: the exchange's, the dense part's hook, autocast
