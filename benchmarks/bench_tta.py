@@ -131,16 +131,13 @@ def markdown(
 
     times = {(r["rate"], r["config"], r["seed"]): r["time_to_target_s"] for r in rows}
 
-    def seconds(rate: str, cfg: str, seed: int) -> float | None:
-        return times.get((rate, cfg, seed))
-
     def ratio(rate: str, cfg: str, others: list[str]) -> str:
         """Mean over seeds of the fastest of ``others`` over ``cfg`` ('-' where either is
         missing for a seed)."""
         got = []
         for seed in seeds:
-            theirs = [x for o in others if (x := seconds(rate, o, seed)) is not None]
-            mine = seconds(rate, cfg, seed)
+            theirs = [x for o in others if (x := times.get((rate, o, seed))) is not None]
+            mine = times.get((rate, cfg, seed))
             if mine is None or not theirs:
                 return "-"
             got.append(min(theirs) / mine)
@@ -155,7 +152,7 @@ def markdown(
     body = ""
     for rate in rates:
         for cfg in configs:
-            each = [seconds(rate, cfg, s) for s in seeds]
+            each = [times.get((rate, cfg, s)) for s in seeds]
             said = ", ".join("-" if x is None else f"{x:.1f}" for x in each)
             mean = "-" if None in each else f"{statistics.mean(each):.1f}"  # type: ignore[type-var]
             vs_dmp = ratio(rate, cfg, dmp) if dmp else "-"
@@ -177,8 +174,7 @@ def plot(rows: list[dict], path: Path, rates: list[str], target: float) -> None:
         for r in rows:
             if r["rate"] == rate and r["seed"] == seed:
                 style = "--" if r["config"].startswith("trdmp-") else "-"
-                xs = [0.0, *(p["train_s"] for p in r["curve"])]
-                ys = [0.5, *(p["auc"] for p in r["curve"])]
+                xs, ys = [p["train_s"] for p in r["curve"]], [p["auc"] for p in r["curve"]]
                 ax.plot(xs, ys, style, marker=".", label=r["config"])
         ax.axhline(target, color="grey", linewidth=0.8)
         ax.set(title=f"{rate}, seed {seed}", xlabel="training seconds", ylabel="held-out AUC")
