@@ -144,12 +144,12 @@ def compare_runs(runs: list[Path], out: Path, target: float | None = None) -> tu
     numbers and the options that differ among them; ``target``: each run's training seconds
     to that held-out AUC too (:func:`time_to`), as MLPerf times training."""
     got = [(run, _rows(run)) for run in runs]
+    curves = [auc_curve(rows) for _, rows in got]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for run, rows in got:
+    for (run, rows), ev in zip(got, curves, strict=True):
         label = _label(run, runs)
         tr = [r for r in rows if "loss" in r]
         ax[0].plot([r["step"] for r in tr], [r["loss"] for r in tr], label=label)
-        ev = auc_curve(rows)
         ax[1].plot([p["step"] for p in ev], [p["auc"] for p in ev], marker="o", label=label)
         ax[2].plot([p["train_s"] for p in ev], [p["auc"] for p in ev], marker="o", label=label)
     ax[0].set(xlabel="step", ylabel="training loss (BCE)", title="loss")
@@ -171,12 +171,12 @@ def compare_runs(runs: list[Path], out: Path, target: float | None = None) -> tu
     lines = ["| " + " | ".join(["run", "steps", "AUC", "logloss", *to, "samples/s", "fwd ratio",
              "bwd ratio", "MB sent", "all-to-all s", "codec s", "options that differ"]) + " |",
              "|---" * (11 + len(to)) + "|"]  # fmt: skip
-    for (run, rows), config in zip(got, configs, strict=True):
+    for (run, rows), config, ev in zip(got, configs, curves, strict=True):
         f = _final(run, rows)
         own = ", ".join(f"{k}={_shown(config.get(k))}" for k in differ) or "-"
         reach = ""
         if target is not None:
-            t = time_to(auc_curve(rows), target)
+            t = time_to(ev, target)
             reach = f"{'not reached' if t is None else f'{t:.2f}'} | "
 
         def num(key: str, form: str, f: dict[str, Any] = f) -> str:
