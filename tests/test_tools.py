@@ -865,9 +865,9 @@ def test_time_to_a_target_is_where_the_curve_crosses_it(
     aucs: list[float], gaps: list[float], target: float
 ) -> None:
     """The time to a target AUC (`recsz plot --target`, bench_tta.py): None where no
-    evaluation reaches it; else within
-    the seconds of the evaluations around the first that does, at that one's exactly where
-    its AUC is the target or where none is below (the first evaluation)."""
+    evaluation reaches it; else within the seconds of the evaluations around the first that
+    does, at that one's exactly where its AUC is the target or where none is below (the
+    first evaluation)."""
     seconds = list(itertools.accumulate(gaps))[: len(aucs)]
     curve = [
         {"step": i, "train_s": t, "auc": a}
