@@ -474,6 +474,42 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
                          "closed, and was killed (stuck in a call?)")  # fmt: skip
 
 
+_CLOSED_WHILE_RECORDING = """
+import json, os, signal, sys
+from recsz import ranks
+dump = json.dump
+def closed_meanwhile(*args, **kwargs):  # the agent's SIGTERM, come as the record is written
+    os.kill(os.getpid(), signal.SIGTERM)
+    dump(*args, **kwargs)
+json.dump = closed_meanwhile
+try:
+    raise RuntimeError("Connection reset by peer")
+except RuntimeError as e:
+    sys.exit(ranks._failed(e, "0"))
+"""
+
+
+def test_a_rank_closed_while_it_records_its_failure_leaves_a_whole_record(
+    tmp_path: Path,
+) -> None:
+    """A rank that fails as its peer dies is closed by torchrun's agent (SIGTERM) while it
+    may be writing its exception's record: the record is there whole (the agent parses it;
+    an empty one failed its parse, with a traceback of its own in place of the report), and
+    the signal is still taken after it."""
+    import os
+    import signal
+
+    target = tmp_path / "error.json"
+    env = {**os.environ, "RECSZ_AGENT": "1", "TORCHELASTIC_ERROR_FILE": str(target)}
+    done = subprocess.run([sys.executable, "-c", _CLOSED_WHILE_RECORDING], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    said = json.loads(target.read_text())["message"]
+    assert said["message"] == "RuntimeError: Connection reset by peer"
+    assert "Traceback" in said["extraInfo"]["py_callstack"]
+    assert [f.name for f in tmp_path.iterdir()] == ["error.json"]  # (nothing left beside it)
+
+
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:
     """What a launched rank ends on without restarts: a ValueError (a data line, a flag, a
     checkpoint), unless a PayloadError (bytes damaged on their way) is in its chain; a

@@ -21,10 +21,13 @@ import torch
 import torch.distributed as dist
 
 from recsz.diskroom import NO_ROOM
+from recsz.stopping import heeded
 
 #: torchrun's switch off of its store shared by rendezvous rounds, whose keys a restarted
 #: job's ranks read as their own (pytorch/pytorch#135712: they then fail to connect).
 SEPARATE_STORES = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+#: where torchrun's agent has a rank record its exception (its ``ErrorHandler`` reads it)
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 
 @dataclass
@@ -218,14 +221,47 @@ def _failed(e: Exception, rank: str) -> int:
     if os.environ.get("RECSZ_TRACEBACK") or not (bad or os.environ.get(AGENT)):
         raise e
     if not bad:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(e)  # the file torchrun's agent reads
+        _record(e)
         return 1
     if folder:
         Path(folder).mkdir(mode=0o700, exist_ok=True)
         (Path(folder) / f"rank-{rank}").write_text(f"{failure_kind(e)}\n{line}")
     return BAD_INPUT
+
+
+def _record(e: BaseException) -> None:
+    """``e``'s record (torchrun's ``ErrorHandler``) in the file torchrun's agent reads
+    (``TORCHELASTIC_ERROR_FILE``), whole or not at all. The agent closes the other ranks with
+    SIGTERM as soon as one fails, and a rank that failed in the same moment (its peer's
+    connection lost) and was ended while writing left the file empty: the agent's own parse
+    of it then failed with a JSONDecodeError's traceback in place of :func:`recsz.launcher`'s
+    report. So the record is written beside the file and renamed onto it, and SIGTERM or
+    SIGINT coming meanwhile is noted and raised again after it (a handler, not a blocked
+    mask: a mask is the calling thread's, and gloo's threads would take the signal)."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    target, came = os.environ.get(ERROR_FILE), []
+    main = threading.current_thread() is threading.main_thread()  # (handlers: its alone)
+    previous = {sig: signal.signal(sig, lambda s, _f: came.append(s)) for sig in heeded()
+                if main}  # fmt: skip
+    try:
+        if not target:  # (not under torchrun's agent: nowhere to write)
+            ErrorHandler().record_exception(e)
+            return
+        part = f"{target}.part"
+        os.environ[ERROR_FILE] = part
+        try:
+            ErrorHandler().record_exception(e)
+            os.replace(part, target)
+        except OSError:  # (no room: no record; the rank's line is said)
+            Path(part).unlink(missing_ok=True)
+        finally:
+            os.environ[ERROR_FILE] = target
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if came:
+            signal.raise_signal(came[0])
 
 
 #: glibc's mallopt parameters.
