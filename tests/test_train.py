@@ -479,7 +479,7 @@ import json, os, signal, sys
 from recsz import ranks
 dump = json.dump
 def closed_meanwhile(*args, **kwargs):  # the agent's SIGTERM, come as the record is written
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), int(os.environ["SIGNAL"]))
     dump(*args, **kwargs)
 json.dump = closed_meanwhile
 try:
@@ -499,15 +499,19 @@ def test_a_rank_closed_while_it_records_its_failure_leaves_a_whole_record(
     import os
     import signal
 
-    target = tmp_path / "error.json"
-    env = {**os.environ, "RECSZ_AGENT": "1", "TORCHELASTIC_ERROR_FILE": str(target)}
-    done = subprocess.run([sys.executable, "-c", _CLOSED_WHILE_RECORDING], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == -signal.SIGTERM, done.stderr
-    said = json.loads(target.read_text())["message"]
-    assert said["message"] == "RuntimeError: Connection reset by peer"
-    assert "Traceback" in said["extraInfo"]["py_callstack"]
-    assert [f.name for f in tmp_path.iterdir()] == ["error.json"]  # (nothing left beside it)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        target = tmp_path / sig.name / "error.json"
+        target.parent.mkdir()
+        env = {**os.environ, "RECSZ_AGENT": "1", "TORCHELASTIC_ERROR_FILE": str(target),
+               "SIGNAL": str(int(sig))}  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", _CLOSED_WHILE_RECORDING], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == -sig, done.stderr
+        assert "Traceback" not in done.stderr  # (SIGINT: no KeyboardInterrupt raised)
+        said = json.loads(target.read_text())["message"]
+        assert said["message"] == "RuntimeError: Connection reset by peer"
+        assert "Traceback" in said["extraInfo"]["py_callstack"]
+        assert [f.name for f in target.parent.iterdir()] == ["error.json"]  # (nothing beside)
 
 
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:

@@ -236,8 +236,8 @@ def _record(e: BaseException) -> None:
     connection lost) and was ended while writing left the file empty: the agent's own parse
     of it then failed with a JSONDecodeError's traceback in place of :func:`recsz.launcher`'s
     report. So the record is written beside the file and renamed onto it, and SIGTERM or
-    SIGINT coming meanwhile is noted and raised again after it (a handler, not a blocked
-    mask: a mask is the calling thread's, and gloo's threads would take the signal)."""
+    SIGINT coming meanwhile is noted (a handler, not a blocked mask: a mask is the calling
+    thread's, and gloo's threads would take the signal) and ends the process after it."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     target, came = os.environ.get(ERROR_FILE), []
@@ -260,7 +260,9 @@ def _record(e: BaseException) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if came:
+        if came:  # the rank is done: it ends as the signal's default ends it (no
+            sys.stderr.flush()  # KeyboardInterrupt's traceback from a handler of SIGINT)
+            signal.signal(came[0], signal.SIG_DFL)
             signal.raise_signal(came[0])
 
 
