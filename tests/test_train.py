@@ -475,16 +475,18 @@ def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:
 
 
 _CLOSED_WHILE_RECORDING = """
-import json, os, signal, sys
+import json, os, pathlib, signal, sys
 from recsz import ranks
-dump = json.dump
-def closed_meanwhile(*args, **kwargs):  # the agent's SIGTERM, come as the record is written
-    os.kill(os.getpid(), int(os.environ["SIGNAL"]))
-    dump(*args, **kwargs)
-json.dump = closed_meanwhile
+def closed_meanwhile(write):  # the agent's signal, come as a file for it is written
+    def written(*args, **kwargs):
+        os.kill(os.getpid(), int(os.environ["SIGNAL"]))
+        return write(*args, **kwargs)
+    return written
+json.dump = closed_meanwhile(json.dump)  # (the record: torchrun's ErrorHandler)
+pathlib.Path.write_text = closed_meanwhile(pathlib.Path.write_text)  # (bad input's note)
 try:
-    raise RuntimeError("Connection reset by peer")
-except RuntimeError as e:
+    raise (ValueError if os.environ["BAD"] else RuntimeError)("Connection reset by peer")
+except Exception as e:
     sys.exit(ranks._failed(e, "0"))
 """
 
@@ -492,26 +494,39 @@ except RuntimeError as e:
 def test_a_rank_closed_while_it_records_its_failure_leaves_a_whole_record(
     tmp_path: Path,
 ) -> None:
-    """A rank that fails as its peer dies is closed by torchrun's agent (SIGTERM) while it
-    may be writing its exception's record: the record is there whole (the agent parses it;
-    an empty one failed its parse, with a traceback of its own in place of the report), and
-    the signal is still taken after it."""
+    """A rank that fails as its peer dies is closed by torchrun's agent (SIGTERM; SIGINT
+    passed on) while it may be writing its exception's record: the record is there whole
+    (the agent parses it; an empty one failed its parse, with a traceback of its own in
+    place of the report), and the signal is still taken after it. Likewise bad input's
+    note for the launcher (:func:`recsz.launcher.noted`)."""
     import os
     import signal
 
+    from recsz.launcher import noted
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        target = tmp_path / sig.name / "error.json"
-        target.parent.mkdir()
-        env = {**os.environ, "RECSZ_AGENT": "1", "TORCHELASTIC_ERROR_FILE": str(target),
-               "SIGNAL": str(int(sig))}  # fmt: skip
-        done = subprocess.run([sys.executable, "-c", _CLOSED_WHILE_RECORDING], env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert done.returncode == -sig, done.stderr
-        assert "Traceback" not in done.stderr  # (SIGINT: no KeyboardInterrupt raised)
-        said = json.loads(target.read_text())["message"]
-        assert said["message"] == "RuntimeError: Connection reset by peer"
-        assert "Traceback" in said["extraInfo"]["py_callstack"]
-        assert [f.name for f in target.parent.iterdir()] == ["error.json"]  # (nothing beside)
+        for bad in ("", "1"):
+            folder = tmp_path / f"{sig.name}{bad}"
+            folder.mkdir()
+            target = folder / "error.json"
+            env = {**os.environ, "RECSZ_AGENT": "1", "TORCHELASTIC_ERROR_FILE": str(target),
+                   "RECSZ_FAILURES": str(folder / "notes"), "SIGNAL": str(int(sig)),
+                   "BAD": bad}  # fmt: skip
+            done = subprocess.run([sys.executable, "-c", _CLOSED_WHILE_RECORDING], env=env,
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert done.returncode == -sig, done.stderr
+            assert "Traceback" not in done.stderr  # (SIGINT: no KeyboardInterrupt raised)
+            if bad:
+                assert noted(folder / "notes") == (
+                    "bad input",
+                    "rank 0: ValueError: Connection reset by peer",
+                )
+                assert [f.name for f in (folder / "notes").iterdir()] == ["rank-0"]
+                continue
+            said = json.loads(target.read_text())["message"]
+            assert said["message"] == "RuntimeError: Connection reset by peer"
+            assert "Traceback" in said["extraInfo"]["py_callstack"]
+            assert [f.name for f in folder.iterdir()] == ["error.json"]  # (nothing beside)
 
 
 def test_bad_input_is_a_value_error_not_a_damaged_payload() -> None:

@@ -3,6 +3,7 @@ process's malloc. Launching ranks: :mod:`recsz.launcher`."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import hashlib
@@ -12,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,43 +226,58 @@ def _failed(e: Exception, rank: str) -> int:
         return 1
     if folder:
         Path(folder).mkdir(mode=0o700, exist_ok=True)
-        (Path(folder) / f"rank-{rank}").write_text(f"{failure_kind(e)}\n{line}")
+        with _whole(Path(folder) / f"rank-{rank}") as part:
+            part.write_text(f"{failure_kind(e)}\n{line}")
     return BAD_INPUT
 
 
 def _record(e: BaseException) -> None:
     """``e``'s record (torchrun's ``ErrorHandler``) in the file torchrun's agent reads
-    (``TORCHELASTIC_ERROR_FILE``), whole or not at all. The agent closes the other ranks with
-    SIGTERM as soon as one fails, and a rank that failed in the same moment (its peer's
-    connection lost) and was ended while writing left the file empty: the agent's own parse
-    of it then failed with a JSONDecodeError's traceback in place of :func:`recsz.launcher`'s
-    report. So the record is written beside the file and renamed onto it, and SIGTERM or
-    SIGINT coming meanwhile is noted (a handler, not a blocked mask: a mask is the calling
-    thread's, and gloo's threads would take the signal) and ends the process after it."""
+    (``TORCHELASTIC_ERROR_FILE``), whole or not at all (:func:`_whole`): an empty one, left
+    by a rank the agent closed while it wrote, failed the agent's own parse, whose
+    JSONDecodeError's traceback then took the place of :func:`recsz.launcher`'s report."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    target, came = os.environ.get(ERROR_FILE), []
+    target = os.environ.get(ERROR_FILE)
+    if not target:  # (not under torchrun's agent: nowhere to write)
+        ErrorHandler().record_exception(e)
+        return
+    try:
+        with _whole(Path(target)) as part:
+            os.environ[ERROR_FILE] = str(part)
+            ErrorHandler().record_exception(e)
+    except OSError:  # (no room: no record; the rank's line is said)
+        pass
+    finally:
+        os.environ[ERROR_FILE] = target
+
+
+@contextlib.contextmanager
+def _whole(target: Path) -> Iterator[Path]:
+    """A failed rank's file for its launcher, written whole or not at all: the path to
+    write (hidden beside ``target``, out of :func:`recsz.launcher.noted`'s glob), renamed
+    onto ``target`` once written, removed where writing failed. torchrun's agent closes the
+    other ranks with SIGTERM as soon as one fails, and a rank that failed in the same moment
+    (its peer's connection lost, the same bad input) could be ended mid-write. So SIGTERM or
+    SIGINT coming meanwhile is noted (a handler, not a blocked mask: a mask is the calling
+    thread's, and gloo's threads would take the signal) and ends the process after, as the
+    signal's default ends it (the rank is done; no KeyboardInterrupt's traceback)."""
+    came: list[int] = []
     main = threading.current_thread() is threading.main_thread()  # (handlers: its alone)
     previous = {sig: signal.signal(sig, lambda s, _f: came.append(s)) for sig in heeded()
                 if main}  # fmt: skip
+    part = target.with_name(f".{target.name}.part")
     try:
-        if not target:  # (not under torchrun's agent: nowhere to write)
-            ErrorHandler().record_exception(e)
-            return
-        part = f"{target}.part"
-        os.environ[ERROR_FILE] = part
-        try:
-            ErrorHandler().record_exception(e)
-            os.replace(part, target)
-        except OSError:  # (no room: no record; the rank's line is said)
-            Path(part).unlink(missing_ok=True)
-        finally:
-            os.environ[ERROR_FILE] = target
+        yield part
+        os.replace(part, target)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if came:  # the rank is done: it ends as the signal's default ends it (no
-            sys.stderr.flush()  # KeyboardInterrupt's traceback from a handler of SIGINT)
+        if came:
+            sys.stderr.flush()
             signal.signal(came[0], signal.SIG_DFL)
             signal.raise_signal(came[0])
 
