@@ -78,6 +78,22 @@ def test_out_of_memory_is_said_with_what_to_change(
         cli_main(["train", "--steps", "2", "--no-progress"])
 
 
+def test_a_collectives_timeout_is_said_with_the_option_that_sets_it() -> None:
+    """gloo's timeout (a peer stopped: SIGSTOP, a debugger, a hung call) and NCCL's
+    watchdog name neither ``--dist-timeout`` nor the peer's part: said after them. Not bad
+    input (a stuck peer need not be stuck again); other messages unchanged."""
+    gloo = RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+                        "20000ms for send operation to complete")  # fmt: skip
+    nccl = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL("
+                        "SeqNum=5, OpType=ALLTOALL_BASE) ran for 120000 milliseconds before "
+                        "timing out.")  # fmt: skip
+    for e in (gloo, nccl):
+        assert ranks.said(e) == f"{e} ({ranks.TIMEOUT_HINT})"
+        assert not ranks.bad_input(e)
+    lost = RuntimeError("Connection reset by peer")
+    assert ranks.said(lost) == "Connection reset by peer"
+
+
 def test_the_launchers_line_names_the_kind_of_bad_input(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -128,10 +129,20 @@ def out_of_memory(e: BaseException) -> bool:
     )
 
 
+#: What a collective that timed out means (said after gloo's "Timed out waiting 20000ms for
+#: send operation to complete", which names neither the option nor the peer's part).
+TIMEOUT_HINT = ("recsz: no peer answered within --dist-timeout: one is stuck, stopped or far "
+                "slower; raise --dist-timeout if a rank's own work takes that long")  # fmt: skip
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ ?ms|ran for \d+ milliseconds before timing out")
+
+
 def said(e: BaseException) -> str:
     """``e``'s message, with :data:`OOM_HINT` after torch's out-of-memory errors (recsz's
-    own MemoryErrors say what to change)."""
-    return f"{e} ({OOM_HINT})" if out_of_memory(e) and not isinstance(e, MemoryError) else str(e)
+    own MemoryErrors say what to change) and :data:`TIMEOUT_HINT` after a collective's
+    timeout (gloo's, NCCL's)."""
+    if out_of_memory(e) and not isinstance(e, MemoryError):
+        return f"{e} ({OOM_HINT})"
+    return f"{e} ({TIMEOUT_HINT})" if _TIMED_OUT.search(str(e)) else str(e)
 
 
 def bad_input(e: BaseException) -> bool:
