@@ -487,7 +487,9 @@ def closed_meanwhile(write):  # the agent's signal, come as a file for it is wri
 json.dump = closed_meanwhile(json.dump)  # (the record: torchrun's ErrorHandler)
 pathlib.Path.write_text = closed_meanwhile(pathlib.Path.write_text)  # (bad input's note)
 try:
-    raise (ValueError if os.environ["BAD"] else RuntimeError)("Connection reset by peer")
+    if os.environ["BAD"]:
+        raise ValueError("data.tsv:3: field 2 is not a number")
+    raise RuntimeError("Connection reset by peer")
 except Exception as e:
     sys.exit(ranks._failed(e, "0"))
 """
@@ -521,7 +523,7 @@ def test_a_rank_closed_while_it_records_its_failure_leaves_a_whole_record(
             if bad:
                 assert noted(folder / "notes") == (
                     "bad input",
-                    "rank 0: ValueError: Connection reset by peer",
+                    "rank 0: ValueError: data.tsv:3: field 2 is not a number",
                 )
                 assert [f.name for f in (folder / "notes").iterdir()] == ["rank-0"]
                 continue

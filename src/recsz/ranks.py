@@ -250,8 +250,7 @@ def _record(e: BaseException) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     target = os.environ.get(ERROR_FILE)
-    if not target:  # (not under torchrun's agent: nowhere to write)
-        ErrorHandler().record_exception(e)
+    if not target:  # (not under torchrun's agent: nowhere to write, as ErrorHandler finds)
         return
     try:
         with _whole(Path(target)) as part:
