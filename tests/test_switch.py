@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.comm.switch import CLEAR, CompressionSwitch
+from recsz.config import TrainConfig
+from recsz.configcheck import idle
 
 
 class Clock:
@@ -98,7 +100,6 @@ def test_the_first_trial_waits_for_the_lead() -> None:
 
 
 def test_the_dual_policy_leads_with_its_probe_window() -> None:
-    from recsz.config import TrainConfig
 
     dual = {"compress": "auto", "eb_policy": "dual", "hindex_probe_steps": 7}
     assert TrainConfig(**dual, fwd_codec="hybrid").switch().lead == 7  # type: ignore[arg-type]
@@ -246,6 +247,16 @@ def test_a_switch_restored_from_its_state_goes_on_as_the_saved_one() -> None:
 def test_bad_settings_are_refused(kw: dict[str, object], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         CompressionSwitch(**{"mode": "auto", **kw})  # type: ignore[arg-type]
+
+
+def test_trial_settings_are_idle_where_every_step_compresses() -> None:
+    """``--compress-every 3`` without ``--compress auto`` trains as the default would (the
+    config check warns that it does nothing), where it was refused as if trials ran."""
+    s = CompressionSwitch("always", trial=6, every=3)
+    assert [s.compress(i) for i in range(20)] == [True] * 20 and not s.trials
+    cfg = TrainConfig(compress_every=3)
+    assert idle(cfg) == ["--compress-every 3 does nothing without --compress auto"]
+    assert cfg.switch().mode == "always"
 
 
 @settings(max_examples=200, deadline=None)

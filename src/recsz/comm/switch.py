@@ -106,9 +106,11 @@ class CompressionSwitch:
                 f"{self.warmup}, {self.lead})"
             )
         self._gap, self._lead_left = self.every, self.lead
-        if self.every and self.every < self.length:
+        if self.mode == "auto" and self.every and self.every < self.length:  # (always: idle)
             raise ValueError(
-                f"trials every {self.every} steps cannot hold a trial of {self.length} steps"
+                f"trials every {self.every} steps (--compress-every) cannot hold a trial of "
+                f"{self.length} steps ({self.warmup} untimed and {self.trial} timed "
+                f"(--compress-trial) each way): every {self.length} or more, or a shorter trial"
             )
 
     @property
