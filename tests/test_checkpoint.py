@@ -12,6 +12,7 @@ import torch
 
 from recsz import checkpoint
 from recsz.rundir import WRITER
+from recsz.runoptions import CONFIG_VERSION
 from recsz.train import main
 
 BASE = ["--steps", "4", "--batch-size", "32", "--checkpoint-every", "2", "--no-progress",
@@ -800,8 +801,9 @@ def test_a_snapshot_copies_every_tensor_onto_its_device() -> None:
 def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     tmp_path: Path,
 ) -> None:
-    """A run written by the recsz before (configuration version 17: no --emb-dim,
-    --bottom-mlp, --top-mlp, --max-rows, which keep its model at their defaults) goes on
+    """A run written by a recsz before (configuration version 17: no --emb-dim,
+    --bottom-mlp, --top-mlp, --max-rows (18) nor --table-rows, --dense-features (19), which
+    keep its model at their defaults) goes on
     from its checkpoint, by the same command line or --resume, and ends as a straight run;
     `recsz evaluate` scores it (the configuration then carries its record's version);
     given a shape it cannot have held, it is another run. A record of a version whose
@@ -811,7 +813,8 @@ def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     def aged(run: Path, version: int) -> None:
         """The run's records as the recsz of ``version`` wrote them: its fields then, its
         fingerprint of them, its records' checksums."""
-        added = [k for v in range(version + 1, 19) for k in checkpoint.ADDED.get(v, ())]
+        added = [k for v in range(version + 1, CONFIG_VERSION + 1)
+                 for k in checkpoint.ADDED.get(v, ())]  # fmt: skip
 
         def old(cfg: dict) -> dict:
             return {**{k: v for k, v in cfg.items() if k not in [*added, "profile"]},
@@ -832,7 +835,7 @@ def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     train(run)  # 4 steps, checkpoints at 2 and 4
     aged(run, 17)
     assert main([*BASE, "--steps", "6", "--out", str(run)]) == 0  # the same command line
-    assert json.loads((run / "config.json").read_text())["config_version"] == 18
+    assert json.loads((run / "config.json").read_text())["config_version"] == CONFIG_VERSION
     straight = train(tmp_path / "straight", "--steps", "6")
     resumed = json.loads((run / "summary.json").read_text())
     for key in ("steps", "auc", "logloss", "bytes_sent"):
@@ -850,5 +853,7 @@ def test_a_run_of_the_configuration_version_before_goes_on_after_an_upgrade(
     older = tmp_path / "older"
     train(older)
     aged(older, 16)
-    with pytest.raises(ValueError, match=r"holds another run .*config_version: 16 -> 18"):
+    with pytest.raises(
+        ValueError, match=rf"holds another run .*config_version: 16 -> {CONFIG_VERSION}"
+    ):
         main([*BASE, "--steps", "6", "--out", str(older)])

@@ -32,7 +32,7 @@ def test_hotness_flag() -> None:
     assert parse_hotness("mlperf", 26) == MLPERF_HOTNESS and sum(MLPERF_HOTNESS) == 214
     assert parse_hotness("3", 4) == (3, 3, 3, 3)
     assert parse_hotness("3,1,5,2", 4) == HOT
-    with pytest.raises(ValueError, match="mlperf gives 26 tables' bags, the preset has 4"):
+    with pytest.raises(ValueError, match="mlperf gives 26 tables' bags, the model has 4"):
         parse_hotness("mlperf", 4)
     for bad in ("3,1", "0", "2,x", "1,1,1,-1"):
         with pytest.raises(ValueError, match=f"--multi-hot '{bad}'"):

@@ -68,7 +68,7 @@ def _json_sha256(obj: Any) -> str:
 #: before trained: a record of that version is this one's with them at their defaults, so
 #: a run an upgrade finds goes on (a version not here changed what a field means: its runs
 #: are others).
-ADDED = {18: ("emb_dim", "bottom_mlp", "top_mlp", "max_rows")}
+ADDED = {18: ("emb_dim", "bottom_mlp", "top_mlp", "max_rows"), 19: ("table_rows", "dense_features")}
 
 
 def _as_of(cfg: TrainConfig, version: int | None) -> dict[str, Any]:

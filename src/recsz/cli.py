@@ -179,7 +179,7 @@ def _plan(argv: list[str]) -> int:
     from recsz.step import held_bytes, rank_draws, table_owners
 
     flags = ("preset", "nproc", "column_shards", "table_dtype", "emb_optimizer", "multi_hot",
-             "multi_hot_draws", "emb_dim", "max_rows")  # fmt: skip
+             "multi_hot_draws", "emb_dim", "max_rows", "table_rows")  # fmt: skip
     p = parser(TrainConfig, "recsz plan", "Where a run's tables would lie on --nproc ranks, "
                "and what each rank would hold and send (no training).", only=flags,
                otherwise="recsz train's")  # fmt: skip

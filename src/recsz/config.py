@@ -43,19 +43,41 @@ def _widths(name: str, text: str) -> tuple[int, ...]:
     return widths
 
 
+def _table_rows(text: str) -> tuple[int, ...]:
+    """``--table-rows``: rows of each table, comma-separated, ``COUNTxROWS`` for several
+    alike (``40x1000000,5000``)."""
+    rows: list[int] = []
+    try:
+        for item in text.split(","):
+            count, _, each = item.strip().rpartition("x")
+            if (n := int(count) if count else 1) < 1:
+                raise ValueError(count)
+            rows += [int(each)] * n
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 2:
+        raise ValueError(
+            f"--table-rows {text!r}: each table's rows (>= 2: row 0 is missing), "
+            "comma-separated, COUNTxROWS for several alike (40x1000000,5000)"
+        )
+    return tuple(rows)
+
+
 @dataclass
 class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
     """Everything a run depends on (its options' groups in the order of the command line's
     help). ``None`` means "the preset's default"."""
 
     def model(self) -> ModelConfig:
-        """The preset's model with this run's shape and interaction (what it leaves None,
-        the preset's); a ValueError names the flag whose shape does not fit."""
+        """The preset's model with this run's tables, shape and interaction (what it leaves
+        None, the preset's); a ValueError names the flag whose shape does not fit."""
         m = get_preset(self.preset).model
         mine: dict[str, Any] = {"interaction": self.interaction, "dcn_layers": self.dcn_layers,
                                 "dcn_rank": self.dcn_rank, "emb_dim": self.emb_dim}  # fmt: skip
+        sizes = m.table_sizes if self.table_rows is None else _table_rows(self.table_rows)
         if self.max_rows is not None:
-            mine["table_sizes"] = tuple(min(rows, self.max_rows) for rows in m.table_sizes)
+            sizes = tuple(min(rows, self.max_rows) for rows in sizes)
+        mine["table_sizes"], mine["n_dense"] = sizes, self.dense_features
         if self.emb_dim is not None and self.bottom_mlp is None:  # (it ends in the dim)
             mine["bottom_mlp"] = (*m.bottom_mlp[:-1], self.emb_dim)
         for name in ("bottom_mlp", "top_mlp"):

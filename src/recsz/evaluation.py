@@ -252,14 +252,15 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Evaluate on this process's rank; returns the numbers (the same on every rank)."""
     args = build_parser().parse_args(argv)
     with restored(args, (*WHERE, *_WHAT)) as r:
-        sizes = r.cfg.model().table_sizes
+        m = r.cfg.model()
         # Another file stands alone (the run may have trained on any data).
         if (eval_data := getattr(args, "eval_data", None)) is not None:
-            source = held_out_source(eval_data, sizes, r.on.skip_bad_lines)
+            source = held_out_source(eval_data, m.table_sizes, r.on.skip_bad_lines, m.n_dense)
         else:
             c = r.on
-            source = make_source(c.data, sizes, c.seed, c.skip_bad_lines, c.synthetic_eval,
-                                 c.eval_fraction, c.eval_data, c.data_order)  # fmt: skip
+            source = make_source(c.data, m.table_sizes, c.seed, c.skip_bad_lines,
+                                 c.synthetic_eval, c.eval_fraction, c.eval_data, c.data_order,
+                                 m.n_dense)  # fmt: skip
         ev = evaluate(r.parts, source, r.on, r.step, r.ranks, args.predictions is not None)
         assert ev is not None  # (no `heard`: nothing ends it early)
         preds = ev.pop("predictions", None)

@@ -48,8 +48,8 @@ def run(argv: list[str]) -> dict[str, Any]:
     """Score on this process's rank; rank 0 writes the predictions."""
     args = build_parser().parse_args(argv)
     with restored(args, (*WHERE, *_HOW)) as r:
-        sizes = r.cfg.model().table_sizes
-        source = RawStream(args.data, sizes, r.on.skip_bad_lines, labeled=False)
+        m = r.cfg.model()
+        source = RawStream(args.data, m.table_sizes, r.on.skip_bad_lines, False, m.n_dense)
         ev = evaluate(r.parts, source, r.on, r.step, r.ranks, predictions=True)
         assert ev is not None  # (no `heard`: nothing ends it early)
         preds = ev.pop("predictions", None)

@@ -14,14 +14,15 @@ from recsz.model.fiited import RULES
 from recsz.model.multihot import BAG_DRAWS
 from recsz.model.rowopt import TABLE_DTYPES
 
-CONFIG_VERSION = 18  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
+CONFIG_VERSION = 19  # 2: --fwd-refs removed; 3: batched tables; 4: --dp-comm hooks;
 # 5: --tt-cache-rows/-interval, --tt-placement, --dp-eb-collective; 6: --table-class and
 # the linear/log decays removed, --dense-dtype; 7: --cuda-graph; 8: --multi-hot, --mlp-init;
 # 9: --mlp-init and (with bags) --emb-lr default to the data's, --host-memory;
 # 10: --compress auto; 11: --interaction, --dcn-layers, --dcn-rank, --dense-optimizer;
 # 12: --eval-fraction, --eval-data, --data-order; 13: --lr-warmup-steps, --lr-decay-start,
 # --lr-decay-steps, --lr-decay-power, --target-auc; 14: --table-dtype; 15: --column-shards;
-# 16: --init-from; 17: --multi-hot-draws; 18: --emb-dim, --bottom-mlp, --top-mlp, --max-rows
+# 16: --init-from; 17: --multi-hot-draws; 18: --emb-dim, --bottom-mlp, --top-mlp, --max-rows;
+# 19: --table-rows, --dense-features
 
 
 @dataclass
@@ -90,9 +91,23 @@ class ModelOptions:
         "follows it unless --bottom-mlp is given)",
         ge=1,
     )
+    table_rows: str | None = opt(
+        None,
+        "rows of each embedding table, comma-separated, COUNTxROWS for several alike "
+        "(40x1000000,5000): a model of other tables than the preset's 26 of Criteo, whose "
+        "data is synthetic or TorchRec-layout .npy days with a sparse column a table "
+        "(default: preset's; --max-rows caps them)",
+        sep=",",
+    )
+    dense_features: int | None = opt(
+        None,
+        "dense inputs a sample (default: Criteo's 13; with other than 13, the data is "
+        "synthetic or .npy days with as many dense columns)",
+        ge=1,
+    )
     bottom_mlp: str | None = opt(
         None,
-        "the bottom MLP's widths after the 13 dense inputs, dash-separated, the last the "
+        "the bottom MLP's widths after the dense inputs, dash-separated, the last the "
         "embedding dim (default: preset's; bench: 512-256-64)",
         sep="-",
     )

@@ -74,9 +74,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 f"--batch-size {bsz} is not divisible by the {ranks.world} ranks; "
                 f"use a multiple of {ranks.world}"
             )
-        tables = cfg.model().table_sizes
-        source = make_source(cfg.data, tables, cfg.seed, cfg.skip_bad_lines, cfg.synthetic_eval,
-                             cfg.eval_fraction, cfg.eval_data, cfg.data_order)  # fmt: skip
+        m = cfg.model()
+        source = make_source(cfg.data, m.table_sizes, cfg.seed, cfg.skip_bad_lines,
+                             cfg.synthetic_eval, cfg.eval_fraction, cfg.eval_data,
+                             cfg.data_order, m.n_dense)  # fmt: skip
         steps = cfg.steps or source.steps_per_epoch(bsz) or SYNTHETIC_DEFAULT_STEPS
         parts, owners = build_parts(cfg, ranks)
         start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)

@@ -46,6 +46,22 @@ class CriteoFormatError(ValueError):
     """A line of a Criteo file could not be parsed; the message names file:line:field."""
 
 
+#: What a model of other tables or dense inputs than Criteo's reads instead of its files.
+OTHER_DATA = "give it --data synthetic, or TorchRec-layout .npy days of its shape"
+
+
+def check_layout(name: str, n_tables: int, n_dense: int, instead: str = OTHER_DATA) -> None:
+    """A ValueError where a model of ``n_tables`` tables and ``n_dense`` dense inputs is to
+    read Criteo's files (``name``: what is read), which hold 26 and 13 columns; it ends in
+    ``instead``, what to do."""
+    if (n_tables, n_dense) != (N_CAT, N_DENSE):
+        raise ValueError(
+            f"{name}: Criteo's files hold {N_DENSE} dense and {N_CAT} categorical columns, and "
+            f"this model takes {n_dense} dense inputs and {n_tables} tables (--dense-features, "
+            f'--table-rows): {instead} (README, "Your own data")'
+        )
+
+
 #: Counts beyond this are not Criteo counts (they would overflow log1p and int64).
 _MAX_COUNT = 2**63 - 1
 

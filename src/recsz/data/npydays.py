@@ -2,7 +2,9 @@
 ``day_N_dense.npy`` (float32 (rows, 13), already log-scaled), ``day_N_sparse.npy`` (integer
 (rows, 26), the raw 32-bit categories or TorchRec's contiguous ids) and ``day_N_labels.npy``
 (integer (rows, 1)), what ``torchrec.datasets.criteo.BinaryCriteoUtils`` writes
-(``tsv_to_npys``, ``shuffle``) and MLPerf's DLRM recipes train from. Each file is
+(``tsv_to_npys``, ``shuffle``) and MLPerf's DLRM recipes train from. Other data in the same
+layout trains a model of its shape (``--dense-features`` dense columns, a sparse column a
+table of ``--table-rows``). Each file is
 memory-mapped and the days are read one after another as one set, so Terabyte's 24 days
 (~1 TB) are not converted or copied; a category becomes the id ``value % table rows``, as
 TorchRec's ``num_embeddings_per_feature`` hashing does (0, missing, stays 0).
@@ -25,7 +27,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from recsz.data.criteo import N_CAT, N_DENSE, Arrays
+from recsz.data.criteo import N_DENSE, Arrays
 
 _DAY = re.compile(r"day_(\d+)_dense\.npy")
 _KINDS = ("dense", "sparse", "labels")
@@ -41,21 +43,24 @@ def _days(d: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
 
 
-def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
-    """The days of ``d``, in day order, as one set of rows (memory-mapped)."""
+def load(d: Path, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> Arrays:
+    """The days of ``d``, in day order, as one set of rows (memory-mapped), each of
+    ``n_dense`` dense values and an id a table."""
     days = _days(d)
     if not days:
         raise FileNotFoundError(f"{d}: no day_N_dense.npy (TorchRec's preprocessed Criteo days)")
     files: dict[str, list[np.ndarray]] = {k: [] for k in _KINDS}
     for day in days:
         got = {k: _open(d / f"day_{day}_{k}.npy") for k in _KINDS if k != "sparse"}
-        got["sparse"] = _sparse(d, day)
+        got["sparse"] = _sparse(d, day, len(table_sizes))
         rows = {k: a.shape[0] for k, a in got.items()}
         if len(set(rows.values())) != 1:
             raise ValueError(f"{d}: day {day}'s files hold different row counts {rows}")
-        _check(d / f"day_{day}_dense.npy", got["dense"], (N_DENSE,), np.floating)
-        _check(d / f"day_{day}_sparse.npy", got["sparse"], (N_CAT,), np.integer)
-        _check(d / f"day_{day}_labels.npy", got["labels"], (1,), np.integer)
+        _check(d / f"day_{day}_dense.npy", got["dense"], n_dense, np.floating,
+               "the model's dense inputs (--dense-features)")  # fmt: skip
+        _check(d / f"day_{day}_sparse.npy", got["sparse"], len(table_sizes), np.integer,
+               "an id of each of the model's tables (--table-rows)")  # fmt: skip
+        _check(d / f"day_{day}_labels.npy", got["labels"], 1, np.integer, "a label a row")
         for k, a in got.items():
             files[k].append(a)
     sizes = np.asarray(table_sizes, dtype=np.int64)
@@ -68,13 +73,13 @@ def load(d: Path, table_sizes: Sequence[int]) -> Arrays:
     return Arrays(*(cast(np.ndarray, f) for f in fields))
 
 
-def _sparse(d: Path, day: int) -> Any:
-    """A day's (rows, 26) one-hot ids: its sparse ``.npy``, or else the first ids of its
-    materialized multi-hot ``.npz``."""
+def _sparse(d: Path, day: int, n_cat: int) -> Any:
+    """A day's (rows, ``n_cat``) one-hot ids: its sparse ``.npy``, or else the first ids of
+    its materialized multi-hot ``.npz``."""
     npz = d / f"day_{day}_sparse_multi_hot.npz"
     if (d / f"day_{day}_sparse.npy").exists() or not npz.exists():
         return _open(d / f"day_{day}_sparse.npy")
-    return FirstIds(npz)
+    return FirstIds(npz, n_cat)
 
 
 def check_bags(
@@ -87,7 +92,7 @@ def check_bags(
     from recsz.model.multihot import mlperf_first_draws
 
     days = _days(d)
-    first = _sparse(d, days[0]) if days else None
+    first = _sparse(d, days[0], len(table_sizes)) if days else None
     if not isinstance(first, FirstIds):
         return
     spec = ",".join(map(str, first.widths))
@@ -106,15 +111,16 @@ def check_bags(
 
 class FirstIds:
     """A materialized multi-hot day's one-hot ids: the first id of each feature's bag, read
-    by rows as a (rows, 26) array, from each feature's array memory-mapped in the archive."""
+    by rows as a (rows, ``n_cat``) array, from each feature's array memory-mapped in the
+    archive."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, n_cat: int) -> None:
         self.path = path
-        self.members = _members(path)
+        self.members = _members(path, n_cat)
         lengths = {len(m) for m in self.members}
         if len(lengths) != 1:
             raise ValueError(f"{path}: its features hold different row counts {lengths}")
-        self.shape = (lengths.pop(), N_CAT)
+        self.shape = (lengths.pop(), n_cat)
         self.dtype = self.members[0].dtype
         self.widths = tuple(int(m.shape[1]) for m in self.members)
 
@@ -125,15 +131,17 @@ class FirstIds:
         return np.stack([m[rows, 0] for m in self.members], 1)
 
 
-def _members(path: Path) -> list[np.ndarray]:
-    """Features 0..25 of an ``np.savez`` archive (stored, not compressed), memory-mapped."""
+def _members(path: Path, n_cat: int) -> list[np.ndarray]:
+    """Features 0..n_cat-1 of an ``np.savez`` archive (stored, not compressed),
+    memory-mapped."""
     out: list[np.ndarray] = []
     try:
         with zipfile.ZipFile(path) as z, open(path, "rb") as f:
-            for j in range(N_CAT):
+            for j in range(n_cat):
                 info = z.NameToInfo.get(f"{j}.npy")
                 if info is None:
-                    raise ValueError(f"{path}: no array {j} (a materialized day holds 0..25)")
+                    raise ValueError(f"{path}: no array {j} (a materialized day holds "
+                                     f"0..{n_cat - 1}, one a table)")  # fmt: skip
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise ValueError(f"{path}: array {j} is compressed; only np.savez's stored "
                                      "arrays are read where they lie")  # fmt: skip
@@ -168,11 +176,11 @@ def _open(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: not a .npy array ({e})") from e
 
 
-def _check(path: Path, a: np.ndarray, width: tuple[int, ...], kind: Any) -> None:
-    if a.shape[1:] != width or not np.issubdtype(a.dtype, kind):
+def _check(path: Path, a: np.ndarray, width: int, kind: Any, what: str) -> None:
+    if a.shape[1:] != (width,) or not np.issubdtype(a.dtype, kind):
         raise ValueError(
-            f"{path}: {a.dtype} {a.shape}, expected {kind.__name__} (rows, {width[0]}) as "
-            "TorchRec's BinaryCriteoUtils writes"
+            f"{path}: {a.dtype} {a.shape}, expected {kind.__name__} (rows, {width}): {what}, "
+            "as TorchRec's BinaryCriteoUtils writes"
         )
 
 

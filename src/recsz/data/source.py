@@ -20,7 +20,7 @@ import torch
 
 from recsz import hostmemory
 from recsz.data import criteo, npydays, preprocessed
-from recsz.data.criteo import FIELDS
+from recsz.data.criteo import FIELDS, N_DENSE
 from recsz.data.synthetic import SyntheticCriteo
 
 #: The share of a file's rows held out for evaluation by default (its last rows).
@@ -37,7 +37,8 @@ ROWS_ORDER_MAX = 1 << 27  # a permutation of 1 GiB
 
 @dataclass
 class Batch:
-    """dense (B, 13) float32, ids (B, 26) int64, labels (B,) float32."""
+    """dense (B, 13) float32, ids (B, 26) int64, labels (B,) float32 (a model of other
+    tables or dense inputs: as many columns)."""
 
     dense: torch.Tensor
     ids: torch.Tensor
@@ -125,7 +126,8 @@ class DataSource:
 
 
 class SyntheticSource(DataSource):
-    """The built-in generator: an endless training stream and a fixed eval set."""
+    """The built-in generator: an endless training stream and a fixed eval set (``kw``:
+    :class:`SyntheticCriteo`'s, ``n_dense`` among them)."""
 
     def __init__(
         self, table_sizes: Sequence[int], seed: int, n_eval: int = 20_000, **kw: object
@@ -282,29 +284,35 @@ def make_source(
     eval_frac: float | None = None,
     eval_data: str | None = None,
     order: str = "auto",
+    n_dense: int = N_DENSE,
 ) -> DataSource:
     """``synthetic`` (``synthetic_eval`` held-out samples), a raw Criteo TSV file, a
     directory made by ``recsz preprocess`` or one of TorchRec's preprocessed days: its
     last ``eval_frac`` held out, or, with ``eval_data`` (another such file or directory,
     e.g. Terabyte's day_23), all of it trains and that evaluates. ``eval_frac`` None:
-    :data:`EVAL_FRACTION`; ``order``: a file's training order (:data:`DATA_ORDERS`)."""
+    :data:`EVAL_FRACTION`; ``order``: a file's training order (:data:`DATA_ORDERS`);
+    ``n_dense``: the dense inputs a sample (a model of other tables and inputs than
+    Criteo's reads synthetic data or .npy days of its shape)."""
     if data == "synthetic":
         if eval_data is not None:
             raise ValueError("--eval-data needs --data from a file: the generator's samples "
                              "are not the held-out file's")  # fmt: skip
-        return SyntheticSource(table_sizes, seed, synthetic_eval)
+        return SyntheticSource(table_sizes, seed, synthetic_eval, n_dense=n_dense)
     named = {"--data": data, "--eval-data": eval_data}
     _check_room([(f, Path(d)) for f, d in named.items() if d is not None and Path(d).is_file()])
-    arrays, skipped = _read(data, "--data", table_sizes, skip_bad_lines)
+    arrays, skipped = _read(data, "--data", table_sizes, skip_bad_lines, n_dense)
     held_out = None if eval_data is None else _read(eval_data, "--eval-data", table_sizes,
-                                                    skip_bad_lines)[0]  # fmt: skip
+                                                    skip_bad_lines, n_dense)[0]  # fmt: skip
     frac = EVAL_FRACTION if eval_frac is None else eval_frac
     return ArraySource(arrays, seed, frac, str(data), table_sizes, skipped, held_out,
                        str(eval_data), order)  # fmt: skip
 
 
 def held_out_source(
-    eval_data: str, table_sizes: Sequence[int], skip_bad_lines: bool = False
+    eval_data: str,
+    table_sizes: Sequence[int],
+    skip_bad_lines: bool = False,
+    n_dense: int = N_DENSE,
 ) -> DataSource:
     """``eval_data`` (a raw Criteo TSV, a `recsz preprocess` directory or TorchRec's days)
     as an evaluation set alone: a model trained elsewhere evaluated on it (a raw file
@@ -312,19 +320,21 @@ def held_out_source(
     if Path(eval_data).is_file():
         from recsz.data.stream import RawStream
 
-        return RawStream([eval_data], table_sizes, skip_bad_lines)
-    rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines)[0]
+        return RawStream([eval_data], table_sizes, skip_bad_lines, n_dense=n_dense)
+    rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines, n_dense)[0]
     return ArraySource(rows, 0, name=eval_data, table_sizes=table_sizes, held_out=rows,
                        held_out_name=eval_data)  # fmt: skip
 
 
 def _read(
-    data: str, flag: str, table_sizes: Sequence[int], skip_bad_lines: bool
+    data: str, flag: str, table_sizes: Sequence[int], skip_bad_lines: bool, n_dense: int
 ) -> tuple[criteo.Arrays, int]:
     """The rows of a raw Criteo file or a preprocessed directory, and the lines skipped."""
     p = Path(data)
     if p.is_dir() and npydays.holds_days(p):  # TorchRec's .npy days, read where they lie
-        return npydays.load(p, table_sizes), 0
+        return npydays.load(p, table_sizes, n_dense), 0
+    if p.exists():  # (Criteo's layout: a `recsz preprocess` directory's, a raw file's)
+        criteo.check_layout(f"{flag} {data}", len(table_sizes), n_dense)
     if p.is_dir():
         arrays = preprocessed.load(p, table_sizes)
         skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))

@@ -26,7 +26,11 @@ class RawStream(DataSource):
         table_sizes: Sequence[int],
         skip_bad_lines: bool = False,
         labeled: bool = True,
+        n_dense: int = criteo.N_DENSE,
     ) -> None:
+        instead = ("score it on TorchRec-layout .npy days of its shape (`recsz evaluate RUN "
+                   "--eval-data DIR`, with --predictions FILE for the scores)")  # fmt: skip
+        criteo.check_layout(", ".join(map(str, paths)), len(table_sizes), n_dense, instead)
         for p in paths:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"{p}: no such file")

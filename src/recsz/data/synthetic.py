@@ -1,9 +1,11 @@
-"""Built-in synthetic data with Criteo's shape, so the main job needs no files.
+"""Built-in synthetic data with Criteo's shape (or another model's), so the main job needs
+no files.
 
-13 dense features (log(1 + count) of geometric counts) and 26 categorical features whose
-ids follow a power law (Zipf, exponent ``alpha``) over each table's size, like real
-click logs where a few ids are looked up in almost every batch. Labels come from a
-fixed hidden "teacher": a logistic model with one weight per (table, id), a linear term
+13 dense features (log(1 + count) of geometric counts) and 26 categorical features (or as
+many of each as a model of other tables and inputs has, :class:`SyntheticCriteo`) whose ids
+follow a power law (Zipf, exponent ``alpha``) over each table's size, like real click logs
+where a few ids are looked up in almost every batch. Labels come from a fixed hidden
+"teacher": a logistic model with one weight per (table, id), a linear term
 in the dense features and a few pairwise factor interactions (what DLRM's dot-product
 interaction can represent), with a bias giving Criteo's click rate of about 0.25.
 
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recsz.data.criteo import N_CAT, N_DENSE, Arrays
+from recsz.data.criteo import N_DENSE, Arrays
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -54,8 +56,10 @@ class SyntheticCriteo:
     """Criteo-shaped samples with a learnable hidden teacher; deterministic per seed.
 
     Args:
-        table_sizes: rows of each of the 26 tables (id 0 stays "missing", never drawn).
+        table_sizes: rows of each table, a categorical feature each (Criteo's 26, or any
+            other count; id 0 stays "missing", never drawn).
         seed: selects the teacher and the sample stream.
+        n_dense: dense features a sample (Criteo's 13, or any other count >= 1).
         alpha: Zipf exponent of id frequencies (about 1.05-1.2 on real click logs).
         shuffle_labels: draw labels independently of the features (a control whose AUC
             must stay at 0.5).
@@ -73,19 +77,21 @@ class SyntheticCriteo:
         alpha: float = 1.1,
         shuffle_labels: bool = False,
         cached_rows: int | None = None,
+        n_dense: int = N_DENSE,
     ) -> None:
-        if len(table_sizes) != N_CAT:
-            raise ValueError(f"need {N_CAT} table sizes, got {len(table_sizes)}")
-        if min(table_sizes) < 2:
+        if not len(table_sizes) or min(table_sizes) < 2:
             raise ValueError("every table needs at least 2 rows (row 0 means missing)")
+        if n_dense < 1:
+            raise ValueError(f"need a dense feature or more, got {n_dense}")
         self.table_sizes = [int(n) for n in table_sizes]
+        self.n_cat, self.n_dense = len(self.table_sizes), int(n_dense)
         self.seed = int(seed)
         self.alpha = float(alpha)
         self.shuffle_labels = shuffle_labels
         rng = np.random.default_rng([self.seed, 7])
-        self.dense_w = rng.normal(0.0, 0.25, N_DENSE)
-        self.dense_p = rng.uniform(0.05, 0.6, N_DENSE)  # geometric count parameters
-        pairs = rng.choice(N_CAT, size=(self.n_pairs, 2), replace=True)
+        self.dense_w = rng.normal(0.0, 0.25, self.n_dense)
+        self.dense_p = rng.uniform(0.05, 0.6, self.n_dense)  # geometric count parameters
+        pairs = rng.choice(self.n_cat, size=(self.n_pairs, 2), replace=True)
         self.pairs = [(int(a), int(b)) for a, b in pairs if a != b]
         # Per-table weight scale: small tables (frequent ids) carry more signal, as in
         # real logs where e.g. the device type matters and rare ids barely do.
@@ -131,7 +137,7 @@ class SyntheticCriteo:
         """The teacher's logit for each sample (without the label noise)."""
         z = np.full(ids.shape[0], self.bias)
         z += (dense.astype(np.float64) - 0.7) @ self.dense_w
-        for t in range(N_CAT):
+        for t in range(self.n_cat):
             z += self.table_scale[t] * self._value(t, ids[:, t], 0)
         for a, b in self.pairs:
             fa = np.stack([self._value(a, ids[:, a], 1 + k) for k in range(self.factor_dim)])
@@ -177,19 +183,19 @@ class SyntheticCriteo:
         a, b, step2 = (rows or slice(0, m)).indices(m)
         if step != 1 or step2 != 1 or b < a or m < 0:
             raise ValueError(f"rows {rows} of {span} is not a run of the block's {n} samples")
-        draws = _Draws(self.seed, stream, index)
-        ids = np.zeros((m, N_CAT), dtype=np.int64)
-        dense = np.zeros((m, N_DENSE), dtype=np.float32)
+        draws, cats, nd = _Draws(self.seed, stream, index), self.n_cat, self.n_dense
+        ids = np.zeros((m, cats), dtype=np.int64)
+        dense = np.zeros((m, nd), dtype=np.float32)
         labels = np.zeros(m, dtype=np.float32)
-        at_dense, at_labels = N_CAT * n + first * N_DENSE, (N_CAT + N_DENSE) * n + first
+        at_dense, at_labels = cats * n + first * nd, (cats + nd) * n + first
         whole = (a, b) == (0, m)
-        u_all = draws.uniform(0, (N_CAT + N_DENSE + 1) * n) if whole and m == n else None
-        for t in range(N_CAT):
+        u_all = draws.uniform(0, (cats + nd + 1) * n) if whole and m == n else None
+        for t in range(cats):
             lo, hi = (0, m) if whole or t in tables else (a, b)
             u = draws.uniform(t * n + first + lo, t * n + first + hi, u_all)
             ids[lo:hi, t] = self._ids(t, u)
-        u = draws.uniform(at_dense + a * N_DENSE, at_dense + b * N_DENSE, u_all)
-        counts = np.floor(np.log1p(-u.reshape(-1, N_DENSE)) / np.log1p(-self.dense_p))
+        u = draws.uniform(at_dense + a * nd, at_dense + b * nd, u_all)
+        counts = np.floor(np.log1p(-u.reshape(-1, nd)) / np.log1p(-self.dense_p))
         dense[a:b] = np.log1p(counts)  # geometric counts, by inversion
         if self.shuffle_labels:
             p = np.full(b - a, 0.25)

@@ -43,7 +43,7 @@ def parse_hotness(spec: str, n_tables: int) -> tuple[int, ...] | None:
     if spec == "mlperf":
         if n_tables != len(MLPERF_HOTNESS):
             raise ValueError(
-                f"--multi-hot mlperf gives {len(MLPERF_HOTNESS)} tables' bags, the preset "
+                f"--multi-hot mlperf gives {len(MLPERF_HOTNESS)} tables' bags, the model "
                 f"has {n_tables} tables"
             )
         return MLPERF_HOTNESS

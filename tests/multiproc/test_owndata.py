@@ -1,0 +1,59 @@
+"""A model of other tables and dense inputs than Criteo's on 2 gloo ranks: the same run as
+one process (a lossless codec, SGD tables), on TorchRec-layout days of its shape, and its
+checkpoint evaluated on them by any number of ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recsz.cli import main as recsz
+from recsz.train import main
+from tests.test_owndata import DENSE, ROWS, write_days
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ["--table-rows", "3x300,5000,40", "--dense-features", str(DENSE), "--steps", "12",
+         "--batch-size", "64", "--log-every", "1", "--no-progress", "--checkpoint-every", "12",
+         "--emb-optimizer", "sgd", "--fwd-codec", "zstd", "--bwd-codec", "lz4"]  # fmt: skip
+
+
+def model(out: Path) -> tuple[dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every table's weights (gathered from the ranks' checkpoint files) and the MLPs'."""
+    d = out / "checkpoints" / "step-000000012"
+    got: dict[int, torch.Tensor] = {}
+    for f in sorted(d.glob("rank-*.pt")):
+        s = torch.load(f, weights_only=False)
+        sizes = [ROWS[t] for t in s["tables"]]
+        got.update(zip(s["tables"], s["sparse"]["weight"].split(sizes), strict=True))
+    return got, torch.load(d / "rank-0.pt", weights_only=False)["dense"]
+
+
+def test_two_ranks_train_another_shape_as_one_process(tmp_path: Path) -> None:
+    days = write_days(tmp_path / "days", ROWS, DENSE)
+    runs = {n: tmp_path / f"n{n}" for n in (1, 2)}
+    for n, out in runs.items():
+        assert main([*FLAGS, "--data", str(days), "--out", str(out), "--nproc", str(n)]) == 0
+    rows = {n: [json.loads(r) for r in (o / "metrics.jsonl").read_text().splitlines()]
+            for n, o in runs.items()}  # fmt: skip
+    loss = {n: torch.tensor([r["loss"] for r in rs if "loss" in r]) for n, rs in rows.items()}
+    assert len(loss[1]) == 12
+    torch.testing.assert_close(loss[2], loss[1], rtol=0, atol=1e-5)
+    (t1, d1), (t2, d2) = model(runs[1]), model(runs[2])
+    assert sorted(t1) == sorted(t2) == list(range(len(ROWS)))
+    for t in t1:
+        torch.testing.assert_close(t2[t], t1[t], rtol=0, atol=1e-5, msg=f"table {t}")
+    for k in d1:
+        torch.testing.assert_close(d2[k], d1[k], rtol=0, atol=1e-5, msg=k)
+    # Its checkpoint evaluated on the days (all of them held out) by 2 ranks and by one.
+    said = {}
+    for n in (1, 2):
+        j = tmp_path / f"eval{n}.json"
+        assert recsz(["evaluate", str(runs[2]), "--eval-data", str(days), "--nproc", str(n),
+                      "--json", str(j)]) == 0  # fmt: skip
+        said[n] = json.loads(j.read_text())
+    assert said[1]["eval_samples"] == said[2]["eval_samples"] == 4000
+    assert said[1]["auc"] == pytest.approx(said[2]["auc"], abs=1e-6)
