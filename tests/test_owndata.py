@@ -126,3 +126,22 @@ def test_criteos_files_are_refused_for_a_model_of_another_shape(tmp_path: Path) 
     with pytest.raises(ValueError, match="takes 4 dense inputs and 26 tables"):
         make_source(str(sample), get_preset("tiny").model.table_sizes, 0, n_dense=DENSE)
     assert len(make_source(str(sample), get_preset("tiny").model.table_sizes, 0).held_out) > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.bool_, np.int8])
+def test_labels_of_any_numeric_dtype_read_as_they_say(tmp_path: Path, dtype: type) -> None:
+    """Labels saved as floats or booleans (not only TorchRec's integers) read as 0 and 1; a
+    label other than those is refused with its day's row."""
+    days = write_days(tmp_path / "days", ROWS, DENSE, n=200, days=1)
+    labels = np.load(days / "day_0_labels.npy")
+    np.save(days / "day_0_labels.npy", labels.astype(dtype))
+    src = make_source(str(days), ROWS, 0, n_dense=DENSE)
+    got = np.concatenate([b.labels.numpy() for b in src.eval_batches(64)])
+    assert np.array_equal(got, labels[160:, 0].astype(np.float32))
+    if dtype in (np.float32, np.float64):
+        labels = labels.astype(dtype)
+        labels[170, 0] = 0.5
+        np.save(days / "day_0_labels.npy", labels)
+        src = make_source(str(days), ROWS, 0, n_dense=DENSE)
+        with pytest.raises(ValueError, match=r"row 170: label 0.5 is not 0 or 1"):
+            list(src.eval_batches(64))

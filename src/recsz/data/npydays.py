@@ -60,7 +60,8 @@ def load(d: Path, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> Arrays:
                "the model's dense inputs (--dense-features)")  # fmt: skip
         _check(d / f"day_{day}_sparse.npy", got["sparse"], len(table_sizes), np.integer,
                "an id of each of the model's tables (--table-rows)")  # fmt: skip
-        _check(d / f"day_{day}_labels.npy", got["labels"], 1, np.integer, "a label a row")
+        _check(d / f"day_{day}_labels.npy", got["labels"], 1, (np.integer, np.floating, np.bool_),
+               "a label a row, 0 or 1")  # fmt: skip
         for k, a in got.items():
             files[k].append(a)
     sizes = np.asarray(table_sizes, dtype=np.int64)
@@ -177,9 +178,13 @@ def _open(path: Path) -> np.ndarray:
 
 
 def _check(path: Path, a: np.ndarray, width: int, kind: Any, what: str) -> None:
-    if a.shape[1:] != (width,) or not np.issubdtype(a.dtype, kind):
+    """A ValueError naming ``path`` unless ``a`` is (rows, ``width``) of a dtype of ``kind``
+    (one, or a tuple of them)."""
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if a.shape[1:] != (width,) or not any(np.issubdtype(a.dtype, k) for k in kinds):
+        named = " or ".join(k.__name__ for k in kinds)
         raise ValueError(
-            f"{path}: {a.dtype} {a.shape}, expected {kind.__name__} (rows, {width}): {what}, "
+            f"{path}: {a.dtype} {a.shape}, expected {named} (rows, {width}): {what}, "
             "as TorchRec's BinaryCriteoUtils writes"
         )
 
