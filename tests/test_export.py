@@ -1,6 +1,6 @@
 """`recsz export`: a trained model written as TorchRec's DLRM gives the logits ours gives,
 whatever its tables are (column shards, half precision, TT cores with their cache, FIITED's
-pruned chunks, multi-hot bags) and either interaction."""
+pruned chunks, multi-hot bags), its dense inputs' count and either interaction."""
 
 from __future__ import annotations
 
@@ -24,15 +24,16 @@ from recsz.torchrec.export import exported, load_dlrm, tables_of  # noqa: E402
 SIZES, DIM, BATCH = (40, 25, 60, 7), 8, 32
 
 
-def _cfg(interaction: str) -> ModelConfig:
-    return ModelConfig(SIZES, DIM, bottom_mlp=(16, DIM), top_mlp=(12, 1),
+def _cfg(interaction: str, n_dense: int = 13) -> ModelConfig:
+    return ModelConfig(SIZES, DIM, bottom_mlp=(16, DIM), top_mlp=(12, 1), n_dense=n_dense,
                        interaction=interaction, dcn_layers=2, dcn_rank=3)  # fmt: skip
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(step: int, n_dense: int = 13) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     ids = torch.stack([torch.randint(0, n, (BATCH,), generator=g) for n in SIZES], 1)
-    return torch.rand(BATCH, 13, generator=g), ids, torch.randint(0, 2, (BATCH,), generator=g)
+    dense = torch.rand(BATCH, n_dense, generator=g)
+    return dense, ids, torch.randint(0, 2, (BATCH,), generator=g)
 
 
 def _kjt(ids: torch.Tensor, hot: tuple[int, ...] | None, draws: str = "hash") -> object:
@@ -51,6 +52,8 @@ def _kjt(ids: torch.Tensor, hot: tuple[int, ...] | None, draws: str = "hash") ->
 CASES = {
     "dot": {},
     "dcn": {"interaction": "dcn"},
+    "5 dense inputs (--dense-features)": {"n_dense": 5},
+    "5 dense inputs, dcn": {"n_dense": 5, "interaction": "dcn"},
     "column shards": {"shards": 2},
     "fp16 tables": {"dtype": torch.float16},
     "multi-hot": {"hotness": (3, 1, 2, 4)},
@@ -66,7 +69,8 @@ def test_the_exported_model_gives_our_logits(case: str, tmp_path: Path) -> None:
     """Trained a few steps (rows, caches and pruning all moved), written by `exported`
     through a file and loaded by `load_dlrm`: TorchRec's model gives our logits."""
     kw = dict(CASES[case])
-    cfg = _cfg(kw.pop("interaction", "dot"))
+    n_dense = kw.pop("n_dense", 13)
+    cfg = _cfg(kw.pop("interaction", "dot"), n_dense)
     shards = kw.get("shards", 1)
     tt = kw.get("tt")
     local_set = tt.replicated if tt is not None else frozenset()
@@ -89,7 +93,7 @@ def test_the_exported_model_gives_our_logits(case: str, tmp_path: Path) -> None:
     dense_opt = torch.optim.SGD(params, lr=0.1)
     loss = torch.nn.BCEWithLogitsLoss()
     for step in range(6):
-        x, ids, y = _batch(step)
+        x, ids, y = _batch(step, n_dense)
         logits = dense(x, pooled(ids), ids)
         dense_opt.zero_grad()
         loss(logits, y.float()).backward()
@@ -106,7 +110,7 @@ def test_the_exported_model_gives_our_logits(case: str, tmp_path: Path) -> None:
     torch.save(blob, tmp_path / "m.pt")
     theirs = load_dlrm(tmp_path / "m.pt")
     assert type(theirs).__name__ == ("DLRM_DCN" if cfg.interaction == "dcn" else "DLRM")
-    x, ids, _ = _batch(100)
+    x, ids, _ = _batch(100, n_dense)
     with torch.no_grad():
         ours = dense(x, pooled(ids), ids)
         got = theirs(x, _kjt(ids, kw.get("hotness"), draws)).view(-1)
