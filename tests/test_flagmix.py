@@ -106,6 +106,7 @@ def test_the_drawn_options_cover_the_choices_and_switches() -> None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mix=option_mixes())
 @example(mix=["--dp-comm", "dct"])  # one rank: no hook, no refreshes (crashed at the report)
+@example(mix=["--bwd-codec", "hybrid", "--eb-policy", "none"])  # refused at the first step
 def test_any_mix_of_options_trains_or_is_refused_up_front(
     mix: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:

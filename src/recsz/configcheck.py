@@ -52,7 +52,7 @@ def refused(cfg: TrainConfig) -> None:
     if (bsz := cfg.resolved("batch_size")) % cfg.nproc:  # once, before the launch
         raise ValueError(f"--batch-size {bsz} is not divisible by --nproc {cfg.nproc}")
     if cfg.tt_tables > n_tables:
-        raise ValueError(f"--tt-tables must be 0 to {n_tables} (the preset's tables)")
+        raise ValueError(f"--tt-tables must be 0 to {n_tables} (the model's tables)")
     if spec is not None and cfg.table_dtype != "fp32":
         raise ValueError(f"--table-dtype {cfg.table_dtype} with --fiited-budget: FIITED's "
                          "chunk store keeps fp32 rows")  # fmt: skip
@@ -111,6 +111,10 @@ def _check_bound_values(cfg: TrainConfig) -> None:
     if cfg.dp_eb >= 1:
         raise ValueError(_whole_range("--dp-eb", cfg.dp_eb, "each gradient bucket's range"))
     for d in ("fwd", "bwd"):
+        if cfg.eb_policy == "none" and _bounded(cfg, d):  # (the first step's exchange: late)
+            codec = getattr(cfg, f"{d}_codec")
+            raise ValueError(f"--{d}-codec {codec} is error-bounded: it needs --eb-policy "
+                             f"fixed (its bound --{d}-eb), table or dual")  # fmt: skip
         classes = cfg.class_eb(d)
         bounds = (
             (f"--{d}-eb", getattr(cfg, f"{d}_eb")),
