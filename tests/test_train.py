@@ -282,8 +282,14 @@ def test_the_progress_bar_shows_the_last_loss_and_auc(
 
 
 def test_bounded_codec_without_policy_is_refused(tmp_path: Path) -> None:
+    """Up front, by its configuration (it was refused at the first step's exchange)."""
+    for d in ("fwd", "bwd"):
+        with pytest.raises(ValueError, match=f"--{d}-codec quant needs an error bound"):
+            TrainConfig(**{f"{d}_codec": "quant", "eb_policy": "none"})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs an error bound"):
-        main(["--steps", "1", "--fwd-codec", "hybrid", "--eb-policy", "none", "--no-progress"])
+        main(["--steps", "1", "--fwd-codec", "hybrid", "--eb-policy", "none", "--no-progress",
+              "--out", str(tmp_path / "run")])  # fmt: skip
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("dense_dtype", ["fp32", "bf16"])

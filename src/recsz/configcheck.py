@@ -113,8 +113,8 @@ def _check_bound_values(cfg: TrainConfig) -> None:
     for d in ("fwd", "bwd"):
         if cfg.eb_policy == "none" and _bounded(cfg, d):  # (the first step's exchange: late)
             codec = getattr(cfg, f"{d}_codec")
-            raise ValueError(f"--{d}-codec {codec} is error-bounded: it needs --eb-policy "
-                             f"fixed (its bound --{d}-eb), table or dual")  # fmt: skip
+            raise ValueError(f"--{d}-codec {codec} needs an error bound: --eb-policy fixed "
+                             f"(its bound --{d}-eb), table or dual")  # fmt: skip
         classes = cfg.class_eb(d)
         bounds = (
             (f"--{d}-eb", getattr(cfg, f"{d}_eb")),
