@@ -197,6 +197,8 @@ DMP_OPTS = (
     "--interaction",
     "--eval-every",
     "--target-auc",
+    "--table-rows",
+    "--dense-features",
 )
 
 
@@ -439,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         default="dot",
         help="recsz train's --interaction, every run (dcn: TorchRec's DLRM_DCN for DMP's)",
     )
+    ap.add_argument(
+        "--table-rows", help="recsz train's --table-rows, every run (DMP's tables the same)"
+    )
+    ap.add_argument(
+        "--dense-features", help="recsz train's --dense-features, every run (DMP's the same)"
+    )
     ap.add_argument("--train-flags", default="", help="more recsz train flags, our runs only")
     ap.add_argument(
         "--host-link",
@@ -494,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         *(("--multi-hot-draws", a.multi_hot_draws) if a.multi_hot_draws != "hash" else ()),
         *(("--emb-lr", a.emb_lr) if a.emb_lr else ()),
         *(("--interaction", a.interaction) if a.interaction != "dot" else ()),
+        *(("--table-rows", a.table_rows) if a.table_rows else ()),
+        *(("--dense-features", a.dense_features) if a.dense_features else ()),
     ]
     print(
         f"machine: {os.cpu_count()} cores (ranks share them: compute is slow, the link is "

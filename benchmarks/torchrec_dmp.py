@@ -101,7 +101,7 @@ def torchrec_dlrm(
     ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
     mlps = {
         "embedding_bag_collection": ebc,
-        "dense_in_features": 13,
+        "dense_in_features": mcfg.n_dense,
         "dense_arch_layer_sizes": list(mcfg.bottom_mlp),
         "over_arch_layer_sizes": list(mcfg.top_mlp),
     }
@@ -213,6 +213,8 @@ def main() -> None:
     )
     ap.add_argument("--emb-lr", type=float, help="the tables' learning rate (default: ours)")
     ap.add_argument("--interaction", default="dot", help="recsz train's: dot or dcn (DLRM_DCN)")
+    ap.add_argument("--table-rows", help="recsz train's: the tables' rows (default: preset's)")
+    ap.add_argument("--dense-features", type=int, help="recsz train's: dense inputs (13)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
@@ -236,7 +238,8 @@ def main() -> None:
             host_groups(link, local, a.hosts)
     torch.manual_seed(a.seed)
     # our model and defaults where none is given (the preset's; the tables' rate less with bags)
-    ours = TrainConfig(preset=a.preset, interaction=a.interaction, multi_hot=a.multi_hot)
+    ours = TrainConfig(preset=a.preset, interaction=a.interaction, multi_hot=a.multi_hot,
+                       table_rows=a.table_rows, dense_features=a.dense_features)  # fmt: skip
     mcfg = ours.model()
     n_tables = len(mcfg.table_sizes)
     fused = {
@@ -270,7 +273,7 @@ def main() -> None:
         ours.resolved("dense_optimizer"), dense_params.values(), ours.resolved("lr")
     )
 
-    src = make_source("synthetic", mcfg.table_sizes, a.seed)
+    src = make_source("synthetic", mcfg.table_sizes, a.seed, n_dense=mcfg.n_dense)
     src.n_eval = a.synthetic_eval  # type: ignore[attr-defined]
     b = a.batch_size // world
     hotness = parse_hotness(a.multi_hot, n_tables) or (1,) * n_tables
