@@ -122,8 +122,8 @@ def test_damaged_days_are_refused_naming_the_file(days: Path) -> None:
     np.save(days / "day_1_labels.npy", np.zeros((5, 1), np.int32))
     with pytest.raises(ValueError, match="day 1's files hold different row counts"):
         make_source(str(days), SIZES, seed=0)
-    np.save(days / "day_1_labels.npy", np.zeros((3999, 1), np.float32))
-    with pytest.raises(ValueError, match=r"day_1_labels\.npy: float32"):
+    np.save(days / "day_1_labels.npy", np.zeros((3999, 2), np.int32))  # (floats may be labels)
+    with pytest.raises(ValueError, match=r"day_1_labels\.npy: int32 \(3999, 2\)"):
         make_source(str(days), SIZES, seed=0)
     labels = np.zeros((3999, 1), np.int32)
     labels[123] = -1  # what tsv_to_npys writes for Kaggle's unlabelled test set

@@ -252,7 +252,7 @@ class EmbeddingExchange:
         """pooled (B, |T_r|, D), ids (B, T) of the global batch -> pending (b, T, D); the
         bytes fly while you compute."""
         self._fwd_checks.read()  # a forward's whose backward never ran
-        if self.training and torch.is_grad_enabled() and not pooled.requires_grad:
+        if self.training and torch.is_grad_enabled() and not pooled.shape[1]:
             # A rank of no tables (more ranks than tables) still takes its part in the
             # backward exchange its peers start: without it they waited for its bytes.
             pooled = pooled.detach().requires_grad_()
