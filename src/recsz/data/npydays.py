@@ -56,12 +56,12 @@ def load(d: Path, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> Arrays:
         rows = {k: a.shape[0] for k, a in got.items()}
         if len(set(rows.values())) != 1:
             raise ValueError(f"{d}: day {day}'s files hold different row counts {rows}")
-        _check(d / f"day_{day}_dense.npy", got["dense"], n_dense, np.floating,
-               "the model's dense inputs (--dense-features)")  # fmt: skip
-        _check(d / f"day_{day}_sparse.npy", got["sparse"], len(table_sizes), np.integer,
-               "an id of each of the model's tables (--table-rows)")  # fmt: skip
-        _check(d / f"day_{day}_labels.npy", got["labels"], 1, (np.integer, np.floating, np.bool_),
-               "a label a row, 0 or 1")  # fmt: skip
+        _check(d / f"day_{day}_dense.npy", got["dense"], n_dense,
+               "the model's dense inputs (--dense-features)", np.floating)  # fmt: skip
+        _check(d / f"day_{day}_sparse.npy", got["sparse"], len(table_sizes),
+               "an id of each of the model's tables (--table-rows)", np.integer)  # fmt: skip
+        _check(d / f"day_{day}_labels.npy", got["labels"], 1, "a label a row, 0 or 1",
+               np.integer, np.floating, np.bool_)  # fmt: skip
         for k, a in got.items():
             files[k].append(a)
     sizes = np.asarray(table_sizes, dtype=np.int64)
@@ -177,10 +177,9 @@ def _open(path: Path) -> np.ndarray:
         raise ValueError(f"{path}: not a .npy array ({e})") from e
 
 
-def _check(path: Path, a: np.ndarray, width: int, kind: Any, what: str) -> None:
-    """A ValueError naming ``path`` unless ``a`` is (rows, ``width``) of a dtype of ``kind``
-    (one, or a tuple of them)."""
-    kinds = kind if isinstance(kind, tuple) else (kind,)
+def _check(path: Path, a: np.ndarray, width: int, what: str, *kinds: Any) -> None:
+    """A ValueError naming ``path`` unless ``a`` is (rows, ``width``) of a dtype of one of
+    ``kinds`` (numpy's abstract types: ``np.integer``...); ``what`` says what it holds."""
     if a.shape[1:] != (width,) or not any(np.issubdtype(a.dtype, k) for k in kinds):
         named = " or ".join(k.__name__ for k in kinds)
         raise ValueError(
