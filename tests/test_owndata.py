@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from recsz.config import TrainConfig
 from recsz.data.criteo import FIELDS, N_CAT, N_DENSE
 from recsz.data.source import Part, make_source
+from recsz.data.stream import RawStream
 from recsz.data.synthetic import SyntheticCriteo
 from recsz.model import get_preset
 from recsz.train import main
@@ -126,6 +127,16 @@ def test_criteos_files_are_refused_for_a_model_of_another_shape(tmp_path: Path) 
     with pytest.raises(ValueError, match="takes 4 dense inputs and 26 tables"):
         make_source(str(sample), get_preset("tiny").model.table_sizes, 0, n_dense=DENSE)
     assert len(make_source(str(sample), get_preset("tiny").model.table_sizes, 0).held_out) > 0
+
+
+def test_a_missing_raw_file_is_named_missing_for_any_shape(tmp_path: Path) -> None:
+    """A file that is not there is named so, for a model of any shape, before its layout."""
+    missing = str(tmp_path / "nowhere.tsv")
+    for rows, dense in ((ROWS, DENSE), (get_preset("tiny").model.table_sizes, N_DENSE)):
+        with pytest.raises(FileNotFoundError, match=r"nowhere\.tsv: no such file"):
+            RawStream([missing], rows, n_dense=dense)
+        with pytest.raises(FileNotFoundError, match=r"--data .*nowhere\.tsv: no such file"):
+            make_source(missing, rows, 0, n_dense=dense)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.bool_, np.int8])

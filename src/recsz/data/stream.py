@@ -30,10 +30,10 @@ class RawStream(DataSource):
     ) -> None:
         instead = ("score it on TorchRec-layout .npy days of its shape (`recsz evaluate RUN "
                    "--eval-data DIR`, with --predictions FILE for the scores)")  # fmt: skip
-        criteo.check_layout(", ".join(map(str, paths)), len(table_sizes), n_dense, instead)
         for p in paths:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"{p}: no such file")
+        criteo.check_layout(", ".join(map(str, paths)), len(table_sizes), n_dense, instead)
         self.paths = list(paths)
         self.table_sizes = list(table_sizes)
         self.skip_bad_lines = skip_bad_lines

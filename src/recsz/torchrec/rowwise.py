@@ -19,6 +19,12 @@ Bags of one content (:mod:`recsz.torchrec.rows`): the sample owner emptied every
 the first of each before TorchRec's input dist, so no rank fills a repeat; the owner copies
 the first bag's summed row to the others forward, and adds their gradients onto it
 backward (a table's update reads only that sum).
+
+Mean pooling: TorchRec divides the summed rows by each bag's id count (weighted bags: its
+weight sum) after this dist, so the bound holds on the sums; an output's error is the
+bound over that divisor, larger than the bound where a weighted bag's weights sum below 1.
+A module with such a table merges no bags (:meth:`recsz.torchrec.sharded
+.CompressedShardedEBC.input_dist`).
 """
 
 from __future__ import annotations

@@ -259,11 +259,13 @@ class CompressedShardedEBC(CompressingModule, ShardedEmbeddingBagCollection):
         its first bag); each such sharding's context keeps how its bags merged, for its
         output dist (a pipeline runs the next batch's input dist before this one's). A
         batch the switch sends plain (``compress="auto"``) keeps its bags, and its context
-        says so: the output dists then hand it to TorchRec's (:func:`handover.theirs`)."""
+        says so: the output dists then hand it to TorchRec's (:func:`handover.theirs`).
+        A module with a mean-pooled row-wise table merges nothing: TorchRec divides its
+        outputs by a divisor it takes from these lengths (an emptied bag's would be 0)."""
         plain = not self._compressing()
         merges, features = (
             ({}, features)
-            if plain
+            if plain or self._has_mean_pooling_callback
             else merged(self._embedding_shardings, self._recsz_layouts, features)
         )
         got = super().input_dist(ctx, features)
