@@ -1,8 +1,9 @@
-"""recsz.torchrec's EBC sharder against stock DMP on drawn models: tables of several sizes
-and widths, each sharded table-wise, row-wise, column-wise or table-column-wise on 3 gloo
-ranks, sum or mean pooling, weighted bags or not, bags of 0-4 ids (all empty in a step of
-some), repeating contents. Lossless codecs give stock's outputs step after step; a bounded
-codec's first outputs lie within its bound of stock's.
+"""recsz.torchrec's sharders against stock DMP on drawn models: an EmbeddingBagCollection
+(pooled) or an EmbeddingCollection (sequence) of tables of several sizes and widths, each
+sharded table-wise, row-wise, column-wise or table-column-wise on 3 gloo ranks (a rank may
+hold none), sum or mean pooling, weighted bags or not, bags of 0-4 ids (all empty in a
+step of some), repeating contents. Lossless codecs give stock's outputs step after step; a
+bounded codec's first outputs lie within its bound of stock's.
 
 The draws are fixed (a seeded generator), one spawn runs them all; a configuration that
 failed once is pinned among them.
@@ -36,6 +37,7 @@ class Mix:
     mean: bool
     weighted: bool
     empty_step: int | None  # a step whose bags are all empty
+    sequence: bool = False  # an EmbeddingCollection (one width, no pooling, no weights)
 
 
 #: Mean-pooled tables, a row-wise one among them, and bags of one content repeating: the
@@ -44,14 +46,19 @@ class Mix:
 PINNED = Mix(
     {"t0": (3, 16, ("tw", 2), (0, 1)), "t1": (3, 24, ("rw", None), (0, 2))}, 16, True, False, 1
 )
+#: A sequence table column-wise on ranks 1 and 2, a step without ids: its empty chunks went
+#: to the codec under a bound of 0, which it refused.
+PINNED_SEQUENCE = Mix({"t0": (60, 8, ("cw", [1, 2]), (0, 1))}, 5, False, False, 1, True)
 
 
-def _drawn(seed: int) -> Mix:
+def _drawn(seed: int, sequence: bool = False) -> Mix:
     g = random.Random(seed)
     tables: Tables = {}
+    width = g.choice([4, 8, 16])
     for t in range(g.randint(1, 5)):
-        dim = g.choice([4, 8, 16, 24])
-        kind = g.choice(["tw", "rw", "cw", "twcw"] if dim % 8 == 0 else ["tw", "rw"])
+        dim = width if sequence else g.choice([4, 8, 16, 24])
+        kinds = ["tw", "rw", "cw", "twcw"][: 3 if sequence else 4]
+        kind = g.choice(kinds if dim % 8 == 0 else ["tw", "rw"])
         ranks = {"tw": g.randrange(WORLD), "rw": None}.get(kind, g.sample(range(WORLD), 2))
         fewest = g.choice([0, 0, 1])
         tables[f"t{t}"] = (
@@ -61,14 +68,21 @@ def _drawn(seed: int) -> Mix:
             (fewest, fewest + g.randint(0, 3)),
         )
     empty = g.choice([None, 1])
-    return Mix(tables, g.choice([1, 5, 16]), g.random() < 0.5, g.random() < 0.3, empty)
+    pooled = not sequence
+    mean, weighted = pooled and g.random() < 0.5, pooled and g.random() < 0.3
+    return Mix(tables, g.choice([1, 5, 16]), mean, weighted, empty, sequence)
 
 
-MIXES = [PINNED, *(_drawn(seed) for seed in range(5))]
+MIXES = [
+    PINNED,
+    PINNED_SEQUENCE,
+    *(_drawn(seed) for seed in range(5)),
+    *(_drawn(seed, sequence=True) for seed in range(3)),
+]
 
 
 def _dmp(mix: Mix, sharder: Any) -> torch.nn.Module:
-    from torchrec import EmbeddingBagCollection
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import (
         column_wise,
@@ -77,7 +91,7 @@ def _dmp(mix: Mix, sharder: Any) -> torch.nn.Module:
         table_wise,
     )
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     def table_column_wise(ranks: list[int]) -> Any:
@@ -90,14 +104,27 @@ def _dmp(mix: Mix, sharder: Any) -> torch.nn.Module:
             "twcw": table_column_wise, "rw": lambda a: row_wise()}  # fmt: skip
     pooling = PoolingType.MEAN if mix.mean else PoolingType.SUM
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"], pooling=pooling
-            )
-            for n, (r, d, _, _) in mix.tables.items()
-        ],
-        is_weighted=mix.weighted,
+    ebc = (
+        EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+                for n, (r, d, _, _) in mix.tables.items()
+            ]
+        )
+        if mix.sequence
+        else EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(
+                    name=n,
+                    embedding_dim=d,
+                    num_embeddings=r,
+                    feature_names=[f"f_{n}"],
+                    pooling=pooling,
+                )
+                for n, (r, d, _, _) in mix.tables.items()
+            ],
+            is_weighted=mix.weighted,
+        )
     )
     apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
     per_param = {n: make[kind](a) for n, (_, _, (kind, a), _) in mix.tables.items()}
@@ -126,14 +153,21 @@ def _batch(mix: Mix, step: int, rank: int) -> tuple[Any, torch.Tensor]:
         lengths=torch.cat(lengths).int(),
         weights=torch.rand(ids.numel(), generator=g) if mix.weighted else None,
     )
-    return kjt, torch.randn(mix.batch, sum(d for _, d, _, _ in mix.tables.values()), generator=g)
+    widths = [d for _, d, _, _ in mix.tables.values()]
+    shape = (ids.numel(), widths[0]) if mix.sequence else (mix.batch, sum(widths))
+    return kjt, torch.randn(shape, generator=g)
 
 
 def _trained(mix: Mix, sharder: Any, rank: int, steps: int = STEPS) -> list[torch.Tensor]:
     model, outs = _dmp(mix, sharder), []
     for step in range(steps):
         kjt, w = _batch(mix, step, rank)
-        y = model(kjt).wait().values()
+        got = model(kjt).wait()
+        y = (
+            torch.cat([got[f"f_{n}"].values() for n in mix.tables])
+            if mix.sequence
+            else got.values()
+        )
         outs.append(y.detach().clone())
         (y * w).sum().backward()
     return outs
@@ -143,6 +177,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     import warnings
 
     import torch.distributed as dist
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     import recsz.torchrec as rt
@@ -153,11 +188,13 @@ def _worker(rank: int, store: str, out: str) -> None:
                "fwd_eb": EB, "bwd_eb": EB, "eb_mode": "abs"}  # fmt: skip
     res = []
     for mix in MIXES:
+        stock, ours = ((EmbeddingCollectionSharder, rt.CompressedECSharder) if mix.sequence
+                       else (EmbeddingBagCollectionSharder, rt.CompressedEBCSharder))  # fmt: skip
         res.append({
-            "stock": _trained(mix, EmbeddingBagCollectionSharder(), rank),
-            "lossless": _trained(mix, rt.CompressedEBCSharder(
-                fwd_codec="none", bwd_codec="zstd", eb_policy="none"), rank),
-            "bounded": _trained(mix, rt.CompressedEBCSharder(**bounded), rank, 1),
+            "stock": _trained(mix, stock(), rank),
+            "lossless": _trained(mix, ours(fwd_codec="none", bwd_codec="zstd", eb_policy="none"),
+                                 rank),
+            "bounded": _trained(mix, ours(**bounded), rank),
         })  # fmt: skip
     torch.save(res, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -180,13 +217,15 @@ def test_lossless_codecs_give_stock_dmp(ranks: list[list[dict]], i: int) -> None
 
 @pytest.mark.parametrize("i", range(len(MIXES)))
 def test_a_bounded_codecs_outputs_lie_within_the_bound(ranks: list[list[dict]], i: int) -> None:
-    """The first step's outputs (the same tables) within the bound of stock's, but where
-    TorchRec divides a row-wise table's sums by a weighted bag's weight sum after the
-    exchange (its error then grows by 1 / that sum, :mod:`recsz.torchrec.rowwise`)."""
+    """Every step trains; the first step's outputs (the same tables) lie within the bound
+    of stock's, but where TorchRec divides a row-wise table's sums by a weighted bag's
+    weight sum after the exchange (its error then grows by 1 / that sum,
+    :mod:`recsz.torchrec.rowwise`)."""
     mix = MIXES[i]
     divided = mix.mean and mix.weighted and any(p[0] == "rw" for _, _, p, _ in mix.tables.values())
     for rank, res in enumerate(ranks):
-        (ours,), stock = res[i]["bounded"], res[i]["stock"][0]
+        assert len(res[i]["bounded"]) == STEPS
+        ours, stock = res[i]["bounded"][0], res[i]["stock"][0]
         err = float((ours - stock).abs().max()) if stock.numel() else 0.0
         if divided:
             assert torch.isfinite(ours).all(), (mix, rank)

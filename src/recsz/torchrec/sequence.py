@@ -30,7 +30,7 @@ from recsz.codecs.payload import upload
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes
 from recsz.config import TrainConfig
-from recsz.policy.base import padded_tables
+from recsz.policy.base import MIN_ABS_BOUND, padded_tables
 from recsz.torchrec.dist import CompressedPooledEmbeddingDist, Context
 from recsz.torchrec.handover import Received, theirs
 from recsz.torchrec.rows import Group
@@ -209,10 +209,12 @@ class CompressedSequenceEmbeddingDist(CompressedPooledEmbeddingDist):
         """Each feature's bound from its rows sent (``spans[j]``: the (first row, rows)
         runs of x holding all of feature ``keys[j]``, every destination's), by key; None
         for a codec that takes none. Features of about one length go through the policy
-        together (:func:`padded_tables`): a few calls a step, not one a feature."""
+        together (:func:`padded_tables`): a few calls a step, not one a feature. A feature
+        without rows this step (no ids in any bag) sends empty chunks under the smallest
+        bound."""
         if not keys:
             return None
-        ebs = torch.zeros(self.n_keys, dtype=torch.float64, device=x.device)
+        ebs = torch.full((self.n_keys,), MIN_ABS_BOUND, dtype=torch.float64, device=x.device)
         for at, padded in padded_tables(x.detach(), spans):
             ks = [keys[j] for j in at]  # (which, changes with the lengths: uploaded)
             got = d.bounds(step, ks, padded, observe=train)
