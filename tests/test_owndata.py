@@ -107,6 +107,34 @@ def test_a_model_of_other_tables_trains_on_days_of_its_shape(tmp_path: Path) -> 
     assert (cfg["table_rows"], cfg["dense_features"]) == ("3x300,5000,40", 4)
 
 
+def test_predict_scores_unlabeled_days_as_evaluate_scores_them_labeled(tmp_path: Path) -> None:
+    """`recsz predict RUN DIR`: days of the model's shape without their labels files are
+    scored as `recsz evaluate --predictions` scores them labeled, in order; a directory
+    beside other files, or one without days, is refused by name."""
+    from recsz.cli import main as cli
+
+    days = write_days(tmp_path / "days", ROWS, DENSE, n=600, days=1)
+    run = tmp_path / "run"
+    flags = ["--data", str(days), "--table-rows", "3x300,5000,40", "--dense-features", "4",
+             "--batch-size", "64", "--steps", "5", "--checkpoint-every", "5", "--no-progress",
+             "--out", str(run)]  # fmt: skip
+    assert main(flags) == 0
+    held = write_days(tmp_path / "held", ROWS, DENSE, n=300, days=2)
+    ref, out = tmp_path / "ref.npy", tmp_path / "p.npy"
+    batch = ["--eval-batch-size", "128"]
+    assert cli(["evaluate", str(run), "--eval-data", str(held), "--predictions", str(ref),
+                *batch]) == 0  # fmt: skip
+    for f in held.glob("day_*_labels.npy"):
+        f.unlink()
+    assert cli(["predict", str(run), str(held), "--out", str(out), *batch]) == 0
+    got, want = np.load(out), np.load(ref)
+    assert got.shape == (600,) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want[:, 0])
+    for bad in ([str(held), str(held)], [str(tmp_path / "run")]):
+        assert cli(["predict", str(run), *bad, "--out", str(tmp_path / "x.npy")]) == 2
+    assert not (tmp_path / "x.npy").exists()
+
+
 def test_days_of_another_shape_are_refused_with_the_file_and_the_flag(tmp_path: Path) -> None:
     days = write_days(tmp_path / "days", ROWS, DENSE, n=100, days=1)
     flags = ["--data", str(days), "--steps", "2", "--batch-size", "16", "--no-progress"]

@@ -43,15 +43,20 @@ def _days(d: Path) -> list[int]:
     return sorted(int(m.group(1)) for p in d.iterdir() if (m := _DAY.fullmatch(p.name)))
 
 
-def load(d: Path, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> Arrays:
+def load(
+    d: Path, table_sizes: Sequence[int], n_dense: int = N_DENSE, labeled: bool = True
+) -> Arrays:
     """The days of ``d``, in day order, as one set of rows (memory-mapped), each of
-    ``n_dense`` dense values and an id a table."""
+    ``n_dense`` dense values and an id a table; ``labeled`` False: samples to score, their
+    labels NaN (a day's labels file, where there is one, is not read)."""
     days = _days(d)
     if not days:
         raise FileNotFoundError(f"{d}: no day_N_dense.npy (TorchRec's preprocessed Criteo days)")
     files: dict[str, list[np.ndarray]] = {k: [] for k in _KINDS}
     for day in days:
-        got = {k: _open(d / f"day_{day}_{k}.npy") for k in _KINDS if k != "sparse"}
+        dense = _open(d / f"day_{day}_dense.npy")
+        nan = np.broadcast_to(np.float32(np.nan), (dense.shape[0] if dense.ndim else 0, 1))
+        got = {"dense": dense, "labels": _open(d / f"day_{day}_labels.npy") if labeled else nan}
         got["sparse"] = _sparse(d, day, len(table_sizes))
         rows = {k: a.shape[0] for k, a in got.items()}
         if len(set(rows.values())) != 1:

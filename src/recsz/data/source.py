@@ -158,7 +158,8 @@ class ArraySource(DataSource):
 
     Training order is a fresh permutation each epoch (of the rows or of the batches:
     ``order``, :data:`DATA_ORDERS`), drawn from (seed, epoch); the remainder of an epoch
-    that does not fill a batch is dropped.
+    that does not fill a batch is dropped. ``labeled`` False: samples to score, their
+    labels NaN (not checked).
     """
 
     def __init__(
@@ -172,6 +173,7 @@ class ArraySource(DataSource):
         held_out: criteo.Arrays | None = None,
         held_out_name: str = "eval file",
         order: str = "auto",
+        labeled: bool = True,
     ) -> None:
         n = len(arrays)
         if held_out is None:
@@ -189,6 +191,7 @@ class ArraySource(DataSource):
         self.held_out, self.held_out_name = held_out, held_out_name
         self.seed = seed
         self.name = name
+        self.labeled = labeled
         self.table_sizes = list(table_sizes) or [2**62] * arrays.cats.shape[1]
         self.skipped_lines = skipped_lines
         self.n_train = n - n_eval
@@ -216,7 +219,7 @@ class ArraySource(DataSource):
             blk = _gather(a, idx, part)
         # Arrays may come from files edited or damaged after preprocessing: refuse values
         # no Criteo line can produce, naming the row, before they reach a model.
-        bad_label = (blk.labels != 0) & (blk.labels != 1)
+        bad_label = (blk.labels != 0) & (blk.labels != 1) & self.labeled  # (else NaN)
         bad_dense = ~np.isfinite(blk.dense).all(1)
         bad_ids = ((blk.cats < 0) | (blk.cats >= np.asarray(self.table_sizes))).any(1)
         bad = bad_label | bad_dense | bad_ids
@@ -324,6 +327,14 @@ def held_out_source(
     rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines, n_dense)[0]
     return ArraySource(rows, 0, name=eval_data, table_sizes=table_sizes, held_out=rows,
                        held_out_name=eval_data)  # fmt: skip
+
+
+def unlabeled_source(days: str, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> DataSource:
+    """TorchRec-layout ``.npy`` days (directory ``days``) as samples to score alone
+    (``recsz predict``): their labels NaN, a day's labels file not needed."""
+    rows = npydays.load(Path(days), table_sizes, n_dense, labeled=False)
+    return ArraySource(rows, 0, name=days, table_sizes=table_sizes, held_out=rows,
+                       held_out_name=days, labeled=False)  # fmt: skip
 
 
 def _read(

@@ -28,8 +28,9 @@ class RawStream(DataSource):
         labeled: bool = True,
         n_dense: int = criteo.N_DENSE,
     ) -> None:
-        instead = ("score it on TorchRec-layout .npy days of its shape (`recsz evaluate RUN "
-                   "--eval-data DIR`, with --predictions FILE for the scores)")  # fmt: skip
+        instead = ("score it on TorchRec-layout .npy days of its shape (`recsz predict RUN "
+                   "DIR`; labeled: `recsz evaluate RUN --eval-data DIR`, with --predictions "
+                   "FILE for the scores)")  # fmt: skip
         for p in paths:
             if not Path(p).is_file():
                 raise FileNotFoundError(f"{p}: no such file")
