@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,6 +58,15 @@ def test_two_ranks_train_another_shape_as_one_process(tmp_path: Path) -> None:
         said[n] = json.loads(j.read_text())
     assert said[1]["eval_samples"] == said[2]["eval_samples"] == 4000
     assert said[1]["auc"] == pytest.approx(said[2]["auc"], abs=1e-6)
+    # and scored without their labels (`recsz predict DIR`) by 2 ranks as by one
+    for f in days.glob("day_*_labels.npy"):
+        f.unlink()
+    preds = {n: tmp_path / f"p{n}.npy" for n in (1, 2)}
+    for n, p in preds.items():
+        assert recsz(["predict", str(runs[2]), str(days), "--nproc", str(n), "--out", str(p)]) == 0
+    p1, p2 = (np.load(p) for p in preds.values())
+    assert p1.shape == (4000,)
+    np.testing.assert_allclose(p2, p1, rtol=0, atol=1e-6)
 
 
 def test_ranks_without_tables_take_their_part_in_the_backward(tmp_path: Path) -> None:
