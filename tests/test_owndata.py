@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recsz.config import TrainConfig
+from recsz.configcheck import refused
 from recsz.data.criteo import FIELDS, N_CAT, N_DENSE
 from recsz.data.source import Part, make_source
 from recsz.data.stream import RawStream
@@ -155,6 +156,15 @@ def test_criteos_files_are_refused_for_a_model_of_another_shape(tmp_path: Path) 
     with pytest.raises(ValueError, match="takes 4 dense inputs and 26 tables"):
         make_source(str(sample), get_preset("tiny").model.table_sizes, 0, n_dense=DENSE)
     assert len(make_source(str(sample), get_preset("tiny").model.table_sizes, 0).held_out) > 0
+    # before any rank starts (configcheck), --data and --eval-data alike
+    for flags in ({"data": str(sample)}, {"data": str(sample), "eval_data": str(sample)}):
+        with pytest.raises(ValueError, match=r"--data .*head10k.tsv: Criteo's files"):
+            refused(TrainConfig(table_rows="3x300,5000,40", nproc=2, **flags))
+    days = write_days(tmp_path / "days", ROWS, DENSE, n=100, days=1)
+    mine = {"table_rows": "3x300,5000,40", "dense_features": DENSE, "data": str(days)}
+    refused(TrainConfig(**mine))  # days of the model's shape
+    with pytest.raises(ValueError, match=r"--eval-data .*head10k.tsv: Criteo's files"):
+        refused(TrainConfig(**mine, eval_data=str(sample)))
 
 
 def test_a_missing_raw_file_is_named_missing_for_any_shape(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.codecs.registry import get_codec_with, takes
+from recsz.data.criteo import check_layout
 from recsz.data.npydays import check_bags, holds_days
 
 if TYPE_CHECKING:
@@ -63,9 +64,13 @@ def refused(cfg: TrainConfig) -> None:
         from recsz.model.modelfile import read
 
         read(cfg.init_from).check(model)
-    for days in (cfg.data, cfg.eval_data):  # materialized multi-hot days: the same bags
-        if days and days != "synthetic" and Path(days).is_dir() and holds_days(Path(days)):
-            check_bags(Path(days), model.table_sizes, cfg.hotness(), cfg.multi_hot_draws)
+    for flag, path in (("--data", cfg.data), ("--eval-data", cfg.eval_data)):
+        if not path or path == "synthetic" or not Path(path).exists():
+            continue
+        if Path(path).is_dir() and holds_days(Path(path)):  # materialized multi-hot: same bags
+            check_bags(Path(path), model.table_sizes, cfg.hotness(), cfg.multi_hot_draws)
+        elif Path(path).is_file() or (Path(path) / "meta.json").exists():  # Criteo's layout
+            check_layout(f"{flag} {path}", model.n_tables, model.n_dense)
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
     if not bags and cfg.multi_hot_draws != "hash":
         raise ValueError(
