@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 from recsz.codecs.base import EB_MAX, EB_MIN
 from recsz.codecs.registry import get_codec_with, takes
-from recsz.data.criteo import check_layout
 from recsz.data.npydays import check_bags, holds_days
+from recsz.data.source import check_criteo_layout
 
 if TYPE_CHECKING:
     from recsz.codecs import Codec
@@ -69,8 +69,8 @@ def refused(cfg: TrainConfig) -> None:
             continue
         if Path(path).is_dir() and holds_days(Path(path)):  # materialized multi-hot: same bags
             check_bags(Path(path), model.table_sizes, cfg.hotness(), cfg.multi_hot_draws)
-        elif Path(path).is_file() or (Path(path) / "meta.json").exists():  # Criteo's layout
-            check_layout(f"{flag} {path}", model.n_tables, model.n_dense)
+        else:
+            check_criteo_layout(flag, path, model.n_tables, model.n_dense)
     bags = cfg.hotness() is not None  # and --multi-hot parses, before any rank starts
     if not bags and cfg.multi_hot_draws != "hash":
         raise ValueError(

@@ -337,6 +337,15 @@ def unlabeled_source(days: str, table_sizes: Sequence[int], n_dense: int = N_DEN
                        held_out_name=days, labeled=False)  # fmt: skip
 
 
+def check_criteo_layout(flag: str, data: str, n_tables: int, n_dense: int) -> None:
+    """Where ``data`` is in Criteo's layout (a raw file, a `recsz preprocess` directory), a
+    ValueError naming ``flag`` and it unless the model (``n_tables``, ``n_dense``) is
+    Criteo's shape (:func:`criteo.check_layout`); nothing for anything else."""
+    p = Path(data)
+    if p.is_file() or (p / "meta.json").exists():
+        criteo.check_layout(f"{flag} {data}", n_tables, n_dense)
+
+
 def _read(
     data: str, flag: str, table_sizes: Sequence[int], skip_bad_lines: bool, n_dense: int
 ) -> tuple[criteo.Arrays, int]:
@@ -344,8 +353,7 @@ def _read(
     p = Path(data)
     if p.is_dir() and npydays.holds_days(p):  # TorchRec's .npy days, read where they lie
         return npydays.load(p, table_sizes, n_dense), 0
-    if p.exists():  # (Criteo's layout: a `recsz preprocess` directory's, a raw file's)
-        criteo.check_layout(f"{flag} {data}", len(table_sizes), n_dense)
+    check_criteo_layout(flag, data, len(table_sizes), n_dense)
     if p.is_dir():
         arrays = preprocessed.load(p, table_sizes)
         skipped = int(json.loads((p / "meta.json").read_text()).get("skipped_lines", 0))
