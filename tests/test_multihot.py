@@ -49,9 +49,13 @@ def test_hotness_flag() -> None:
 
 
 def test_the_mlps_start_as_learned_more_on_the_data() -> None:
-    """--mlp-init's default: facebookresearch/dlrm's on one-hot data, PyTorch's (TorchRec's)
-    on bags (benchmarks/bench_draws.py); a given one is kept, also from a config file."""
+    """--mlp-init's default: facebookresearch/dlrm's on one-hot data of up to 26 tables,
+    PyTorch's (TorchRec's) on bags (benchmarks/bench_draws.py) or more tables
+    (benchmarks/bench_mlpinit.py); a given one is kept, also from a config file."""
     assert TrainConfig().resolved("mlp_init") == "dlrm"
+    assert TrainConfig(table_rows="26x100").resolved("mlp_init") == "dlrm"
+    assert TrainConfig(table_rows="26x100,7").resolved("mlp_init") == "torch"
+    assert TrainConfig(table_rows="40x100", mlp_init="dlrm").resolved("mlp_init") == "dlrm"
     assert TrainConfig(multi_hot="1").resolved("mlp_init") == "dlrm"
     assert TrainConfig(multi_hot="mlperf").resolved("mlp_init") == "torch"
     assert TrainConfig(multi_hot="mlperf", mlp_init="dlrm").resolved("mlp_init") == "dlrm"

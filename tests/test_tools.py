@@ -765,6 +765,23 @@ def test_bench_init_starts_tables_near_their_own_bytes(tmp_path: Path) -> None:
     assert "| whole, fp16 |" in out.with_suffix(".md").read_text()
 
 
+def test_bench_mlpinit_trains_both_starts_and_pairs_them_by_seed(tmp_path: Path) -> None:
+    """bench_mlpinit.py in miniature: each (shape, start, seed) trained, its tables counted;
+    the table pairs the starts seed by seed."""
+    out = tmp_path / "mlpinit.json"
+    argv = ["--shapes", "criteo,30x50", "--seeds", "1", "--steps", "2", "--preset", "tiny",
+            "--json-out", str(out)]  # fmt: skip
+    bench = _bench("bench_mlpinit")
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    got = [(r["shape"], r["tables"], r["init"]) for r in rows]
+    assert got == [(s, n, i) for s, n in (("criteo", 26), ("30x50", 30)) for i in ("dlrm", "torch")]
+    made = [{"shape": "s", "init": i, "seed": k, "auc": a}
+            for k, (d, t) in enumerate([(0.70, 0.75), (0.72, 0.71), (0.70, 0.74)])
+            for i, a in (("dlrm", d), ("torch", t))]  # fmt: skip
+    assert "| s | 0.7067 | 0.7333 | +0.0267 | 2 of 3 |" in bench.table(made)
+
+
 def test_bench_columns_plans_spread_the_large_tables(tmp_path: Path) -> None:
     """The plan part alone (arithmetic): at 64 ranks, 4 column shards leave no rank idle
     and hold a quarter of the whole tables' most a rank; the table is written."""

@@ -30,6 +30,10 @@ from recsz.runoptions import JobOptions, ModelOptions
 #: the first steps' sums of up to 100 moved rows blew the logits up (bench: AUC 0.62 after 30
 #: steps against 0.71 at 0.4x; tiny, 400 steps: 0.713 against 0.731).
 BAG_EMB_LR = 0.4
+#: The most tables a one-hot model's MLPs start as facebookresearch/dlrm's (more: PyTorch's,
+#: as TorchRec's DLRM): bench preset, 100 steps, 3 seeds, PyTorch's won every seed at 40, 60
+#: and 100 tables, dlrm's every seed at 8 tables and on Criteo's 26 (benchmarks/bench_mlpinit.py).
+DLRM_INIT_MAX_TABLES = 26
 
 
 def _widths(name: str, text: str) -> tuple[int, ...]:
@@ -155,12 +159,14 @@ class TrainConfig(JobOptions, DenseCommOptions, ExchangeOptions, ModelOptions):
     def resolved(self, name: str) -> Any:
         """A field whose None means a default of its own (``batch_size``, ``lr``, ``emb_lr``,
         ``emb_optimizer``, ``dense_optimizer``: the preset's, ``emb_lr`` scaled with bags
-        unless the preset has a rate for them; ``mlp_init``: the data's): its value or that."""
+        unless the preset has a rate for them; ``mlp_init``: the data's and the tables'): its
+        value or that."""
         v = getattr(self, name)
         if v is not None:
             return v
-        if name == "mlp_init":  # measured: benchmarks/README.md, "Multi-hot bags"
-            return "dlrm" if self.hotness() is None else "torch"
+        if name == "mlp_init":  # measured: benchmarks/README.md, "Multi-hot bags", "MLPs' start"
+            few = self.model().n_tables <= DLRM_INIT_MAX_TABLES
+            return "dlrm" if self.hotness() is None and few else "torch"
         preset = get_preset(self.preset)
         if name == "emb_lr" and self.hotness() is not None:  # (same section)
             return preset.bags_emb_lr or preset.emb_lr * BAG_EMB_LR

@@ -78,8 +78,8 @@ class ModelOptions:
     mlp_init: str | None = opt(
         None,
         "MLP weights' start: dlrm (facebookresearch/dlrm's normal) or torch (PyTorch's "
-        "uniform, as TorchRec's DLRM) (default: dlrm, torch with --multi-hot bags: what "
-        "learned more on each)",
+        "uniform, as TorchRec's DLRM) (default: dlrm, torch with --multi-hot bags or more "
+        "than 26 tables: what learned more on each)",
         MLP_INITS,
     )
     dense_optimizer: str | None = opt(
