@@ -325,16 +325,22 @@ def held_out_source(
 
         return RawStream([eval_data], table_sizes, skip_bad_lines, n_dense=n_dense)
     rows = _read(eval_data, "--eval-data", table_sizes, skip_bad_lines, n_dense)[0]
-    return ArraySource(rows, 0, name=eval_data, table_sizes=table_sizes, held_out=rows,
-                       held_out_name=eval_data)  # fmt: skip
+    return _held_out_alone(rows, eval_data, table_sizes)
 
 
 def unlabeled_source(days: str, table_sizes: Sequence[int], n_dense: int = N_DENSE) -> DataSource:
     """TorchRec-layout ``.npy`` days (directory ``days``) as samples to score alone
     (``recsz predict``): their labels NaN, a day's labels file not needed."""
     rows = npydays.load(Path(days), table_sizes, n_dense, labeled=False)
-    return ArraySource(rows, 0, name=days, table_sizes=table_sizes, held_out=rows,
-                       held_out_name=days, labeled=False)  # fmt: skip
+    return _held_out_alone(rows, days, table_sizes, labeled=False)
+
+
+def _held_out_alone(
+    rows: criteo.Arrays, name: str, table_sizes: Sequence[int], labeled: bool = True
+) -> ArraySource:
+    """``rows`` (named ``name``) as an evaluation set alone: all of them held out."""
+    return ArraySource(rows, 0, name=name, table_sizes=table_sizes, held_out=rows,
+                       held_out_name=name, labeled=labeled)  # fmt: skip
 
 
 def check_criteo_layout(flag: str, data: str, n_tables: int, n_dense: int) -> None:
