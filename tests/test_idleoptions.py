@@ -25,7 +25,8 @@ CASES = [
     ([], ["--dp-eb-collective", "rsag"]), ([], ["--dct-keep", "0.5"]),
     ([], ["--dct-refresh", "3"]), ([], ["--dcn-layers", "2"]), ([], ["--dcn-rank", "4"]),
     ([], ["--lr-decay-start", "1"]), ([], ["--lr-decay-power", "1.0"]),
-    ([], ["--checkpoint-every", "1"]), ([], ["--resume-fallback"]), ([], ["--tt-rank", "4"]),
+    ([], ["--checkpoint-every", "1"]), ([], ["--tensorboard"]), ([], ["--resume-fallback"]),
+    ([], ["--tt-rank", "4"]),
     ([], ["--max-restarts", "2"]), ([], ["--profile-from", "1"]),
     ([], ["--tt-cores", "2"]), ([], ["--tt-init", "normal"]), ([], ["--tt-lr", "0.5"]),
     ([], ["--tt-cache-rows", "10"]), ([], ["--tt-placement", "replicated"]),
@@ -56,7 +57,7 @@ ACTING = [
     ["--lr-decay-steps", "4", "--lr-decay-power", "1.0"],
     ["--tt-tables", "2", "--tt-rank", "4", "--tt-cache-rows", "10", "--tt-cache-interval", "1"],
     ["--fiited-budget", "0.5", "--fiited-chunk", "4"],
-    ["--resume", "RUN", "--resume-fallback", "--checkpoint-every", "1"],
+    ["--resume", "RUN", "--resume-fallback", "--checkpoint-every", "1", "--tensorboard"],
     ["--nproc", "2", "--max-restarts", "2"], ["--profile", "2", "--profile-from", "1"],
 ]  # fmt: skip
 
@@ -73,7 +74,7 @@ def test_an_idle_option_is_said_and_trains_as_its_default(tmp_path: Path, base: 
     for i, (flags, option) in enumerate(c for c in CASES if tuple(c[0]) == base):
         said = idle(configured(given_args([*BASE, *flags, *option])))
         assert len(said) == 1 and said[0].startswith(f"{option[0]} "), (option, said)
-        if option[0] == "--checkpoint-every":  # idle without a run directory, as said
+        if option[0] in ("--checkpoint-every", "--tensorboard"):  # idle without a run dir
             assert main([*BASE, *flags, *option]) == 0
             continue
         run = summary(tmp_path, str(i), [*flags, *option])

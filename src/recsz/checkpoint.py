@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 # Fields that may differ between the run that saved and the run that resumes ("device": a
 # run may move between CPU and GPU, the state is mapped on load).
 MAY_CHANGE = {
-    "steps", "resume", "resume_fallback", "out", "progress", "eval_every", "log_every",
-    "nproc", "max_restarts", "checkpoint_every", "keep_checkpoints", "check_bounds",
+    "steps", "resume", "resume_fallback", "out", "progress", "tensorboard", "eval_every",
+    "log_every", "nproc", "max_restarts", "checkpoint_every", "keep_checkpoints", "check_bounds",
     "dist_timeout",
     "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
     "mlp_init",  # the checkpoint's weights replace the start

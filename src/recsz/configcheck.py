@@ -5,6 +5,7 @@ flag for every run)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -88,6 +89,8 @@ def refused(cfg: TrainConfig) -> None:
             "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
             "rows would train apart on each rank)"
         )
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
     for codec in (fwd, bwd, *([get_codec_with(cfg.dp_codec)] if cfg.dp_comm == "eb" else [])):
         codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing
@@ -217,6 +220,7 @@ def idle(cfg: TrainConfig, world: int | None = None) -> list[str]:
         "synthetic_eval": (cfg.data == "synthetic", "--data synthetic (a file holds its own out)"),
         "checkpoint_every": (bool(cfg.out or cfg.resume), "--out (a run directory to write to)"),
         "resume_fallback": (cfg.resume is not None, "--resume"),
+        "tensorboard": (bool(cfg.out or cfg.resume), "--out (a run directory to write to)"),
         "profile_from": (cfg.profile > 0, "--profile N"),
         "max_restarts": (cfg.nproc > 1, "--nproc 2 or more (under torchrun: its own flag)"),
         "tt_cache_interval": (cfg.tt_tables > 0 and cfg.tt_cache_rows > 0,

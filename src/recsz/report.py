@@ -238,18 +238,28 @@ def logged_eval(out: Path, step: int) -> dict[str, Any] | None:
 
 
 class Log:
-    """Writes metrics.jsonl on rank 0 only (``out`` None elsewhere)."""
+    """Writes metrics.jsonl on rank 0 only (``out`` None elsewhere), and with
+    ``tensorboard`` the same rows as TensorBoard scalars in ``out/tensorboard``."""
 
-    def __init__(self, out: Path | None, keep_until: int | None = None) -> None:
+    def __init__(
+        self, out: Path | None, keep_until: int | None = None, tensorboard: bool = False
+    ) -> None:
         """A new log, or (``keep_until``, a resumed run) the existing one without its rows
-        after that step, which the resumed run writes again."""
+        after that step, which the resumed run writes again (TensorBoard hides its events
+        after that step too)."""
         self.path = out / "metrics.jsonl" if out else None
+        self.board: Any = None
         if not self.path:
             return
         kept = []
         if keep_until is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if tensorboard and out:
+            from torch.utils.tensorboard import SummaryWriter
+
+            purge = None if keep_until is None else keep_until + 1
+            self.board = SummaryWriter(out / TENSORBOARD, purge_step=purge, flush_secs=10)
 
     def metrics(self, row: dict[str, Any]) -> None:
         if self.path:
@@ -260,6 +270,37 @@ class Log:
                 if no_room := diskroom.full(self.path, e):
                     raise no_room from e
                 raise
+        if self.board is not None:
+            for tag, value in scalars(row).items():
+                self.board.add_scalar(tag, value, row["step"])
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+
+#: Where ``--tensorboard`` writes in a run directory (``tensorboard --logdir RUN``).
+TENSORBOARD = "tensorboard"
+
+
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """A metrics row's finite numbers as TensorBoard tags: ``train/loss``, ``eval/auc``,
+    and a table's as ``fwd_eb/table_07`` (each number's tables side by side)."""
+    out: dict[str, float] = {}
+    for key, v in row.items():
+        if key == "tables":
+            width = max((len(t) for t in v), default=1)  # table_07 of 26: in order
+            for t, numbers in v.items():
+                for k, x in numbers.items():
+                    out[f"{k}/table_{int(t):0{width}d}"] = x
+        elif key != "step":
+            out[f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"] = v
+    return {
+        k: float(v)
+        for k, v in out.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def plain_warnings() -> None:

@@ -263,6 +263,11 @@ class JobOptions:
     keep_checkpoints: int = opt(3, "complete checkpoints kept in the run dir (0: all)", ge=0)
     check_bounds: bool = opt(False, "decode every payload on the sender and assert the bound")
     progress: bool = opt(True, "show a progress bar")
+    tensorboard: bool = opt(
+        False,
+        "also write metrics.jsonl's rows as TensorBoard scalars in RUN/tensorboard/ "
+        "(`tensorboard --logdir RUN`; needs the tensorboard package)",
+    )
     profile: int = opt(
         0,
         "steps to profile (torch profiler) after the first 3, a bound policy's probes and "

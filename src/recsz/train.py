@@ -57,6 +57,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     ok = False
     saver: Saver | None = None
     held: Held | None = None
+    log: report.Log | None = None
     # SIGTERM or SIGINT from here on is noted, and acted on after a step: a checkpoint, then
     # the end
     stop = Stopping(ranks.world, ranks.rank) if cfg.out or cfg.resume else None
@@ -96,7 +97,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if out and ranks.rank == 0:  # (made where missing by Held)
             (out / "config.json").write_text(cfg.to_json())
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
-        log = report.Log(out if ranks.rank == 0 else None, keep_until=start if cfg.resume else None)
+        log = report.Log(out if ranks.rank == 0 else None, start if cfg.resume else None,
+                         cfg.tensorboard)  # fmt: skip
         if ranks.rank == 0:
             for line in idle(cfg, ranks.world):  # said, not refused: a sweep sets flags for all
                 tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
@@ -313,6 +315,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             saver.abandon()
         if held is not None:
             held.release()
+        if log is not None:
+            log.close()
         ranks.close(ok)
 
 
