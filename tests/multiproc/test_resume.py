@@ -67,39 +67,11 @@ def test_diverging_ranks_all_stop_at_the_same_row(tmp_path: Path) -> None:
 
 def test_resume_equals_straight_run(tmp_path: Path) -> None:
     straight = tmp_path / "straight"
-    run(straight, "--fwd-codec", "hybrid", "--bwd-codec", "hybrid", nproc=2)
+    hybrid = ("--fwd-codec", "hybrid", "--bwd-codec", "hybrid")
+    run(straight, *hybrid, nproc=2)
     split = tmp_path / "split"
-    main(
-        [
-            *BASE,
-            "--steps",
-            "10",
-            "--checkpoint-every",
-            "10",
-            "--out",
-            str(split),
-            "--nproc",
-            "2",
-            "--fwd-codec",
-            "hybrid",
-            "--bwd-codec",
-            "hybrid",
-        ]
-    )
-    rc = main(
-        [
-            *BASE,
-            "--resume",
-            str(split),
-            "--nproc",
-            "2",
-            "--fwd-codec",
-            "hybrid",
-            "--bwd-codec",
-            "hybrid",
-        ]
-    )
-    assert rc == 0
+    run(split, *hybrid, "--steps", "10", "--checkpoint-every", "10", nproc=2)
+    run(split, *hybrid, "--resume", str(split), nproc=2)
     assert_same_model(straight, split, 1e-6)
 
     # The resumed run reports the whole run: its log has each training step once, as the
