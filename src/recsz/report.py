@@ -258,7 +258,8 @@ class Log:
         if tensorboard and out:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = None if keep_until is None else keep_until + 1
+            # what an earlier attempt wrote after the rows kept (all, starting over) hidden
+            purge = 0 if keep_until is None else keep_until + 1
             self.board = SummaryWriter(out / TENSORBOARD, purge_step=purge, flush_secs=10)
 
     def metrics(self, row: dict[str, Any]) -> None:
