@@ -88,6 +88,6 @@ def test_without_the_package_it_is_refused_before_any_rank_starts(
         "find_spec",
         lambda name, *a: None if name == "tensorboard" else found(name, *a),
     )
-    with pytest.raises(ValueError, match="--tensorboard needs the tensorboard package"):
+    with pytest.raises(ImportError, match="--tensorboard needs the tensorboard package"):
         main([*FLAGS, "--steps", "2", "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -90,7 +90,8 @@ def refused(cfg: TrainConfig) -> None:
             "rows would train apart on each rank)"
         )
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard")
+        raise ImportError("--tensorboard needs the tensorboard package: pip install "
+                          "tensorboard  (or pip install 'recsz[tensorboard]')")  # fmt: skip
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
     for codec in (fwd, bwd, *([get_codec_with(cfg.dp_codec)] if cfg.dp_comm == "eb" else [])):
         codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing
