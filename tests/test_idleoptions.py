@@ -20,7 +20,8 @@ HYBRID = ["--fwd-codec", "hybrid", "--bwd-codec", "hybrid"]
 CASES = [
     ([], ["--eb-policy", "dual"]), ([], ["--eb-mode", "abs"]), ([], ["--fwd-eb", "0.1"]),
     ([], ["--bwd-eb", "0.1"]), ([], ["--coder", "blocks"]), ([], ["--compress-trial", "3"]),
-    ([], ["--compress-every", "40"]), ([], ["--powersgd-rank", "4"]),
+    ([], ["--compress-every", "40"]), ([], ["--compress-scope", "between-hosts"]),
+    ([], ["--powersgd-rank", "4"]),
     ([], ["--powersgd-warmup", "3"]), ([], ["--dp-codec", "fp16"]), ([], ["--dp-eb", "0.1"]),
     ([], ["--dp-eb-collective", "rsag"]), ([], ["--dct-keep", "0.5"]),
     ([], ["--dct-refresh", "3"]), ([], ["--dcn-layers", "2"]), ([], ["--dcn-rank", "4"]),
@@ -50,7 +51,8 @@ CASES = [
 ACTING = [
     [*HYBRID, "--eb-policy", "dual", "--decay-c", "4", "--fwd-class-eb", "0.01,0.02,0.04",
      "--hindex-every", "5", "--eb-mode", "abs", "--coder", "blocks"],
-    ["--fwd-codec", "hybrid", "--fwd-eb", "0.1", "--compress", "auto", "--compress-every", "40"],
+    ["--fwd-codec", "hybrid", "--fwd-eb", "0.1", "--compress", "auto", "--compress-every", "40",
+     "--compress-scope", "all"],
     ["--dp-comm", "eb", "--dp-codec", "fp16", "--dp-eb", "0.1"],
     ["--dp-comm", "dct", "--dct-keep", "0.5"], ["--fwd-codec", "dct", "--dct-refresh", "3"],
     ["--dp-comm", "powersgd", "--powersgd-rank", "4"], ["--interaction", "dcn", "--dcn-rank", "4"],

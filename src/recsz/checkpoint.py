@@ -48,6 +48,7 @@ MAY_CHANGE = {
     "inject_failure",  # where a test fails a rank, not what trains
     "profile", "profile_from",  # what is measured, not what trains
     "column_shards",  # the tables resharded into the new layout (_restore_resharded)
+    "compress_scope",  # where the job runs (its hosts), as nproc
 }  # fmt: skip
 
 

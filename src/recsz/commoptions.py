@@ -10,6 +10,7 @@ from typing import Any
 
 from recsz.codecs import Codec, available_codecs, get_codec_with
 from recsz.comm.dp_hooks import DP_MODES, EB_COLLECTIVES
+from recsz.comm.route import SCOPES
 from recsz.comm.switch import COMPRESS_MODES, CompressionSwitch
 from recsz.fields import opt
 from recsz.policy.adaptive import parse_class_eb
@@ -56,6 +57,14 @@ class ExchangeOptions:
         "auto: a step goes through the codecs only while trials (steps of each way in turn, "
         "timed) find them faster than the plain, lossless exchange",
         COMPRESS_MODES,
+    )
+    compress_scope: str = opt(
+        "auto",
+        "the blocks the codecs code: all (a rank's own and its host's too), between-hosts "
+        "(only those for ranks on other hosts, torchrun's nodes; the rest go plain and "
+        "lossless, as NVLink or shared memory outruns any codec) or auto (between-hosts "
+        "where the job spans several hosts, all on one)",
+        SCOPES,
     )
     compress_trial: int = opt(6, "auto: timed steps of each way in a trial", ge=1)
     compress_every: int = opt(

@@ -204,6 +204,8 @@ def idle(cfg: TrainConfig, world: int | None = None) -> list[str]:
         "decay_t": (policy == "dual", dual),
         "coder": (any(takes(getattr(cfg, f"{d}_codec"), "coder") for d in ("fwd", "bwd")),
                   "a quantizing --fwd-codec or --bwd-codec (hybrid, quant)"),
+        "compress_scope": (not all(cfg.codec(d).identity for d in ("fwd", "bwd")),
+                           "a --fwd-codec or --bwd-codec other than none"),
         "compress_trial": (cfg.compress == "auto", "--compress auto"),
         "compress_every": (cfg.compress == "auto", "--compress auto"),
         "dp_comm": (ranks, "2 or more ranks (one holds the only copy of the MLPs)"),

@@ -34,6 +34,7 @@ from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
 from recsz.comm.embedding import EmbeddingExchange
+from recsz.comm.route import host_peers, plain_within_host
 from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
@@ -240,6 +241,9 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
         Direction("fwd", get_codec("none"), fwd.policy),
         Direction("bwd", get_codec("none"), bwd.policy),
     )
+    # --compress-scope: the blocks for ranks of this host may go plain on every step
+    host, hosts = host_peers(ranks.rank, ranks.gather)
+    near = host if plain_within_host(cfg.compress_scope, hosts) else frozenset()
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
@@ -249,8 +253,10 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
         id_dedup=cfg.id_dedup,
         coalesce=cfg.bwd_coalesce,
         sparse_grad=sparse.takes_sparse_grad,
-        plain=plain if cfg.compress == "auto" else None,
+        plain=plain if cfg.compress == "auto" or near else None,
         switch=switch,
+        near=near,
+        host=host,
     )
     schedule = cfg.lr_schedule()
     rates = None

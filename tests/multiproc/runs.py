@@ -6,6 +6,10 @@ match to ~1e-3, measured, not to float tolerance) and what its files hold."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -38,6 +42,26 @@ BASE = [
 def run(out: Path, *extra: str, nproc: int = 1) -> dict:
     rc = main([*BASE, "--out", str(out), "--nproc", str(nproc), *extra])
     assert rc == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_on_hosts(out: Path, *extra: str, hosts: int = 2, nproc: int = 2) -> dict:
+    """`recsz train` on ``hosts`` torchrun agents of ``nproc`` ranks each, meeting at a
+    rendezvous on this machine, as agents on ``hosts`` machines do."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "recsz.launcher", f"--nnodes={hosts}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "recsz.train",
+           *BASE, "--out", str(out), *extra]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [subprocess.Popen(cmd, env=env) for _ in range(hosts)]
+    try:
+        assert [a.wait(timeout=300) for a in agents] == [0] * hosts
+    finally:
+        for a in agents:
+            a.kill()
     return json.loads((out / "summary.json").read_text())
 
 

@@ -26,6 +26,7 @@ from tests.multiproc.runs import (
     losses,
     one_and_two_ranks,
     run,
+    run_on_hosts,
     tables,
 )
 
@@ -51,6 +52,20 @@ def test_lossless_codec_is_exact_and_smaller(single: Path, tmp_path: Path) -> No
     assert 0 < s["bytes_sent"] < s["bytes_raw"] / 2
     assert s["bytes_payload"] < s["bytes_raw"]
     assert s["fwd_ratio"] > 1  # repeated rows; raw float gradients barely compress losslessly
+
+
+def test_two_hosts_of_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
+    """4 ranks on two torchrun agents, as on two machines: the codec codes what crosses
+    hosts only (``--compress-scope auto``; tests/test_compressscope.py checks the blocks
+    within a host go plain), and with a lossless one they train as one process does; the
+    bytes between hosts are counted apart from the rest on the wire."""
+    s = run_on_hosts(tmp_path, "--fwd-codec", "zstd", "--bwd-codec", "zstd")
+    assert s["world_size"] == 4
+    torch.testing.assert_close(
+        torch.tensor(losses(tmp_path)), torch.tensor(losses(single)), rtol=0, atol=1e-5
+    )
+    assert_same_model(single, tmp_path, 1e-5)
+    assert 0 < s["bytes_between_hosts"] < s["bytes_sent"]
 
 
 def test_id_aware_traffic_is_exact_and_smaller(single: Path, tmp_path: Path) -> None:

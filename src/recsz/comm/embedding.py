@@ -36,6 +36,7 @@ from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Slices
 from recsz.comm.overlap import tie_backward
+from recsz.comm.route import Route
 from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
 from recsz.comm.switch import CompressionSwitch
 from recsz.devicepath import Indices
@@ -45,11 +46,11 @@ from recsz.profiling import stage
 
 class Sent(NamedTuple):
     """One direction's bytes in flight, the rank's own rows where they skip the codec, and
-    the direction (codec) that made them, which decodes them."""
+    the route (codec by peer) that made them, which decodes them."""
 
     pending: PendingBytes
     own: torch.Tensor | None
-    way: Direction
+    route: Route
 
 
 class Block(NamedTuple):
@@ -75,8 +76,13 @@ class EmbeddingExchange:
             gradient of pooled (one row per distinct id, on its first sample), for a
             table module that takes one (:attr:`SparseArch.takes_sparse_grad`): no dense
             zeros of (B, |T_r|, D), no second sum of the same ids.
-        plain, switch: ``--compress auto``: the lossless directions of the steps the
-            switch does not compress (:mod:`recsz.comm.switch`).
+        plain, switch: the lossless directions of the steps the switch does not
+            compress (``--compress auto``, :mod:`recsz.comm.switch`) and of the blocks for
+            ``near`` peers.
+        near: the peers whose blocks go plain on every step (``--compress-scope
+            between-hosts``: this rank's host's ranks, :mod:`recsz.comm.route`).
+        host: the ranks on this rank's host (None: every rank), whose bytes do not count
+            as between hosts.
     """
 
     def __init__(
@@ -91,11 +97,21 @@ class EmbeddingExchange:
         sparse_grad: bool = False,
         plain: tuple[Direction, Direction] | None = None,
         switch: CompressionSwitch | None = None,
+        near: frozenset[int] = frozenset(),
+        host: frozenset[int] | None = None,
     ) -> None:
         self.plan, self.rank, self.world = plan, rank, plan.world
+        self.host = frozenset(range(plan.world)) if host is None else host
         self.fwd, self.bwd = fwd, bwd
-        #: each step's directions, compressed (True) or plain, as the switch says
-        self.ways = {True: (fwd, bwd), False: plain or (fwd, bwd)}
+        if near and plain is None:
+            raise ValueError("plain blocks for near peers need plain directions")
+        fp, bp = plain or (fwd, bwd)
+        w = plan.world
+        #: each step's routes, compressed (True) or plain, as the switch says
+        self.routes = {
+            True: (Route.of(w, fwd, fp, near), Route.of(w, bwd, bp, near)),
+            False: (Route.of(w, fp, fp, near), Route.of(w, bp, bp, near)),
+        }
         self.switch = switch or CompressionSwitch()
         for d in (fwd, bwd, *(plain or ())):
             d.codec.warm_up()
@@ -138,7 +154,7 @@ class EmbeddingExchange:
     # ---- the one exchange path ------------------------------------------------------
     def _send(
         self,
-        d: Direction,
+        route: Route,
         step: int,
         blocks: list[Block],
         bound_src: tuple[list[int], torch.Tensor],
@@ -151,49 +167,83 @@ class EmbeddingExchange:
         and their values table-major: all that this rank sends of each), so every
         destination gets the same bound (:meth:`Direction.bounds`). ``raw_bytes`` is what
         one table's rows stood for before any id-aware reduction (the full (b, D) fp32
-        slice), so ratios count those savings too. The codec turns each block into one payload
-        (:meth:`Codec.encode_segments`), the sizes are read once where bytes leave the
-        rank, and stay on the device otherwise. ``expect``: the rows each source sends here.
+        slice), so ratios count those savings too. Each direction of the ``route`` turns
+        its peers' blocks into one payload each (:meth:`Codec.encode_segments`, one call a
+        direction); the sizes are read once where bytes leave the rank, and stay on the
+        device otherwise. ``expect``: the rows each source sends here.
         """
         t0 = time.perf_counter()
-        tables, values = bound_src
-        all_ebs = d.bounds(step, tables, values, observe=self.training)
-        ebs = None
-        if all_ebs is not None:
-            at = {t: j for j, t in enumerate(tables)}
-            order = tuple(at[t] for blk in blocks for t in blk.tables)
-            ebs = all_ebs[self._index_of(order, all_ebs.device)]
         # An identity codec's payload is the rows' bytes: the rank's own rows skip it (an
         # empty payload in their place, their bytes counted as sent).
-        own = blocks[self.rank].rows if d.codec.identity else None
-        groups = [(blk.rows, blk.sizes) for blk in blocks if own is None or blk.peer != self.rank]
-        with riding(self._fwd_checks, self._bwd_checks):  # read with the sizes, if any
-            payloads, used = d.codec.encode_segments(groups, ebs, trim=self.world > 1)
-        if self._fwd_checks:  # what did not ride: bytes made from the forward leave next
-            read_all(self._fwd_checks, self._bwd_checks)
-        if own is not None:
-            payloads.insert(self.rank, own.new_empty(0, dtype=torch.uint8))
-            nb = torch.full((1,), own.numel() * own.element_size(), device=used.device)
-            used = torch.cat([used[: self.rank], nb, used[self.rank :]])
-        if self.check_bounds and ebs is not None:
-            worst = d.worst_error([(b.peer, b.rows, b.sizes) for b in blocks], payloads, ebs)
-            self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
-        if self.training:
-            remote = [blk.peer != self.rank for blk in blocks]
-            tabs = [(blk.tables, blk.sizes) for blk in blocks]
-            self.stats.count_groups(GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote))
-        self._time_codec(t0)
+        own = blocks[self.rank].rows if route[self.rank].codec.identity else None
         skip = self.rank if own is not None else -1  # an empty payload: 0 bytes, known
 
         def rows(n: int, peer: int) -> int | None:
             return None if peer == skip else n
 
-        out = [rows(len(blk.rows), blk.peer) for blk in blocks]
-        recv = d.known_sizes(
-            blocks[0].rows, payloads, out, list(map(rows, expect, range(self.world)))
+        payloads: dict[int, torch.Tensor] = {}
+        recv: dict[int, int] | None = {}
+        with riding(self._fwd_checks, self._bwd_checks):  # read with the sizes, if any
+            for d, peers in route.groups():
+                coded = [p for p in peers if p != skip]
+                ebs = self._bounds(d, step, bound_src, [blocks[p] for p in coded])
+                made, used = (
+                    d.codec.encode_segments(
+                        [(blocks[p].rows, blocks[p].sizes) for p in coded], ebs, self.world > 1
+                    )
+                    if coded
+                    else ([], None)
+                )
+                payloads.update(zip(coded, made, strict=True))
+                if own is not None and skip in peers:
+                    payloads[skip] = own.new_empty(0, dtype=torch.uint8)
+                    nb = torch.full((1,), own.numel() * own.element_size(), device=own.device)
+                    i = peers.index(skip)
+                    used = nb if used is None else torch.cat([used[:i], nb, used[i:]])
+                if self.check_bounds and ebs is not None:
+                    sent = [(p, blocks[p].rows, blocks[p].sizes) for p in coded]
+                    worst = d.worst_error(sent, made, ebs)
+                    self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
+                if self.training and used is not None:
+                    tabs = [(blocks[p].tables, blocks[p].sizes) for p in peers]
+                    remote = [p != self.rank for p in peers]
+                    apart = [p not in self.host for p in peers]
+                    self.stats.count_groups(
+                        GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote, apart)
+                    )
+                got = d.known_sizes(
+                    blocks[0].rows,
+                    [payloads[p] for p in peers],
+                    [rows(len(blocks[p].rows), p) for p in peers],
+                    [rows(expect[p], p) for p in peers],
+                )
+                if recv is None or got is None:  # the values set some sizes: exchanged
+                    recv = None
+                else:
+                    recv.update(zip(peers, got, strict=True))
+        if self._fwd_checks:  # what did not ride: bytes made from the forward leave next
+            read_all(self._fwd_checks, self._bwd_checks)
+        self._time_codec(t0)
+        pending = start_all_to_all_bytes(
+            [[payloads[p]] for p in range(self.world)],
+            self.world,
+            None,
+            None if recv is None else [recv[p] for p in range(self.world)],
         )
-        pending = start_all_to_all_bytes([[p] for p in payloads], self.world, None, recv)
-        return Sent(pending, own, d)
+        return Sent(pending, own, route)
+
+    def _bounds(
+        self, d: Direction, step: int, bound_src: tuple[list[int], torch.Tensor], sent: list[Block]
+    ) -> torch.Tensor | None:
+        """The bounds of the tables of ``sent``'s blocks, in order, under ``d`` (None: its
+        codec takes none)."""
+        tables, values = bound_src
+        all_ebs = d.bounds(step, tables, values, observe=self.training)
+        if all_ebs is None:
+            return None
+        at = {t: j for j, t in enumerate(tables)}
+        order = tuple(at[t] for blk in sent for t in blk.tables)
+        return all_ebs[self._index_of(order, all_ebs.device)]
 
     def _receive(
         self,
@@ -206,36 +256,40 @@ class EmbeddingExchange:
         """Wait for the bytes and decode them into one block per source, holding the
         tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
         each. ``hold`` keeps the checks' verdicts for a later host read."""
-        pending, d = sent.pending, sent.way
-        with stage(f"recsz.a2a_{d.name}.wait"):
+        pending, route = sent.pending, sent.route
+        with stage(f"recsz.a2a_{route.name}.wait"):
             bufs = pending.wait()
         if self.training:
-            self.stats.a2a_s[d.name] += pending.waited_s
+            self.stats.a2a_s[route.name] += pending.waited_s
         t0 = time.perf_counter()
         sizes = [sizes_from(src) for src in range(self.world)]
         # Payloads this process made itself never left its memory: no checks to read.
         payloads = pending.pieces if pending.pieces is not None else bufs
-        coded = [s for s in range(self.world) if sent.own is None or s != self.rank]
-        what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
-        with stage(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
-            try:
-                decoded = d.codec.decode_segments(
-                    [payloads[s] for s in coded],
-                    [sizes[s] for s in coded],
-                    dim,
-                    check=pending.pieces is None,
-                )
-            except ValueError as e:
-                raise ValueError(f"{what}: {e}") from e
-        rows = dict(zip(coded, decoded, strict=True))
+        rows: dict[int, torch.Tensor] = {}
         if sent.own is not None:
             rows[self.rank] = sent.own
+        for d, peers in route.groups():
+            coded = [s for s in peers if s not in rows]
+            what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
+            if not coded:
+                continue
+            with stage(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
+                try:
+                    decoded = d.codec.decode_segments(
+                        [payloads[s] for s in coded],
+                        [sizes[s] for s in coded],
+                        dim,
+                        check=pending.pieces is None,
+                    )
+                except ValueError as e:
+                    raise ValueError(f"{what}: {e}") from e
+            rows.update(zip(coded, decoded, strict=True))
         blocks = []
         for src, want in enumerate(sizes):
             y = rows[src]
             if tuple(y.shape) != (sum(want), dim):
                 raise ValueError(
-                    f"rank {src} sent tables {tables_from(src)} ({d.name}) as "
+                    f"rank {src} sent tables {tables_from(src)} ({route.name}) as "
                     f"{tuple(y.shape)}, expected {(sum(want), dim)} (do the ranks read the "
                     "same batch?)"
                 )
@@ -257,13 +311,13 @@ class EmbeddingExchange:
             # backward exchange its peers start: without it they waited for its bytes.
             pooled = pooled.detach().requires_grad_()
         way = self.switch.compress(step) if self.training else self.switch.chosen
-        fwd, bwd = self.ways[way]
+        fwd, bwd = self.routes[way]
         data = pooled.detach().contiguous()
         bsz, n_mine, dim = data.shape
         b = bsz // self.world
         # The own rows skip an identity codec: where no backward needs their distinct ids,
         # they go whole (sorting them saved nothing: a lone rank evaluates 1.09-1.66x faster).
-        whole = fwd.codec.identity and not pooled.requires_grad
+        whole = fwd[self.rank].codec.identity and not pooled.requires_grad
         dedup = [self.id_dedup and not (whole and r == self.rank) for r in range(self.world)]
         blocks = []
         for dest in range(self.world):
@@ -271,7 +325,7 @@ class EmbeddingExchange:
                 first = self._slices.distinct(ids, dest, self.rank, own=not whole).first
                 at = (dest * b + first % b) * n_mine + first // b  # first: table * b + sample
                 rows = data.view(-1, dim).index_select(0, at)
-            elif fwd.codec.identity and dest == self.rank:  # no codec: sample-major, a view
+            elif dest == self.rank and fwd[dest].codec.identity:  # no codec: sample-major, a view
                 rows = data[dest * b : (dest + 1) * b].view(-1, dim)
             else:
                 rows = data[dest * b : (dest + 1) * b].transpose(0, 1).reshape(n_mine * b, dim)
@@ -320,10 +374,10 @@ class EmbeddingExchange:
 
     # ---- backward -----------------------------------------------------------------
     def start_backward(
-        self, grad: torch.Tensor, step: int, ids: torch.Tensor, bwd: Direction | None = None
+        self, grad: torch.Tensor, step: int, ids: torch.Tensor, bwd: Route | None = None
     ) -> Sent:
-        """grad (b, T, D) on a sample owner: code it (``bwd``: the step's direction, default
-        the compressed one) and start sending it to the tables' owners
+        """grad (b, T, D) on a sample owner: code it (``bwd``: the step's route, default the
+        compressed one) and start sending it to the tables' owners
         (:meth:`finish_backward` receives)."""
         b, _, dim = grad.shape
         if self.grad_filter is not None:
@@ -354,7 +408,9 @@ class EmbeddingExchange:
             expect = [
                 sum(self._slices.sizes(self.coalesce, ids, s, self.rank)) for s in range(self.world)
             ]
-            return self._send(bwd or self.bwd, step, blocks, per_sample, b * dim * 4, expect)
+            return self._send(
+                bwd or self.routes[True][1], step, blocks, per_sample, b * dim * 4, expect
+            )
 
     def finish_backward(self, sent: Sent, ids: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The gradients :meth:`start_backward` sent, received on the tables' owner -> grad
@@ -403,14 +459,14 @@ class Pending:
     sent: Sent
     step: int
     ids: torch.Tensor
-    bwd: Direction  # the step's backward direction
+    bwd: Route  # the step's backward route
 
     def wait(self) -> torch.Tensor:
         ex, pooled, step, ids, bwd = self.ex, self.pooled, self.step, self.ids, self.bwd
         received = ex.finish_forward(self.sent, ids, pooled.shape[2], hold=pooled.requires_grad)
         # DCT-MP: gradients only for the entries the forward pass delivered (the rest
         # were dropped, so nothing upstream depends on them).
-        kept = received != 0 if bwd.codec.forward_mask and pooled.requires_grad else None
+        kept = received != 0 if bwd.forward_mask and pooled.requires_grad else None
 
         def start(grad: torch.Tensor) -> Sent:
             return ex.start_backward(grad if kept is None else grad * kept, step, ids, bwd)

@@ -17,7 +17,8 @@ from recsz.devicepath import device_path
 class GroupsSent(NamedTuple):
     """One direction's payloads of a step: per group (destination) its tables and their
     rows, the raw bytes one table's rows stood for, the payloads' lengths, the tables'
-    bounds (all groups in order, or None) and whether each group left the rank."""
+    bounds (all groups in order, or None), whether each group left the rank and whether
+    it left the host (None: none did)."""
 
     direction: str
     groups: list[tuple[list[int], list[int]]]
@@ -25,6 +26,7 @@ class GroupsSent(NamedTuple):
     used: torch.Tensor
     ebs: torch.Tensor | None
     remote: list[bool]
+    apart: list[bool] | None = None
 
 
 @dataclass
@@ -34,6 +36,7 @@ class CommStats:
     raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    between: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # hosts
     table_raw: dict[str, dict[int, int]] = field(
         default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
     )
@@ -83,13 +86,15 @@ class CommStats:
         on the wire."""
         d, u, k = s.direction, s.used.tolist(), 0
         e = s.ebs.tolist() if s.ebs is not None else [None] * sum(len(t) for t, _ in s.groups)
-        for (tables, sizes), nb, far in zip(s.groups, u, s.remote, strict=True):
+        apart = s.apart or [False] * len(s.groups)
+        for (tables, sizes), nb, far, out in zip(s.groups, u, s.remote, apart, strict=True):
             rows = max(1, sum(sizes))
             for t, r in zip(tables, sizes, strict=True):
                 sent = int(nb) * r // rows
                 self.raw[d] += s.raw
                 self.sent[d] += sent
                 self.wire[d] += sent if far else 0
+                self.between[d] += sent if out else 0
                 self.table_raw[d][t] += s.raw
                 self.table_sent[d][t] += sent
                 if (eb := e[k]) is not None:
@@ -107,7 +112,9 @@ class CommStats:
         table's owner reports them), and the seconds of saved rank ``rank % len(saved)``."""
         out = cls()
         for s in saved[rank::world]:
-            for mine, theirs in ((out.raw, s.raw), (out.sent, s.sent), (out.wire, s.wire)):
+            counted = ((out.raw, s.raw), (out.sent, s.sent), (out.wire, s.wire),
+                       (out.between, s.between))  # fmt: skip
+            for mine, theirs in counted:
                 for d, n in theirs.items():
                     mine[d] += n
             for t, n in s.table_raw["bwd"].items():
@@ -152,6 +159,10 @@ class CommStats:
         }  # fmt: skip
         out._later = []
         return out
+
+    def __setstate__(self, state: dict) -> None:
+        """Counters a checkpoint of before ``between`` holds: none between hosts yet."""
+        self.__dict__.update({"between": defaultdict(int), **state})
 
     def ratio(self, direction: str) -> float:
         self.settle()
