@@ -2,10 +2,11 @@
 
 Forward: the owner of tables T_r looked them up for the global batch, pooled (B, |T_r|, D);
 sample owner s gets rows [s*b, (s+1)*b) of each. Backward: s sends d(loss)/d(emb) (b, T, D)
-back to the tables' owners. Both go through one path (``_send`` / ``_receive``): one
-:class:`Block` per peer (its tables' rows, table after table, each table under its own bound
-for the step), one payload per block (:meth:`~recsz.codecs.Codec.encode_segments`);
-a direction only chooses its rows and places what it receives (docs/ARCHITECTURE.md).
+back to the tables' owners. Both go through one path (:class:`~recsz.comm.path.BlockPath`):
+one block per peer (its tables' rows, table after table, each table under its own bound
+for the step), one payload per block, coded by the peer's direction
+(:mod:`recsz.comm.route`); a direction only chooses its rows and places what it receives
+(docs/ARCHITECTURE.md).
 Each direction starts (codes and sends) and finishes (waits, decodes, places) apart, so
 its bytes fly while the model computes: forward while the bottom MLP runs, backward while
 the rest of the backward pass does (:mod:`recsz.comm.overlap`).
@@ -24,53 +25,30 @@ owner uses and a lossless run equals the single-process one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from recsz.codecs.checks import HeldChecks, read_all, riding
 from recsz.comm.direction import Direction
-from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
 from recsz.comm.ids import Slices
 from recsz.comm.overlap import tie_backward
+from recsz.comm.path import Block, BlockPath, Sent
 from recsz.comm.route import Route
-from recsz.comm.stats import CommStats, GroupsSent, ShardPlan
+from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import CompressionSwitch
-from recsz.devicepath import Indices
 from recsz.policy import BoundPolicy
 from recsz.profiling import stage
 
 
-class Sent(NamedTuple):
-    """One direction's bytes in flight, the rank's own rows where they skip the codec, and
-    the route (codec by peer) that made them, which decodes them."""
-
-    pending: PendingBytes
-    own: torch.Tensor | None
-    route: Route
-
-
-class Block(NamedTuple):
-    """What one peer gets from this rank (peer = destination) or sent it (peer = source):
-    rows of ``tables``, ``sizes[i]`` rows of ``tables[i]``, one table after another."""
-
-    peer: int
-    tables: list[int]
-    rows: torch.Tensor  # (sum(sizes), D)
-    sizes: list[int]
-
-
-class EmbeddingExchange:
+class EmbeddingExchange(BlockPath):
     """Sends pooled embeddings to sample owners and their gradients back, compressed.
 
     Args:
         plan: table ownership.
         rank: this process's rank.
         fwd, bwd: codec and bound policy of each direction.
-        check_bounds: decode every payload on the sender and assert its bound.
+        check_bounds, host: :class:`~recsz.comm.path.BlockPath`'s.
         id_dedup, coalesce: id-aware traffic (module docstring).
         sparse_grad: with ``coalesce``, backward hands the sums back as a sparse COO
             gradient of pooled (one row per distinct id, on its first sample), for a
@@ -81,8 +59,6 @@ class EmbeddingExchange:
             ``near`` peers.
         near: the peers whose blocks go plain on every step (``--compress-scope
             between-hosts``: this rank's host's ranks, :mod:`recsz.comm.route`).
-        host: the ranks on this rank's host (None: every rank), whose bytes do not count
-            as between hosts.
     """
 
     def __init__(
@@ -100,8 +76,8 @@ class EmbeddingExchange:
         near: frozenset[int] = frozenset(),
         host: frozenset[int] | None = None,
     ) -> None:
-        self.plan, self.rank, self.world = plan, rank, plan.world
-        self.host = frozenset(range(plan.world)) if host is None else host
+        super().__init__(rank, plan.world, check_bounds, host)
+        self.plan = plan
         self.fwd, self.bwd = fwd, bwd
         if near and plain is None:
             raise ValueError("plain blocks for near peers need plain directions")
@@ -120,21 +96,12 @@ class EmbeddingExchange:
         self._order = tuple(t for r in range(plan.world) for t in plan.tables_of(r)) + tuple(
             t for t, r in enumerate(plan.owners) if r < 0
         )
-        self.stats = CommStats()
-        self.check_bounds = check_bounds
         self.id_dedup, self.coalesce = id_dedup, coalesce
         self.sparse_grad = sparse_grad and coalesce
         #: (grad (b, T, D), this rank's samples' ids (b, T)) -> the gradient to send
         #: (FIITED's ``HeldMask``: zeros for the chunks the rows' owners pruned).
         self.grad_filter: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        #: Training steps feed the policies and the statistics; evaluation does neither.
-        self.training = True
         self._slices = Slices(plan, rank)
-        self._index_of = Indices()
-        #: The checks' verdicts of received payloads, held to ride on the next read of
-        #: sizes: the forward's until the backward's bytes are made (:meth:`_send`), the
-        #: backward's, which gate its rows, until any later one (:meth:`settle`).
-        self._fwd_checks, self._bwd_checks = HeldChecks(), HeldChecks()
 
     @property
     def policies(self) -> dict[str, BoundPolicy]:
@@ -145,161 +112,6 @@ class EmbeddingExchange:
             self.settle()
             self.switch.pause()
         self.training = mode
-
-    def settle(self) -> None:
-        """Read every held check now (PayloadError for a damaged payload): before
-        evaluating, saving a checkpoint, ending."""
-        read_all(self._fwd_checks, self._bwd_checks)
-
-    # ---- the one exchange path ------------------------------------------------------
-    def _send(
-        self,
-        route: Route,
-        step: int,
-        blocks: list[Block],
-        bound_src: tuple[list[int], torch.Tensor],
-        raw_bytes: int,
-        expect: list[int],
-    ) -> Sent:
-        """Encode one block per destination and start the byte all-to-all.
-
-        A table's bound is set once per step from its values in ``bound_src`` (tables,
-        and their values table-major: all that this rank sends of each), so every
-        destination gets the same bound (:meth:`Direction.bounds`). ``raw_bytes`` is what
-        one table's rows stood for before any id-aware reduction (the full (b, D) fp32
-        slice), so ratios count those savings too. Each direction of the ``route`` turns
-        its peers' blocks into one payload each (:meth:`Codec.encode_segments`, one call a
-        direction); the sizes are read once where bytes leave the rank, and stay on the
-        device otherwise. ``expect``: the rows each source sends here.
-        """
-        t0 = time.perf_counter()
-        # An identity codec's payload is the rows' bytes: the rank's own rows skip it (an
-        # empty payload in their place, their bytes counted as sent).
-        own = blocks[self.rank].rows if route[self.rank].codec.identity else None
-        skip = self.rank if own is not None else -1  # an empty payload: 0 bytes, known
-
-        def rows(n: int, peer: int) -> int | None:
-            return None if peer == skip else n
-
-        payloads: dict[int, torch.Tensor] = {}
-        recv: dict[int, int] | None = {}
-        with riding(self._fwd_checks, self._bwd_checks):  # read with the sizes, if any
-            for d, peers in route.groups():
-                coded = [p for p in peers if p != skip]
-                ebs = self._bounds(d, step, bound_src, [blocks[p] for p in coded])
-                made, used = (
-                    d.codec.encode_segments(
-                        [(blocks[p].rows, blocks[p].sizes) for p in coded], ebs, self.world > 1
-                    )
-                    if coded
-                    else ([], None)
-                )
-                payloads.update(zip(coded, made, strict=True))
-                if own is not None and skip in peers:
-                    payloads[skip] = own.new_empty(0, dtype=torch.uint8)
-                    nb = torch.full((1,), own.numel() * own.element_size(), device=own.device)
-                    i = peers.index(skip)
-                    used = nb if used is None else torch.cat([used[:i], nb, used[i:]])
-                if self.check_bounds and ebs is not None:
-                    sent = [(p, blocks[p].rows, blocks[p].sizes) for p in coded]
-                    worst = d.worst_error(sent, made, ebs)
-                    self.stats.max_err[d.name] = max(self.stats.max_err[d.name], worst)
-                if self.training and used is not None:
-                    tabs = [(blocks[p].tables, blocks[p].sizes) for p in peers]
-                    remote = [p != self.rank for p in peers]
-                    apart = [p not in self.host for p in peers]
-                    self.stats.count_groups(
-                        GroupsSent(d.name, tabs, raw_bytes, used, ebs, remote, apart)
-                    )
-                got = d.known_sizes(
-                    blocks[0].rows,
-                    [payloads[p] for p in peers],
-                    [rows(len(blocks[p].rows), p) for p in peers],
-                    [rows(expect[p], p) for p in peers],
-                )
-                if recv is None or got is None:  # the values set some sizes: exchanged
-                    recv = None
-                else:
-                    recv.update(zip(peers, got, strict=True))
-        if self._fwd_checks:  # what did not ride: bytes made from the forward leave next
-            read_all(self._fwd_checks, self._bwd_checks)
-        self._time_codec(t0)
-        pending = start_all_to_all_bytes(
-            [[payloads[p]] for p in range(self.world)],
-            self.world,
-            None,
-            None if recv is None else [recv[p] for p in range(self.world)],
-        )
-        return Sent(pending, own, route)
-
-    def _bounds(
-        self, d: Direction, step: int, bound_src: tuple[list[int], torch.Tensor], sent: list[Block]
-    ) -> torch.Tensor | None:
-        """The bounds of the tables of ``sent``'s blocks, in order, under ``d`` (None: its
-        codec takes none)."""
-        tables, values = bound_src
-        all_ebs = d.bounds(step, tables, values, observe=self.training)
-        if all_ebs is None:
-            return None
-        at = {t: j for j, t in enumerate(tables)}
-        order = tuple(at[t] for blk in sent for t in blk.tables)
-        return all_ebs[self._index_of(order, all_ebs.device)]
-
-    def _receive(
-        self,
-        sent: Sent,
-        tables_from: Callable[[int], list[int]],
-        sizes_from: Callable[[int], list[int]],
-        dim: int,
-        hold: HeldChecks,
-    ) -> list[Block]:
-        """Wait for the bytes and decode them into one block per source, holding the
-        tables ``tables_from(source)`` sends, checked to be ``sizes_from(source)`` rows of
-        each. ``hold`` keeps the checks' verdicts for a later host read."""
-        pending, route = sent.pending, sent.route
-        with stage(f"recsz.a2a_{route.name}.wait"):
-            bufs = pending.wait()
-        if self.training:
-            self.stats.a2a_s[route.name] += pending.waited_s
-        t0 = time.perf_counter()
-        sizes = [sizes_from(src) for src in range(self.world)]
-        # Payloads this process made itself never left its memory: no checks to read.
-        payloads = pending.pieces if pending.pieces is not None else bufs
-        rows: dict[int, torch.Tensor] = {}
-        if sent.own is not None:
-            rows[self.rank] = sent.own
-        for d, peers in route.groups():
-            coded = [s for s in peers if s not in rows]
-            what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
-            if not coded:
-                continue
-            with stage(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
-                try:
-                    decoded = d.codec.decode_segments(
-                        [payloads[s] for s in coded],
-                        [sizes[s] for s in coded],
-                        dim,
-                        check=pending.pieces is None,
-                    )
-                except ValueError as e:
-                    raise ValueError(f"{what}: {e}") from e
-            rows.update(zip(coded, decoded, strict=True))
-        blocks = []
-        for src, want in enumerate(sizes):
-            y = rows[src]
-            if tuple(y.shape) != (sum(want), dim):
-                raise ValueError(
-                    f"rank {src} sent tables {tables_from(src)} ({route.name}) as "
-                    f"{tuple(y.shape)}, expected {(sum(want), dim)} (do the ranks read the "
-                    "same batch?)"
-                )
-            blocks.append(Block(src, tables_from(src), y, want))
-        self._time_codec(t0)
-        return blocks
-
-    def _time_codec(self, t0: float) -> None:
-        if self.training:
-            self.stats.codec_s += time.perf_counter() - t0
 
     # ---- forward ------------------------------------------------------------------
     def start_forward(self, pooled: torch.Tensor, step: int, ids: torch.Tensor) -> Pending:
