@@ -14,7 +14,7 @@ from recsz.comm.embedding import EmbeddingExchange
 from recsz.comm.route import Route, host_peers, plain_within_host
 from recsz.comm.stats import ShardPlan
 from recsz.policy import BoundPolicy, FixedBound
-from tests.multiproc.spawned import spawned
+from tests.multiproc.spawned import codec_path, spawned
 
 WORLD, LOCAL, EB = 4, 2, 0.02
 OWNERS = [0, 1, 2, 3, 0, 1, 2, 3]  # two tables a rank
@@ -80,11 +80,15 @@ def _worker(rank: int, store: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_between_hosts_the_host_s_blocks_come_exact_and_the_rest_bounded() -> None:
-    """Both ways: what comes from a rank of this host (itself too) is exact under
-    ``between-hosts`` and bounded but not exact under ``all``; what crosses hosts is
-    coded alike under both (same bytes between hosts), within its bound."""
-    for rank, got in enumerate(spawned(_worker, WORLD)):
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_between_hosts_the_host_s_blocks_come_exact_and_the_rest_bounded(path: str) -> None:
+    """Both ways, on the host's and the GPU's code paths: what comes from a rank of this
+    host (itself too) is exact under ``between-hosts`` and bounded but not exact under
+    ``all``; what crosses hosts is coded alike under both (same bytes between hosts),
+    within its bound."""
+    with codec_path(path):
+        results = spawned(_worker, WORLD)
+    for rank, got in enumerate(results):
         near = {r for r in range(WORLD) if r // LOCAL == rank // LOCAL}
         emb, grad, _, between = got["exact"]
         assert sum(between.values()) > 0

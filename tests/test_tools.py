@@ -946,3 +946,16 @@ def test_bench_tta_stops_each_side_at_the_same_first_evaluation(tmp_path: Path) 
         assert 0.0 < r["final_auc"] == r["curve"][0]["auc"] < 1.0
     assert "| unshaped | none |" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_hosts_codes_the_same_bytes_between_hosts_either_scope(tmp_path: Path) -> None:
+    """bench_hosts.py in miniature (two torchrun agents of 2 ranks): both scopes send about
+    the same bytes between hosts (the runs part after the first step: the blocks within a
+    host differ); coding only those, more bytes stay within the hosts."""
+    out = tmp_path / "hosts.json"
+    argv = ["--quick", "--configs", "hybrid-all,hybrid-between", "--json-out", str(out)]
+    assert _bench("bench_hosts").main(argv) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())}
+    every, between = rows["hybrid-all"], rows["hybrid-between"]
+    assert between["mb_between_hosts"] == pytest.approx(every["mb_between_hosts"], rel=0.05)
+    assert between["mb_wire"] > every["mb_wire"] and every["fwd_ratio"] > between["fwd_ratio"]
