@@ -181,22 +181,23 @@ class BlockPath:
         rows: dict[int, torch.Tensor] = {}
         if sent.own is not None:
             rows[self.rank] = sent.own
-        for d, peers in route.groups():
-            coded = [s for s in peers if s not in rows]
-            what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
-            if not coded:
-                continue
-            with stage(f"recsz.a2a_{d.name}.decode"), hold.holding(what):
-                try:
-                    decoded = d.codec.decode_segments(
-                        [payloads[s] for s in coded],
-                        [sizes[s] for s in coded],
-                        dim,
-                        check=pending.pieces is None,
-                    )
-                except ValueError as e:
-                    raise ValueError(f"{what}: {e}") from e
-            rows.update(zip(coded, decoded, strict=True))
+        with stage(f"recsz.a2a_{route.name}.decode"):  # (entered with nothing coded too)
+            for d, peers in route.groups():
+                coded = [s for s in peers if s not in rows]
+                if not coded:
+                    continue
+                what = f"rank {self.rank}: {d.name} payloads from ranks {coded}"
+                with hold.holding(what):
+                    try:
+                        decoded = d.codec.decode_segments(
+                            [payloads[s] for s in coded],
+                            [sizes[s] for s in coded],
+                            dim,
+                            check=pending.pieces is None,
+                        )
+                    except ValueError as e:
+                        raise ValueError(f"{what}: {e}") from e
+                rows.update(zip(coded, decoded, strict=True))
         blocks = []
         for src, want in enumerate(sizes):
             y = rows[src]
