@@ -75,7 +75,14 @@ def _worker(rank: int, store: str, out: str) -> None:
         emb = ex.start_forward(pooled, 0, ids).wait()
         (emb * grad).sum().backward()
         ex.stats.settle()
-        got[name] = (emb.detach(), pooled.grad, dict(ex.stats.wire), dict(ex.stats.between))
+        st = ex.stats
+        got[name] = (
+            emb.detach(),
+            pooled.grad,
+            dict(st.wire),
+            dict(st.between),
+            dict(st.between_raw),
+        )
     torch.save(got, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -90,7 +97,7 @@ def test_between_hosts_the_host_s_blocks_come_exact_and_the_rest_bounded(path: s
         results = spawned(_worker, WORLD)
     for rank, got in enumerate(results):
         near = {r for r in range(WORLD) if r // LOCAL == rank // LOCAL}
-        emb, grad, _, between = got["exact"]
+        emb, grad, _, between, _ = got["exact"]
         assert sum(between.values()) > 0
         cols_near = [t for t, r in enumerate(OWNERS) if r in near]  # forward: by table owner
         cols_far = [t for t, r in enumerate(OWNERS) if r not in near]
@@ -105,6 +112,7 @@ def test_between_hosts_the_host_s_blocks_come_exact_and_the_rest_bounded(path: s
             assert not torch.equal(e[:, cols_far], emb[:, cols_far])
             assert not torch.equal(gr[rows_far], grad[rows_far])
         assert got["all"][3] == got["between"][3]  # what crosses hosts: the same payloads
+        assert got["all"][4] == got["between"][4] == got["exact"][4]  # of the same raw bytes
         assert got["between"][2] != got["all"][2]  # what stays within: other payloads
 
 
@@ -115,7 +123,7 @@ def test_a_run_keeps_counters_saved_before_the_count_between_hosts(tmp_path: Pat
     st = CommStats()
     st.wire["fwd"] = 5
     state = dict(st.__dict__)
-    del state["between"]
+    del state["between"], state["between_raw"]
     old = CommStats.__new__(CommStats)
     old.__setstate__(state)
-    assert old.wire["fwd"] == 5 and old.between["fwd"] == 0
+    assert old.wire["fwd"] == 5 and old.between["fwd"] == old.between_raw["fwd"] == 0

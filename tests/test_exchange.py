@@ -336,6 +336,7 @@ def record(rank: int, raw: int, sent: int) -> dict:
         "sent": {"fwd": sent, "bwd": 2 * sent},
         "wire": {"fwd": sent // 2, "bwd": sent},
         "between": {"fwd": sent // 4},
+        "between_raw": {"fwd": raw // 2},
         "max_err": {},
         "tables": {
             "fwd": {rank: (raw, sent, 0.1, "base")},
@@ -356,7 +357,7 @@ def test_summary_sums_bytes_and_averages_seconds_over_ranks() -> None:
     assert s["loss"] == 1.0 and s["train_s"] == 2.0 and s["samples_per_s"] == 320.0
     assert s["compute_s"] == pytest.approx(1.0)
     assert s["bytes_raw"] == 8000 and s["bytes_payload"] == 600 and s["bytes_sent"] == 300
-    assert s["bytes_between_hosts"] == 50
+    assert s["bytes_between_hosts"] == 50 and s["between_hosts_ratio"] == 2000 / 50
     assert s["fwd_ratio"] == 20.0 and s["bwd_ratio"] == 10.0
     assert s["tt_cache_hit_rate"] == (30 + 31) / 200
     assert s["embedding_bytes"] == 201 and s["embedding_bytes_dense"] == 2000

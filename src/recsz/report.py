@@ -73,6 +73,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "sent": dict(st.sent),
         "wire": dict(st.wire),
         "between": dict(st.between),
+        "between_raw": dict(st.between_raw),
         "max_err": dict(st.max_err),
         # Forward: the tables this rank owns; backward: every table (it sends them all).
         "tables": {"fwd": tables("fwd", ex.mine), "bwd": tables("bwd", list(st.table_raw["bwd"]))},
@@ -113,6 +114,8 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     row["bytes_payload"] = total("sent", "fwd") + total("sent", "bwd")
     row["bytes_sent"] = total("wire", "fwd") + total("wire", "bwd")
     row["bytes_between_hosts"] = total("between", "fwd") + total("between", "bwd")
+    raw_between = total("between_raw", "fwd") + total("between_raw", "bwd")
+    row["between_hosts_ratio"] = ratio(raw_between, row["bytes_between_hosts"])
     row["fwd_ratio"] = ratio(total("raw", "fwd"), total("sent", "fwd"))
     row["bwd_ratio"] = ratio(total("raw", "bwd"), total("sent", "bwd"))
     # The MLP gradients' exchange: bytes every rank put on the wire, against a ring
@@ -193,7 +196,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  fwd ratio      {s['fwd_ratio']:.2f}x   (embedding all-to-all)",
             f"  bwd ratio      {s['bwd_ratio']:.2f}x   (gradient all-to-all)",
             f"  bytes on wire  {s['bytes_sent'] / 1e6:.2f} MB of {s['bytes_raw'] / 1e6:.2f} MB raw"
-            + _between(s.get("bytes_between_hosts")),
+            + _between(s.get("bytes_between_hosts"), s.get("between_hosts_ratio")),
             f"  a2a time       fwd {s['a2a_fwd_s']:.2f} s, bwd {s['a2a_bwd_s']:.2f} s, "
             f"codec {s['codec_s']:.2f} s, all-reduce {s['allreduce_s']:.2f} s",
             *_trials(s.get("compress")),
@@ -201,9 +204,10 @@ def format_summary(s: dict[str, Any]) -> str:
     )
 
 
-def _between(n: int | None) -> str:
-    """The bytes that crossed hosts, where the job spans several."""
-    return f", {n / 1e6:.2f} MB between hosts" if n else ""
+def _between(n: int | None, r: float | None) -> str:
+    """The bytes that crossed hosts, and their raw bytes over them, where the job spans
+    several."""
+    return f", {n / 1e6:.2f} MB between hosts ({r:.2f}x)" if n and r else ""
 
 
 def _trials(switch: dict[str, Any] | None) -> list[str]:

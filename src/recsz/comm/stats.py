@@ -36,7 +36,9 @@ class CommStats:
     raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wire: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    between: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # hosts
+    #: of the groups that left the host: their raw bytes, and their payloads'
+    between_raw: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    between: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     table_raw: dict[str, dict[int, int]] = field(
         default_factory=lambda: {"fwd": defaultdict(int), "bwd": defaultdict(int)}
     )
@@ -94,6 +96,7 @@ class CommStats:
                 self.raw[d] += s.raw
                 self.sent[d] += sent
                 self.wire[d] += sent if far else 0
+                self.between_raw[d] += s.raw if out else 0
                 self.between[d] += sent if out else 0
                 self.table_raw[d][t] += s.raw
                 self.table_sent[d][t] += sent
@@ -113,7 +116,7 @@ class CommStats:
         out = cls()
         for s in saved[rank::world]:
             counted = ((out.raw, s.raw), (out.sent, s.sent), (out.wire, s.wire),
-                       (out.between, s.between))  # fmt: skip
+                       (out.between, s.between), (out.between_raw, s.between_raw))  # fmt: skip
             for mine, theirs in counted:
                 for d, n in theirs.items():
                     mine[d] += n
@@ -162,7 +165,8 @@ class CommStats:
 
     def __setstate__(self, state: dict) -> None:
         """Counters a checkpoint of before ``between`` holds: none between hosts yet."""
-        self.__dict__.update({"between": defaultdict(int), **state})
+        none: dict[str, dict[str, int]] = {k: defaultdict(int) for k in ("between", "between_raw")}
+        self.__dict__.update({**none, **state})
 
     def ratio(self, direction: str) -> float:
         self.settle()
