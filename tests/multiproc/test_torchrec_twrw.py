@@ -116,6 +116,10 @@ def _worker(rank: int, store: str, out: str) -> None:
     model = _dmp(lossy)
     res["lossy"] = _train(model, rank)
     res["bytes"] = rt.comm_bytes(model)
+    every = rt.CompressedEBCSharder(fwd_codec="hybrid", bwd_codec="hybrid", eb_policy="fixed",
+                                    fwd_eb=EB, bwd_eb=EB, eb_mode="abs",
+                                    compress_scope="all")  # fmt: skip
+    res["lossy_all"] = _train(_dmp(every), rank, 1)
 
     # the dual policy's state (steps, classes) through dmp.state_dict(): 2 + 2 steps = 4
     def make() -> torch.nn.Module:
@@ -199,6 +203,18 @@ def test_lossy_outputs_within_the_bound(ranks: list[dict]) -> None:
         sent = res["bytes"]
         assert 0.5 < sent["max_err"]["fwd"] <= 1 and 0.5 < sent["max_err"]["bwd"] <= 1
         assert sent["raw"]["fwd"] > 2 * sent["wire"]["fwd"] > 0
+
+
+def test_a_table_wise_tables_rows_stay_exact_within_its_host(ranks: list[dict]) -> None:
+    """Table c (table-wise, on rank 3, host 1) under the default ``compress_scope`` (auto:
+    between hosts, as here): its pooled rows reach ranks 2 and 3 exact, ranks 0 and 1 within
+    the bound; under ``compress_scope="all"`` every rank's within the bound, none exact."""
+    c = slice(8 + 16 + 256, 8 + 16 + 256 + 8)  # the outputs: a, b, d, c side by side
+    for rank, res in enumerate(ranks):
+        stock, scoped, every = (res[k][0][:, c] for k in ("stock", "lossy", "lossy_all"))
+        assert torch.equal(scoped, stock) == (rank >= LOCAL)
+        assert (scoped - stock).abs().max() <= EB and (every - stock).abs().max() <= EB
+        assert not torch.equal(every, stock)
 
 
 def test_a_checkpoint_carries_the_cross_host_dists_state(ranks: list[dict]) -> None:

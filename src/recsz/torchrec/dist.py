@@ -36,14 +36,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.comm_ops import get_gradient_division
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingDist
 from torchrec.distributed.types import Awaitable
 
+from recsz.codecs import get_codec
 from recsz.codecs.checks import HeldChecks, read_sizes, riding
 from recsz.codecs.framing import frame, unframe_all
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
+from recsz.comm.route import Route, plain_within_host
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
@@ -107,6 +110,11 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.bwd = Direction("bwd", config.codec("bwd"), make_policy(config, "bwd", self.n_keys))
         for d in (self.fwd, self.bwd):
             d.codec.warm_up()
+        #: ``compress_scope``: the ranks of this rank's host (TorchRec's: LOCAL_WORLD_SIZE
+        #: ranks a host, in rank order) whose blocks go plain, and the plain directions
+        self.near = self._near(config.compress_scope)
+        self.plain = {d.name: Direction(d.name, get_codec("none"), d.policy)
+                      for d in (self.fwd, self.bwd)}  # fmt: skip
         self.step = 0
         #: of what left this rank: the bytes of its fp32 slices, and the payload bytes
         self.raw = {"fwd": 0, "bwd": 0}
@@ -124,6 +132,20 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self._index = Indices()  # the policies' keys, made once on the device
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
+
+    def _near(self, scope: str) -> frozenset[int]:
+        """The ranks of the group on this rank's host (TorchRec's topology: each host
+        ``get_local_size()`` ranks in global rank order) where ``scope`` sends them plain
+        (:func:`recsz.comm.route.plain_within_host`), else none."""
+        local = get_local_size(dist.get_world_size())
+        host = [dist.get_global_rank(self.pg, r) // local for r in range(self.world)]
+        if not plain_within_host(scope, len(set(host))):
+            return frozenset()
+        return frozenset(r for r in range(self.world) if host[r] == host[self.rank])
+
+    def _route(self, d: Direction) -> Route:
+        """``d`` for each peer, but the plain direction for those on this rank's host."""
+        return Route.of(self.world, d, self.plain[d.name], self.near)
 
     @staticmethod
     def _group(inner: Any) -> dist.ProcessGroup:
@@ -185,9 +207,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
             like = blocks[0][0]
             device = like.device
             parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
-            for width in sorted({w for _, dims, _ in blocks for w in dims}):
+            route = self._route(d).groups()  # each direction's destinations
+            for width, (way, peers) in itertools.product(
+                sorted({w for _, dims, _ in blocks for w in dims}), route
+            ):
                 groups, keys, dest = [], [], []
-                for r, (x, dims, ks) in enumerate(blocks):
+                for r in peers:
+                    x, dims, ks = blocks[r]
                     if width not in _by_width(dims):
                         continue
                     fs, cols = _by_width(dims)[width]
@@ -199,17 +225,22 @@ class CompressedPooledEmbeddingDist(nn.Module):
                         groups.append(picks[r].taken(x, fs, cols, width))
                     keys += [ks[i] for i in fs]
                     dest.append(r)
-                eb = None if ebs is None else ebs[self._index(keys, ebs.device)]
+                if not dest:
+                    continue
+                eb = None
+                if ebs is not None and way.codec.error_bounded:
+                    eb = ebs[self._index(keys, ebs.device)]
                 # Untrimmed: every width's payload lengths are read to the host at once below.
-                payloads, used = d.codec.encode_segments(groups, eb, trim=False)
+                payloads, used = way.codec.encode_segments(groups, eb, trim=False)
                 if self.check_bounds and eb is not None:
                     sent = [(r, rows, sizes) for r, (rows, sizes) in zip(dest, groups, strict=True)]
-                    worst = d.worst_error(sent, payloads, eb)
+                    worst = way.worst_error(sent, payloads, eb)
                     self.max_err[d.name] = max(self.max_err[d.name], worst)
                 for r, p, n in zip(dest, payloads, used, strict=True):
                     parts[r].append((p, n))
             flat = [(p, n) for ps in parts for p, n in ps]
-            if d.sized_by_shapes(like) or not flat:  # the casts: lengths known on the host
+            shaped = all(way.sized_by_shapes(like) for way, _ in route)
+            if shaped or not flat:  # the casts: lengths known on the host
                 lengths = iter([p.numel() for p, _ in flat])
             else:  # one read, the forward's verdicts along
                 with riding(self._fwd_checks):
@@ -283,8 +314,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
             checks = self._fwd_checks if hold else HeldChecks()
             try:
                 with checks.holding(f"{self.who}: {d.name} payloads"):
-                    for width in sorted({w for ws in widths for w in ws}):
-                        srcs = [s for s in range(self.world) if width in widths[s]]
+                    route = self._route(d).groups()  # each direction's sources
+                    for width, (way, peers) in itertools.product(
+                        sorted({w for ws in widths for w in ws}), route
+                    ):
+                        srcs = [s for s in peers if width in widths[s]]
+                        if not srcs:
+                            continue
                         fcs = [_by_width(dims[s])[width] for s in srcs]
                         sizes = [
                             [rows[s]] * len(fs)
@@ -294,7 +330,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
                         ]
                         payloads = [parts[s][widths[s].index(width)] for s in srcs]
                         try:  # (payload i: rank srcs[i]'s)
-                            decoded = d.codec.decode_segments(payloads, sizes, width)
+                            decoded = way.codec.decode_segments(payloads, sizes, width)
                         except ValueError as e:
                             raise ValueError(f"from ranks {srcs}: {e}") from e
                         for s, (fs, cols), y in zip(srcs, fcs, decoded, strict=True):

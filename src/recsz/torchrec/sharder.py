@@ -44,7 +44,7 @@ TAKEN = {
     "fwd_codec", "bwd_codec", "coder", "eb_policy", "fwd_eb", "bwd_eb", "eb_mode",
     "fwd_class_eb", "bwd_class_eb", "hindex_probe_steps", "hindex_every", "decay_schedule",
     "decay_c", "decay_t", "dct_keep", "dct_refresh", "check_bounds", "compress",
-    "compress_trial", "compress_every",
+    "compress_trial", "compress_every", "compress_scope",
 }  # fmt: skip
 
 
