@@ -91,3 +91,24 @@ def test_without_the_package_it_is_refused_before_any_rank_starts(
     with pytest.raises(ImportError, match="--tensorboard needs the tensorboard package"):
         main([*FLAGS, "--steps", "2", "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_boards_run_is_scored_and_planned_without_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What only reads a run (`recsz evaluate`, `recsz plan --config RUN`) writes no board,
+    so it needs no package where the run had one (an inference machine's)."""
+    from recsz.cli import main as cli
+    from recsz.evaluation import main as evaluate
+
+    run = tmp_path / "run"
+    assert main([*FLAGS, "--steps", "4", "--out", str(run)]) == 0
+    found = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else found(name, *a),
+    )
+    assert evaluate([str(run), "--json", str(tmp_path / "ev.json")]) == 0
+    assert json.loads((tmp_path / "ev.json").read_text())["step"] == 4
+    assert cli(["plan", "--config", str(run), "--nproc", "2"]) == 0
