@@ -20,14 +20,16 @@ from tensorboard.backend.event_processing.event_accumulator import (
     EventAccumulator,
 )
 
+SAMPLE = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo_kaggle_200.tsv"
 FLAGS = ["--batch-size", "32", "--synthetic-eval", "64", "--no-progress", "--log-every", "2",
          "--eval-every", "4", "--checkpoint-every", "4", "--fwd-codec", "hybrid",
          "--bwd-codec", "hybrid", "--eb-policy", "dual", "--tensorboard"]  # fmt: skip
 
 
-def board(run: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar TensorBoard shows for ``run``: tag -> (step, value) in step order."""
-    acc = EventAccumulator(str(run / TENSORBOARD), size_guidance={"scalars": 0})
+def board(run: Path, under: str = TENSORBOARD) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar TensorBoard shows for ``run`` (its board in ``run / under``): tag ->
+    (step, value) in step order."""
+    acc = EventAccumulator(str(run / under), size_guidance={"scalars": 0})
     acc.Reload()
     return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
 
@@ -112,3 +114,26 @@ def test_a_boards_run_is_scored_and_planned_without_the_package(
     assert evaluate([str(run), "--json", str(tmp_path / "ev.json")]) == 0
     assert json.loads((tmp_path / "ev.json").read_text())["step"] == 4
     assert cli(["plan", "--config", str(run), "--nproc", "2"]) == 0
+    with pytest.raises(ImportError, match="--tensorboard needs the tensorboard package"):
+        evaluate([str(run), "--tensorboard"])  # (asked for: refused before any work)
+
+
+def test_recsz_evaluate_adds_its_numbers_beside_the_training_board(tmp_path: Path) -> None:
+    """`recsz evaluate --tensorboard`: the numbers at the checkpoint's step, a board of
+    their own a data set (the held-out set; an --eval-data file by its name), the same tags
+    as the training's evaluations; the training's board left as it was."""
+    from recsz.evaluation import main as evaluate
+
+    run = tmp_path / "run"
+    assert main([*FLAGS, "--steps", "8", "--out", str(run)]) == 0
+    for extra, name in (([], "held-out"), (["--eval-data", str(SAMPLE)], "criteo_kaggle_200.tsv")):
+        if extra and not SAMPLE.exists():
+            continue
+        out = tmp_path / f"{name}.json"
+        argv = [str(run / "checkpoints" / "step-000000004"), "--tensorboard", "--json", str(out)]
+        assert evaluate([*argv, *extra]) == 0
+        ev = json.loads(out.read_text())
+        got = board(run / TENSORBOARD / f"evaluate-{name}", "")
+        assert got["eval/auc"] == [(4, pytest.approx(ev["auc"], rel=1e-6))]
+        assert {t for t in got if not t.startswith("eval/")} == set()
+    assert_board_is_the_log(run)

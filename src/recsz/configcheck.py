@@ -89,9 +89,8 @@ def refused(cfg: TrainConfig) -> None:
             "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
             "rows would train apart on each rank)"
         )
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ImportError("--tensorboard needs the tensorboard package: pip install "
-                          "tensorboard  (or pip install 'recsz[tensorboard]')")  # fmt: skip
+    if cfg.tensorboard:
+        need_tensorboard()
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
     for codec in (fwd, bwd, *([get_codec_with(cfg.dp_codec)] if cfg.dp_comm == "eb" else [])):
         codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing
@@ -145,6 +144,14 @@ def _check_bound_values(cfg: TrainConfig) -> None:
 def _whole_range(flag: str, eb: float, of: str) -> str:
     return (f"{flag} {eb:g} is not below 1: a relative bound is a fraction of {of} (0.01: "
             "1%), and one of 1 or more lets every value go as about the same number")  # fmt: skip
+
+
+def need_tensorboard() -> None:
+    """An ImportError naming the package and recsz's extra where ``--tensorboard`` has no
+    tensorboard package to write with."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ImportError("--tensorboard needs the tensorboard package: pip install "
+                          "tensorboard  (or pip install 'recsz[tensorboard]')")  # fmt: skip
 
 
 def _graph_clashes(cfg: TrainConfig, fwd: Codec, bwd: Codec) -> list[str]:

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from recsz import checkpoint, report
 from recsz.config import TrainConfig
+from recsz.configcheck import need_tensorboard
 from recsz.data.prefetch import prefetch
 from recsz.data.source import DataSource, Part, held_out_source, make_source
 from recsz.fields import parser
@@ -196,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", default=None, help="write the numbers, step and data to this file")
     p.add_argument(
+        "--tensorboard",
+        action="store_true",
+        default=False,
+        help="add the numbers at the checkpoint's step to the run's TensorBoard, as a board "
+        "of their own beside the training's (RUN/tensorboard/evaluate-DATA: DATA the "
+        "--eval-data file's name, or held-out), drawn on its eval/* charts",
+    )
+    p.add_argument(
         "--predictions",
         default=None,
         help="write each sample's prediction and label, in the set's order, to this .npy "
@@ -272,6 +282,11 @@ def run(argv: list[str]) -> dict[str, Any]:
                 np.save(args.predictions, preds.float().cpu().numpy())
             if args.json:
                 Path(args.json).write_text(json.dumps(result, indent=2))
+            if args.tensorboard:
+                label = "held-out" if eval_data is None else Path(eval_data).name
+                name = "evaluate-" + re.sub(r"[^\w.-]", "_", label)
+                where = report.add_to_board(r.ckpt.parent.parent, name, r.step, ev)
+                print(f"recsz: added to {where}", flush=True)
             print(
                 f"recsz: {r.ckpt} (step {r.step}) on {source.name}, {ev['eval_samples']} "
                 f"samples, {r.ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss "
@@ -316,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if (data := getattr(args, "eval_data", None)) is not None and not Path(data).exists():
         raise FileNotFoundError(f"--eval-data {data}: no such file or directory")
+    if args.tensorboard:
+        need_tensorboard()
     body = lambda: run(argv)  # noqa: E731
     return entry(argv, args, "recsz.evaluation", body, __name__ == "__main__", _OUTPUTS)
 

@@ -297,6 +297,24 @@ class Log:
 TENSORBOARD = "tensorboard"
 
 
+def eval_row(ev: dict[str, float]) -> dict[str, float]:
+    """An evaluation's numbers as a metrics row names them (``eval_auc``, ``eval_s``)."""
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in ev.items()}
+
+
+def add_to_board(run: Path, name: str, step: int, ev: dict[str, float]) -> Path:
+    """An evaluation's numbers at ``step`` (``recsz evaluate --tensorboard``), as a board
+    of their own beside the run's (``RUN/tensorboard/NAME``): TensorBoard draws their
+    ``eval/*`` tags on the training's charts, one line a board."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    where = run / TENSORBOARD / name
+    with SummaryWriter(where) as board:
+        for tag, value in scalars({"step": step, **eval_row(ev)}).items():
+            board.add_scalar(tag, value, step)
+    return where
+
+
 def scalars(row: dict[str, Any]) -> dict[str, float]:
     """A metrics row's finite numbers as TensorBoard tags: ``train/loss``, ``eval/auc``,
     and a table's as ``fwd_eb/table_07`` (each number's tables side by side)."""

@@ -181,7 +181,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if (first := evaluated(start)) is None:
                 left_unfinished(start, True)
             else:
-                log.metrics({"step": start, **_eval_row(first)})
+                log.metrics({"step": start, **report.eval_row(first)})
         for step in range(start, start if stopped or reached is not None else steps):
             if fail_at == (ranks.rank, step):
                 raise RuntimeError(f"injected failure on rank {ranks.rank} at step {step}")
@@ -237,7 +237,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 if ev is None:  # evaluated first when resumed
                     left_unfinished(done, True)
                 else:
-                    row = {"step": done, **row, **_eval_row(ev)}
+                    row = {"step": done, **row, **report.eval_row(ev)}
                 if reached is not None and out and cfg.checkpoint_every and not every:
                     save(done, False)  # where the target was met: resuming it ends here
             if row:
@@ -303,7 +303,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if out and ranks.rank == 0:
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             if final is not None:  # (a mid-run evaluation that met the target has its row)
-                log.metrics({"step": steps, **_eval_row(final)})
+                log.metrics({"step": steps, **report.eval_row(final)})
         if ranks.rank == 0:
             tqdm.write(report.format_summary(summary))
         ok = True
@@ -324,11 +324,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 def _not_watched(saved: int | None = None) -> Iterator[None]:
     """Stopping.busy's stand-in where nothing watches for SIGTERM (no run directory)."""
     yield
-
-
-def _eval_row(ev: dict[str, float]) -> dict[str, float]:
-    """An evaluation's numbers as a metrics row names them (``eval_auc``, ``eval_s``)."""
-    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in ev.items()}
 
 
 #: Fields that may differ between ranks of one job.
