@@ -103,6 +103,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     res["dims"] = sorted(str(d.dims) for d in lossless.dists)
     cross = [d for d in lossless.dists if d.dims == [(8,), (16,)]]  # the twrw tables a, b
     res["cross_bytes"] = [(d.raw["fwd"], d.wire["fwd"], d.raw["bwd"], d.wire["bwd"]) for d in cross]
+    res["between"] = {str(d.dims): (d.wire["fwd"], d.between["fwd"]) for d in lossless.dists}
     # Uneven batches: forward only (TorchRec's all-gather of uneven blocks, the reduce-
     # scatter's backward, fails on gloo, stock DMP's alike)
     for name, sharder in (("stock_uneven", EmbeddingBagCollectionSharder()),
@@ -203,6 +204,18 @@ def test_lossy_outputs_within_the_bound(ranks: list[dict]) -> None:
         sent = res["bytes"]
         assert 0.5 < sent["max_err"]["fwd"] <= 1 and 0.5 < sent["max_err"]["bwd"] <= 1
         assert sent["raw"]["fwd"] > 2 * sent["wire"]["fwd"] > 0
+        assert 0 < sent["between"]["fwd"] <= sent["wire"]["fwd"]
+
+
+def test_the_bytes_between_hosts_are_counted_apart(ranks: list[dict]) -> None:
+    """The table-row-wise and grid dists run between hosts only: all their bytes cross;
+    the table-wise one's (c, on rank 3) to rank 2 stay within host 1."""
+    for rank, res in enumerate(ranks):
+        for dims, (wire, between) in res["between"].items():
+            if dims == "[(), (), (), (8,)]" and rank == 3:
+                assert 0 < between < wire
+            elif dims != "[(), (), (), (8,)]":
+                assert 0 < between == wire
 
 
 def test_a_table_wise_tables_rows_stay_exact_within_its_host(ranks: list[dict]) -> None:

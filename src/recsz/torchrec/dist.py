@@ -110,15 +110,17 @@ class CompressedPooledEmbeddingDist(nn.Module):
         self.bwd = Direction("bwd", config.codec("bwd"), make_policy(config, "bwd", self.n_keys))
         for d in (self.fwd, self.bwd):
             d.codec.warm_up()
-        #: ``compress_scope``: the ranks of this rank's host (TorchRec's: LOCAL_WORLD_SIZE
-        #: ranks a host, in rank order) whose blocks go plain, and the plain directions
-        self.near = self._near(config.compress_scope)
+        #: the ranks of the group on this rank's host (TorchRec's: LOCAL_WORLD_SIZE ranks a
+        #: host, in rank order), and those whose blocks go plain (``compress_scope``)
+        self.host, hosts = self._host()
+        self.near = self.host if plain_within_host(config.compress_scope, hosts) else frozenset()
         self.plain = {d.name: Direction(d.name, get_codec("none"), d.policy)
                       for d in (self.fwd, self.bwd)}  # fmt: skip
         self.step = 0
         #: of what left this rank: the bytes of its fp32 slices, and the payload bytes
         self.raw = {"fwd": 0, "bwd": 0}
         self.wire = {"fwd": 0, "bwd": 0}
+        self.between = {"fwd": 0, "bwd": 0}  # the payload bytes to other hosts
         #: ``check_bounds``: every payload decoded before it leaves, its bound asserted;
         #: the largest error / bound seen
         self.check_bounds = config.check_bounds
@@ -133,15 +135,13 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: The forward's checks' verdicts, read with the backward's lengths (:meth:`_send`).
         self._fwd_checks = HeldChecks()
 
-    def _near(self, scope: str) -> frozenset[int]:
+    def _host(self) -> tuple[frozenset[int], int]:
         """The ranks of the group on this rank's host (TorchRec's topology: each host
-        ``get_local_size()`` ranks in global rank order) where ``scope`` sends them plain
-        (:func:`recsz.comm.route.plain_within_host`), else none."""
+        ``get_local_size()`` ranks in global rank order), and the group's hosts."""
         local = get_local_size(dist.get_world_size())
         host = [dist.get_global_rank(self.pg, r) // local for r in range(self.world)]
-        if not plain_within_host(scope, len(set(host))):
-            return frozenset()
-        return frozenset(r for r in range(self.world) if host[r] == host[self.rank])
+        mine = frozenset(r for r in range(self.world) if host[r] == host[self.rank])
+        return mine, len(set(host))
 
     def _route(self, d: Direction) -> Route:
         """``d`` for each peer, but the plain direction for those on this rank's host."""
@@ -255,6 +255,8 @@ class CompressedPooledEmbeddingDist(nn.Module):
                 others = [r for r in range(self.world) if r != self.rank]
                 self.raw[d.name] += sum(blocks[r][0].numel() * 4 for r in others)
                 self.wire[d.name] += sum(send[r][0].numel() for r in others)
+                far = (r for r in others if r not in self.host)
+                self.between[d.name] += sum(send[r][0].numel() for r in far)
         return start_all_to_all_bytes(send, self.world, self.pg)
 
     def _bounds(

@@ -213,12 +213,14 @@ def _modules(model: torch.nn.Module) -> list[CompressingModule]:
 
 def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """Bytes of this rank's compressed dists in ``model`` so far, per direction: ``raw``
-    (what the fp32 slices stood for) and ``wire`` (payload bytes sent to other ranks); and
+    (what the fp32 slices stood for), ``wire`` (payload bytes sent to other ranks) and
+    ``between`` (those to ranks on other hosts: TorchRec's, ``LOCAL_WORLD_SIZE`` a host); and
     ``max_err``, the largest error / bound that ``check_bounds=True`` saw (0 without it);
     ``compress``, each switch's state (:func:`switches`; its trials with ``compress="auto"``)."""
     out: dict[str, dict[str, Any]] = {
         "raw": {"fwd": 0, "bwd": 0},
         "wire": {"fwd": 0, "bwd": 0},
+        "between": {"fwd": 0, "bwd": 0},
         "max_err": {"fwd": 0.0, "bwd": 0.0},
     }
     dists = {id(d): d for m in _modules(model) for d in m.recsz_dists}
@@ -227,6 +229,7 @@ def comm_bytes(model: torch.nn.Module) -> dict[str, dict[str, Any]]:
         for d in ("fwd", "bwd"):
             out["raw"][d] += one.raw[d]
             out["wire"][d] += one.wire[d]
+            out["between"][d] += one.between[d]
             out["max_err"][d] = max(out["max_err"][d], one.max_err[d])
     return out
 

@@ -96,7 +96,12 @@ def _dist_state(d: CompressedPooledEmbeddingDist) -> dict[str, Any]:
     return {
         "step": d.step,
         "policies": {x.name: x.policy.state_dict() for x in (d.fwd, d.bwd)},
-        "counters": {"raw": dict(d.raw), "wire": dict(d.wire), "max_err": dict(d.max_err)},
+        "counters": {
+            "raw": dict(d.raw),
+            "wire": dict(d.wire),
+            "between": dict(d.between),
+            "max_err": dict(d.max_err),
+        },
         "layout": d.layout,
     }
 
@@ -111,6 +116,6 @@ def _load_dist_state(d: CompressedPooledEmbeddingDist, state: dict[str, Any], wh
         else:
             x.policy.probe_again(step)
     if whole:
-        for k in ("raw", "wire", "max_err"):
-            getattr(d, k).update(state["counters"][k])
+        for k in ("raw", "wire", "between", "max_err"):
+            getattr(d, k).update(state["counters"].get(k, {}))  # (between: since 2026-12)
     d.step = step
