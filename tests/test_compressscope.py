@@ -11,7 +11,7 @@ import torch
 from recsz.codecs import get_codec
 from recsz.comm.direction import Direction
 from recsz.comm.embedding import EmbeddingExchange
-from recsz.comm.route import Route, host_peers, plain_within_host
+from recsz.comm.route import Route, host_ranks, plain_within_host
 from recsz.comm.stats import ShardPlan
 from recsz.policy import BoundPolicy, FixedBound
 from tests.multiproc.spawned import codec_path, spawned
@@ -31,10 +31,9 @@ def test_the_scope_decides_by_the_number_of_hosts() -> None:
 def test_a_ranks_host_is_the_ranks_of_its_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ranks are on one host where their machine and torchrun node agree."""
     keys = ["a/0", "a/1", "a/0", "b/0"]
-    assert host_peers(2, lambda _: keys) == (frozenset({0, 2}), 3)
+    assert host_ranks(lambda _: keys) == [(0, 2), (1,), (3,)]
     monkeypatch.setenv("GROUP_RANK", "7")
-    got = host_peers(0, lambda key: [key] * 2)
-    assert got == (frozenset({0, 1}), 1)
+    assert host_ranks(lambda key: [key] * 2) == [(0, 1)]
 
 
 def test_a_route_codes_each_direction_once_for_its_peers() -> None:

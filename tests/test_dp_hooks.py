@@ -9,7 +9,8 @@ import torch
 
 from recsz.codecs import get_codec, get_codec_with
 from recsz.comm.dct_dp import DCTState, all_gather_ragged, dct_hook
-from recsz.comm.dp_hooks import DPComm, EBState, _eb_exchange, _hook
+from recsz.comm.dp_eb import EBState, exchange
+from recsz.comm.dp_hooks import DPComm, _hook
 
 PARAMS = [torch.nn.Parameter(torch.zeros(n)) for n in (600, 400, 300, 20_000)]
 
@@ -43,7 +44,7 @@ def eb_state(codec: str, eb: float = 0.01, coder: str = "auto") -> DPComm:
 def test_eb_hook_keeps_the_bound_and_feeds_back_the_error(coder: str) -> None:
     dp = eb_state("hybrid", 0.05, coder)
     g1 = torch.randn(1000, generator=torch.Generator().manual_seed(0))  # not rows of 64
-    out1 = _eb_exchange(dp, Bucket(g1.clone())).value()
+    out1 = exchange(dp, Bucket(g1.clone())).value()
     eb = 0.05 * float(g1.max() - g1.min())
     assert float((out1 - g1).abs().max()) <= eb
     res = residual(dp)
@@ -52,7 +53,7 @@ def test_eb_hook_keeps_the_bound_and_feeds_back_the_error(coder: str) -> None:
     # The next step sends gradient + residual: over two steps the sum of what was sent
     # equals the sum of the gradients up to the last residual only (no accumulation).
     g2 = torch.randn(1000, generator=torch.Generator().manual_seed(1))
-    out2 = _eb_exchange(dp, Bucket(g2.clone())).value()
+    out2 = exchange(dp, Bucket(g2.clone())).value()
     torch.testing.assert_close(out1 + out2 + residual(dp), g1 + g2, rtol=0, atol=1e-5)
     assert dp.bytes_sent < 0.5 * 2 * 1000 * 4
 
@@ -61,14 +62,14 @@ def test_eb_hooks_bound_is_relative_to_the_buckets_own_range() -> None:
     """A bucket of one sign, not a whole number of rows: the padding must not widen the
     range the relative bound is taken from (zeros would, here by a factor of ~10)."""
     g = 10.0 + torch.rand(1000, generator=torch.Generator().manual_seed(4))
-    out = _eb_exchange(eb_state("hybrid", 0.05), Bucket(g.clone())).value()
+    out = exchange(eb_state("hybrid", 0.05), Bucket(g.clone())).value()
     assert float((out - g).abs().max()) <= 0.05 * float(g.max() - g.min())
 
 
 def test_eb_hook_with_a_lossless_codec_is_exact() -> None:
     dp = eb_state("zstd")
     g = torch.randn(1000, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(_eb_exchange(dp, Bucket(g.clone())).value(), g)
+    assert torch.equal(exchange(dp, Bucket(g.clone())).value(), g)
     assert float(residual(dp).abs().max()) == 0.0
 
 
@@ -85,9 +86,9 @@ def test_eb_hook_on_a_gpus_path_reads_the_host_twice_a_bucket(
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     dp = eb_state("hybrid", 0.05)
     g = torch.randn(1000, generator=torch.Generator().manual_seed(5))
-    _eb_exchange(eb_state("hybrid", 0.05), Bucket(g.clone()))  # kernels built
+    exchange(eb_state("hybrid", 0.05), Bucket(g.clone()))  # kernels built
     with counting([g]) as c:
-        out = _eb_exchange(dp, Bucket(g.clone())).value()
+        out = exchange(dp, Bucket(g.clone())).value()
         reads, _, where = c.take()
     assert reads == 2, where
     assert "read_sizes" in where and "read_all" in where
@@ -96,7 +97,7 @@ def test_eb_hook_on_a_gpus_path_reads_the_host_twice_a_bucket(
 
 def test_checkpoint_state_round_trip() -> None:
     dp = eb_state("hybrid")
-    _eb_exchange(dp, Bucket(torch.randn(300)))
+    exchange(dp, Bucket(torch.randn(300)))
     again = eb_state("hybrid")
     again.load_state_dict(dp.state_dict())
     assert torch.equal(residual(again), residual(dp))
@@ -109,7 +110,7 @@ def test_eb_and_dct_hooks_on_cuda_gradients(tmp_path) -> None:
 
     g = torch.randn(1000, generator=torch.Generator().manual_seed(3)).cuda()
     dp = eb_state("hybrid", 0.05)
-    out = _eb_exchange(dp, Bucket(g.clone())).value()
+    out = exchange(dp, Bucket(g.clone())).value()
     assert out.is_cuda and float((out - g).abs().max()) <= 0.05 * float(g.max() - g.min())
     torch.testing.assert_close(residual(dp), g - out, rtol=0, atol=0)
     dct = DCTState(1, keep=0.1)
@@ -137,7 +138,7 @@ def _three_ranks(rank: int, world: int, init: str, out: str) -> None:
     got = {}
     for codec, collective in [("zstd", "rsag"), ("hybrid", "rsag"), ("hybrid", "allgather")]:
         dp = DPComm("eb", world, inner=EBState(get_codec(codec), 0.05, collective))
-        outs = [_eb_exchange(dp, Bucket(_grads(rank, s))).value() for s in (0, 1)]
+        outs = [exchange(dp, Bucket(_grads(rank, s))).value() for s in (0, 1)]
         kept = [dp.inner.reduced[k] for k in sorted(dp.inner.reduced)]
         reduced = torch.cat(kept) if kept else torch.zeros(20_000)
         got[codec, collective] = (outs, residual(dp), reduced, dp.bytes_sent)

@@ -116,7 +116,9 @@ class DenseCommOptions:
     dp_eb_collective: str = opt(
         "allgather",
         "eb: all-gather every rank's payload, or rsag: reduce-scatter chunks, all-gather "
-        "their means (half the bytes on 4 ranks; pays on slow links)",
+        "their means (half the bytes on 4 ranks; pays on slow links), or hosts: sum within "
+        "each host plain, code a piece of the host's sum a rank, all-gather the pieces "
+        "across hosts (only coded bytes cross hosts)",
         EB_COLLECTIVES,
     )
     dct_keep: float = opt(0.01, "DCT: fraction of entries kept (top-k by magnitude)", gt=0, le=1)

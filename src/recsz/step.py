@@ -34,7 +34,7 @@ from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
 from recsz.comm.embedding import EmbeddingExchange
-from recsz.comm.route import host_peers, plain_within_host
+from recsz.comm.route import host_ranks, plain_within_host
 from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
@@ -216,6 +216,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
     dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute, init).to(ranks.device)
     if cfg.compile:
         dense_arch.compile()  # in place: DDP and the checkpoints see the same module
+    hosts = host_ranks(ranks.gather)  # (torchrun's nodes: --compress-scope, the eb hook)
     # --compress auto's switch: the exchange asks it each step, the MLPs' hook follows it
     switch = cfg.switch(agree=max_over(None), sync=device_sync(ranks.device))
     dp = DPComm(cfg.dp_comm, ranks.world)
@@ -231,7 +232,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
         )
         goes_plain = (lambda: not switch.current) if cfg.compress == "auto" else None
         options = cfg.dp_hook_options()
-        dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, **options)
+        dp = register_dp_hook(dense, cfg.dp_comm, ranks.world, group, goes_plain, hosts=hosts,
+                              **options)  # fmt: skip
     params, lr = dense_arch.mlp_parameters(), cfg.resolved("lr")
     dense_opt = dense_optimizer(cfg.resolved("dense_optimizer"), params, lr) if train else None
     fwd, bwd = (Direction(d, cfg.codec(d), make_policy(cfg, d, len(sizes))) for d in ("fwd", "bwd"))
@@ -242,8 +244,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
         Direction("bwd", get_codec("none"), bwd.policy),
     )
     # --compress-scope: the blocks for ranks of this host may go plain on every step
-    host, hosts = host_peers(ranks.rank, ranks.gather)
-    near = host if plain_within_host(cfg.compress_scope, hosts) else frozenset()
+    host = frozenset(next(h for h in hosts if ranks.rank in h))
+    near = host if plain_within_host(cfg.compress_scope, len(hosts)) else frozenset()
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,

@@ -57,9 +57,11 @@ def test_lossless_codec_is_exact_and_smaller(single: Path, tmp_path: Path) -> No
 def test_two_hosts_of_two_ranks_match_one_process(single: Path, tmp_path: Path) -> None:
     """4 ranks on two torchrun agents, as on two machines: the codec codes what crosses
     hosts only (``--compress-scope auto``; tests/test_compressscope.py checks the blocks
-    within a host go plain), and with a lossless one they train as one process does; the
-    bytes between hosts are counted apart from the rest on the wire."""
-    s = run_on_hosts(tmp_path, "--fwd-codec", "zstd", "--bwd-codec", "zstd")
+    within a host go plain), the MLP gradients summed within each host and coded across
+    (``--dp-eb-collective hosts``; tests/test_dp_hosts.py), and with lossless codecs they
+    train as one process does; the bytes between hosts are counted apart."""
+    s = run_on_hosts(tmp_path, "--fwd-codec", "zstd", "--bwd-codec", "zstd", "--dp-comm", "eb",
+                     "--dp-codec", "zstd", "--dp-eb-collective", "hosts")  # fmt: skip
     assert s["world_size"] == 4
     torch.testing.assert_close(
         torch.tensor(losses(tmp_path)), torch.tensor(losses(single)), rtol=0, atol=1e-5

@@ -22,6 +22,13 @@
   second round. Measured (bench preset, CPU ranks): on 2 ranks, where both send about the
   same bytes, the all-gather is faster; on 4, rsag sends half the bytes and is faster at
   200 Mbit/s (1.06-1.10x), slower at 1 Gbit/s (0.91x), so the all-gather stays the default.
+  With ``hosts`` (several hosts of as many ranks each: torchrun's nodes) only coded bytes
+  cross hosts: the bucket is summed within each host plain (an all-reduce, over NVLink or
+  shared memory), each rank codes its piece (its index on its host) of the host's sum
+  (error feedback on what that coding lost) and all-gathers it with the ranks of its index
+  on the other hosts, and the summed pieces are all-gathered within the host: a rank sends
+  (hosts - 1) payloads of 1/(ranks a host) of the bucket between hosts, every rank ends with
+  the same sum (within the sum of the hosts' bounds), and one host is the plain all-reduce.
 
 Every hook counts its seconds (launch to completion) and the bytes this rank puts on the
 wire (``bytes_sent``) beside what a ring all-reduce of fp32 would (``bytes_dense``).
@@ -34,33 +41,23 @@ their own schedules.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from recsz.codecs import Codec
-from recsz.codecs.checks import HeldChecks, riding
-from recsz.comm.dct_dp import (
-    DCTState,
-    add_residual,
-    all_gather_ragged,
-    bucket_params,
-    dct_hook,
-    keep_residual,
-)
-from recsz.comm.exchange import start_all_to_all_bytes
-from recsz.policy.base import absolute_bounds
+from recsz.comm import dp_eb
+from recsz.comm.dct_dp import DCTState, dct_hook
+from recsz.comm.dp_eb import EBState, host_groups
 
 DP_MODES = ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb")
 #: the modes a step the switch sends plain turns into the all-reduce
 SWITCHED = ("fp16", "bf16", "eb")
-EB_COLLECTIVES = ("allgather", "rsag")
+EB_COLLECTIVES = ("allgather", "rsag", "hosts")
 
 
 @dataclass
@@ -146,20 +143,6 @@ def resumed_state(saved: list[dict[str, Any]], rank: int, world: int) -> dict[st
     return out
 
 
-@dataclass
-class EBState:
-    codec: Codec
-    eb: float  # relative to each bucket's range
-    collective: str = "allgather"  # or "rsag" (module docstring)
-    residual: dict[int, torch.Tensor] = field(default_factory=dict)  # per parameter
-    #: rsag: what coding the mean of this rank's chunks lost, per parameter (zeros where
-    #: another rank owns the chunk)
-    reduced: dict[int, torch.Tensor] = field(default_factory=dict)
-    param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
-    #: rsag: each bucket layout's positions per owner (:func:`_owned_positions`), made once
-    owned: dict[tuple[int, ...], list[torch.Tensor]] = field(default_factory=dict)
-
-
 def register(
     ddp: Any,
     mode: str,
@@ -173,7 +156,7 @@ def register(
     plain (``--compress auto``).
 
     opts: ``powersgd_rank``, ``powersgd_warmup`` (powersgd), ``dct_keep``, ``dct_refresh``
-    (dct), ``codec``, ``eb``, ``collective`` (eb)."""
+    (dct), ``codec``, ``eb``, ``collective``, ``hosts`` (eb: each host's ranks)."""
     if mode not in DP_MODES:
         raise ValueError(f"--dp-comm {mode!r} is not one of: {', '.join(DP_MODES)}")
     dp = DPComm(mode, world, group=group, plain=plain)
@@ -190,6 +173,9 @@ def register(
         )
     if mode == "eb":
         dp.inner = EBState(opts["codec"], opts["eb"], opts.get("collective", "allgather"))
+        if dp.inner.collective == "hosts" and world > 1:
+            hosts = opts.get("hosts") or [tuple(range(world))]
+            dp.inner.hosts = host_groups(hosts, dist.get_rank())
     ddp.register_comm_hook(dp, _hook)
     return dp
 
@@ -213,7 +199,7 @@ def _hook(dp: DPComm, bucket):
     dp.bytes_dense += dp.ring_bytes(grad.numel(), 4)
     plain = dp.mode in SWITCHED and dp.plain is not None and dp.plain()
     if plain and dp.mode == "eb":
-        grad = _flushed(dp, bucket)
+        grad = dp_eb.flushed(dp, bucket)
     if dp.mode == "allreduce" or plain:
         dp.bytes_sent += dp.ring_bytes(grad.numel(), grad.element_size())
         fut = dist.all_reduce(grad, group=dp.group, async_op=True).get_future()
@@ -230,7 +216,7 @@ def _hook(dp: DPComm, bucket):
         dp.bytes_sent += _powersgd_bytes(dp, bucket)
         fut = powerSGD_hook.powerSGD_hook(dp.inner, bucket)
     else:
-        fut = _eb_exchange(dp, bucket)
+        fut = dp_eb.exchange(dp, bucket)
 
     def done(f: torch.futures.Future) -> torch.Tensor:
         dp.seconds += time.perf_counter() - t
@@ -251,122 +237,3 @@ def _powersgd_bytes(dp: DPComm, bucket: Any) -> int:
         compressed = g.dim() > 1 and rows * cols >= dp.powersgd_min_rate * (rows + cols) * r
         n += (rows + cols) * min(r, rows, cols) if compressed else g.numel()
     return dp.ring_bytes(n, 4)
-
-
-def _eb_exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
-    st: EBState = dp.inner
-    grad = bucket.buffer()
-    keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
-    acc = add_residual(grad, st.residual, keys, sizes)
-    # Every payload's checks are read once, when the bucket is done (or with a sizes read
-    # that comes first): on a GPU two host reads a bucket, its payload's size and the checks.
-    checks = HeldChecks()
-    with checks.holding("eb hook"), riding(checks):
-        if st.collective == "rsag" and dp.world > 1:
-            out = _reduce_scatter_gather(dp, acc, keys, sizes)
-        else:
-            payload, mine = _code(st, acc)
-            keep_residual(st.residual, keys, sizes, acc - mine)  # what was lost, sent later
-            if dp.world == 1:
-                out = mine.clone()
-            else:
-                out = torch.zeros_like(grad)
-                me = dist.get_rank(dp.group)
-                got, sent = all_gather_ragged([payload], dp.world, dp.group)
-                dp.bytes_sent += sent
-                for r, (p,) in enumerate(got):
-                    out += mine if r == me else _decoded(st, p, grad)
-    checks.read()
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(out.div_(dp.world))
-    return fut
-
-
-def _flushed(dp: DPComm, bucket: Any) -> torch.Tensor:
-    """The bucket's gradient with everything error feedback holds for it (the residual of
-    this rank's payload, and rsag's of the sums of chunks it coded), which is then
-    cleared."""
-    st: EBState = dp.inner
-    grad = bucket.buffer()
-    keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
-    acc = add_residual(add_residual(grad, st.residual, keys, sizes), st.reduced, keys, sizes)
-    for held in (st.residual, st.reduced):
-        for k in keys:
-            held.pop(k, None)
-    return acc
-
-
-#: The eb hook codes a bucket as rows of this many values (a GPU's coder takes the row
-#: width as a kernel constant: a bucket is never one row of a million values), padded with
-#: copies of its first value, which leave the range the relative bound is taken from as it is.
-EB_ROW = 64
-
-
-def _code(st: EBState, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (flat) coded under the relative bound (computed where x is), and what the
-    payload decodes to."""
-    flat = x.detach().reshape(-1)
-    rows = torch.cat([flat, flat[:1].expand(-flat.numel() % EB_ROW)]).view(-1, EB_ROW)
-    ebs = absolute_bounds([st.eb], "rel", rows.unsqueeze(0)) if st.codec.error_bounded else None
-    (payload,), _ = st.codec.encode_segments([(rows, [len(rows)])], ebs)
-    return payload, _decoded(st, payload, x)
-
-
-def _decoded(st: EBState, payload: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A payload of :func:`_code` back as ``like``'s flat values (the padding dropped);
-    its layout follows from ``like``'s size, so nothing of it is read on the host first."""
-    rows = -(-like.numel() // EB_ROW)
-    (y,) = st.codec.decode_segments([payload], [[rows]], EB_ROW)
-    return y.reshape(-1)[: like.numel()].to(like.device, like.dtype)
-
-
-def _reduce_scatter_gather(
-    dp: DPComm, acc: torch.Tensor, keys: list[int], sizes: list[int]
-) -> torch.Tensor:
-    """The sum over ranks of ``acc`` by rsag (module docstring), the same on every rank.
-
-    Rank j owns the j-th of W near-equal pieces of every parameter, so who owns an
-    element does not depend on DDP's bucket layout (which it rebuilds after the first
-    step, and a resumed run starts from the first one), and neither do the owners'
-    residuals or the set of values each chunk's bound is taken from.
-    """
-    st: EBState = dp.inner
-    me = dist.get_rank(dp.group)
-    if tuple(sizes) not in st.owned:
-        st.owned[tuple(sizes)] = _owned_positions(sizes, dp.world, acc.device)
-    at = st.owned[tuple(sizes)]
-    coded = [_code(st, acc[idx]) for idx in at]
-    sent = torch.empty_like(acc)
-    for idx, (_, y) in zip(at, coded, strict=True):
-        sent[idx] = y
-    keep_residual(st.residual, keys, sizes, acc - sent)
-    bufs = start_all_to_all_bytes([[p] for p, _ in coded], dp.world, dp.group).wait()
-    dp.bytes_sent += sum(p.numel() + 8 for r, (p, _) in enumerate(coded) if r != me)
-    # Chunk ``me`` of every rank, summed in rank order, and what was lost coding it before.
-    total = torch.zeros_like(coded[me][1])
-    for r, b in enumerate(bufs):
-        total += coded[me][1] if r == me else _decoded(st, b, coded[me][1])
-    total += add_residual(torch.zeros_like(acc), st.reduced, keys, sizes)[at[me]]
-    payload, back = _code(st, total)
-    lost = torch.zeros_like(acc)
-    lost[at[me]] = total - back
-    keep_residual(st.reduced, keys, sizes, lost)
-    got, nbytes = all_gather_ragged([payload], dp.world, dp.group)
-    dp.bytes_sent += nbytes
-    out = torch.empty_like(acc)
-    for r, (p,) in enumerate(got):
-        out[at[r]] = back if r == me else _decoded(st, p, acc[at[r]])
-    return out
-
-
-def _owned_positions(sizes: list[int], world: int, device: torch.device) -> list[torch.Tensor]:
-    """Per rank, its positions in a bucket of parameters ``sizes`` long: the rank-th of
-    ``world`` near-equal pieces of each parameter."""
-    starts = [0, *itertools.accumulate(sizes)][:-1]
-    per_rank: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for start, n in zip(starts, sizes, strict=True):
-        for r, piece in enumerate(
-            torch.arange(start, start + n, device=device).tensor_split(world)
-        ):
-            per_rank[r].append(piece)
-    return [torch.cat(p) for p in per_rank]

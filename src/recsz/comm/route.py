@@ -33,11 +33,13 @@ def host_key() -> str:
     return f"{socket.gethostname()}/{os.environ.get('GROUP_RANK', '')}"
 
 
-def host_peers(rank: int, gather: Callable[[Any], list[Any]]) -> tuple[frozenset[int], int]:
-    """The ranks on this rank's host (itself among them) and the number of hosts, from
+def host_ranks(gather: Callable[[Any], list[Any]]) -> list[tuple[int, ...]]:
+    """Every host's ranks (ascending), the hosts in the order of their first ranks, from
     every rank's :func:`host_key` (``gather``: one all-gather)."""
-    keys = gather(host_key())
-    return frozenset(r for r, k in enumerate(keys) if k == keys[rank]), len(set(keys))
+    out: dict[str, list[int]] = {}
+    for r, key in enumerate(gather(host_key())):
+        out.setdefault(key, []).append(r)
+    return [tuple(ranks) for ranks in out.values()]
 
 
 def plain_within_host(scope: str, hosts: int) -> bool:

@@ -1,0 +1,78 @@
+"""``--dp-eb-collective hosts``: four gloo ranks as two hosts of two sum a bucket plain
+within each host and code only what crosses hosts; every rank ends with the same sum."""
+
+from __future__ import annotations
+
+import torch
+
+from recsz.codecs import get_codec_with
+from recsz.comm.dp_eb import EBState, exchange, host_groups
+from recsz.comm.dp_hooks import DPComm
+from tests.multiproc.spawned import spawned
+from tests.test_dp_hooks import Bucket
+
+WORLD, EB = 4, 0.01
+HOSTS = [(0, 1), (2, 3)]
+
+
+def grads(step: int) -> list[torch.Tensor]:
+    """Every rank's bucket at ``step``: two parameters' (600 and 400 values) or one's
+    (20,000), as tests.test_dp_hooks' Bucket lays them out."""
+    g = torch.Generator().manual_seed(step)
+    n = (1000, 20_000, 1000)[step]
+    return [torch.randn(n, generator=g) * (1 + r) for r in range(WORLD)]
+
+
+def _worker(rank: int, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    got = {}
+    for name, codec, hosts in (
+        ("zstd", "zstd", HOSTS),
+        ("hybrid", "hybrid", HOSTS),
+        ("one host", "hybrid", [tuple(range(WORLD))]),
+    ):
+        st = EBState(get_codec_with(codec), EB, "hosts")
+        st.hosts = host_groups(hosts, rank)
+        dp = DPComm("eb", WORLD, inner=st)
+        got[name] = [exchange(dp, Bucket(grads(k)[rank].clone())).value() for k in range(3)]
+        got[f"{name} bytes"] = dp.bytes_sent
+        got[f"{name} held"] = dict(st.reduced)
+    try:
+        host_groups([(0, 1, 2), (3,)], rank)
+    except ValueError as e:
+        got["uneven"] = str(e)
+    torch.save(got, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_rank_gets_the_same_mean_lossless_exact_lossy_bounded() -> None:
+    ranks = spawned(_worker, WORLD)
+    for k in range(3):
+        mean = torch.stack(grads(k)).mean(0)
+        for name in ("zstd", "hybrid", "one host"):
+            outs = [r[name][k] for r in ranks]
+            assert all(torch.equal(o, outs[0]) for o in outs), name  # every rank alike
+        torch.testing.assert_close(ranks[0]["zstd"][k], mean, rtol=0, atol=1e-6)
+        torch.testing.assert_close(ranks[0]["one host"][k], mean, rtol=0, atol=1e-6)
+        # each host's piece within EB of its range (the host's sum, error fed back): the
+        # mean within the hosts' bounds over the ranks, and not exact
+        host_sums = [sum(grads(k)[r] for r in h) for h in HOSTS]
+        bound = sum(EB * float(s.max() - s.min()) for s in host_sums) / WORLD
+        err = (ranks[0]["hybrid"][k] - mean).abs().max()
+        assert 0 < err <= 2 * bound  # (2: the residual of the step before rides along)
+    # error feedback loses nothing: W x the outputs + what the pieces' coders hold = the
+    # gradients' sum, each layout's parameters apart (600 + 400 values, steps 0 and 2;
+    # 20,000, step 1)
+    held = [sum(r["hybrid held"][k] for r in ranks) for k in (0, 1, 2)]
+    out = ranks[0]["hybrid"]
+    assert float(held[2].abs().max()) > 0
+    total = [sum(grads(k)) for k in range(3)]
+    torch.testing.assert_close(WORLD * out[1] + held[2], total[1], rtol=0, atol=1e-4)
+    small = torch.cat(held[:2])
+    torch.testing.assert_close(WORLD * (out[0] + out[2]) + small, total[0] + total[2],
+                               rtol=0, atol=1e-4)  # fmt: skip
+    # one host: nothing coded, the all-reduce alone; two: fewer bytes coded across hosts
+    assert all(r["hybrid bytes"] < r["zstd bytes"] for r in ranks)
+    assert all("as many ranks on every host, not [3, 1]" in r["uneven"] for r in ranks)
