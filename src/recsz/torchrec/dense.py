@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.comm import get_local_size
 
 from recsz.comm.dp_hooks import DPComm, register
 from recsz.config import TrainConfig
@@ -47,4 +48,6 @@ def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
         )
     group = dist.new_group()
     world, options = dist.get_world_size(group), config.dp_hook_options()
-    return register(ddp[0], dp_comm, world, group, sent_plain(dmp), **options)
+    local = get_local_size(world)  # TorchRec's hosts (dp_eb_collective="hosts")
+    hosts = [tuple(range(h, h + local)) for h in range(0, world, local)]
+    return register(ddp[0], dp_comm, world, group, sent_plain(dmp), hosts=hosts, **options)
