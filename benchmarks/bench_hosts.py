@@ -12,7 +12,10 @@ agents do (each its own node: ``GROUP_RANK``), the configurations in turn within
   all``, what every run did before the option);
 - ``hybrid-between``: the same, coding only the blocks between hosts (``--compress-scope
   auto``, which takes ``between-hosts`` here: the blocks within a host, the rank's own
-  among them, go plain).
+  among them, go plain);
+- ``hybrid-between+dp-eb`` and ``hybrid-between+dp-eb-hosts`` (``--configs``): the same with
+  the MLP gradients through the eb hook, all-gathered or summed within hosts and coded
+  across (``--dp-eb-collective hosts``); the JSON adds the all-reduce's seconds and MB.
 
 A rate shapes the namespace's loopback (bench_train's ``shaped``): every hop alike, the hop
 within a host too, where real hosts have NVLink or shared memory, so a shaped column charges
@@ -46,7 +49,12 @@ VARIANTS = {
     "none": (),
     "hybrid-all": (*HYBRID, "--compress-scope", "all"),
     "hybrid-between": (*HYBRID, "--compress-scope", "auto"),
+    # the MLP gradients too: the eb hook's all-gather, or summed within hosts and coded across
+    "hybrid-between+dp-eb": (*HYBRID, "--dp-comm", "eb"),
+    "hybrid-between+dp-eb-hosts": (*HYBRID, "--dp-comm", "eb", "--dp-eb-collective", "hosts"),
 }
+#: what runs unless --configs says otherwise
+DEFAULT = ("none", "hybrid-all", "hybrid-between")
 
 
 def run_hosts(prefix: list[str], flags: list[str], hosts: int, local: int) -> dict:
@@ -81,6 +89,8 @@ def row(rate: str, variant: str, runs: list[dict]) -> dict:
         "samples_per_s": med("samples_per_s_steady"),
         "codec_s": med("codec_s"),
         "a2a_s": med("a2a_fwd_s") + med("a2a_bwd_s"),
+        "allreduce_s": med("allreduce_s"),
+        "mb_allreduce": med("allreduce_bytes") / 1e6,
         "mb_wire": med("bytes_sent") / 1e6,
         "mb_between_hosts": med("bytes_between_hosts") / 1e6,
         "between_hosts_ratio": med("between_hosts_ratio"),
@@ -110,7 +120,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rates", default="unshaped,1gbit")
-    p.add_argument("--configs", default=",".join(VARIANTS))
+    p.add_argument("--configs", default=",".join(DEFAULT), help=f"of {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
