@@ -91,6 +91,11 @@ def row(rate: str, variant: str, runs: list[dict]) -> dict:
         "a2a_s": med("a2a_fwd_s") + med("a2a_bwd_s"),
         "allreduce_s": med("allreduce_s"),
         "mb_allreduce": med("allreduce_bytes") / 1e6,
+        "mb_allreduce_between": (
+            med("allreduce_bytes_between_hosts") / 1e6
+            if all("allreduce_bytes_between_hosts" in r for r in runs)
+            else None
+        ),
         "mb_wire": med("bytes_sent") / 1e6,
         "mb_between_hosts": med("bytes_between_hosts") / 1e6,
         "between_hosts_ratio": med("between_hosts_ratio"),
@@ -104,17 +109,23 @@ def row(rate: str, variant: str, runs: list[dict]) -> dict:
 def table(rows: list[dict]) -> str:
     lines = [
         "| link | config | samples/s | codec s | a2a s | MB on wire | MB between hosts | "
-        "ratio between hosts | fwd ratio | bwd ratio | AUC |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "ratio between hosts | fwd ratio | bwd ratio | all-reduce s | all-reduce MB "
+        "(between hosts) | AUC |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['rate']} | `{r['config']}` | {r['samples_per_s']:,.0f} | {r['codec_s']:.2f} | "
             f"{r['a2a_s']:.2f} | {r['mb_wire']:.1f} | {r['mb_between_hosts']:.1f} | "
             f"{r['between_hosts_ratio']:.1f}x | {r['fwd_ratio']:.1f}x | {r['bwd_ratio']:.1f}x | "
-            f"{r['auc']:.4f} |"
+            f"{r['allreduce_s']:.2f} | {r['mb_allreduce']:.1f}"
+            f"{_between(r['mb_allreduce_between'])} | {r['auc']:.4f} |"
         )
     return "\n".join(lines)
+
+
+def _between(mb: float | None) -> str:
+    return "" if mb is None else f" ({mb:.1f})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,16 +28,20 @@ def _worker(rank: int, store: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     got = {}
-    for name, codec, hosts in (
-        ("zstd", "zstd", HOSTS),
-        ("hybrid", "hybrid", HOSTS),
-        ("one host", "hybrid", [tuple(range(WORLD))]),
+    for name, codec, hosts, collective in (
+        ("zstd", "zstd", HOSTS, "hosts"),
+        ("hybrid", "hybrid", HOSTS, "hosts"),
+        ("one host", "hybrid", [tuple(range(WORLD))], "hosts"),
+        ("all-gathered", "hybrid", HOSTS, "allgather"),
     ):
-        st = EBState(get_codec_with(codec), EB, "hosts")
-        st.hosts = host_groups(hosts, rank)
-        dp = DPComm("eb", WORLD, inner=st)
+        st = EBState(get_codec_with(codec), EB, collective)
+        st.near = frozenset(next(h for h in hosts if rank in h))
+        if collective == "hosts":
+            st.hosts = host_groups(hosts, rank)
+        dp = DPComm("eb", WORLD, inner=st, bytes_between=0)
         got[name] = [exchange(dp, Bucket(grads(k)[rank].clone())).value() for k in range(3)]
         got[f"{name} bytes"] = dp.bytes_sent
+        got[f"{name} between"] = dp.bytes_between
         got[f"{name} held"] = dict(st.reduced)
     try:
         host_groups([(0, 1, 2), (3,)], rank)
@@ -75,4 +79,9 @@ def test_every_rank_gets_the_same_mean_lossless_exact_lossy_bounded() -> None:
                                rtol=0, atol=1e-4)  # fmt: skip
     # one host: nothing coded, the all-reduce alone; two: fewer bytes coded across hosts
     assert all(r["hybrid bytes"] < r["zstd bytes"] for r in ranks)
+    # between hosts: one payload of half a bucket a rank, against the all-gather's two of
+    # a whole one (to the other host's two ranks); none from one host
+    for r in ranks:
+        assert 0 < 3 * r["hybrid between"] < r["all-gathered between"]
+        assert r["one host between"] == 0
     assert all("as many ranks on every host, not [3, 1]" in r["uneven"] for r in ranks)

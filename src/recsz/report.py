@@ -62,6 +62,7 @@ def rank_record(parts: Parts, rank: int, loss: float, train_s: float, data_s: fl
         "codec_s": st.codec_s,
         "allreduce_s": dp.seconds,
         "allreduce_bytes": dp.bytes_sent,
+        "allreduce_between": dp.bytes_between,
         # Replicated tables: held on every rank, counted once as dense tables.
         "embedding_bytes": parts.sparse.bytes_held + (local.bytes_held if local else 0),
         "embedding_bytes_dense": parts.sparse.dense_bytes
@@ -121,6 +122,9 @@ def summarize(recs: list[dict], steps: int, batch_size: int) -> dict[str, Any]:
     # The MLP gradients' exchange: bytes every rank put on the wire, against a ring
     # all-reduce of fp32 (dp_ratio).
     row["allreduce_bytes"] = sum(r["allreduce_bytes"] for r in recs)
+    between = [r.get("allreduce_between") for r in recs]
+    if any(b is not None for b in between):  # (the eb hook's: its bytes to other hosts)
+        row["allreduce_bytes_between_hosts"] = sum(b or 0 for b in between)
     row["embedding_bytes"] = sum(r["embedding_bytes"] for r in recs)
     row["embedding_bytes_dense"] = sum(r["embedding_bytes_dense"] for r in recs)
     row["dp_ratio"] = ratio(sum(r["allreduce_dense_bytes"] for r in recs), row["allreduce_bytes"])

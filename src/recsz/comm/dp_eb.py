@@ -35,6 +35,9 @@ class EBState:
     #: rsag: each bucket layout's positions per owner (:func:`_owned_positions`), made once
     owned: dict[tuple[int, ...], list[torch.Tensor]] = field(default_factory=dict)
     hosts: HostGroups | None = None  # hosts: the groups within and across hosts
+    #: the ranks on this rank's host (its own among them): what reaches the others is
+    #: counted as between hosts (:attr:`DPComm.bytes_between`)
+    near: frozenset[int] = frozenset({0})
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ def exchange(dp: DPComm, bucket: Any) -> torch.futures.Future:
                 me = dist.get_rank(dp.group)
                 got, sent = all_gather_ragged([payload], dp.world, dp.group)
                 dp.bytes_sent += sent
+                _between(dp, sent // (dp.world - 1) * (dp.world - len(st.near)))
                 for r, (p,) in enumerate(got):
                     out += mine if r == me else _decoded(st, p, grad)
     checks.read()
@@ -160,6 +164,7 @@ def _reduce_scatter_gather(
     keep_residual(st.residual, keys, sizes, acc - sent)
     bufs = start_all_to_all_bytes([[p] for p, _ in coded], dp.world, dp.group).wait()
     dp.bytes_sent += sum(p.numel() + 8 for r, (p, _) in enumerate(coded) if r != me)
+    _between(dp, sum(p.numel() + 8 for r, (p, _) in enumerate(coded) if r not in st.near))
     # Chunk ``me`` of every rank, summed in rank order, and what was lost coding it before.
     total = torch.zeros_like(coded[me][1])
     for r, b in enumerate(bufs):
@@ -171,6 +176,7 @@ def _reduce_scatter_gather(
     keep_residual(st.reduced, keys, sizes, lost)
     got, nbytes = all_gather_ragged([payload], dp.world, dp.group)
     dp.bytes_sent += nbytes
+    _between(dp, nbytes // (dp.world - 1) * (dp.world - len(st.near)))
     out = torch.empty_like(acc)
     for r, (p,) in enumerate(got):
         out[at[r]] = back if r == me else _decoded(st, p, acc[at[r]])
@@ -208,10 +214,17 @@ def _across_hosts(
         piece += back if r == me else _decoded(st, p, back)
     pieces, within = all_gather_ragged([piece], h.local, h.within)
     dp.bytes_sent += across + within
+    _between(dp, across)
     out = torch.empty_like(acc)
     for j, (p,) in enumerate(pieces):
         out[at[j]] = p
     return out
+
+
+def _between(dp: DPComm, n: int) -> None:
+    """``n`` more payload bytes to ranks on other hosts, where they are counted."""
+    if dp.bytes_between is not None:
+        dp.bytes_between += n
 
 
 def _owned_positions(sizes: list[int], world: int, device: torch.device) -> list[torch.Tensor]:

@@ -69,6 +69,10 @@ class DPComm:
     seconds: float = 0.0
     bytes_sent: int = 0
     bytes_dense: int = 0
+    #: eb: of ``bytes_sent``, the payload bytes delivered to ranks on other hosts (each
+    #: piece counted once a rank that receives it, as the embedding exchange's; None:
+    #: not counted, the other modes)
+    bytes_between: int | None = None
     inner: Any = None  # DCTState, PowerSGDState or EBState
     powersgd_min_rate: float = 2.0
     #: A process group of its own: PowerSGD launches its second all-reduce from a callback,
@@ -86,7 +90,7 @@ class DPComm:
         """Counters, and the state error feedback needs: residuals (dct, eb), PowerSGD's
         errors, warm-start memories, step and random generator."""
         out: dict[str, Any] = {"seconds": self.seconds, "bytes_sent": self.bytes_sent}
-        out["bytes_dense"] = self.bytes_dense
+        out["bytes_dense"], out["bytes_between"] = self.bytes_dense, self.bytes_between
         if isinstance(self.inner, DCTState):
             keys = ("step", "residual", "threshold", "refreshed_at", "refreshes")
             out["dct"] = {k: getattr(self.inner, k) for k in (*keys, "bytes_dense", "bytes_sent")}
@@ -99,6 +103,8 @@ class DPComm:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.seconds, self.bytes_sent = state["seconds"], state["bytes_sent"]
         self.bytes_dense = state["bytes_dense"]
+        if self.bytes_between is not None:  # (counted since 2026-12)
+            self.bytes_between = state.get("bytes_between") or 0
         if self.inner is None:  # one rank: no hook (a state saved by several, resumed on one)
             return
         for k, v in state.get("dct", {}).items():
@@ -126,10 +132,11 @@ def resumed_state(saved: list[dict[str, Any]], rank: int, world: int) -> dict[st
     rank's own, it keeps only as that rank (a new rank starts without, a rank dropped
     loses it, and the reduce-scatter's, cut by the world's size, starts anew)."""
     own = saved[rank % len(saved)]
-    out = {**own, "bytes_sent": 0, "bytes_dense": 0}
+    out = {**own, "bytes_sent": 0, "bytes_dense": 0, "bytes_between": 0}
     for s in saved[rank::world]:
         out["bytes_sent"] += s["bytes_sent"]
         out["bytes_dense"] += s["bytes_dense"]
+        out["bytes_between"] += s.get("bytes_between") or 0
     if "dct" in out:  # its hook keeps the counters (DPComm's mirror them)
         out["dct"] = {
             **out["dct"],
@@ -173,8 +180,12 @@ def register(
         )
     if mode == "eb":
         dp.inner = EBState(opts["codec"], opts["eb"], opts.get("collective", "allgather"))
+        hosts = opts.get("hosts") or [tuple(range(world))]
+        if world > 1:
+            me = dist.get_rank()
+            dp.inner.near = frozenset(next(h for h in hosts if me in h))
+            dp.bytes_between = 0
         if dp.inner.collective == "hosts" and world > 1:
-            hosts = opts.get("hosts") or [tuple(range(world))]
             dp.inner.hosts = host_groups(hosts, dist.get_rank())
     ddp.register_comm_hook(dp, _hook)
     return dp
