@@ -192,8 +192,7 @@ def _plan(argv: list[str]) -> int:
 
     def split(values: dict) -> dict:  # a batch the ranks divide (the plan takes none)
         n = values.get("nproc", 1)
-        one = n if isinstance(n, int) and n >= 1 else 1
-        return {**values, "batch_size": one, "tensorboard": False}  # (nor writes a board)
+        return {**values, "batch_size": n if isinstance(n, int) and n >= 1 else 1}
 
     cfg = configured(given, split)  # each flag checked, named as given (or file and key)
     world = cfg.nproc

@@ -89,8 +89,6 @@ def refused(cfg: TrainConfig) -> None:
             "--tt-cache-rows needs --tt-placement sharded (a replicated table's cached "
             "rows would train apart on each rank)"
         )
-    if cfg.tensorboard:
-        need_tensorboard()
     fwd, bwd = cfg.codec("fwd"), cfg.codec("bwd")
     for codec in (fwd, bwd, *([get_codec_with(cfg.dp_codec)] if cfg.dp_comm == "eb" else [])):
         codec.check_installed()  # an optional library (SZ3, ZFP, fbgemm) is missing

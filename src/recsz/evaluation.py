@@ -244,8 +244,7 @@ def restored(args: argparse.Namespace, flags: tuple[str, ...]) -> Iterator[Resto
     ckpt, meta = chosen(Path(args.run))
     given = {k: getattr(args, k) for k in flags if hasattr(args, k)}
     where = {k: v for k, v in given.items() if k in WHERE}  # what a checkpoint allows
-    # what scores writes no training board (nor needs its package where the run had one)
-    saved = TrainConfig.from_dict({**meta["config"], "tensorboard": False})
+    saved = TrainConfig.from_dict(meta["config"])
     cfg = replace(saved, **where, resume=str(ckpt), out=None)
     on = replace(cfg, **{k: v for k, v in given.items() if k not in WHERE and k != "eval_data"})
     ranks = Ranks.from_env(cfg.dist_timeout, cfg.device)

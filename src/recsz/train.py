@@ -23,7 +23,7 @@ from tqdm import tqdm
 from recsz import checkpoint, profiling, report
 from recsz.checkpointwrite import Saver
 from recsz.config import TrainConfig, configured, given_args, resumed_config
-from recsz.configcheck import idle
+from recsz.configcheck import idle, need_tensorboard
 from recsz.data.prefetch import prefetch
 from recsz.data.source import Batch, make_source
 from recsz.evaluation import evaluate
@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                   "going on from it (another --out starts afresh)", flush=True)  # fmt: skip
         given = {k: v for k, v in given.items() if k != "config"} | {"resume": cfg.out}
         cfg = resumed_config(given, found[1]["config"])
+    if cfg.tensorboard:  # the package is needed where a run writes a board, not to read one
+        need_tensorboard()
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
