@@ -40,7 +40,7 @@ def test_a_route_codes_each_direction_once_for_its_peers() -> None:
     coded = Direction("fwd", get_codec("hybrid"), FixedBound(EB, "abs"))
     plain = Direction("fwd", get_codec("none"), coded.policy)
     route = Route.of(4, coded, plain, frozenset({2, 3}))
-    assert [(d.codec.codec_id, peers) for d, peers in route.groups()] == [
+    assert [(d.codec.codec_id, peers) for d, peers in route.groups] == [
         ("hybrid", [0, 1]),
         ("none", [2, 3]),
     ]

@@ -34,7 +34,7 @@ from recsz.comm.direction import Direction
 from recsz.comm.dp_hooks import DPComm
 from recsz.comm.dp_hooks import register as register_dp_hook
 from recsz.comm.embedding import EmbeddingExchange
-from recsz.comm.route import host_ranks, plain_within_host
+from recsz.comm.route import host_of, host_ranks, plain_within_host
 from recsz.comm.stats import ShardPlan
 from recsz.comm.switch import device_sync, max_over
 from recsz.config import TrainConfig
@@ -244,7 +244,7 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
         Direction("bwd", get_codec("none"), bwd.policy),
     )
     # --compress-scope: the blocks for ranks of this host may go plain on every step
-    host = frozenset(next(h for h in hosts if ranks.rank in h))
+    host = frozenset(host_of(hosts, ranks.rank))
     near = host if plain_within_host(cfg.compress_scope, len(hosts)) else frozenset()
     exchange = EmbeddingExchange(
         plan,

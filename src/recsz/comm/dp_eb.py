@@ -16,6 +16,7 @@ from recsz.codecs import Codec
 from recsz.codecs.checks import HeldChecks, riding
 from recsz.comm.dct_dp import add_residual, all_gather_ragged, bucket_params, keep_residual
 from recsz.comm.exchange import start_all_to_all_bytes
+from recsz.comm.route import host_of
 from recsz.policy.base import absolute_bounds
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def host_groups(hosts: list[tuple[int, ...]], rank: int) -> HostGroups:
             f"{[len(h) for h in hosts]} (torchrun's nodes)"
         )
     within = across = None
-    index = next(h.index(rank) for h in hosts if rank in h)
+    index = host_of(hosts, rank).index(rank)
     for h in hosts:
         made = dist.new_group(list(h))
         within = made if rank in h else within

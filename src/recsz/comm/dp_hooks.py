@@ -53,6 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from recsz.comm import dp_eb
 from recsz.comm.dct_dp import DCTState, dct_hook
 from recsz.comm.dp_eb import EBState, host_groups
+from recsz.comm.route import host_of
 
 DP_MODES = ("allreduce", "fp16", "bf16", "powersgd", "dct", "eb")
 #: the modes a step the switch sends plain turns into the all-reduce
@@ -182,8 +183,7 @@ def register(
         dp.inner = EBState(opts["codec"], opts["eb"], opts.get("collective", "allgather"))
         hosts = opts.get("hosts") or [tuple(range(world))]
         if world > 1:
-            me = dist.get_rank()
-            dp.inner.near = frozenset(next(h for h in hosts if me in h))
+            dp.inner.near = frozenset(host_of(hosts, dist.get_rank()))
             dp.bytes_between = 0
         if dp.inner.collective == "hosts" and world > 1:
             dp.inner.hosts = host_groups(hosts, dist.get_rank())

@@ -97,7 +97,7 @@ class BlockPath:
         payloads: dict[int, torch.Tensor] = {}
         recv: dict[int, int] | None = {}
         with riding(self._fwd_checks, self._bwd_checks):  # read with the sizes, if any
-            for d, peers in route.groups():
+            for d, peers in route.groups:
                 coded = [p for p in peers if p != skip]
                 ebs = self._bounds(d, step, bound_src, [blocks[p] for p in coded])
                 made, used = (
@@ -182,7 +182,7 @@ class BlockPath:
         if sent.own is not None:
             rows[self.rank] = sent.own
         with stage(f"recsz.a2a_{route.name}.decode"):  # (entered with nothing coded too)
-            for d, peers in route.groups():
+            for d, peers in route.groups:
                 coded = [s for s in peers if s not in rows]
                 if not coded:
                     continue

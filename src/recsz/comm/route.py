@@ -1,5 +1,5 @@
 """Which direction codes each peer's block of a step (:class:`Route`), and where the
-codecs stop paying: ``--compress-scope`` (:func:`near_peers`).
+codecs stop paying: ``--compress-scope`` (:func:`plain_within_host`).
 
 Within a host, ranks talk over NVLink or shared memory, faster than any codec codes (the
 fastest GPU codec here encodes at ~141 GB/s, NVLink moves ~900 GB/s); between hosts over
@@ -13,6 +13,7 @@ payloads say the rest (the exchange never looks at a codec's type).
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Callable
@@ -40,6 +41,11 @@ def host_ranks(gather: Callable[[Any], list[Any]]) -> list[tuple[int, ...]]:
     for r, key in enumerate(gather(host_key())):
         out.setdefault(key, []).append(r)
     return [tuple(ranks) for ranks in out.values()]
+
+
+def host_of(hosts: list[tuple[int, ...]], rank: int) -> tuple[int, ...]:
+    """The ranks of ``hosts`` (:func:`host_ranks`) on ``rank``'s host."""
+    return next(h for h in hosts if rank in h)
 
 
 def plain_within_host(scope: str, hosts: int) -> bool:
@@ -71,9 +77,10 @@ class Route:
         """A codec of the route drops forward entries whose gradients must be dropped too."""
         return any(d.codec.forward_mask for d in self.ways)
 
+    @functools.cached_property
     def groups(self) -> list[tuple[Direction, list[int]]]:
         """Each direction and its peers (ascending), in the order the directions first
-        appear: one batched coding call a direction."""
+        appear: one batched coding call a direction (made once a route)."""
         out: dict[int, tuple[Direction, list[int]]] = {}
         for peer, d in enumerate(self.ways):
             out.setdefault(id(d), (d, []))[1].append(peer)

@@ -20,10 +20,10 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchrec.distributed.comm import get_local_size
 
 from recsz.comm.dp_hooks import DPComm, register
 from recsz.config import TrainConfig
+from recsz.torchrec.dist import local_hosts
 from recsz.torchrec.sharder import sent_plain
 
 #: The fields :func:`dense_comm` reads: the hook's mode and its options.
@@ -48,6 +48,5 @@ def dense_comm(dmp: nn.Module, dp_comm: str = "eb", **options: Any) -> DPComm:
         )
     group = dist.new_group()
     world, options = dist.get_world_size(group), config.dp_hook_options()
-    local = get_local_size(world)  # TorchRec's hosts (dp_eb_collective="hosts")
-    hosts = [tuple(range(h, h + local)) for h in range(0, world, local)]
+    hosts = local_hosts(world)  # TorchRec's (dp_eb_collective="hosts")
     return register(ddp[0], dp_comm, world, group, sent_plain(dmp), hosts=hosts, **options)

@@ -46,13 +46,20 @@ from recsz.codecs.checks import HeldChecks, read_sizes, riding
 from recsz.codecs.framing import frame, unframe_all
 from recsz.comm.direction import Direction
 from recsz.comm.exchange import PendingBytes, start_all_to_all_bytes
-from recsz.comm.route import Route, plain_within_host
+from recsz.comm.route import Route, host_of, plain_within_host
 from recsz.config import TrainConfig
 from recsz.devicepath import Indices
 from recsz.policy.factory import make_policy
 from recsz.profiling import stage
 from recsz.torchrec.handover import Received, lookup_lengths, missing_ids, theirs, weights_learn
 from recsz.torchrec.rows import Merge, Pick, Rows
+
+
+def local_hosts(world: int) -> list[tuple[int, ...]]:
+    """TorchRec's hosts of ``world`` ranks: ``get_local_size()`` ranks each, in rank order
+    (what its planner and its table-row-wise sharding take a host for)."""
+    local = get_local_size(world)
+    return [tuple(range(h, min(h + local, world))) for h in range(0, world, local)]
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -114,8 +121,12 @@ class CompressedPooledEmbeddingDist(nn.Module):
         #: host, in rank order), and those whose blocks go plain (``compress_scope``)
         self.host, hosts = self._host()
         self.near = self.host if plain_within_host(config.compress_scope, hosts) else frozenset()
-        self.plain = {d.name: Direction(d.name, get_codec("none"), d.policy)
-                      for d in (self.fwd, self.bwd)}  # fmt: skip
+        #: each direction's route, made once: the plain direction for the near ranks
+        none = get_codec("none")
+        self.routes = {
+            d.name: Route.of(self.world, d, Direction(d.name, none, d.policy), self.near)
+            for d in (self.fwd, self.bwd)
+        }
         self.step = 0
         #: of what left this rank: the bytes of its fp32 slices, and the payload bytes
         self.raw = {"fwd": 0, "bwd": 0}
@@ -138,14 +149,15 @@ class CompressedPooledEmbeddingDist(nn.Module):
     def _host(self) -> tuple[frozenset[int], int]:
         """The ranks of the group on this rank's host (TorchRec's topology: each host
         ``get_local_size()`` ranks in global rank order), and the group's hosts."""
-        local = get_local_size(dist.get_world_size())
-        host = [dist.get_global_rank(self.pg, r) // local for r in range(self.world)]
-        mine = frozenset(r for r in range(self.world) if host[r] == host[self.rank])
-        return mine, len(set(host))
+        at = [dist.get_global_rank(self.pg, r) for r in range(self.world)]
+        hosts = [h for h in local_hosts(dist.get_world_size()) if set(h) & set(at)]
+        mine = host_of(hosts, at[self.rank])
+        return frozenset(r for r in range(self.world) if at[r] in mine), len(hosts)
 
     def _route(self, d: Direction) -> Route:
-        """``d`` for each peer, but the plain direction for those on this rank's host."""
-        return Route.of(self.world, d, self.plain[d.name], self.near)
+        """``d``'s route: ``d`` for each peer, the plain direction for those on this rank's
+        host."""
+        return self.routes[d.name]
 
     @staticmethod
     def _group(inner: Any) -> dist.ProcessGroup:
@@ -207,7 +219,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             like = blocks[0][0]
             device = like.device
             parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
-            route = self._route(d).groups()  # each direction's destinations
+            route = self._route(d).groups  # each direction's destinations
             for width, (way, peers) in itertools.product(
                 sorted({w for _, dims, _ in blocks for w in dims}), route
             ):
@@ -316,7 +328,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             checks = self._fwd_checks if hold else HeldChecks()
             try:
                 with checks.holding(f"{self.who}: {d.name} payloads"):
-                    route = self._route(d).groups()  # each direction's sources
+                    route = self._route(d).groups  # each direction's sources
                     for width, (way, peers) in itertools.product(
                         sorted({w for ws in widths for w in ws}), route
                     ):
