@@ -170,7 +170,7 @@ def test_recsz_warnings_are_said_as_its_lines(
     Python's with the file, line and source line; others' (torch's) as Python says them."""
     import warnings
 
-    from recsz.report import plain_warnings
+    from recsz.console import plain_warnings
 
     python: list[tuple] = []  # Python's own way (here a recorder)
     monkeypatch.setattr(warnings, "showwarning", lambda *a: python.append(a))
@@ -320,13 +320,13 @@ def test_a_bar_written_to_a_file_is_a_line_each_line_s_seconds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Progress where no terminal reads it: tqdm's meter as whole lines (no redraws piling
-    up on one line), none sooner than report.LINE_S after the last, the total at the end;
+    up on one line), none sooner than console.LINE_S after the last, the total at the end;
     what ends sooner says nothing; on a terminal, tqdm's bar; not shown: nothing."""
-    from recsz import report
+    from recsz import console
 
-    monkeypatch.setattr(report, "LINE_S", 0.05)
+    monkeypatch.setattr(console, "LINE_S", 0.05)
     log = _Log()
-    with report.bar(True, log, total=12, desc="preprocess", unit="B") as bar:
+    with console.bar(True, log, total=12, desc="preprocess", unit="B") as bar:
         for _ in range(12):
             time.sleep(0.02)  # 0.24 s in all: a line at the third update at the latest
             bar.update(1)
@@ -335,18 +335,18 @@ def test_a_bar_written_to_a_file_is_a_line_each_line_s_seconds(
     assert 2 <= len(lines) <= 7, lines  # each >= 0.05 s (3 updates) after the last, the end
     assert all(line.startswith("preprocess: ") for line in lines)
     assert "12/12" in lines[-1] and "12/12" not in lines[0]
-    monkeypatch.setattr(report, "LINE_S", 30.0)
+    monkeypatch.setattr(console, "LINE_S", 30.0)
     short = _Log()
-    with report.bar(True, short, total=2, desc="evaluate", leave=False) as bar:
+    with console.bar(True, short, total=2, desc="evaluate", leave=False) as bar:
         bar.update(2)  # less than LINE_S
     assert short.getvalue() == ""
     term = _Log()
     term.isatty = lambda: True  # type: ignore[method-assign]
-    with report.bar(True, term, total=2, desc="x") as bar:
+    with console.bar(True, term, total=2, desc="x") as bar:
         bar.update(2)
     assert "\r" in term.getvalue()
     hidden = _Log()
-    with report.bar(False, hidden, total=2) as bar:
+    with console.bar(False, hidden, total=2) as bar:
         bar.update(2)
     assert hidden.getvalue() == ""
 
@@ -356,11 +356,11 @@ def test_preprocess_and_evaluate_in_a_log_say_lines(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """`recsz preprocess` and a standalone `recsz evaluate` written to a file (here captured)
-    say their progress as lines (a line a redraw, report.LINE_S 0 here), not a bar's
+    say their progress as lines (a line a redraw, console.LINE_S 0 here), not a bar's
     redraws on one line; evaluate's --no-progress says none."""
-    from recsz import report
+    from recsz import console
 
-    monkeypatch.setattr(report, "LINE_S", 0.0)
+    monkeypatch.setattr(console, "LINE_S", 0.0)
     assert cli_main(["preprocess", str(criteo_ragged), str(tmp_path / "bin")]) == 0
     err = capsys.readouterr().err
     assert "\r" not in err and re.search(r"^preprocess: .*B/s\]$", err, re.M), err

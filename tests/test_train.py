@@ -239,7 +239,7 @@ def test_progress_written_to_a_file_is_a_line_a_row_not_a_bar(
 ) -> None:
     """Progress where no terminal reads it (here captured; a scheduler's log file): no bar,
     whose redraws would pile up on one line, but a metrics row's line: the first, those of
-    an evaluation and the last, the others at most one each report.LINE_S seconds (30: none
+    an evaluation and the last, the others at most one each console.LINE_S seconds (30: none
     in a 4-step run), each but the last with the time the pace leaves; --no-progress: none."""
     flags = ["--steps", "4", "--batch-size", "32", "--log-every", "1", "--eval-every", "2",
              "--synthetic-eval", "64"]  # fmt: skip

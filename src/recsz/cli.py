@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(versions())
         return 0
     cmd, rest = argv[0], argv[1:]
-    from recsz.report import plain_warnings
+    from recsz.console import plain_warnings
 
     plain_warnings()
     try:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from recsz import checkpoint, report
+from recsz import checkpoint, console, report
 from recsz.config import TrainConfig
 from recsz.configcheck import need_tensorboard
 from recsz.data.prefetch import prefetch
@@ -87,7 +87,7 @@ def _evaluate(
     preds = _Appended(ranks.device)
     shares = []  # each batch's samples per rank, known to every rank
     # rank 0's count of the samples so far (on a terminal, under the training's bar)
-    with report.bar(cfg.progress and rank == 0, desc="evaluate", unit=" samples",
+    with console.bar(cfg.progress and rank == 0, desc="evaluate", unit=" samples",
                     unit_scale=True, leave=False) as bar:  # fmt: skip
         for batch in prefetch(source.eval_batches(size, part), ranks.device, cfg.prefetch):
             n = len(batch)

@@ -194,7 +194,7 @@ def worker(body: Callable[[], int], as_main: bool) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's agent
         watch_parent()
     if as_main:  # (a rank's process: its warnings said as recsz's lines are)
-        from recsz.report import plain_warnings
+        from recsz.console import plain_warnings
 
         plain_warnings()
     rank = os.environ.get("RANK", "0")

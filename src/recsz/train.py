@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from recsz import checkpoint, profiling, report
+from recsz import checkpoint, console, profiling, report
 from recsz.checkpointwrite import Saver
 from recsz.config import TrainConfig, configured, given_args, resumed_config
 from recsz.configcheck import idle, need_tensorboard
@@ -108,7 +108,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 f"fwd={cfg.fwd_codec} bwd={cfg.bwd_codec} ({cfg.eb_policy} {cfg.eb_mode})"
             )
             tqdm.write(f"table owners: {owners}")
-        progress = report.Progress(steps, start, cfg.progress and ranks.rank == 0)
+        progress = console.Progress(steps, start, cfg.progress and ranks.rank == 0)
         losses: list[torch.Tensor] = []
         train_s, data_s = counters["train_s"], counters["data_s"]
         lr_factor = 1.0

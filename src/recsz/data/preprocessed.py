@@ -103,7 +103,7 @@ def _write_parallel(
     output follows the last file (Terabyte: ~700 GB), and at most ``jobs`` parts wait."""
     from concurrent.futures import ProcessPoolExecutor
 
-    from recsz.report import bar as progress_bar
+    from recsz.console import bar as progress_bar
 
     done: list[tuple[ParseStats, list[int]]] = []
     threads = max(1, parse_threads() // min(jobs, len(raws)))  # the cores, not each's
@@ -144,7 +144,7 @@ def _write(
 ) -> tuple[ParseStats, list[int]]:
     """The rows of ``raws``, in order, written to ``files`` (each parsed on ``threads``:
     :func:`recsz.data.criteo.iter_blocks`'); the counts, the rows of each."""
-    from recsz.report import bar as progress_bar
+    from recsz.console import bar as progress_bar
 
     gzipped = any(str(r).endswith(".gz") for r in raws)  # its bytes read are not its size
     total = None if gzipped else sum(os.path.getsize(r) for r in raws)
