@@ -154,11 +154,6 @@ class CompressedPooledEmbeddingDist(nn.Module):
         mine = host_of(hosts, at[self.rank])
         return frozenset(r for r in range(self.world) if at[r] in mine), len(hosts)
 
-    def _route(self, d: Direction) -> Route:
-        """``d``'s route: ``d`` for each peer, the plain direction for those on this rank's
-        host."""
-        return self.routes[d.name]
-
     @staticmethod
     def _group(inner: Any) -> dist.ProcessGroup:
         """The process group of TorchRec's dist ``inner``."""
@@ -219,7 +214,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             like = blocks[0][0]
             device = like.device
             parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
-            route = self._route(d).groups  # each direction's destinations
+            route = self.routes[d.name].groups  # each direction's destinations
             for width, (way, peers) in itertools.product(
                 sorted({w for _, dims, _ in blocks for w in dims}), route
             ):
@@ -328,7 +323,7 @@ class CompressedPooledEmbeddingDist(nn.Module):
             checks = self._fwd_checks if hold else HeldChecks()
             try:
                 with checks.holding(f"{self.who}: {d.name} payloads"):
-                    route = self._route(d).groups  # each direction's sources
+                    route = self.routes[d.name].groups  # each direction's sources
                     for width, (way, peers) in itertools.product(
                         sorted({w for ws in widths for w in ws}), route
                     ):
