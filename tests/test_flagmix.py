@@ -166,6 +166,11 @@ _NOT_LOSSLESS = {"--fwd-codec", "--bwd-codec", "--dp-comm", "--dp-codec", "--den
     mix=option_mixes(),
     codecs=st.tuples(*[st.sampled_from(["none", "zstd", "lz4"])] * 2),
 )
+@example(
+    mix=["--tt-tables", "3", "--multi-hot", "2", "--tt-cache-rows", "8"], codecs=("none", "zstd")
+)
+@example(mix=["--tt-tables", "3", "--multi-hot", "mlperf", "--tt-placement", "replicated"],
+         codecs=("lz4", "none"))  # fmt: skip
 def test_two_ranks_train_any_lossless_mix_as_one_process_does(
     mix: list[str], codecs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> None:

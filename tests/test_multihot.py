@@ -15,6 +15,7 @@ from recsz.devicepath import DEVICE_PATH_ON_CPU
 from recsz.model import ModelConfig, RowOptimizer, SparseArch, multihot
 from recsz.model.multihot import MLPERF_HOTNESS, Bags, mlperf_draws, parse_hotness
 from recsz.model.rowopt import sum_by_row
+from recsz.model.ttrec import TTEmbeddingBag
 from tests.reference import reference_bags
 
 CFG = ModelConfig(table_sizes=(7, 3, 11, 5), emb_dim=4, bottom_mlp=(4,), top_mlp=(1,))
@@ -37,8 +38,7 @@ def test_hotness_flag() -> None:
     for bad in ("3,1", "0", "2,x", "1,1,1,-1"):
         with pytest.raises(ValueError, match=f"--multi-hot '{bad}'"):
             parse_hotness(bad, 4)
-    with pytest.raises(ValueError, match="--multi-hot with --tt-tables"):
-        TrainConfig(multi_hot="mlperf", tt_tables=2)
+    assert TrainConfig(multi_hot="mlperf", tt_tables=2).tt_spec() is not None  # TT bags
     with pytest.raises(ValueError, match="--multi-hot with --fiited-mask-backward"):
         TrainConfig(multi_hot="2", fiited_budget=0.5, fiited_mask_backward=True)
     assert TrainConfig(multi_hot="mlperf").hotness() == MLPERF_HOTNESS
@@ -185,10 +185,48 @@ def test_one_id_a_bag_is_the_one_hot_lookup() -> None:
     assert arch.multi_hot is None
     hot = SparseArch(CFG, [1], seed=0, hotness=HOT)  # table 1 has one id a bag
     assert hot.multi_hot is None
-    with pytest.raises(ValueError, match="multi-hot bags in TT tables"):
-        from recsz.model import TTSpec
 
-        SparseArch(CFG, [0, 2], seed=0, tt=TTSpec(frozenset({2}), 2, 2), hotness=HOT)
+
+@pytest.mark.parametrize("draws", ["hash", "mlperf"])
+def test_tt_tables_look_up_the_bags_of_dense_tables_and_train_their_cores_by_them(
+    draws: str,
+) -> None:
+    """TT-Rec tables with bags (beside a dense table with bags): each TT table's column is
+    the bag lookup of a dense table holding its cores' rows, the same bags as the dense
+    tables'; its cores' step (SGD in the backward) is autograd's through that lookup."""
+    from torch.nn import functional as F
+
+    from recsz.model import TTSpec
+
+    tables, tt = [0, 2, 3], frozenset({2, 3})
+    opt = RowOptimizer("sgd", 0.3)
+    arch = SparseArch(CFG, tables, 0, opt, tt=TTSpec(tt, 2, 2), hotness=HOT, bag_draws=draws)
+    dense = SparseArch(CFG, tables, 0, opt, hotness=HOT, bag_draws=draws)
+    assert arch.tt.multi_hot is not None and arch.tt.hotness == [5, 2]
+    full = zip(arch.tt.tables, arch.tt.each, strict=True)
+    dense.start_from(
+        {0: dense.table_weights()[0], **{t: b.full_weight().detach() for t, b in full}}
+    )
+    ids = one_hot(16, 5)
+    out, want = arch(ids), dense(ids)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    # the cores' step against autograd through the dense lookup of the same bags
+    drawn = mlperf_draws(CFG.table_sizes, HOT, tables) if draws == "mlperf" else None
+    expand = Bags(tables, HOT, [CFG.table_sizes[t] for t in tables], [0] * 3, drawn)
+    bag_ids = expand.ids(ids.index_select(1, torch.tensor(tables))).split([3, 5, 2], 1)
+    up = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    cores = [[c.detach().clone() for c in bag.cores] for bag in arch.tt.each]
+    (out * up).sum().backward()
+    for j, (bag, before) in enumerate(zip(arch.tt.each, cores, strict=True)):
+        ref = TTEmbeddingBag(bag.num_embeddings, bag.embedding_dim, 2, 2)
+        with torch.no_grad():
+            for p, c in zip(ref.cores, before, strict=True):
+                p.copy_(c)
+        (
+            F.embedding_bag(bag_ids[j + 1], ref.full_weight(), mode="sum") * up[:, j + 1]
+        ).sum().backward()
+        for p, c, c0 in zip(bag.cores, ref.cores, before, strict=True):
+            torch.testing.assert_close(p.detach(), c0 - 0.3 * c.grad, rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)

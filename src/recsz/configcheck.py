@@ -77,8 +77,6 @@ def refused(cfg: TrainConfig) -> None:
         raise ValueError(
             f"--multi-hot-draws {cfg.multi_hot_draws} draws bags: it needs --multi-hot"
         )
-    if bags and cfg.tt_tables:
-        raise ValueError("--multi-hot with --tt-tables: bags in TT tables are not supported")
     if bags and cfg.fiited_mask_backward:
         raise ValueError(
             "--multi-hot with --fiited-mask-backward: a bag's rows hold other chunks than "

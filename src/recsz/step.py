@@ -137,12 +137,14 @@ def held_bytes(cfg: TrainConfig, owners: list[int], world: int, train: bool = Tr
 
 def rank_draws(cfg: TrainConfig, owners: list[int], world: int) -> list[int]:
     """The bytes of MLPerf's bag draws (``--multi-hot-draws mlperf``) each rank holds under
-    ``owners``: a table's once on each rank holding any of its shards; none otherwise."""
+    ``owners``: a table's once on each rank holding any of its shards (a replicated TT
+    table's on every rank); none otherwise."""
     hot = cfg.hotness()
     if hot is None or cfg.multi_hot_draws != "mlperf":
         return [0] * world
     whole = cfg.model().table_sizes
-    mine: list[set[int]] = [set() for _ in range(world)]
+    everywhere = {t // cfg.column_shards for t, r in enumerate(owners) if r < 0}
+    mine: list[set[int]] = [set(everywhere) for _ in range(world)]
     for t, r in enumerate(owners):
         if r >= 0:
             mine[r].add(t // cfg.column_shards)
@@ -210,7 +212,8 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
     sparse = SparseArch(mcfg, mine, cfg.seed, emb_opt, tt, fiited, hot, dtype, cfg.column_shards,
                         cfg.multi_hot_draws, ranks.device)  # fmt: skip
     sparse = sparse.to(ranks.device)  # (what was made on the host: TT cores, draws, indices)
-    replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False)
+    replicated = TTTables(mcfg, sorted(local), cfg.seed, emb_opt, tt, in_backward=False,
+                          hotness=hot, bag_draws=cfg.multi_hot_draws)  # fmt: skip
     compute = torch.bfloat16 if cfg.dense_dtype == "bf16" else None
     init = cfg.resolved("mlp_init")
     dense_arch = DenseArch(mcfg, cfg.seed, replicated, compute, init).to(ranks.device)

@@ -83,8 +83,6 @@ class SparseArch(nn.Module):
         tt_set = tt.tables if tt is not None else frozenset()
         if shards > 1 and (tt_set or fiited is not None):
             raise ValueError("column shards of TT or FIITED tables are not supported")
-        if hotness is not None and any(hotness[t] > 1 for t in tt_set):
-            raise ValueError("multi-hot bags in TT tables are not supported yet")
         self.dense_tables = [t for t in self.tables if t not in tt_set]
         whole = [t // shards for t in self.dense_tables]  # each one's table of the model
         self.sizes = [cfg.table_sizes[t] for t in whole]
@@ -100,7 +98,8 @@ class SparseArch(nn.Module):
             cols = slice(c * self.dim, (c + 1) * self.dim) if shards > 1 else slice(None)
             rows = weight[start[j] : start[j + 1]]
             init_table(self.sizes[j], cfg.emb_dim, seed, whole[j], cols, out=rows)
-        self.tt = TTTables(cfg, [t for t in self.tables if t in tt_set], seed, optimizer, tt)
+        self.tt = TTTables(cfg, [t for t in self.tables if t in tt_set], seed, optimizer, tt,
+                          hotness=hotness, bag_draws=bag_draws)  # fmt: skip
         pos = {t: j for j, t in enumerate(self.tables)}
         self.register_buffer(
             "dense_pos", torch.tensor([pos[t] for t in self.dense_tables]), persistent=False

@@ -21,6 +21,7 @@ spread, both unscaled for the chain (for comparison).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from recsz.model.config import ModelConfig
+from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
 from recsz.model.ttcache import HotRows
 
@@ -209,7 +211,10 @@ class TTTables(nn.Module):
     Adagrad kinds: a core has no rows), whose state travels in ``state_dict``. Sharded,
     like the dense tables, they update themselves in the backward (a core's optimizer
     steps as soon as its gradient is complete); ``in_backward=False`` (replicated tables,
-    whose gradients DDP averages first) leaves that to :meth:`step`."""
+    whose gradients DDP averages first) leaves that to :meth:`step`. ``hotness`` (every
+    table's of the model; None: one id) and ``bag_draws``: the bags MLPerf's multi-hot
+    Criteo makes of each one-hot id (:class:`recsz.model.multihot.Bags`, as the dense
+    tables'), each table's looked up as bags of equal size."""
 
     def __init__(
         self,
@@ -219,11 +224,24 @@ class TTTables(nn.Module):
         optimizer: RowOptimizer | None,
         spec: TTSpec | None,
         in_backward: bool = True,
+        hotness: Sequence[int] | None = None,
+        bag_draws: str = "hash",
     ) -> None:
         super().__init__()
         self.tables = list(tables)
         self.bags = nn.ModuleList()
         self._opts: list[torch.optim.Optimizer] = []
+        #: each table's ids per bag, and the bags of their one-hot ids (None: one id each)
+        self.hotness = [1 if hotness is None else hotness[t] for t in self.tables]
+        self.multi_hot: Bags | None = None
+        if max(self.hotness, default=1) > 1:
+            assert hotness is not None
+            sizes = [cfg.table_sizes[t] for t in self.tables]
+            drawn = set(self.tables)
+            draws = mlperf_draws(cfg.table_sizes, hotness, drawn) if bag_draws == "mlperf" else None
+            self.multi_hot = Bags(self.tables, hotness, sizes, [0] * len(sizes), draws)
+        self.cols: torch.Tensor  # the tables' columns of the model's ids
+        self.register_buffer("cols", torch.tensor(self.tables, dtype=torch.int64), persistent=False)
         if not self.tables:
             return
         assert spec is not None
@@ -296,9 +314,15 @@ class TTTables(nn.Module):
         return sum(c.hits for c in caches), sum(c.lookups for c in caches)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids (B, T_all) -> pooled (B, |tables|, D) of these tables."""
-        cols = [m(ids[:, t].reshape(-1, 1)) for t, m in zip(self.tables, self.bags, strict=True)]
-        return torch.stack(cols, 1)
+        """ids (B, T_all) -> pooled (B, |tables|, D) of these tables: each one-hot id's
+        row, or with bags its bag's rows summed."""
+        if self.multi_hot is None:
+            bags = [ids[:, t].reshape(-1, 1) for t in self.tables]
+        else:
+            mine = ids.index_select(1, self.cols)
+            every = self.multi_hot.ids(mine)  # (B, sum of hotness): bag after bag
+            bags = list(every.split(self.hotness, dim=1))
+        return torch.stack([m(b) for b, m in zip(bags, self.bags, strict=True)], 1)
 
     def get_extra_state(self) -> Any:
         return [o.state_dict() for o in self._opts]
