@@ -163,6 +163,19 @@ def test_tables_that_cannot_fit_are_refused_before_any_is_made(monkeypatch) -> N
     cores = sum(4 * tt_parameters(sizes[t], 64, spec.rank, spec.cores) for t in spec.tables)
     plain = sum(n * 260 for t, n in enumerate(sizes) if t not in spec.tables)
     assert sum(held_bytes(tt_cfg, table_owners(tt_cfg, 2), 2)) == plain + cores  # TT: cores
+    # MLPerf's draws: a table's on the rank holding it, a replicated TT table's on every rank
+    from recsz.model.multihot import draws_nbytes
+    from recsz.step import rank_draws
+
+    rep = TrainConfig(preset="bench", tt_tables=3, tt_placement="replicated",
+                      multi_hot="mlperf", multi_hot_draws="mlperf")  # fmt: skip
+    hot, everywhere = rep.hotness(), draws_nbytes(sizes, rep.hotness(), spec.tables)
+    owned = table_owners(rep, 2)
+    assert hot is not None and all(owned[t] == -1 for t in spec.tables)
+    assert rank_draws(rep, owned, 2) == [
+        everywhere + draws_nbytes(sizes, hot, [t for t, o in enumerate(owned) if o == r])
+        for r in (0, 1)
+    ]
     monkeypatch.setattr(hostmemory, "total", lambda: sum(need) - 1)  # a byte short
     made = []
     monkeypatch.setattr("recsz.step.SparseArch", lambda *a, **k: made.append(a))
