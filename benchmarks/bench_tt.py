@@ -9,6 +9,8 @@
    (``embedding_bytes``: what the tables hold) and the whole model's (+ MLPs).
 2. ``real``: the real 10k Criteo sample (one pass, batch 32, ``tiny`` preset, its 7 largest
    tables as TT of rank 8 with 1,000 cached rows), every seed; skipped without ../shared.
+2b. ``bags``: as ``accuracy`` (1,000,000 samples; 100 steps with --quick) with MLPerf's
+   multi-hot bags (``--multi-hot mlperf``): dense against tt7-r8+cache, every seed.
 3. ``lookup``: lookup + update rows/s of one table of the kaggle preset's largest size
    (batches of 1024 of its ids from the synthetic generator, Adagrad): dense rows (the
    trainer's fused lookup) against a TT table, with and without its cache.
@@ -68,6 +70,22 @@ def accuracy(quick: bool, seeds: list[int]) -> list[dict]:
             ref = ref or s
             rows.append(result("accuracy", name, seed, s, ref, mlp))
             print(line(rows[-1]), flush=True)
+    return rows
+
+
+def bags(quick: bool, seeds: list[int]) -> list[dict]:
+    """The accuracy part's model and data with MLPerf's multi-hot bags (214 ids a sample):
+    dense tables against the 7 largest as TT tables of rank 8 with their caches, every
+    seed."""
+    base = ["--preset", "kaggle", "--batch-size", "1024", "--steps", "100" if quick else "1000",
+            "--multi-hot", "mlperf"]  # fmt: skip
+    rows, mlp = [], mlp_bytes("kaggle")
+    for seed in seeds:
+        ref = train([*base, "--seed", str(seed)])
+        rows.append(result("bags", "dense", seed, ref, ref, mlp))
+        tt = train([*base, "--seed", str(seed), "--tt-tables", "7", *CACHE])
+        rows.append(result("bags", "tt7-r8+cache", seed, tt, ref, mlp))
+        print(line(rows[-2]), line(rows[-1]), sep="\n", flush=True)
     return rows
 
 
@@ -164,7 +182,7 @@ def table(rows: list[dict]) -> str:
     out = ["| part | config | seed | TT memory (x less) | embedding MB | model MB | AUC | ΔAUC | "
            "Δlogloss | step vs dense | cache hits |", "|---" * 11 + "|"]  # fmt: skip
     for r in rows:
-        if r["part"] in ("accuracy", "real"):
+        if r["part"] in ("accuracy", "bags", "real"):
             hit = "" if r["cache_hit_rate"] is None else f"{r['cache_hit_rate']:.1%}"
             out.append(
                 f"| {r['part']} | {r['config']} | {r['seed']} | {r['memory_ratio']:.1f} | "
@@ -190,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", default="0", help="comma list (accuracy: dense and the first "
                     "TT configuration for every seed, the rest for the first)")  # fmt: skip
-    ap.add_argument("--parts", default="accuracy,real,lookup,placement")
+    ap.add_argument("--parts", default="accuracy,bags,real,lookup,placement")
     ap.add_argument("--json-out", default="bench_out/tt.json")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
@@ -198,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = a.parts.split(",")
     if "accuracy" in parts:
         rows += accuracy(a.quick, seeds)
+    if "bags" in parts:
+        rows += bags(a.quick, seeds)
     if "real" in parts:
         rows += real(seeds)
     if "lookup" in parts:
