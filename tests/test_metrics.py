@@ -96,6 +96,16 @@ def test_one_class_or_nan_predictions_give_nan_not_a_number_that_means_nothing()
     assert all(math.isnan(v) for v in got.values()), got
     none = binary_metrics(torch.rand(4), torch.zeros(4))  # no click
     assert math.isnan(none["ne"]) and math.isnan(none["calibration"]) and none["ctr"] == 0
+    # the run's summary and recsz evaluate say why the AUC is NaN there, not after a NaN model
+    from recsz.report import one_class
+
+    assert one_class({**none, "eval_samples": 4}) == (
+        "(undefined: the 4 held-out samples hold no click)"
+    )
+    assert one_class({**binary_metrics(torch.rand(5), ones), "eval_samples": 5}).endswith(
+        "hold only clicks)"
+    )
+    assert one_class({**got, "ctr": 2 / 3, "eval_samples": 3}) == ""
 
 
 def test_predicting_the_click_rate_is_ne_one_and_calibrated() -> None:

@@ -286,9 +286,10 @@ def run(argv: list[str]) -> dict[str, Any]:
                 name = "evaluate-" + re.sub(r"[^\w.-]", "_", label)
                 where = report.add_to_board(r.ckpt.parent.parent, name, r.step, ev)
                 print(f"recsz: added to {where}", flush=True)
+            auc = " ".join(filter(None, [f"AUC {ev['auc']:.5f}", report.one_class(ev)]))
             print(
                 f"recsz: {r.ckpt} (step {r.step}) on {source.name}, {ev['eval_samples']} "
-                f"samples, {r.ranks.world} rank(s): AUC {ev['auc']:.5f}, logloss "
+                f"samples, {r.ranks.world} rank(s): {auc}, logloss "
                 f"{ev['logloss']:.5f}, accuracy {ev['accuracy']:.5f}, NE {ev['ne']:.5f}, "
                 f"calibration {ev['calibration']:.4f} ({ev['eval_s']:.1f} s)",
                 flush=True,

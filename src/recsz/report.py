@@ -182,7 +182,7 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(
         [
             "",
-            f"  AUC            {s['auc']:.4f}",
+            "   ".join(filter(None, [f"  AUC            {s['auc']:.4f}", one_class(s)])),
             f"  logloss        {s['logloss']:.4f}",
             f"  accuracy       {s['accuracy']:.4f}",
             f"  NE             {s['ne']:.4f}   (logloss / the click rate's entropy)",
@@ -199,6 +199,15 @@ def format_summary(s: dict[str, Any]) -> str:
             *_trials(s.get("compress")),
         ]
     )
+
+
+def one_class(s: dict[str, Any]) -> str:
+    """Why the AUC (and the NE, or the calibration) is NaN where the held-out labels hold
+    one class: a small or sorted held-out set, not a broken model."""
+    if s.get("ctr") not in (0.0, 1.0):
+        return ""
+    which = "no click" if s["ctr"] == 0.0 else "only clicks"
+    return f"(undefined: the {s['eval_samples']} held-out samples hold {which})"
 
 
 def _between(n: int | None, r: float | None) -> str:
