@@ -43,6 +43,17 @@ def _worker(rank: int, store: str, out: str) -> None:
         got[f"{name} bytes"] = dp.bytes_sent
         got[f"{name} between"] = dp.bytes_between
         got[f"{name} held"] = dict(st.reduced)
+    # hosts laid out anew before step 2 (a run resumed so): ranks 1 and 2 trade hosts, or
+    # all four on one host; the error feedback held for the pieces coded before goes on
+    for name, after in (("rehosted", [(0, 2), (1, 3)]), ("onto one host", [(0, 1, 2, 3)])):
+        st = EBState(get_codec_with("hybrid"), EB, "hosts")
+        dp = DPComm("eb", WORLD, inner=st, bytes_between=0)
+        got[name] = []
+        for k, hosts in enumerate((HOSTS, HOSTS, after)):
+            st.near = frozenset(next(h for h in hosts if rank in h))
+            st.hosts = host_groups(hosts, rank)
+            got[name].append(exchange(dp, Bucket(grads(k)[rank].clone())).value())
+        got[f"{name} held"] = dict(st.reduced)
     try:
         host_groups([(0, 1, 2), (3,)], rank)
     except ValueError as e:
@@ -77,6 +88,16 @@ def test_every_rank_gets_the_same_mean_lossless_exact_lossy_bounded() -> None:
     small = torch.cat(held[:2])
     torch.testing.assert_close(WORLD * (out[0] + out[2]) + small, total[0] + total[2],
                                rtol=0, atol=1e-4)  # fmt: skip
+    # hosts laid out anew (a resume): what the pieces' coders held is summed in where it
+    # lies, so nothing is lost (before, a rank whose piece moved dropped its residual); on
+    # one host it goes out in the plain sum, and nothing of those parameters is held
+    for name in ("rehosted", "onto one host"):
+        out = ranks[0][name]
+        held = [sum(r[f"{name} held"].get(k, torch.zeros(1)) for r in ranks) for k in (0, 1)]
+        small = torch.cat([h.expand(n) for h, n in zip(held, (600, 400), strict=True)])
+        torch.testing.assert_close(WORLD * (out[0] + out[2]) + small, total[0] + total[2],
+                                   rtol=0, atol=1e-4)  # fmt: skip
+    assert all(0 not in r["onto one host held"] and 2 in r["onto one host held"] for r in ranks)
     # one host: nothing coded, the all-reduce alone; two: fewer bytes coded across hosts
     assert all(r["hybrid bytes"] < r["zstd bytes"] for r in ranks)
     # between hosts: one payload of half a bucket a rank, against the all-gather's two of

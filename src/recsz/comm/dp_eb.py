@@ -29,8 +29,8 @@ class EBState:
     eb: float  # relative to each bucket's range
     collective: str = "allgather"  # or "rsag" (module docstring)
     residual: dict[int, torch.Tensor] = field(default_factory=dict)  # per parameter
-    #: rsag: what coding the mean of this rank's chunks lost, per parameter (zeros where
-    #: another rank owns the chunk)
+    #: rsag and hosts: what coding the sum of this rank's chunks (hosts: of its piece of
+    #: its host's sum) lost, per parameter (zeros where another rank owns the chunk)
     reduced: dict[int, torch.Tensor] = field(default_factory=dict)
     param_index: dict[int, int] = field(default_factory=dict)  # id(param) -> position
     #: rsag: each bucket layout's positions per owner (:func:`_owned_positions`), made once
@@ -188,11 +188,16 @@ def _across_hosts(
     dp: DPComm, h: HostGroups, acc: torch.Tensor, keys: list[int], sizes: list[int]
 ) -> torch.Tensor:
     """The sum over ranks of ``acc`` by ``hosts`` (module docstring), the same on every
-    rank: the host's sum, plain; its piece ``h.index`` of every parameter coded with what
-    coding it lost before, gathered from that piece's coders on every host and summed in
-    host order; the summed pieces gathered within the host."""
+    rank: the host's sum, plain, with what coding the host's sums lost before (each rank
+    holds it for its piece: summed in wherever it lies, so a run resumed on another
+    layout of hosts, or on one host, loses none of it); its piece ``h.index`` of every
+    parameter coded, gathered from that piece's coders on every host and summed in host
+    order; the summed pieces gathered within the host."""
     st: EBState = dp.inner
-    total = acc.clone()
+    total = add_residual(acc, st.reduced, keys, sizes)
+    total = acc.clone() if total is acc else total
+    for k in keys:
+        st.reduced.pop(k, None)  # in the sum now
     dist.all_reduce(total, group=h.within)
     dp.bytes_sent += int(2 * (h.local - 1) / h.local * total.numel() * 4)
     if h.count == 1:  # nothing crosses hosts: the plain sum
@@ -200,10 +205,7 @@ def _across_hosts(
     if tuple(sizes) not in st.owned:
         st.owned[tuple(sizes)] = _owned_positions(sizes, h.local, acc.device)
     at = st.owned[tuple(sizes)]
-    mine = (
-        total[at[h.index]]
-        + add_residual(torch.zeros_like(acc), st.reduced, keys, sizes)[at[h.index]]
-    )
+    mine = total[at[h.index]]
     payload, back = _code(st, mine)
     lost = torch.zeros_like(acc)
     lost[at[h.index]] = mine - back
