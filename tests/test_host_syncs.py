@@ -190,14 +190,21 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
 @pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
 @pytest.mark.parametrize(
     "extra",
-    [("--multi-hot", "mlperf"), ("--table-dtype", "fp16"), ("--column-shards", "4")],
+    [
+        ("--multi-hot", "mlperf"),
+        ("--table-dtype", "fp16"),
+        ("--column-shards", "4"),
+        ("--tt-tables", "3"),
+        ("--tt-tables", "3", "--multi-hot", "2", "--tt-placement", "replicated"),
+    ],
 )
-def test_bags_half_tables_and_column_shards_add_no_host_read(
+def test_bags_half_tables_column_shards_and_tt_tables_add_no_host_read(
     ids: bool, expected: int, extra: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """MLPerf's bags, made and pooled on the device, and their ids' updates; half tables'
-    rounding; column shards (their ids gathered on the device): no read more than the
-    one-hot float32 step's."""
+    rounding; column shards (their ids gathered on the device); TT-Rec tables, sharded or
+    replicated, with bags (the sources' ids unchecked again, every id's row made: 3 reads
+    a table before): no read more than the one-hot float32 step's."""
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     counted = steps_counted("none", ids=ids, steps=5, extra=extra)
     for k, (_, reads, _, where) in enumerate(counted[3:], start=3):

@@ -73,6 +73,50 @@ def test_core_gradients_equal_autograd_through_the_full_table() -> None:
         torch.testing.assert_close(a, c.grad)
 
 
+@pytest.mark.parametrize("shape", ["bags", "2-d"])
+def test_the_gpu_path_makes_every_ids_row_and_gives_the_distinct_ids_lookup(
+    shape: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU's path (no host read: no torch.unique, no range check of checked ids) the
+    lookup and the cores' gradients equal the CPU's, which makes each distinct row once."""
+    from recsz.devicepath import DEVICE_PATH_ON_CPU
+
+    ids = torch.tensor([3, 3, 7, 30, 36, 0, 3, 7])
+    args = (ids, torch.tensor([0, 2, 4])) if shape == "bags" else (ids.view(4, 2),)
+    g = torch.randn(3 if shape == "bags" else 4, 12, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))  # fmt: skip
+    got = {}
+    for path in ("cpu", "gpu"):
+        if path == "gpu":
+            monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+            monkeypatch.setattr(torch, "unique", None)  # (a host read on a GPU)
+        t = table()
+        out = t(*args, checked=path == "gpu")
+        (out * g).sum().backward()
+        got[path] = (out.detach(), [c.grad for c in t.cores])
+    torch.testing.assert_close(got["gpu"][0], got["cpu"][0])
+    for a, b in zip(got["gpu"][1], got["cpu"][1], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_tt_tables_check_unchecked_ids_at_once_and_name_the_table() -> None:
+    """Ids a caller has not checked are held to their TT tables' rows in one check (one
+    host read on a GPU), the table named; checked ones are not read."""
+    from recsz.model.ttrec import TTTables
+
+    m = get_preset("tiny").model
+    tt = TTTables(m, [2, 5], 0, None, TTSpec(frozenset({2, 5}), rank=2, cores=2))
+    ids = torch.zeros(4, m.n_tables, dtype=torch.int64)
+    assert tt(ids).shape == (4, 2, m.emb_dim)
+    ids[3, 5] = m.table_sizes[5]
+    with pytest.raises(ValueError, match=f"TT table 5 of {m.table_sizes[5]} rows: id "):
+        tt(ids)
+    ids[3, 5] = 0
+    ids[1, 2] = -1
+    with pytest.raises(ValueError, match=r"TT table 2 of \d+ rows: id -1 out of range"):
+        tt(ids)
+
+
 def test_gradcheck_on_tiny_shapes() -> None:
     t = table(n=10, d=4, rank=2, cores=2)
     ids, offsets = torch.tensor([1, 9, 9, 4]), torch.tensor([0, 1])

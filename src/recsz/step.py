@@ -295,7 +295,8 @@ def forward(parts: Parts, batch_dense: torch.Tensor, ids: torch.Tensor, step: in
     pending = parts.exchange.start_forward(pooled, step, sent)
     b = len(batch_dense)
     mine = ids[parts.exchange.rank * b : (parts.exchange.rank + 1) * b]
-    return parts.dense(batch_dense, pending, mine)  # bottom MLP runs while the bytes fly
+    # the bottom MLP runs while the bytes fly
+    return parts.dense(batch_dense, pending, mine, checked=True)
 
 
 def train_step(parts: Parts, batch: Batch, step: int, ranks: Ranks) -> torch.Tensor:

@@ -249,10 +249,15 @@ class DenseArch(nn.Module):
         return len(list(self.bottom.parameters())), ours
 
     def forward(
-        self, dense: torch.Tensor, emb: torch.Tensor | Awaitable, ids: torch.Tensor | None = None
+        self,
+        dense: torch.Tensor,
+        emb: torch.Tensor | Awaitable,
+        ids: torch.Tensor | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """dense (B, 13), emb (B, T, D) or an object whose ``wait()`` gives it, ids (B, T)
-        (needed with local tables) -> logits (B,).
+        (needed with local tables; ``checked``: made for the tables' sizes, as
+        :meth:`SparseArch.forward`'s) -> logits (B,).
 
         Taking an awaitable lets the bottom MLP run while the embeddings are still in
         flight (the all-to-all overlap of facebookresearch/dlrm), inside DDP's forward.
@@ -263,7 +268,7 @@ class DenseArch(nn.Module):
         e = e.reshape(e.shape[0], self.n_features - 1, -1)  # a table's column shards side by side
         if self.local is not None:
             assert ids is not None, "local tables need the samples' ids"
-            e = e.index_copy(1, self.local_pos, self.local(ids))
+            e = e.index_copy(1, self.local_pos, self.local(ids, checked))
         with self._autocast(dense):
             if self.cross is None:
                 z = interact_features(x, e)

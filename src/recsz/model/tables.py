@@ -190,7 +190,7 @@ class SparseArch(nn.Module):
         out = self.weight.new_zeros(b, len(self.tables), self.dim, dtype=torch.float32)
         if self.dense_tables:
             out = out.index_copy(1, self.dense_pos, self._dense(ids, checked))
-        return out.index_copy(1, self.tt_pos, self.tt(ids))
+        return out.index_copy(1, self.tt_pos, self.tt(ids, checked))
 
     def _dense(self, ids: torch.Tensor, checked: bool) -> torch.Tensor:
         n = len(self.dense_tables)

@@ -6,9 +6,12 @@ Row i, written in the mixed radix p (most significant digit first) as (i_1, ...,
 the chain product G_1[:, i_1] G_2[:, i_2] ... G_d[:, i_d]: a (1 x q_1 ... q_d x 1) tensor,
 i.e. D values. Memory: sum_k R[k-1] p_k q_k R[k] instead of N x D.
 
-Forward, in pure PyTorch: the batch's distinct ids only; per core one gather of the slices
-of their digits; the chain as batched matrix products; the rows pooled into bags by
-``embedding_bag`` over those distinct rows (offsets and per-sample weights as torch's).
+Forward, in pure PyTorch: the batch's distinct ids only (on a GPU's path every id, its
+row made again where it repeats: finding the distinct ones would read their count on the
+host, a sync); per core one gather of the slices of their digits; the chain as batched
+matrix products; the rows pooled into bags by ``embedding_bag`` over those rows (offsets
+and per-sample weights as torch's). Ids come checked against the table's rows, where the
+caller has not (one host read).
 Backward by autograd through the same operations (the cores are ordinary parameters, so
 any torch optimizer trains them).
 
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsz.devicepath import device_path
 from recsz.model.config import ModelConfig
 from recsz.model.multihot import Bags, mlperf_draws
 from recsz.model.rowopt import RowOptimizer
@@ -150,11 +154,19 @@ class TTEmbeddingBag(nn.Module):
         ids: torch.Tensor,
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
-        """Pooled (sum) rows: ``ids`` 2-D (bags of equal size) or 1-D with ``offsets``."""
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        """Pooled (sum) rows: ``ids`` 2-D (bags of equal size) or 1-D with ``offsets``;
+        each id checked against the table's rows (on a GPU a host sync) unless the caller
+        has (``checked``)."""
+        inside = (
+            checked or not ids.numel() or bool(((ids >= 0) & (ids < self.num_embeddings)).all())
+        )
+        if not inside:
             raise ValueError(f"TT table of {self.num_embeddings} rows: id out of range")
-        if self.cache is None:
+        if self.cache is None and device_path(ids.device):  # no host sync: every id's row
+            rows, inverse = self.rows(ids.reshape(-1)), _positions(ids)
+        elif self.cache is None:  # each distinct id's row once (its count read on the host)
             uniq, inverse = torch.unique(ids, return_inverse=True)
             rows = self.rows(uniq)
         else:
@@ -176,6 +188,11 @@ class TTEmbeddingBag(nn.Module):
         if self.cache is None:
             return self.rows(ids)
         return self.cache.rows(ids, torch.ones_like(ids), self.rows)
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Each id's own position (``ids``' shape): the lookup of rows made for every id."""
+    return torch.arange(ids.numel(), device=ids.device).view(ids.shape)
 
 
 def tt_parameters(n: int, d: int, rank: int, cores: int) -> int:
@@ -313,16 +330,29 @@ class TTTables(nn.Module):
         caches = [bag.cache for bag in self.each if bag.cache is not None]
         return sum(c.hits for c in caches), sum(c.lookups for c in caches)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """ids (B, T_all) -> pooled (B, |tables|, D) of these tables: each one-hot id's
-        row, or with bags its bag's rows summed."""
+        row, or with bags its bag's rows summed. The ids are checked against their tables'
+        rows (on a GPU one host sync for all) unless the caller has (``checked``: ids
+        from a source made for these tables' sizes; a bag's other ids are drawn within
+        its table)."""
+        mine = ids.index_select(1, self.cols)
+        if not checked and mine.numel():
+            self._check_range(mine)
         if self.multi_hot is None:
-            bags = [ids[:, t].reshape(-1, 1) for t in self.tables]
+            bags = list(mine.split(1, dim=1))
         else:
-            mine = ids.index_select(1, self.cols)
             every = self.multi_hot.ids(mine)  # (B, sum of hotness): bag after bag
             bags = list(every.split(self.hotness, dim=1))
-        return torch.stack([m(b) for b, m in zip(bags, self.bags, strict=True)], 1)
+        return torch.stack([m(b, checked=True) for b, m in zip(bags, self.bags, strict=True)], 1)
+
+    def _check_range(self, mine: torch.Tensor) -> None:
+        rows = mine.new_tensor([bag.num_embeddings for bag in self.each])
+        wrong = (mine < 0) | (mine >= rows)
+        if bool(wrong.any()):
+            i, j = (int(x) for x in wrong.nonzero()[0])
+            t, n = self.tables[j], int(rows[j])
+            raise ValueError(f"TT table {t} of {n} rows: id {int(mine[i, j])} out of range")
 
     def get_extra_state(self) -> Any:
         return [o.state_dict() for o in self._opts]
