@@ -54,6 +54,7 @@ CASES = {  # name -> (argv, distinct ids slice by slice)
     "none, fixed-size": (["--no-id-dedup", "--no-bwd-coalesce"], False),
     "none, id-aware, TT tables": (["--tt-tables", "3"], False),  # TT-Rec's 3 largest
     "none, id-aware, TT tables, bags": (["--tt-tables", "3", "--multi-hot", "2"], False),
+    "none, id-aware, TT tables, caches": (["--tt-tables", "3", "--tt-cache-rows", "64"], False),
     "hybrid, fixed-size, eb hook": (  # the MLP gradients error-bounded too (--dp-comm eb)
         ["--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--no-id-dedup", "--no-bwd-coalesce",
          "--dp-comm", "eb"],

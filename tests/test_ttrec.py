@@ -237,7 +237,17 @@ def test_cache_takes_the_most_looked_up_ids_and_starts_them_from_the_tt() -> Non
         torch.testing.assert_close(t(probe), before)
 
 
-def test_cached_rows_follow_the_row_optimizer_and_the_cores_the_rest() -> None:
+@pytest.mark.parametrize("path", ["cpu", "gpu"])
+def test_cached_rows_follow_the_row_optimizer_and_the_cores_the_rest(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On either path (a GPU's splits no hits from misses: every id's TT row, the cached
+    one where it hits, no host read) the same rows, steps and gradients."""
+    if path == "gpu":
+        from recsz.devicepath import DEVICE_PATH_ON_CPU
+
+        monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+        monkeypatch.setattr(torch.Tensor, "nonzero", None)  # (a host read on a GPU)
     t = cached_table(capacity=2, interval=2)
     t(torch.tensor([[4], [4], [8]])).sum().backward()
     t(torch.tensor([[8], [1]])).sum().backward()  # window: 4 and 8 twice, 1 once

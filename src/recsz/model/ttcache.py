@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from recsz.devicepath import device_path
 from recsz.model.rowopt import RowOptimizer
 
 _EMPTY = torch.iinfo(torch.int64).max  # the id of an unused slot (sorts last)
@@ -79,6 +80,9 @@ class HotRows(nn.Module):
         hit = self.ids[slot] == uniq
         if train:  # counted on the rows' device (read when reported)
             self.tally += torch.stack([(counts * hit).sum(), counts.sum()])
+        if device_path(uniq.device):  # no host read to split them: every id's TT row
+            cached = _Cached.apply(self.weight, slot, self, hit) if train else self.weight[slot]
+            return torch.where(hit.unsqueeze(1), cached, tt_rows(uniq))
         at_hit, at_miss = hit.nonzero().view(-1), (~hit).nonzero().view(-1)
         slots = slot[at_hit]
         cached = _Cached.apply(self.weight, slots, self) if train else self.weight[slots]
@@ -114,17 +118,25 @@ class HotRows(nn.Module):
 
 
 class _Cached(torch.autograd.Function):
-    """Cached rows forward; backward steps the row optimizer on them (no weight gradient)."""
+    """Cached rows forward; backward steps the row optimizer on them (no weight gradient).
+    ``hit``: only the slots where it holds are the ids' (the others, slots of ids not
+    cached, take no gradient), and a slot may repeat."""
 
     @staticmethod
     def forward(
-        ctx: Any, weight: torch.Tensor, slots: torch.Tensor, cache: HotRows
+        ctx: Any,
+        weight: torch.Tensor,
+        slots: torch.Tensor,
+        cache: HotRows,
+        hit: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        ctx.slots, ctx.cache = slots, cache
+        ctx.slots, ctx.cache, ctx.hit = slots, cache, hit
         return weight.detach().index_select(0, slots)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        c = ctx.cache
-        c.optimizer.step(c.weight.data, c.state, ctx.slots, grad.contiguous(), distinct=True)
-        return None, None, None
+        c, hit, grad = ctx.cache, ctx.hit, grad.contiguous()
+        if hit is not None:
+            grad = grad * hit.unsqueeze(1)
+        c.optimizer.step(c.weight.data, c.state, ctx.slots, grad, distinct=hit is None)
+        return None, None, None, None
