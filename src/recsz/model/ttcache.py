@@ -81,7 +81,8 @@ class HotRows(nn.Module):
         if train:  # counted on the rows' device (read when reported)
             self.tally += torch.stack([(counts * hit).sum(), counts.sum()])
         if device_path(uniq.device):  # no host read to split them: every id's TT row
-            cached = _Cached.apply(self.weight, slot, self, hit) if train else self.weight[slot]
+            # (a miss's slot, some other row's, takes a zero gradient through the where)
+            cached = _Cached.apply(self.weight, slot, self, False) if train else self.weight[slot]
             return torch.where(hit.unsqueeze(1), cached, tt_rows(uniq))
         at_hit, at_miss = hit.nonzero().view(-1), (~hit).nonzero().view(-1)
         slots = slot[at_hit]
@@ -119,24 +120,19 @@ class HotRows(nn.Module):
 
 class _Cached(torch.autograd.Function):
     """Cached rows forward; backward steps the row optimizer on them (no weight gradient).
-    ``hit``: only the slots where it holds are the ids' (the others, slots of ids not
-    cached, take no gradient), and a slot may repeat."""
+    ``distinct``: no slot repeats (else their gradients are summed by row first)."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        weight: torch.Tensor,
-        slots: torch.Tensor,
-        cache: HotRows,
-        hit: torch.Tensor | None = None,
+        ctx: Any, weight: torch.Tensor, slots: torch.Tensor, cache: HotRows, distinct: bool = True
     ) -> torch.Tensor:
-        ctx.slots, ctx.cache, ctx.hit = slots, cache, hit
+        ctx.slots, ctx.cache, ctx.distinct = slots, cache, distinct
         return weight.detach().index_select(0, slots)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
-        c, hit, grad = ctx.cache, ctx.hit, grad.contiguous()
-        if hit is not None:
-            grad = grad * hit.unsqueeze(1)
-        c.optimizer.step(c.weight.data, c.state, ctx.slots, grad, distinct=hit is None)
+        c = ctx.cache
+        c.optimizer.step(
+            c.weight.data, c.state, ctx.slots, grad.contiguous(), distinct=ctx.distinct
+        )
         return None, None, None, None
