@@ -109,11 +109,11 @@ def test_tt_tables_check_unchecked_ids_at_once_and_name_the_table() -> None:
     ids = torch.zeros(4, m.n_tables, dtype=torch.int64)
     assert tt(ids).shape == (4, 2, m.emb_dim)
     ids[3, 5] = m.table_sizes[5]
-    with pytest.raises(ValueError, match=f"TT table 5 of {m.table_sizes[5]} rows: id "):
+    with pytest.raises(IndexError, match=rf"table 5 \(TT\): id {m.table_sizes[5]} outside \[0, "):
         tt(ids)
     ids[3, 5] = 0
     ids[1, 2] = -1
-    with pytest.raises(ValueError, match=r"TT table 2 of \d+ rows: id -1 out of range"):
+    with pytest.raises(IndexError, match=r"table 2 \(TT\): id -1 outside \[0, \d+\)"):
         tt(ids)
 
 

@@ -254,8 +254,8 @@ class TTTables(nn.Module):
         if max(self.hotness, default=1) > 1:
             assert hotness is not None
             sizes = [cfg.table_sizes[t] for t in self.tables]
-            drawn = set(self.tables)
-            draws = mlperf_draws(cfg.table_sizes, hotness, drawn) if bag_draws == "mlperf" else None
+            mlperf = bag_draws == "mlperf"
+            draws = mlperf_draws(cfg.table_sizes, hotness, self.tables) if mlperf else None
             self.multi_hot = Bags(self.tables, hotness, sizes, [0] * len(sizes), draws)
         self.cols: torch.Tensor  # the tables' columns of the model's ids
         self.register_buffer("cols", torch.tensor(self.tables, dtype=torch.int64), persistent=False)
@@ -351,8 +351,8 @@ class TTTables(nn.Module):
         wrong = (mine < 0) | (mine >= rows)
         if bool(wrong.any()):
             i, j = (int(x) for x in wrong.nonzero()[0])
-            t, n = self.tables[j], int(rows[j])
-            raise ValueError(f"TT table {t} of {n} rows: id {int(mine[i, j])} out of range")
+            t, n = self.tables[j], int(rows[j])  # (as SparseArch says of its dense tables)
+            raise IndexError(f"table {t} (TT): id {int(mine[i, j])} outside [0, {n})")
 
     def get_extra_state(self) -> Any:
         return [o.state_dict() for o in self._opts]
