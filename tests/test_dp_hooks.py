@@ -191,7 +191,7 @@ def test_reduce_scatter_variant_on_three_ranks(tmp_path) -> None:
 def test_a_resumed_hook_state_on_another_number_of_ranks() -> None:
     """Saved by 3 ranks, resumed on 2 and on 4: the bytes still sum to the run's, each
     rank keeps its own error feedback where it had one (the reduce-scatter's, cut by the
-    world, starts anew) and a new rank starts without."""
+    world, starts anew; the hosts collective's stays) and a new rank starts without."""
     from recsz.comm.dp_hooks import resumed_state
 
     saved = [
@@ -212,6 +212,14 @@ def test_a_resumed_hook_state_on_another_number_of_ranks() -> None:
             assert g["eb"]["reduced"] == {}
             mine = g["eb"]["residual"]
             assert (mine == {}) if r >= 3 else torch.equal(mine[0], torch.full((3,), float(r)))
+    # the hosts collective sums what its pieces' coders held wherever it lies: a rank that
+    # stays keeps it (the reduce-scatter's above, saved without a collective, did not)
+    for s in saved:
+        s["eb"]["collective"] = "hosts"
+    for world in (2, 4):
+        for r in range(world):
+            kept = resumed_state(saved, r, world)["eb"]["reduced"]
+            assert (kept == {}) if r >= 3 else torch.equal(kept[0], torch.ones(3))
     dct = [{"seconds": 0.0, "bytes_sent": 5, "bytes_dense": 7,
             "dct": {"step": 9, "residual": {}, "bytes_sent": 5, "bytes_dense": 7}}] * 2  # fmt: skip
     one = resumed_state(dct, 0, 1)

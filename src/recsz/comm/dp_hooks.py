@@ -96,7 +96,12 @@ class DPComm:
             keys = ("step", "residual", "threshold", "refreshed_at", "refreshes")
             out["dct"] = {k: getattr(self.inner, k) for k in (*keys, "bytes_dense", "bytes_sent")}
         elif isinstance(self.inner, EBState):
-            out["eb"] = {"residual": self.inner.residual, "reduced": self.inner.reduced}
+            st = self.inner
+            out["eb"] = {
+                "residual": st.residual,
+                "reduced": st.reduced,
+                "collective": st.collective,
+            }
         elif isinstance(self.inner, powerSGD_hook.PowerSGDState):
             out["powersgd"] = {k: getattr(self.inner, k) for k in _POWERSGD_KEYS}
         return out
@@ -131,7 +136,8 @@ def resumed_state(saved: list[dict[str, Any]], rank: int, world: int) -> dict[st
     hook's state of saved rank ``rank % len(saved)`` (its schedule: steps, thresholds,
     PowerSGD's memories and generator, the same on every rank), whose error feedback, each
     rank's own, it keeps only as that rank (a new rank starts without, a rank dropped
-    loses it, and the reduce-scatter's, cut by the world's size, starts anew)."""
+    loses it, and the reduce-scatter's, cut by the world's size, starts anew; the hosts
+    collective's, summed in wherever it lies, stays)."""
     own = saved[rank % len(saved)]
     out = {**own, "bytes_sent": 0, "bytes_dense": 0, "bytes_between": 0}
     for s in saved[rank::world]:
@@ -144,7 +150,8 @@ def resumed_state(saved: list[dict[str, Any]], rank: int, world: int) -> dict[st
             "bytes_sent": out["bytes_sent"],
             "bytes_dense": out["bytes_dense"],
         }
-    dropped = _RESIDUALS if rank >= len(saved) else _OF_THE_WORLD
+    hosts = out.get("eb", {}).get("collective") == "hosts"  # (saved since 2026-12-07)
+    dropped = _RESIDUALS if rank >= len(saved) else {} if hosts else _OF_THE_WORLD
     for mode, keys in dropped.items():
         if mode in out:
             out[mode] = {**out[mode], **{k: {} for k in keys}}
