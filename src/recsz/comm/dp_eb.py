@@ -112,11 +112,18 @@ def flushed(dp: DPComm, bucket: Any) -> torch.Tensor:
     st: EBState = dp.inner
     grad = bucket.buffer()
     keys, sizes = bucket_params(st.param_index, bucket, "eb hook")
-    acc = add_residual(add_residual(grad, st.residual, keys, sizes), st.reduced, keys, sizes)
-    for held in (st.residual, st.reduced):
-        for k in keys:
-            held.pop(k, None)
-    return acc
+    return _taken(_taken(grad, st.residual, keys, sizes), st.reduced, keys, sizes)
+
+
+def _taken(
+    x: torch.Tensor, held: dict[int, torch.Tensor], keys: list[int], sizes: list[int]
+) -> torch.Tensor:
+    """``x`` plus what ``held`` keeps of the bucket's parameters ``keys``, which it then
+    keeps no longer (``x`` itself where it keeps none)."""
+    out = add_residual(x, held, keys, sizes)
+    for k in keys:
+        held.pop(k, None)
+    return out
 
 
 #: The eb hook codes a bucket as rows of this many values (a GPU's coder takes the row
@@ -194,10 +201,8 @@ def _across_hosts(
     parameter coded, gathered from that piece's coders on every host and summed in host
     order; the summed pieces gathered within the host."""
     st: EBState = dp.inner
-    total = add_residual(acc, st.reduced, keys, sizes)
+    total = _taken(acc, st.reduced, keys, sizes)  # in the sum now
     total = acc.clone() if total is acc else total
-    for k in keys:
-        st.reduced.pop(k, None)  # in the sum now
     dist.all_reduce(total, group=h.within)
     dp.bytes_sent += int(2 * (h.local - 1) / h.local * total.numel() * 4)
     if h.count == 1:  # nothing crosses hosts: the plain sum
