@@ -110,6 +110,8 @@ GOOD = "\t".join(["1", *["3"] * 13, *["68fd1e64"] * 26])
         (GOOD + "\textra", r"bad\.tsv:3: 41 fields"),
         ("2" + GOOD[1:], r"bad\.tsv:3: field 1 \(label\)"),
         (GOOD.replace("68fd1e64", "1234567890", 1), r"bad\.tsv:3: field 15 .* longer than 8"),
+        ("1\t5\t3", r"bad\.tsv:3: 3 fields, none of them a category: a Criteo line holds 40 "),
+        ("\t".join(["0", *["7"] * 13]), r"bad\.tsv:3: 14 fields, none of them a category"),
     ],
 )
 def test_malformed_line_names_file_line_field(tmp_path: Path, bad: str, pattern: str) -> None:
@@ -129,6 +131,15 @@ def test_negative_counts_clamp_and_missing_ids(tmp_path: Path) -> None:
     line = "\t".join(["0", "-5", *[""] * 12, "", *["a"] * 25])
     a = criteo.read(_write(tmp_path, [line]), SIZES)
     assert a.dense[0, 0] == 0.0 and a.cats[0, 0] == 0 and a.cats[0, 1] > 0
+
+
+def test_a_line_that_reaches_its_first_category_is_padded(tmp_path: Path) -> None:
+    short = "\t".join(["1", *["7"] * 13, "68fd1e64"])  # 15 fields: 25 empty ones stripped
+    stats = criteo.ParseStats()
+    a = criteo.read(_write(tmp_path, [short]), SIZES, stats=stats)
+    assert stats.padded == 1 and a.cats[0, 0] > 0 and not a.cats[0, 1:].any()
+    unlabeled = criteo.read(_write(tmp_path, [short[2:]]), SIZES, labeled=False)
+    np.testing.assert_array_equal(unlabeled.cats, a.cats)
 
 
 def test_preprocess_then_load_matches_read(tmp_path: Path, criteo_ragged: Path) -> None:

@@ -9,7 +9,8 @@ Conventions (as in facebookresearch/dlrm and MLPerf):
 - a missing count is 0, a negative count is clamped to 0, dense = log(1 + x);
 - a categorical hex string is hashed into its table's size; id 0 of every table is
   reserved for "missing", so a present value maps to ``1 + h % (size - 1)``;
-- lines whose trailing empty fields were stripped are padded, never rejected;
+- lines whose trailing empty fields were stripped are padded, never rejected, as long as
+  they reach the first category (a shorter line is no Criteo sample);
 - anything else that does not parse raises :class:`CriteoFormatError` naming the file,
   the line and the field, unless ``skip_bad_lines`` is set, in which case the line is
   counted and reported.
@@ -131,8 +132,14 @@ def parse_line(
         raise CriteoFormatError(f"{where}: {given} fields, expected at most {width}{hint}")
     padded = given < width
     if padded:
-        if given < first + N_DENSE and line.strip() == "":
+        if line.strip() == "":
             raise CriteoFormatError(f"{where}: empty line")
+        if given <= first + N_DENSE:  # not one category: no Criteo sample, a file of another kind
+            raise CriteoFormatError(
+                f"{where}: {given} fields, none of them a category: a Criteo line holds "
+                f"{width} ({'label, ' if labeled else ''}13 counts, 26 categories), at least "
+                f"{first + N_DENSE + 1} where its trailing empty fields were stripped"
+            )
         fields = fields + [""] * (width - len(fields))
     lab = fields[0] if labeled else "nan"
     test_layout = " (an unlabeled line, Criteo's test layout? `recsz predict` scores those)"
