@@ -136,9 +136,9 @@ def parse_line(
             raise CriteoFormatError(f"{where}: empty line")
         if given <= first + N_DENSE:  # not one category: no Criteo sample, a file of another kind
             raise CriteoFormatError(
-                f"{where}: {given} fields, none of them a category: a Criteo line holds "
-                f"{width} ({'label, ' if labeled else ''}13 counts, 26 categories), at least "
-                f"{first + N_DENSE + 1} where its trailing empty fields were stripped"
+                f"{where}: {given} field{'s' * (given > 1)}, none of them a category: a Criteo "
+                f"line holds {width} ({'label, ' if labeled else ''}13 counts, 26 categories), "
+                f"at least {first + N_DENSE + 1} where its trailing empty fields were stripped"
             )
         fields = fields + [""] * (width - len(fields))
     lab = fields[0] if labeled else "nan"
