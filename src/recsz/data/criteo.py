@@ -134,12 +134,6 @@ def parse_line(
     if padded:
         if line.strip() == "":
             raise CriteoFormatError(f"{where}: empty line")
-        if given <= first + N_DENSE:  # not one category: no Criteo sample, a file of another kind
-            raise CriteoFormatError(
-                f"{where}: {given} field{'s' * (given > 1)}, none of them a category: a Criteo "
-                f"line holds {width} ({'label, ' if labeled else ''}13 counts, 26 categories), "
-                f"at least {first + N_DENSE + 1} where its trailing empty fields were stripped"
-            )
         fields = fields + [""] * (width - len(fields))
     lab = fields[0] if labeled else "nan"
     test_layout = " (an unlabeled line, Criteo's test layout? `recsz predict` scores those)"
@@ -153,6 +147,12 @@ def parse_line(
         if labeled and given == width - 1:  # one field short of a labeled line
             raise CriteoFormatError(f"{e}{test_layout}") from None
         raise
+    if given <= first + N_DENSE:  # not one category: no Criteo sample, a file of another kind
+        raise CriteoFormatError(
+            f"{where}: {given} field{'s' * (given > 1)}, none of them a category: a Criteo line "
+            f"holds {width} ({'label, ' if labeled else ''}13 counts, 26 categories), at least "
+            f"{first + N_DENSE + 1} where its trailing empty fields were stripped"
+        )
     return float(lab), dense, ids, padded
 
 
