@@ -47,6 +47,7 @@ NUMBERS = {
     "dcn_rank": ["4"],
     "fwd_eb": ["1e-6", "0.5"],
     "target_auc": ["0.5"],
+    "patience": ["0", "1"],
     "emb_dim": ["8", "16"],
     "bottom_mlp": ["32-16"],
     "top_mlp": ["8-1"],

@@ -427,6 +427,52 @@ def test_a_run_stops_at_its_target_auc_and_resuming_it_does_nothing(tmp_path: Pa
         parse_train_args(["--target-auc", "0.8"])
 
 
+def test_patience_stops_a_run_whose_auc_stopped_rising_and_keeps_its_best(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """--patience 2: the second evaluation in a row that does not beat the best ends the run
+    there (summary, checkpoint); the checkpoint evaluated best stays beside the newest
+    (--keep-checkpoints 1) and the summary names it; resuming does nothing, unless the
+    patience is raised (the evaluations before are counted from the log)."""
+    import recsz.train as train
+
+    scripted = {10: 0.70, 20: 0.72, 30: 0.71, 40: 0.715, 50: 0.70, 60: 0.73}
+    real = train.evaluate
+
+    def evaluate(*a, **kw):  # the real evaluation, its AUC the script's
+        ev = real(*a, **kw)
+        return ev | {"auc": scripted[a[3]]}
+
+    monkeypatch.setattr(train, "evaluate", evaluate)
+    out = tmp_path / "run"
+    argv = ["--steps", "60", "--batch-size", "32", "--eval-every", "10", "--patience", "2",
+            "--synthetic-eval", "256", "--no-progress", "--checkpoint-every", "10",
+            "--keep-checkpoints", "1", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stopped_early_at"] == 40 == s["steps"] and s["auc"] == 0.715
+    assert s["reached_target_at"] is None
+    best = str(out / "checkpoints" / "step-000000020")
+    assert s["best_checkpoint"] == {"step": 20, "auc": 0.72, "path": best}
+    assert [p.name for p in checkpoint.complete(out)] == ["step-000000020", "step-000000040"]
+    assert main([*argv, "--resume", str(out)]) == 0  # its patience spent: nothing to do
+    assert json.loads((out / "summary.json").read_text()) == s
+    assert main([*argv, "--patience", "3", "--resume", str(out)]) == 0  # goes on to 50
+    s = json.loads((out / "summary.json").read_text())
+    assert s["stopped_early_at"] == 50 == s["steps"] and s["best_checkpoint"]["step"] == 20
+    assert [p.name for p in checkpoint.complete(out)] == ["step-000000020", "step-000000050"]
+    rows = [json.loads(r) for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval_auc"]) for r in rows if "eval_auc" in r] == [
+        (k, scripted[k]) for k in (10, 20, 30, 40, 50)
+    ]
+    assert main([*argv, "--patience", "0", "--resume", str(out)]) == 0  # none: to the end
+    s = json.loads((out / "summary.json").read_text())  # its final evaluation, the best
+    assert s["stopped_early_at"] is None and s["steps"] == 60
+    assert s["best_checkpoint"] == {"step": 60, "auc": 0.73, "path": best[:-2] + "60"}
+    with pytest.raises(ValueError, match="--patience is checked at each evaluation"):
+        parse_train_args(["--patience", "2"])
+
+
 def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None:
     """The final evaluation is an evaluation too: where it meets --target-auc the summary
     says so (the step, the time to it), its row logged once (before, neither was said)."""

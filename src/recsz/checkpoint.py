@@ -44,7 +44,7 @@ MAY_CHANGE = {
     "dist_timeout",
     "prefetch", "compile", "cuda_graph", "device", "dense_dtype", "host_memory",
     "mlp_init",  # the checkpoint's weights replace the start
-    "target_auc",  # when to stop, not what trains
+    "target_auc", "patience",  # when to stop, not what trains
     "inject_failure",  # where a test fails a rank, not what trains
     "profile", "profile_from",  # what is measured, not what trains
     "column_shards",  # the tables resharded into the new layout (_restore_resharded)

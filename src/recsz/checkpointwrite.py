@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from recsz import hostmemory
+from recsz import hostmemory, report
 from recsz.checkpoint import DIGEST, complete, digest, fingerprint, record_digest, snapshot
 from recsz.diskroom import NO_ROOM, free, no_room
 
@@ -213,13 +213,32 @@ class Saver:
             write.thread.join()
 
 
+def best_checkpoint(run_dir: Path, also: dict[int, float] | None = None) -> dict[str, Any] | None:
+    """The complete checkpoint whose step's held-out evaluation scored the highest AUC
+    (the run's log, and ``also``: steps' AUCs not logged yet; the earliest of equals), as
+    its step, AUC and path; None where no checkpoint was evaluated."""
+    aucs = dict(report.logged_aucs(run_dir)) | (also or {})
+    best = report.Best.of([(s, aucs[s]) for p in complete(run_dir) if (s := step_of(p)) in aucs])
+    if best.step is None:
+        return None
+    path = run_dir / "checkpoints" / f"step-{best.step:09d}"
+    return {"step": best.step, "auc": best.auc, "path": str(path)}
+
+
+def step_of(d: Path) -> int:
+    """The step of checkpoint directory ``d`` (``step-N``)."""
+    return int(d.name.removeprefix("step-"))
+
+
 def prune(base: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints (0: all); drop incomplete ones older
-    than the newest complete one."""
+    """Keep the newest ``keep`` complete checkpoints (0: all) and the one evaluated best
+    (:func:`best_checkpoint`); drop incomplete ones older than the newest complete one."""
     done = complete(base.parent)
     if not done:
         return
     drop = done[:-keep] if keep else []
+    if drop and (best := best_checkpoint(base.parent)) is not None:
+        drop = [p for p in drop if str(p) != best["path"]]
     drop += [p for p in base.iterdir() if p.is_dir() and p not in done and p.name < done[-1].name]
     for p in drop:
         shutil.rmtree(p, ignore_errors=True)

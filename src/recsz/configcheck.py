@@ -40,8 +40,9 @@ def refused(cfg: TrainConfig) -> None:
         raise ValueError(f"{', '.join(asked)}: for --data from a file (the generator has no "
                          "rows to hold out or order)")  # fmt: skip
     cfg.lr_schedule()  # its steps in order
-    if cfg.target_auc is not None and not cfg.eval_every:
-        raise ValueError("--target-auc is checked at each evaluation: give --eval-every N")
+    for flag, on in (("--target-auc", cfg.target_auc is not None), ("--patience", cfg.patience)):
+        if on and not cfg.eval_every:
+            raise ValueError(f"{flag} is checked at each evaluation: give --eval-every N")
     spec = cfg.fiited_spec()
     if spec is not None:
         spec.chunks_of(model.emb_dim)  # before any rank starts

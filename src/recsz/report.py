@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -197,8 +198,18 @@ def format_summary(s: dict[str, Any]) -> str:
             f"  a2a time       fwd {s['a2a_fwd_s']:.2f} s, bwd {s['a2a_bwd_s']:.2f} s, "
             f"codec {s['codec_s']:.2f} s, all-reduce {s['allreduce_s']:.2f} s",
             *_trials(s.get("compress")),
+            *_best(s.get("best_checkpoint"), s.get("stopped_early_at")),
         ]
     )
+
+
+def _best(best: dict[str, Any] | None, early: int | None) -> list[str]:
+    """Where ``--patience`` stopped the run, and the kept checkpoint evaluated best."""
+    lines = [f"  stopped early  at step {early} (--patience)"] if early is not None else []
+    if best:
+        lines.append(f"  best kept      step {best['step']} (AUC {best['auc']:.4f}): "
+                     f"{best['path']}")  # fmt: skip
+    return lines
 
 
 def one_class(s: dict[str, Any]) -> str:
@@ -246,6 +257,36 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             raise ValueError(f"{path}, line {i}: not a JSON object")
         rows.append(row)
     return rows
+
+
+def logged_aucs(out: Path) -> list[tuple[int, float]]:
+    """(step, AUC) of each evaluation row in ``out``'s metrics.jsonl, in its order."""
+    path = out / "metrics.jsonl"
+    rows = read_metrics(path) if path.exists() else []
+    return [(int(r["step"]), float(r["eval_auc"])) for r in rows if "eval_auc" in r]
+
+
+@dataclass
+class Best:
+    """The best held-out AUC so far, the step it was evaluated at, and the evaluations
+    since that did not beat it (``--patience``); a NaN AUC beats nothing."""
+
+    step: int | None = None
+    auc: float = -math.inf
+    since: int = 0
+
+    def seen(self, step: int, auc: float) -> None:
+        if auc > self.auc:
+            self.step, self.auc, self.since = step, auc, 0
+        else:
+            self.since += 1
+
+    @classmethod
+    def of(cls, evals: list[tuple[int, float]]) -> Best:
+        best = cls()
+        for step, auc in evals:
+            best.seen(step, auc)
+        return best
 
 
 def logged_eval(out: Path, step: int) -> dict[str, Any] | None:

@@ -185,6 +185,13 @@ class ModelOptions:
         gt=0,
         le=1,
     )
+    patience: int = opt(
+        0,
+        "stop once this many evaluations in a row (--eval-every) have not raised the best "
+        "held-out AUC, as early stopping does (0: never); the summary names the kept "
+        "checkpoint whose evaluation scored best",
+        ge=0,
+    )
     eval_batch_size: int = opt(4096, "evaluation batch (rounded up to ranks' multiple)", ge=1)
     synthetic_eval: int = opt(20_000, "samples in the synthetic evaluation set", ge=1)
     eval_fraction: float | None = opt(

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from recsz import checkpoint, console, profiling, report
-from recsz.checkpointwrite import Saver
+from recsz.checkpointwrite import Saver, best_checkpoint
 from recsz.config import TrainConfig, configured, given_args, resumed_config
 from recsz.configcheck import idle, need_tensorboard
 from recsz.data.prefetch import prefetch
@@ -99,6 +99,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, start if cfg.resume else None,
                          cfg.tensorboard)  # fmt: skip
+        # --patience: the evaluations of the run resumed, as rank 0's log holds them
+        logged = report.logged_aucs(out) if cfg.resume and out and ranks.rank == 0 else []
+        best = report.Best.of(ranks.gather(logged)[0] if cfg.patience and cfg.resume else [])
         if ranks.rank == 0:
             for line in idle(cfg, ranks.world):  # said, not refused: a sweep sets flags for all
                 tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
@@ -155,8 +158,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if ev is None:
                 return None
             eval_s += ev["eval_s"]
+            best.seen(at, ev["auc"])
             if cfg.target_auc is not None and ev["auc"] >= cfg.target_auc:
                 reached, reached_ev = {"step": at, "auc": ev["auc"]}, ev  # every rank's alike
+            elif cfg.patience and best.since >= cfg.patience and at < steps:  # (early stop)
+                reached, reached_ev = {"step": at, "auc": ev["auc"], "patience": best.since}, ev
             return ev
 
         def save(at: int, eval_due: bool) -> None:
@@ -272,6 +278,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         else:
             assert final is not None
             ev = final
+        target = reached is not None and "patience" not in reached
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
@@ -285,9 +292,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "compress": parts.exchange.switch.state(),  # --compress auto's trials
             "eval_s_total": eval_s,
             "target_auc": cfg.target_auc,
-            "reached_target_at": reached["step"] if reached else None,
+            "reached_target_at": reached["step"] if target else None,
             # MLPerf's time to train: training, waiting for batches and evaluating
-            "time_to_target_s": train_s + data_s + eval_s if reached else None,
+            "time_to_target_s": train_s + data_s + eval_s if target else None,
+            "stopped_early_at": reached["step"] if reached and not target else None,
+            # the kept checkpoint evaluated best (the final evaluation's row: logged below)
+            "best_checkpoint": best_checkpoint(out, {steps: ev["auc"]} if final else None)
+            if out and ranks.rank == 0
+            else None,
             **totals,
             "per_table": per_table,
             # This rank's pace after its first WARM_STEPS steps (the ranks keep in step).
