@@ -782,6 +782,23 @@ def test_bench_mlpinit_trains_both_starts_and_pairs_them_by_seed(tmp_path: Path)
     assert "| s | 0.7067 | 0.7333 | +0.0267 | 2 of 3 |" in bench.table(made)
 
 
+def test_bench_patience_keeps_the_best_checkpoint_it_reports(tmp_path: Path) -> None:
+    """bench_patience.py in miniature, on the real sample: each way's best checkpoint
+    scored again gives the AUC its evaluation logged; the patience run trains no more."""
+    data = ROOT.parent / "shared" / "data" / "criteo_kaggle_head10k.tsv"
+    if not data.exists():
+        pytest.skip("the real Criteo sample (../shared/data) is not here")
+    out = tmp_path / "patience.json"
+    argv = ["--data", str(data), "--steps", "20", "--eval-every", "10", "--patience", "1",
+            "--seeds", "1", "--json-out", str(out)]  # fmt: skip
+    assert _bench("bench_patience").main(argv) == 0
+    full, early = json.loads(out.read_text())
+    assert (full["way"], early["way"]) == ("full", "patience") and full["steps"] == 20
+    assert early["steps"] <= 20 and early["best_step"] <= early["steps"]
+    for r in (full, early):
+        assert r["best_reevaluated"] == pytest.approx(r["best_auc"], abs=1e-6)
+
+
 def test_bench_columns_plans_spread_the_large_tables(tmp_path: Path) -> None:
     """The plan part alone (arithmetic): at 64 ranks, 4 column shards leave no rank idle
     and hold a quarter of the whole tables' most a rank; the table is written."""

@@ -100,8 +100,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         log = report.Log(out if ranks.rank == 0 else None, start if cfg.resume else None,
                          cfg.tensorboard)  # fmt: skip
         # --patience: the evaluations of the run resumed, as rank 0's log holds them
-        logged = report.logged_aucs(out) if cfg.resume and out and ranks.rank == 0 else []
-        best = report.Best.of(ranks.gather(logged)[0] if cfg.patience and cfg.resume else [])
+        evals = report.logged_aucs(out) if cfg.resume and out and ranks.rank == 0 else []
+        best = report.Best.of(ranks.gather(evals)[0] if cfg.patience and cfg.resume else [])
         if ranks.rank == 0:
             for line in idle(cfg, ranks.world):  # said, not refused: a sweep sets flags for all
                 tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
@@ -278,7 +278,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         else:
             assert final is not None
             ev = final
-        target = reached is not None and "patience" not in reached
+        ended, early = (reached["step"], "patience" in reached) if reached else (None, False)
         recs = gathered()
         totals = report.summarize(recs, steps, bsz)  # the counters span the whole run
         totals.pop("loss", None)
@@ -292,12 +292,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             "compress": parts.exchange.switch.state(),  # --compress auto's trials
             "eval_s_total": eval_s,
             "target_auc": cfg.target_auc,
-            "reached_target_at": reached["step"] if target else None,
+            "reached_target_at": None if early else ended,
             # MLPerf's time to train: training, waiting for batches and evaluating
-            "time_to_target_s": train_s + data_s + eval_s if target else None,
-            "stopped_early_at": reached["step"] if reached and not target else None,
+            "time_to_target_s": None if early or ended is None else train_s + data_s + eval_s,
+            "stopped_early_at": ended if early else None,
             # the kept checkpoint evaluated best (the final evaluation's row: logged below)
-            "best_checkpoint": best_checkpoint(out, {steps: ev["auc"]} if final else None)
+            "best_checkpoint": best_checkpoint(out, {steps: final["auc"]} if final else None)
             if out and ranks.rank == 0
             else None,
             **totals,
