@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
                   "going on from it (another --out starts afresh)", flush=True)  # fmt: skip
         given = {k: v for k, v in given.items() if k != "config"} | {"resume": cfg.out}
         cfg = resumed_config(given, found[1]["config"])
-    if cfg.tensorboard:  # the package is needed where a run writes a board, not to read one
-        need_tensorboard()
+    if cfg.tensorboard and (cfg.out or cfg.resume):  # where a run writes a board: not to
+        need_tensorboard()  # read one, nor where the flag is idle (no run directory: said)
     if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
         # this host's ranks' tables, refused here where they cannot fit (each rank checks too)
         refuse_tables_that_cannot_fit(cfg, table_owners(cfg, cfg.nproc), Ranks(0, cfg.nproc))
