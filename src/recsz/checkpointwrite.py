@@ -218,14 +218,14 @@ def best_checkpoint(run_dir: Path, also: dict[int, float] | None = None) -> dict
     (the run's log, and ``also``: steps' AUCs not logged yet; the earliest of equals), as
     its step, AUC and path; None where no checkpoint was evaluated."""
     aucs = dict(report.logged_aucs(run_dir)) | (also or {})
-    best = report.Best.of([(s, aucs[s]) for p in complete(run_dir) if (s := step_of(p)) in aucs])
+    best = report.Best.of([(s, aucs[s]) for p in complete(run_dir) if (s := _step_of(p)) in aucs])
     if best.step is None:
         return None
     path = run_dir / "checkpoints" / f"step-{best.step:09d}"
     return {"step": best.step, "auc": best.auc, "path": str(path)}
 
 
-def step_of(d: Path) -> int:
+def _step_of(d: Path) -> int:
     """The step of checkpoint directory ``d`` (``step-N``)."""
     return int(d.name.removeprefix("step-"))
 

@@ -131,11 +131,12 @@ class Held:
 
 def where_resumed(
     cfg: TrainConfig, ranks: Ranks, steps: int, start: int, counters: dict[str, Any], out: Path
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, report.Best]:
     """A run resumed at ``start`` of ``steps`` (its ``counters``, updated here): whether it
     evaluates ``start`` first (its checkpoint written before an evaluation due there, whose
-    row the log lacks: cut short), and whether it already finished (its target met, its
-    --patience spent, or every step trained and summarized), each said by rank 0."""
+    row the log lacks: cut short), whether it already finished (its target met, its
+    --patience spent, or every step trained and summarized), each said by rank 0, and with
+    --patience its evaluations up to ``start`` (rank 0's log; none without)."""
     if steps < start:
         raise ValueError(f"--steps {steps} is below the step of the checkpoint resumed ({start})")
     hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
@@ -149,22 +150,22 @@ def where_resumed(
             hit = {"step": start, "auc": got["eval_auc"]}
     met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
     summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
-    best = None  # --patience: the evaluations up to this step, as the run saw them
-    if cfg.patience and not met:
+    best = report.Best()  # --patience: the evaluations up to this step, as the run saw them
+    if cfg.patience:
         seen = report.logged_aucs(out) if ranks.rank == 0 else None
         best = report.Best.of([(s, auc) for s, auc in ranks.gather(seen)[0] if s <= start])
-    tired = best is not None and best.since >= cfg.patience
+    tired = bool(cfg.patience) and best.since >= cfg.patience
     if met or tired or (steps == start and summarized):
         why = f"AUC {hit['auc']:.5f} at step {start}" if met and hit else f"its {steps} steps"
-        if tired and best is not None:
+        if tired and not met:
             why = f"no better AUC than step {best.step}'s in the {best.since} evaluations after"
         if ranks.rank == 0:
             print(f"recsz: {cfg.resume} already finished ({why}); nothing to do", flush=True)
-        return first, True
+        return first, True, best
     if ranks.rank == 0 and steps == start:  # no steps left: the evaluation, the summary
         print(f"recsz: {cfg.resume} trained its {steps} steps but has no summary (its final "
               "evaluation cut short?): evaluating it now", flush=True)  # fmt: skip
     elif ranks.rank == 0 and first:
         print(f"recsz: the evaluation due at step {start} did not end before the run "
               "stopped: evaluating it first", flush=True)  # fmt: skip
-    return first, False
+    return first, False, best

@@ -83,6 +83,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         parts, owners = build_parts(cfg, ranks)
         start, counters = 0, dict[str, Any](train_s=0.0, data_s=0.0)
         evaluate_first = False  # resumed where an evaluation was due and did not end
+        best = report.Best()  # the best evaluation so far, and those since (--patience)
         if cfg.init_from and not cfg.resume:  # a warm start: the weights, no more
             started = modelfile.read(cfg.init_from)
             parts.sparse.start_from(started.tables)
@@ -90,7 +91,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if cfg.resume:
             start, counters = checkpoint.load(Path(cfg.resume), parts, cfg, ranks)
             assert out is not None
-            evaluate_first, finished = where_resumed(cfg, ranks, steps, start, counters, out)
+            evaluate_first, finished, best = where_resumed(cfg, ranks, steps, start, counters, out)
             if finished:
                 ok = True
                 return {"steps": start, "already_finished": True}
@@ -99,9 +100,6 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         # Resumed: the metrics rows after the checkpoint are dropped (they are rerun).
         log = report.Log(out if ranks.rank == 0 else None, start if cfg.resume else None,
                          cfg.tensorboard)  # fmt: skip
-        # --patience: the evaluations of the run resumed, as rank 0's log holds them
-        evals = report.logged_aucs(out) if cfg.resume and out and ranks.rank == 0 else []
-        best = report.Best.of(ranks.gather(evals)[0] if cfg.patience and cfg.resume else [])
         if ranks.rank == 0:
             for line in idle(cfg, ranks.world):  # said, not refused: a sweep sets flags for all
                 tqdm.write(f"recsz: warning: {line}", file=sys.stderr)
