@@ -164,8 +164,13 @@ class TTEmbeddingBag(nn.Module):
         )
         if not inside:
             raise ValueError(f"TT table of {self.num_embeddings} rows: id out of range")
-        if self.cache is None and device_path(ids.device):  # no host sync: every id's row
-            rows, inverse = self.rows(ids.reshape(-1)), _positions(ids)
+        if device_path(ids.device):  # no host sync: every id's row (a lookup each)
+            flat, inverse = ids.reshape(-1), _positions(ids)
+            if self.cache is None:
+                rows = self.rows(flat)
+            else:  # (each id a count of one: the cache's tallies and fills alike)
+                flat = flat.contiguous()  # (searched in the cache's ids)
+                rows = self.cache.rows(flat, torch.ones_like(flat), self.rows)
         elif self.cache is None:  # each distinct id's row once (its count read on the host)
             uniq, inverse = torch.unique(ids, return_inverse=True)
             rows = self.rows(uniq)
