@@ -68,8 +68,9 @@ class HotRows(nn.Module):
     def rows(
         self, uniq: torch.Tensor, counts: torch.Tensor, tt_rows: Callable[[torch.Tensor], Any]
     ) -> torch.Tensor:
-        """The rows of the distinct ids ``uniq`` (looked up ``counts`` times each): cached
-        ones from the cache, the rest from ``tt_rows``."""
+        """The rows of the ids ``uniq`` (looked up ``counts`` times each; on a GPU's path
+        every id of the batch, repeats among them, a count of one each): cached ones from
+        the cache, the rest from ``tt_rows``."""
         train = self.optimizer is not None and torch.is_grad_enabled()
         if train:
             if self.calls and self.calls % self.interval == 0:
