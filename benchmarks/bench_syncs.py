@@ -55,6 +55,8 @@ CASES = {  # name -> (argv, distinct ids slice by slice)
     "none, id-aware, TT tables": (["--tt-tables", "3"], False),  # TT-Rec's 3 largest
     "none, id-aware, TT tables, bags": (["--tt-tables", "3", "--multi-hot", "2"], False),
     "none, id-aware, TT tables, caches": (["--tt-tables", "3", "--tt-cache-rows", "64"], False),
+    "none, id-aware, TT tables, caches filled every step": (
+        ["--tt-tables", "3", "--tt-cache-rows", "64", "--tt-cache-interval", "1"], False),
     "hybrid, fixed-size, eb hook": (  # the MLP gradients error-bounded too (--dp-comm eb)
         ["--fwd-codec", "hybrid", "--bwd-codec", "hybrid", "--no-id-dedup", "--no-bwd-coalesce",
          "--dp-comm", "eb"],

@@ -196,7 +196,7 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
         ("--column-shards", "4"),
         ("--tt-tables", "3"),
         ("--tt-tables", "3", "--multi-hot", "2", "--tt-placement", "replicated"),
-        ("--tt-tables", "3", "--tt-cache-rows", "8", "--tt-cache-interval", "100"),
+        ("--tt-tables", "3", "--tt-cache-rows", "8", "--tt-cache-interval", "1"),
     ],
 )
 def test_bags_half_tables_column_shards_and_tt_tables_add_no_host_read(
@@ -206,8 +206,8 @@ def test_bags_half_tables_column_shards_and_tt_tables_add_no_host_read(
     rounding; column shards (their ids gathered on the device); TT-Rec tables, sharded or
     replicated, with bags (the sources' ids unchecked again, every id's row made: 3 reads
     a table before), or with caches (every id a lookup of its own: no distinct ids
-    counted, a read a table before; the steps between fills): no read more than the
-    one-hot float32 step's."""
+    counted, a read a table before; a fill every step, in tensors of fixed shapes: reads
+    before): no read more than the one-hot float32 step's."""
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
     counted = steps_counted("none", ids=ids, steps=5, extra=extra)
     for k, (_, reads, _, where) in enumerate(counted[3:], start=3):

@@ -94,22 +94,30 @@ class HotRows(nn.Module):
 
     @torch.no_grad()
     def _fill(self, tt_rows: Callable[[torch.Tensor], Any]) -> None:
-        ids, inv = torch.unique(torch.cat([i for i, _ in self._seen]), return_inverse=True)
-        counts = torch.zeros_like(ids).index_add_(0, inv, torch.cat([c for _, c in self._seen]))
-        self._seen.clear()
-        top = torch.sort(counts, descending=True, stable=True).indices[: len(self.ids)]
-        new = torch.full_like(self.ids, _EMPTY)
-        new[: len(top)] = ids[top].sort().values
-        slot = torch.searchsorted(self.ids, new).clamp_(max=len(self.ids) - 1)
-        stay = (self.ids[slot] == new) & (new != _EMPTY)
-        weight = torch.zeros_like(self.weight.data)
-        weight[stay] = self.weight.data[slot[stay]]
-        enter = ~stay & (new != _EMPTY)
-        weight[enter] = tt_rows(new[enter]).detach()
+        """The window's most looked-up ids become the cache, in tensors of fixed shapes (no
+        host read: a GPU's path fills without waiting, and a step may be replayed)."""
+        cap = len(self.ids)
+        ids = torch.cat([i for i, _ in self._seen] + [self.ids.new_full((cap,), _EMPTY)])
+        counts = torch.cat([c for _, c in self._seen] + [self.ids.new_zeros(cap)])
+        self._seen.clear()  # (padded with cap lookups of no id, counted zero times)
+        ids, order = torch.sort(ids)
+        head = torch.ones_like(ids, dtype=torch.bool)
+        head[1:] = ids[1:] != ids[:-1]
+        run = torch.cumsum(head, 0) - 1  # each lookup's distinct id, by rank among them
+        total = torch.zeros_like(counts).index_add_(0, run, counts[order])
+        first = torch.full_like(ids, _EMPTY).scatter_(0, run, ids)  # the runs' ids, ascending
+        top = torch.sort(total, descending=True, stable=True).indices[:cap]  # ties: smaller id
+        new = torch.where(total[top] > 0, first[top], _EMPTY).sort().values
+        slot = torch.searchsorted(self.ids, new).clamp_(max=cap - 1)
+        used = new != _EMPTY
+        stay = (self.ids[slot] == new) & used
+        enter = (used & ~stay).unsqueeze(1)
+        tt = tt_rows(torch.where(enter[:, 0], new, 0)).detach().to(self.weight.dtype)
+        kept = torch.where(stay.unsqueeze(1), self.weight.data[slot], 0)
+        weight = torch.where(enter, tt, kept)
         if self.state.numel():
-            state = torch.zeros_like(self.state)
-            state[stay] = self.state[slot[stay]]
-            self.state = state
+            shape = (cap, *[1] * (self.state.dim() - 1))
+            self.state = torch.where(stay.view(shape), self.state[slot], 0)
         self.ids, self.weight.data = new, weight
 
     def get_extra_state(self) -> Any:
