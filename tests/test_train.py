@@ -14,6 +14,7 @@ import pytest
 
 from recsz import checkpoint
 from recsz.config import TrainConfig, parse_train_args
+from recsz.evaluation import chosen
 from recsz.train import main
 
 REQUIRED = {
@@ -454,6 +455,7 @@ def test_patience_stops_a_run_whose_auc_stopped_rising_and_keeps_its_best(
     assert s["reached_target_at"] is None
     best = str(out / "checkpoints" / "step-000000020")
     assert s["best_checkpoint"] == {"step": 20, "auc": 0.72, "path": best}
+    assert chosen(out / "best")[0] == Path(best)  # `recsz evaluate RUN/best` and the rest
     assert [p.name for p in checkpoint.complete(out)] == ["step-000000020", "step-000000040"]
     assert main([*argv, "--resume", str(out)]) == 0  # its patience spent: nothing to do
     assert json.loads((out / "summary.json").read_text()) == s
@@ -469,8 +471,21 @@ def test_patience_stops_a_run_whose_auc_stopped_rising_and_keeps_its_best(
     s = json.loads((out / "summary.json").read_text())  # its final evaluation, the best
     assert s["stopped_early_at"] is None and s["steps"] == 60
     assert s["best_checkpoint"] == {"step": 60, "auc": 0.73, "path": best[:-2] + "60"}
+    assert chosen(out / "best")[1]["step"] == 60
     with pytest.raises(ValueError, match="--patience is checked at each evaluation"):
         parse_train_args(["--patience", "2"])
+
+
+def test_run_best_names_no_checkpoint_where_none_was_evaluated(tmp_path: Path) -> None:
+    """RUN/best of a run whose checkpoints no evaluation scored: an error naming the run,
+    not its newest checkpoint taken for the best."""
+    out = tmp_path / "run"
+    argv = ["--steps", "4", "--batch-size", "32", "--synthetic-eval", "64", "--no-progress",
+            "--checkpoint-every", "2", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (out / "metrics.jsonl").write_text("")  # the final evaluation's row gone
+    with pytest.raises(FileNotFoundError, match=f"{out}/best: no kept checkpoint of {out}"):
+        chosen(out / "best")
 
 
 def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None:

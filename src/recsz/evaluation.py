@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from recsz import checkpoint, console, report
+from recsz.checkpointwrite import best_checkpoint
 from recsz.config import TrainConfig
 from recsz.configcheck import need_tensorboard
 from recsz.data.prefetch import prefetch
@@ -184,7 +185,7 @@ def run_parser(prog: str, description: str, flags: tuple[str, ...]) -> argparse.
     """A command on a run's checkpoint: its ``run``, and ``TrainConfig``'s flags of where it
     runs (:data:`WHERE`) and ``flags``, each defaulting to the run's."""
     p = parser(TrainConfig, prog, description, only=(*WHERE, *flags), otherwise="the run's")
-    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    p.add_argument("run", help=RUN_HELP)
     return p
 
 
@@ -214,8 +215,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: what ``RUN/best`` names: the run's kept checkpoint whose evaluation scored best
+BEST = "best"
+RUN_HELP = (
+    "a run directory (its newest complete checkpoint), one checkpoint of it "
+    f"(RUN/checkpoints/step-N), or RUN/{BEST}: the kept one whose evaluation scored best"
+)
+
+
 def chosen(run: Path) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint ``run`` names (a run: its newest complete one) and its record."""
+    """The checkpoint ``run`` names (a run: its newest complete one; ``RUN/best``: the one
+    :func:`checkpointwrite.best_checkpoint` finds) and its record."""
+    if run.name == BEST and not run.exists() and (run.parent / "checkpoints").is_dir():
+        best = best_checkpoint(run.parent)
+        if best is None:
+            raise FileNotFoundError(
+                f"{run}: no kept checkpoint of {run.parent} was evaluated (a run keeps one's "
+                "AUC where --eval-every and --checkpoint-every meet, and at its last step)"
+            )
+        run = Path(best["path"])
     found = checkpoint.record(run)
     if found is None:
         raise FileNotFoundError(checkpoint.nothing_kept(run))

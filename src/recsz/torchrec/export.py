@@ -155,12 +155,14 @@ def _module(shape: dict[str, Any], device: torch.device) -> nn.Module:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from recsz.evaluation import RUN_HELP
+
     p = argparse.ArgumentParser(
         prog="recsz export",
         description="Write a run's model (its newest complete checkpoint, or the one named) "
         "as TorchRec's DLRM: load it with recsz.torchrec.load_dlrm(FILE).",
     )
-    p.add_argument("run", help="a run directory, or one checkpoint of it: RUN/checkpoints/step-N")
+    p.add_argument("run", help=RUN_HELP)
     p.add_argument("--out", required=True, help="the file to write (torch.save)")
     return p
 
