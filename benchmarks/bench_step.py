@@ -13,7 +13,10 @@ speed and accuracy against the reference DLRM's published settings.
     float32 and in bfloat16 (``--dense-dtype bf16``), and on MLPerf's multi-hot bags
     (``--multi-hot mlperf --emb-lr 0.01``), side by side; freed host memory kept as the
     trainer keeps it; the steps timed once more without the profiler.
-Prints both tables and writes JSON.
+(c) One process, codec ``none``, the step with the trainer's traffic (fixed-size: nothing
+    leaves a lone rank) against id-aware traffic (what it took before the fifty-eighth
+    session), alternated: ``tiny`` at batch 32 and 2048, ``bench`` at 2048.
+Prints the tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -95,10 +98,38 @@ def stages(steps: int, dense_dtype: str = "fp32", flags: tuple[str, ...] = ()) -
     return out
 
 
+def lone_rank(preset: str, bsz: int, reps: int, steps: int = 6) -> dict[str, list[float]]:
+    """Milliseconds a step of one process with ``none`` both ways: the trainer's traffic
+    (fixed-size: nothing leaves a lone rank, since the fifty-eighth session) against the
+    id-aware traffic it took before (the same parts, their exchange switched back),
+    alternated ``reps`` times, each over ``steps`` steps after 2."""
+    cfg = parse_train_args(["--preset", preset, "--prefetch", "0", "--batch-size", str(bsz)])
+    ranks = Ranks.from_env(60.0, "cpu")
+    ways = {"fixed-size": build_parts(cfg, ranks)[0], "id-aware": build_parts(cfg, ranks)[0]}
+    ex = ways["id-aware"].exchange
+    assert not ex.id_dedup, "a lone rank's `none` takes fixed-size traffic"
+    ex.id_dedup = ex.coalesce = True  # (as build_parts made it before)
+    ex.sparse_grad = ways["id-aware"].sparse.takes_sparse_grad
+    src = make_source("synthetic", get_preset(preset).model.table_sizes, 0)
+    batches = [src.train_batch(s, bsz) for s in range(steps + 2)]
+    ms: dict[str, list[float]] = {w: [] for w in ways}
+    for _ in range(reps):
+        for way, parts in ways.items():
+            for s in range(2):
+                train_step(parts, batches[s], s, ranks)
+            t = time.perf_counter()
+            for s in range(2, steps + 2):
+                train_step(parts, batches[s], s, ranks)
+            ms[way].append((time.perf_counter() - t) / steps * 1e3)
+    ranks.close(True)
+    return ms
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json-out", default="bench_out/step.json")
     ap.add_argument("--steps", type=int, default=10, help="profiled steps of (b)")
+    ap.add_argument("--reps", type=int, default=5, help="alternations of (c)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # as each rank of a torchrun job here
     keep_freed_memory()  # as the trainer does (--host-memory keep)
@@ -129,6 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     for k in st:
         cells = [f"{d[k]:.1f} | {d[k] / d['step (profiled)']:.0%}" for d in (st, bf, mh)]
         print(f"| {k} | {' | '.join(cells)} |")
+    print("\n(c) one process, codec none: ms a step, fixed-size traffic (the trainer's now) "
+          "against id-aware (before), alternated")  # fmt: skip
+    print("| preset, batch | fixed-size | id-aware | id-aware / fixed |\n|---|---|---|---|")
+    result["lone_rank_ms"] = []
+    for preset, bsz in (("tiny", 32), ("tiny", 2048), ("bench", 2048)):
+        ms = lone_rank(preset, bsz, a.reps)
+        fixed, ids = statistics.median(ms["fixed-size"]), statistics.median(ms["id-aware"])
+        result["lone_rank_ms"].append({"preset": preset, "batch": bsz, **ms})
+        print(f"| {preset}, {bsz} | {fixed:.2f} | {ids:.2f} | {ids / fixed:.2f}x |")
     out = Path(a.json_out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -187,6 +187,24 @@ def test_an_evaluation_reads_the_host_once_not_once_a_batch(
     assert two <= 2 + 2 * per_batch, where
 
 
+def test_a_lone_rank_without_a_codec_reads_nothing_but_for_bags(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One process, ``none`` both ways: nothing leaves the rank, so its default id-aware
+    traffic is off (it read the distinct ids' count a step); bags keep it (their update
+    reads its sparse gradient), and so does a codec that codes."""
+    monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
+    for codec, extra, expected in [
+        ("none", (), 0),
+        ("none", ("--multi-hot", "2"), 1),
+        ("fp16", (), 1),
+    ]:
+        parts = trainer_parts(codec, "cpu", ids=True, extra=extra)[0]
+        assert parts.exchange.id_dedup == parts.exchange.coalesce == bool(expected)
+        counted = steps_counted(codec, ids=True, steps=4, extra=extra)
+        assert [reads for _, reads, _, _ in counted[2:]] == [expected] * 2, (codec, extra)
+
+
 @pytest.mark.parametrize(("ids", "expected"), [(False, 0), (True, 1)])
 @pytest.mark.parametrize(
     "extra",
@@ -207,9 +225,10 @@ def test_bags_half_tables_column_shards_and_tt_tables_add_no_host_read(
     replicated, with bags (the sources' ids unchecked again, every id's row made: 3 reads
     a table before), or with caches (every id a lookup of its own: no distinct ids
     counted, a read a table before; a fill every step, in tensors of fixed shapes: reads
-    before): no read more than the one-hot float32 step's."""
+    before): no read more than the one-hot float32 step's (id-aware: through `fp16`)."""
     monkeypatch.setenv(DEVICE_PATH_ON_CPU, "1")
-    counted = steps_counted("none", ids=ids, steps=5, extra=extra)
+    codec = "fp16" if ids else "none"  # (a lone rank's `none` sends no distinct ids)
+    counted = steps_counted(codec, ids=ids, steps=5, extra=extra)
     for k, (_, reads, _, where) in enumerate(counted[3:], start=3):
         assert reads == expected, f"step {k}: {where}"
 

@@ -249,14 +249,18 @@ def build_parts(cfg: TrainConfig, ranks: Ranks, train: bool = True) -> tuple[Par
     # --compress-scope: the blocks for ranks of this host may go plain on every step
     host = frozenset(host_of(hosts, ranks.rank))
     near = host if plain_within_host(cfg.compress_scope, len(hosts)) else frozenset()
+    # A lone rank whose codecs code nothing sends nothing anywhere: id-aware traffic would
+    # only sort its ids (on a GPU a host read a step). Bags keep it: their update reads
+    # its sparse gradient (fewer bags to expand).
+    alone = ranks.world == 1 and fwd.codec.identity and bwd.codec.identity and hot is None
     exchange = EmbeddingExchange(
         plan,
         ranks.rank,
         fwd,
         bwd,
         check_bounds=cfg.check_bounds,
-        id_dedup=cfg.id_dedup,
-        coalesce=cfg.bwd_coalesce,
+        id_dedup=cfg.id_dedup and not alone,
+        coalesce=cfg.bwd_coalesce and not alone,
         sparse_grad=sparse.takes_sparse_grad,
         plain=plain if cfg.compress == "auto" or near else None,
         switch=switch,
