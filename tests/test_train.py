@@ -497,11 +497,19 @@ def test_a_target_met_by_the_final_evaluation_is_reached(tmp_path: Path) -> None
     assert main(argv) == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["reached_target_at"] == 4 == s["steps"]  # (the first evaluation: mid-run)
-    assert main([*argv, "--eval-every", "6", "--out", str(tmp_path / "final")]) == 0
+    keep = ["--checkpoint-every", "6"]  # (kept to resume below)
+    assert main([*argv, "--eval-every", "6", *keep, "--out", str(tmp_path / "final")]) == 0
     s = json.loads((tmp_path / "final" / "summary.json").read_text())
     assert s["reached_target_at"] == 6 == s["steps"] and s["time_to_target_s"] > 0
     rows = [json.loads(r) for r in (tmp_path / "final" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_auc" in r] == [6]
+    # Resumed for more steps, it has met its target at 6, where a run of more steps stopped:
+    # nothing to do (it trained on to the new --steps before; hypothesis found it).
+    final = tmp_path / "final"
+    more = ["--eval-every", "6", *keep, "--steps", "12", "--resume", str(final)]
+    assert main([*argv[:-2], *more]) == 0
+    again = json.loads((final / "summary.json").read_text())
+    assert again["steps"] == 6 and again == s
 
 
 def test_a_launched_jobs_failure_names_its_cause(tmp_path: Path) -> None:

@@ -141,13 +141,15 @@ def where_resumed(
         raise ValueError(f"--steps {steps} is below the step of the checkpoint resumed ({start})")
     hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
     due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
-    first = False
-    if counters.get("eval_due") and due:  # saved before its step's evaluation
+    first, cut = False, bool(counters.get("eval_due")) and due  # saved before its evaluation
+    got = None  # the log's evaluation of ``start``: where a target may have been met (also
+    if cut or (cfg.target_auc is not None and hit is None):  # by a final one, after saving)
         got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
+    if cut:
         first = got is None  # cut short (a stop, a kill) before its row
         counters["eval_s"] = counters.get("eval_s", 0.0) + (got or {}).get("eval_s", 0.0)
-        if got and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
-            hit = {"step": start, "auc": got["eval_auc"]}
+    if got and hit is None and cfg.target_auc is not None and got["eval_auc"] >= cfg.target_auc:
+        hit = {"step": start, "auc": got["eval_auc"]}
     met = hit is not None and cfg.target_auc is not None and hit["auc"] >= cfg.target_auc
     summarized = (out / "summary.json").exists()  # (a final evaluation cut short: not)
     best = report.Best()  # --patience: the evaluations up to this step, as the run saw them
