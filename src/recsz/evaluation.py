@@ -181,6 +181,14 @@ _WHAT = ("eval_data", "synthetic_eval", "eval_batch_size", "skip_bad_lines", "pr
 _OUTPUTS = ("json", "predictions")
 
 
+#: what ``RUN/best`` names: the run's kept checkpoint whose evaluation scored best
+BEST = "best"
+RUN_HELP = (
+    "a run directory (its newest complete checkpoint), one checkpoint of it "
+    f"(RUN/checkpoints/step-N), or RUN/{BEST}: the kept one whose evaluation scored best"
+)
+
+
 def run_parser(prog: str, description: str, flags: tuple[str, ...]) -> argparse.ArgumentParser:
     """A command on a run's checkpoint: its ``run``, and ``TrainConfig``'s flags of where it
     runs (:data:`WHERE`) and ``flags``, each defaulting to the run's."""
@@ -213,14 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
         "file (N rows of 2 float32)",
     )
     return p
-
-
-#: what ``RUN/best`` names: the run's kept checkpoint whose evaluation scored best
-BEST = "best"
-RUN_HELP = (
-    "a run directory (its newest complete checkpoint), one checkpoint of it "
-    f"(RUN/checkpoints/step-N), or RUN/{BEST}: the kept one whose evaluation scored best"
-)
 
 
 def chosen(run: Path) -> tuple[Path, dict[str, Any]]:

@@ -142,8 +142,10 @@ def where_resumed(
     hit: dict[str, Any] | None = counters.get("target_reached")  # where it stopped
     due = bool(cfg.eval_every) and start % cfg.eval_every == 0 and start != steps
     first, cut = False, bool(counters.get("eval_due")) and due  # saved before its evaluation
-    got = None  # the log's evaluation of ``start``: where a target may have been met (also
-    if cut or (cfg.target_auc is not None and hit is None):  # by a final one, after saving)
+    # The log's evaluation of ``start``: whether it was cut short, and whether it met the
+    # target (a final evaluation meets it after its step's checkpoint is saved).
+    got = None
+    if cut or (cfg.target_auc is not None and hit is None):
         got = ranks.gather(report.logged_eval(out, start) if ranks.rank == 0 else None)[0]
     if cut:
         first = got is None  # cut short (a stop, a kill) before its row
